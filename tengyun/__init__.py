@@ -1,0 +1,19 @@
+"""Tengyun: LLM inference and serving for Qwen-family models."""
+
+from tengyun.config import EngineConfig
+from tengyun.outputs import CompletionOutput, RequestOutput
+from tengyun.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # LLM pulls in torch; import it lazily so `import tengyun` stays light.
+    if name == "LLM":
+        from tengyun.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]

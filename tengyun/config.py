@@ -1,0 +1,196 @@
+"""EngineConfig: every engine setting, under vLLM's names, validated and frozen by finalize()."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
+SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "npu")
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+KVCACHE_SPACE_ENV = "TENGYUN_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
+DEFAULT_CPU_KVCACHE_GIB = 4
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+               "t": 1e12, "tb": 1e12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+               "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: int | str, name: str) -> int:
+    """'4GiB' -> 4294967296, '512MB' -> 512000000, 1024 -> 1024."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{name} must be a byte count such as 4GiB or 512MiB, got {value!r}.")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | str | None = None  # bytes of KV cache on CPU; env TENGYUN_CPU_KVCACHE_SPACE (GiB)
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+    device: str = "auto"
+    served_model_name: str | None = None
+
+    # Resolved by finalize(); read-only afterwards.
+    model_path: Path | None = field(default=None, init=False)
+    tokenizer_path: Path | None = field(default=None, init=False)
+    hf_config: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    device_type: str = field(default="", init=False)
+    _frozen: bool = field(default=False, init=False, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"EngineConfig is frozen after finalize(); cannot set {name}.")
+        object.__setattr__(self, name, value)
+
+    def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
+        self.kv_cache_dtype = DTYPE_ALIASES.get(str(self.kv_cache_dtype), str(self.kv_cache_dtype))
+        self._validate_values()
+
+    # ----- validation of values the user typed ------------------------------------------
+    def _validate_values(self) -> None:
+        def choice(flag: str, value: Any, allowed: tuple[str, ...]) -> None:
+            if value not in allowed:
+                raise ValueError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}.")
+
+        choice("dtype", self.dtype, SUPPORTED_DTYPES)
+        choice("kv-cache-dtype", self.kv_cache_dtype, SUPPORTED_KV_DTYPES)
+        choice("load-format", self.load_format, SUPPORTED_LOAD_FORMATS)
+        choice("device", self.device, SUPPORTED_DEVICES)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"--block-size must be a power of two from 1 to 256 (try 16); got {self.block_size}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1 (try 2048); got {self.max_model_len}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1 (try 256); got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"--max-num-batched-tokens must be >= 1 (try {DEFAULT_MAX_NUM_BATCHED_TOKENS}); "
+                f"got {self.max_num_batched_tokens}."
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1] (try 0.9); got {self.gpu_memory_utilization}."
+            )
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "--kv-cache-memory")
+            if self.kv_cache_memory <= 0:
+                raise ValueError(f"--kv-cache-memory must be positive (try 4GiB); got {self.kv_cache_memory}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"--num-gpu-blocks-override must be >= 1; got {self.num_gpu_blocks_override}.")
+
+    # ----- resolution against the model and the machine ----------------------------------
+    def finalize(self) -> "EngineConfig":
+        """Resolve the model folder, dtypes and lengths; check combinations; freeze."""
+        if self._frozen:
+            return self
+        from tengyun.models.model_source import resolve_model
+        from tengyun.platforms import current_platform_type
+
+        source = resolve_model(self.model, self.load_format)
+        self.model_path = source.folder
+        if self.load_format in ("auto", "gguf"):
+            self.load_format = source.load_format
+        self.tokenizer_path = Path(self.tokenizer) if self.tokenizer else source.tokenizer_folder
+        self.hf_config = json.loads((source.folder / "config.json").read_text())
+        self.device_type = current_platform_type(self.device)
+        self._resolve_dtypes()
+        self._resolve_lengths()
+        if self.served_model_name is None:
+            self.served_model_name = self.model or source.default_name
+        self._frozen = True
+        return self
+
+    def _resolve_dtypes(self) -> None:
+        if self.dtype == "auto":
+            config_dtype = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
+            # fp32 on CPU: these cores lack AVX-512-BF16 and run bf16 matmuls ~6x slower.
+            self.dtype = "float32" if self.device_type == "cpu" else config_dtype
+            if self.dtype not in DTYPE_BYTES:
+                self.dtype = "float32"
+        if self.kv_cache_dtype == "auto":
+            self.kv_cache_dtype = self.dtype
+
+    def _resolve_lengths(self) -> None:
+        model_max = int(self.hf_config.get("max_position_embeddings") or 2048)
+        if self.max_model_len is None:
+            self.max_model_len = model_max
+        elif self.max_model_len > model_max:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} is longer than the model's "
+                f"max_position_embeddings {model_max}: lower --max-model-len to {model_max}."
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS
+                if self.enable_chunked_prefill
+                else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than "
+                f"--max-model-len {self.max_model_len} with chunked prefill off, so a long prompt "
+                f"could never be scheduled: raise --max-num-batched-tokens to {self.max_model_len}, "
+                f"lower --max-model-len, or pass --enable-chunked-prefill."
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} must be >= --max-num-seqs "
+                f"{self.max_num_seqs}: raise it to {self.max_num_seqs}."
+            )
+
+    # ----- derived values -------------------------------------------------------------
+    def kv_cache_budget_bytes(self) -> int:
+        """Bytes of KV cache to allocate on CPU: --kv-cache-memory, else the env var, else 4 GiB."""
+        if self.kv_cache_memory is not None:
+            return int(self.kv_cache_memory)
+        env = os.environ.get(KVCACHE_SPACE_ENV)
+        if env:
+            try:
+                gib = float(env)
+            except ValueError:
+                raise ValueError(f"{KVCACHE_SPACE_ENV} must be a number of GiB such as 4; got {env!r}.") from None
+            if gib <= 0:
+                raise ValueError(f"{KVCACHE_SPACE_ENV} must be positive (try 4); got {env!r}.")
+            return int(gib * 2**30)
+        return DEFAULT_CPU_KVCACHE_GIB * 2**30
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        return archs[0] if archs else ""
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A new, unfinalized config with the user-facing fields changed."""
+        user_fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        user_fields.update(changes)
+        return EngineConfig(**user_fields)

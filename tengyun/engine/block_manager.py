@@ -1,0 +1,164 @@
+"""BlockManager: the paged KV cache's block pool, with automatic prefix caching.
+
+A block holds ``block_size`` consecutive tokens of one sequence. A full block is identified
+by hash(parent block's hash, its token ids); identical prefixes therefore map to the same
+chain of hashes and share blocks. Blocks whose reference count drops to zero keep their
+hash and stay reusable until they are evicted, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tengyun.engine.sequence import Sequence
+
+_NO_PARENT = 0
+
+
+def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    # Python's tuple-of-int hash is deterministic (no PYTHONHASHSEED salt for ints).
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    # Kept for the collision check: a hit must match the tokens and the parent's hash.
+    token_ids: tuple[int, ...] = ()
+    parent_hash: int = _NO_PARENT
+
+    def reset(self) -> None:
+        self.ref_count = 0
+        self.block_hash = None
+        self.token_ids = ()
+        self.parent_hash = _NO_PARENT
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ref_count == 0 blocks; the front is evicted first. Hashed blocks join at the back.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found
+
+    # ----- queries ------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a sequence (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    # ----- prefix cache lookup ------------------------------------------------------------
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq``; at least one token is left
+        to compute so the sequence still produces logits."""
+        if not self.enable_prefix_caching:
+            return []
+        num_lookup_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, num_lookup_blocks)
+        hits: list[int] = []
+        for i in range(num_lookup_blocks):
+            block_id = self.hash_to_block.get(seq.block_hashes[i])
+            if block_id is None or not self._holds(block_id, seq, i):
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup once, when its sequence is admitted (not on every retry)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_queried_tokens
+            self.prefix_hits += num_hit_tokens
+
+    # ----- allocation -------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        # Cached blocks that sit in the free queue are taken out of it, so they cost a slot too.
+        reused_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        cached_tokens = len(cached_blocks) * self.block_size
+        new_blocks = self.blocks_needed(seq, cached_tokens + num_new_tokens) - len(cached_blocks)
+        return new_blocks + reused_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> None:
+        """Give ``seq`` blocks for tokens up to num_computed + cached + num_new_tokens.
+
+        ``cached_blocks`` (from find_cached_blocks, first schedule only) are shared, and the
+        caller advances num_computed_tokens past them. Blocks that become full with this step's
+        tokens are registered in the prefix cache right away: their KV is written in the same
+        forward pass, before any attention reads it.
+        """
+        assert self.can_allocate(seq, num_new_tokens, cached_blocks)
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        for _ in range(self.blocks_needed(seq, num_new_tokens + len(cached_blocks) * self.block_size)):
+            seq.block_table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            num_full = (seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens) // self.block_size
+            self._register_full_blocks(seq, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references. Tail blocks go to the front of the eviction queue
+        (least useful to others), unhashed blocks too; hashed blocks stay reusable."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+        seq.block_table.clear()
+
+    # ----- internals --------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
+            del self.hash_to_block[block.block_hash]
+        block.reset()
+        block.ref_count = 1
+        return block_id
+
+    def _holds(self, block_id: int, seq: Sequence, index: int) -> bool:
+        block = self.blocks[block_id]
+        parent = seq.block_hashes[index - 1] if index else _NO_PARENT
+        return block.parent_hash == parent and block.token_ids == self._block_tokens(seq, index)
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        while len(seq.block_hashes) < num_blocks:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else _NO_PARENT
+            seq.block_hashes.append(hash_block(parent, self._block_tokens(seq, i)))
+
+    def _register_full_blocks(self, seq: Sequence, num_full: int) -> None:
+        self._extend_hashes(seq, num_full)
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is not None:
+                continue
+            block.block_hash = seq.block_hashes[i]
+            block.token_ids = self._block_tokens(seq, i)
+            block.parent_hash = seq.block_hashes[i - 1] if i else _NO_PARENT
+            # First writer wins; a duplicate block with the same content simply stays private.
+            self.hash_to_block.setdefault(block.block_hash, block.block_id)

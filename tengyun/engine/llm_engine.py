@@ -1,0 +1,211 @@
+"""LLMEngine: requests in, RequestOutputs out; one step = schedule, run the model, check stops.
+
+Pure Python: the worker (torch) is passed in as an executor with ``execute_model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tengyun.config import EngineConfig
+from tengyun.engine.detokenizer import IncrementalDetokenizer
+from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
+from tengyun.engine.request import Request
+from tengyun.engine.scheduler import Scheduler
+from tengyun.engine.sequence import Sequence
+from tengyun.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput
+from tengyun.sampling_params import SamplingParams
+
+
+class Executor(Protocol):
+    num_blocks: int
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks referenced by sequences
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor, eos_token_ids: set[int]):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = config.hf_config["vocab_size"]
+        self.scheduler = Scheduler(config, executor.num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []  # aborted requests, reported by the next step
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        config.finalize()
+        from tengyun.tokenizer import eos_token_ids, get_tokenizer
+        from tengyun.worker.worker import Worker
+
+        tokenizer = get_tokenizer(config)
+        worker = Worker(config)
+        return cls(config, tokenizer, worker, eos_token_ids(config, tokenizer))
+
+    # ----- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue a request. Raises ValueError naming the bad field; then nothing
+        has been queued and other requests are untouched."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        text, token_ids = self._tokenize(prompt)
+        params = self._resolve_params(params, len(token_ids))
+        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()))
+        for index in range(params.n):
+            child = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+            seq = Sequence(next(self._seq_ids), request_id, index, token_ids, child, arrival_order=0)
+            seq.arrival_order = seq.seq_id
+            request.seqs.append(seq)
+            request.detokenizers.append(IncrementalDetokenizer(self.tokenizer, token_ids, child))
+            self.seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        self.prompt_tokens += len(token_ids)
+        return request
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = FinishReason.ABORT
+                    self.scheduler.finish(seq)
+            self._pending_outputs.append(self._retire(request))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            token_ids, text = list(prompt), None
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids holds ids outside [0, {self.vocab_size}): {bad[:5]}.")
+        if not token_ids:
+            raise ValueError("prompt must not be empty.")
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens but --max-model-len is {max_len}, which "
+                f"leaves no room to generate: shorten the prompt below {max_len} tokens or raise "
+                f"--max-model-len to at least {len(token_ids) + 1}."
+            )
+        return text, token_ids
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.config.max_model_len - prompt_len
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        return dataclasses.replace(params, max_tokens=max_tokens,
+                                   all_stop_token_ids=eos | set(params.stop_token_ids))
+
+    # ----- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return outputs of every request that changed."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        now = time.time()
+        for new in sched.new_seqs:
+            metrics = self.requests[self.seqs[new.seq_id].request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        result = self.executor.execute_model(sched)
+        self.scheduler.advance(sched, self.seqs)
+        now = time.time()
+        changed: dict[str, Request] = {}
+        for seq_id, token_id in result.sampled_token_ids.items():
+            seq = self.seqs[seq_id]
+            request = self.requests[seq.request_id]
+            self._append_token(seq, request, token_id, result, now)
+            changed[request.request_id] = request
+        for request in changed.values():
+            outputs.append(self._retire(request) if request.finished else request.make_output())
+        return outputs
+
+    def _append_token(self, seq: Sequence, request: Request, token_id: int,
+                      result: ModelRunnerOutput, now: float) -> None:
+        seq.append_token(token_id)
+        self.generation_tokens += 1
+        metrics = request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        if seq.seq_id in result.logprobs:
+            self._record_logprobs(seq, result, seq.seq_id)
+        reason, stop = self._check_stop(seq, request, token_id)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop
+            self.scheduler.finish(seq)
+
+    def _check_stop(self, seq: Sequence, request: Request, token_id: int):
+        params = seq.sampling_params
+        past_min = seq.num_output_tokens >= params.min_tokens
+        if past_min and token_id in params.all_stop_token_ids:
+            # stop_reason: the stop token id, or None for EOS (as vLLM reports it).
+            return FinishReason.STOP, (token_id if token_id in params.stop_token_ids else None)
+        stop_string = request.detokenizers[seq.index].update([token_id])
+        if stop_string is not None and past_min:
+            return FinishReason.STOP, stop_string
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _record_logprobs(self, seq: Sequence, result: ModelRunnerOutput, seq_id: int) -> None:
+        ids, values = result.logprob_token_ids[seq_id], result.logprobs[seq_id]
+        entry = {ids[0]: Logprob(values[0], result.sampled_ranks[seq_id], self._piece(ids[0]))}
+        for rank, (token, value) in enumerate(zip(ids[1:], values[1:]), start=1):
+            entry.setdefault(token, Logprob(value, rank, self._piece(token)))
+        seq.output_logprobs.append(entry)
+        seq.cumulative_logprob += values[0]
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _retire(self, request: Request) -> RequestOutput:
+        request.metrics.finished_time = time.time()
+        for seq in request.seqs:
+            self.seqs.pop(seq.seq_id, None)
+        self.requests.pop(request.request_id, None)
+        return request.make_output()
+
+    # ----- introspection ------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )

@@ -1,0 +1,54 @@
+"""Scheduler -> worker messages: small typed records; a running sequence sends only what changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tengyun.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSeqData:
+    """A sequence the worker has not seen, or one resumed after preemption (state restarts)."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt + outputs generated so far
+    num_prompt_tokens: int
+    block_table: list[int]
+    num_computed_tokens: int  # > 0 when the prefix cache served the first tokens
+    sampling_params: SamplingParams
+
+
+@dataclass
+class CachedSeqData:
+    """A sequence the worker already holds; it appends its own sampled tokens."""
+
+    seq_id: int
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_seqs: list[NewSeqData] = field(default_factory=list)
+    cached_seqs: list[CachedSeqData] = field(default_factory=list)
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens this step
+    freed_seq_ids: list[int] = field(default_factory=list)  # finished, aborted or preempted
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per sequence that sampled this step. Logprob lists are [sampled, top-1, ..., top-k]."""
+
+    sampled_token_ids: dict[int, int] = field(default_factory=dict)
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    sampled_ranks: dict[int, int] = field(default_factory=dict)

@@ -1,0 +1,130 @@
+"""Scheduler: token-budget continuous batching with chunked prefill and preemption by recompute."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from tengyun.config import EngineConfig
+from tengyun.engine.block_manager import BlockManager
+from tengyun.engine.messages import CachedSeqData, NewSeqData, SchedulerOutput
+from tengyun.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival_order; the last is preempted first
+        self._seqs_on_worker: set[int] = set()
+        self._freed_seq_ids: list[int] = []
+        self.num_preemptions = 0
+
+    # ----- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        self._forget_on_worker(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Running sequences first, in arrival order, then waiting ones while budget lasts.
+
+        Each gets min(its uncomputed tokens, remaining budget): a decode is 1 token, a prompt
+        may be split into chunks over several steps. When blocks run out the latest-arrived
+        running sequence is preempted (blocks freed, recomputed later).
+        """
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = self._schedule_running(out, budget)
+        budget -= out.total_num_scheduled_tokens
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        out.freed_seq_ids, self._freed_seq_ids = self._freed_seq_ids, []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            num_blocks_before = len(seq.block_table)
+            self.block_manager.allocate(seq, num_new)
+            out.cached_seqs.append(
+                CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens)
+            )
+            out.num_scheduled_tokens[seq.seq_id] = num_new
+            budget -= num_new
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached_blocks = self.block_manager.find_cached_blocks(seq)
+            num_cached = len(cached_blocks) * self.block_manager.block_size
+            num_new = seq.num_tokens - num_cached
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.can_allocate(seq, num_new, cached_blocks):
+                break
+            self.waiting.popleft()
+            self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
+            self.block_manager.allocate(seq, num_new, cached_blocks)
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival_order)
+            out.new_seqs.append(
+                NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                           list(seq.block_table), num_cached, seq.sampling_params)
+            )
+            self._seqs_on_worker.add(seq.seq_id)
+            out.num_scheduled_tokens[seq.seq_id] = num_new
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self._forget_on_worker(seq)
+
+    def _forget_on_worker(self, seq: Sequence) -> None:
+        if seq.seq_id in self._seqs_on_worker:
+            self._seqs_on_worker.discard(seq.seq_id)
+            self._freed_seq_ids.append(seq.seq_id)
+
+    # ----- after the model ran ------------------------------------------------------------
+    def advance(self, out: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+        for seq_id, num_new in out.num_scheduled_tokens.items():
+            seqs[seq_id].num_computed_tokens += num_new

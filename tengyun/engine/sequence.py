@@ -1,0 +1,74 @@
+"""Sequence: one generated completion (a request with n=2 owns two), tracked in tokens."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tengyun.outputs import FinishReason, SampleLogprobs
+from tengyun.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token state of one completion.
+
+    Invariant: 0 <= num_computed_tokens <= num_tokens. Tokens [0, num_computed_tokens) have
+    KV in the blocks of ``block_table``; the scheduler picks how many of the rest to compute
+    next. There is no prefill/decode phase: a decode step is computing the one last token.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_order: int
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks, in order
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    output_logprobs: SampleLogprobs = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,123 @@
+"""The offline API, shaped like vLLM's so a user can swap imports:
+
+    from tengyun import LLM, SamplingParams
+    llm = LLM(model="/path/to/Qwen2.5-0.5B-Instruct", max_model_len=4096)
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from tengyun.config import EngineConfig
+from tengyun.engine.llm_engine import LLMEngine
+from tengyun.outputs import RequestOutput
+from tengyun.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.llm_engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]},
+        or a list of those.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_id = str(next(self._request_ids))
+                self.llm_engine.add_request(request_id, _prompt_value(prompt), params)
+                request_ids.append(request_id)
+        except ValueError:
+            self.llm_engine.abort_request(request_ids)
+            self._drain(set(request_ids))
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **(chat_template_kwargs or {}),
+            )
+            # The template already holds BOS and friends: do not add special tokens twice.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            output.prompt = prompt["prompt"]
+        return outputs
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts")
+        while len(finished) < len(wanted):
+            for output in self.llm_engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+                    if progress:
+                        progress.update(1)
+        if progress:
+            progress.close()
+        return [finished[r] for r in request_ids]
+
+    def _drain(self, request_ids: set[str]) -> None:
+        """Collect the abort outputs of requests we gave up on, so they do not leak."""
+        while self.llm_engine._pending_outputs and request_ids:
+            for output in self.llm_engine.step():
+                request_ids.discard(output.request_id)
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params has {len(params)} entries but there are {count} prompts.")
+    return params
+
+
+def _prompt_value(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return prompt["prompt"]
+    return prompt

@@ -1,0 +1,33 @@
+"""The attention-backend interface: CUDA and Ascend kernels replace the torch one here."""
+
+from __future__ import annotations
+
+import torch
+
+from tengyun.layers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    """Stores new K/V into a paged cache and attends over it.
+
+    Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    name = ""
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens, already in the cache) -> [T, Hq, D]."""
+        raise NotImplementedError
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch_sdpa":
+        from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
+
+        return TorchSDPABackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch_sdpa")

@@ -1,0 +1,74 @@
+"""Paged attention in plain PyTorch (any device): gather blocks, then scaled_dot_product_attention.
+
+Decodes (one query token each) run as one batched SDPA over their gathered, padded
+contexts; each prefill chunk runs as its own causal SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tengyun.layers.attention.backend import AttentionBackend
+from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [N, bs, H, D], block_table [..., nb] -> [..., H, length, D]."""
+    blocks = cache[block_table]  # [..., nb, bs, H, D]
+    tokens = blocks.flatten(-4, -3)[..., :length, :, :]  # [..., L, H, D]
+    return tokens.transpose(-3, -2)
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch_sdpa"
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        n = meta.num_decode_tokens
+        if n:
+            out[:n] = self._decode(q[:n], k_cache, v_cache, meta, scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta, scale)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q [B, Hq, D] -> [B, Hq, 1, D]; contexts [B, Hkv, L, D] padded to the longest.
+        max_len = int(meta.backend_state.setdefault("decode_max_len", int(meta.decode_seq_lens.max())))
+        mask = meta.backend_state.get("decode_mask")
+        if mask is None:
+            positions = torch.arange(max_len, device=q.device)
+            mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+            meta.backend_state["decode_mask"] = mask
+        keys = _gather(k_cache, meta.decode_block_tables, max_len).to(q.dtype)
+        values = _gather(v_cache, meta.decode_block_tables, max_len).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk, meta, scale: float) -> torch.Tensor:
+        # q [Lq, Hq, D]. A fresh prompt attends to its own k/v; a later chunk to the cache.
+        if chunk.context_len == 0:
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+        else:
+            total = chunk.context_len + chunk.query_len
+            keys = _gather(k_cache, chunk.block_table, total).to(q.dtype)
+            values = _gather(v_cache, chunk.block_table, total).to(q.dtype)
+            key = ("prefill_mask", chunk.query_start)
+            mask = meta.backend_state.get(key)
+            if mask is None:
+                q_pos = torch.arange(chunk.context_len, total, device=q.device)
+                mask = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]  # [Lq, L]
+                meta.backend_state[key] = mask
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,50 @@
+"""Vocab-parallel embedding and LM head: each TP rank holds a contiguous slice of the vocab."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tengyun.layers.weight_loading import check_shape, set_weight_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_shape(torch.empty((self.vocab_size, param.shape[1]), device="meta"), loaded)
+        rows = min(self.shard_size, self.vocab_size - self.vocab_start)
+        param.data.zero_()
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y.masked_fill_(outside.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states [N, hidden] to logits [N, vocab] (gathered over TP ranks)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits[:, : self.vocab_size]

@@ -1,0 +1,122 @@
+"""LlamaForCausalLM, also the base of Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
+
+HF parameter names are kept, except that q/k/v and gate/up are packed
+(``packed_modules_mapping``); every layer loads its own shard of each checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tengyun.layers.activation import SiluAndMul
+from tengyun.layers.attention.layer import Attention
+from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from tengyun.layers.layernorm import RMSNorm
+from tengyun.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
+                 qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, cfg.get("attention_bias", False), dtype)
+        self.q_size = self.qkv_proj.num_heads * self.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
+        rotary_dim = int(self.head_dim * cfg.get("partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, max_position, rope_parameters(cfg))
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads,
+                              self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x [T, hidden] -> q [T, Hq * D], k, v [T, Hkv * D]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
+                 qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, max_position, dtype, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], dtype, cfg.get("mlp_bias", False))
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
+                 qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, max_position, dtype, qkv_bias, qk_norm)
+            for _ in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+        super().__init__()
+        qkv_bias = cfg.get("attention_bias", False) or self.qkv_bias
+        self.model = LlamaModel(cfg, max_position, dtype, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head.compute_logits(hidden).float()

@@ -1,0 +1,25 @@
+"""Architecture name (config.json "architectures") -> model class."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("tengyun.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("tengyun.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("tengyun.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str):
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} (config.json \"architectures\") is not supported; "
+            f"supported: {', '.join(supported_architectures())}."
+        )
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

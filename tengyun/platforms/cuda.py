@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from tengyun.platforms.base import Platform
+
+
+class CudaPlatform(Platform):
+    device_type = "cuda"
+    dist_backend = "nccl"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        import torch
+
+        return torch.cuda.is_available()
+
+    def check_available(self) -> None:
+        if not self.is_available():
+            raise RuntimeError(
+                "--device cuda was requested but torch.cuda.is_available() is False: install a CUDA "
+                "build of torch and check the NVIDIA driver (nvidia-smi), or pass --device cpu."
+            )
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def memory_info(self) -> tuple[int, int]:
+        import torch
+
+        return torch.cuda.mem_get_info()

@@ -1,0 +1,147 @@
+"""ModelRunner: keeps per-sequence token state on the worker, builds each step's flat batch,
+runs the model, and samples only at positions that end a sequence's known tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
+from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
+from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tengyun.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqState:
+    token_ids: list[int]  # prompt + outputs; the runner appends what it samples
+    num_prompt_tokens: int
+    block_table: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_seq_ids: list[int]  # sequences that sample, in logits row order
+    logits_indices: torch.Tensor  # [len(sample_seq_ids)]: last token of each in the flat batch
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler()
+        self.states: dict[int, SeqState] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        batch = self._prepare(sched)
+        with attention_metadata(batch.meta):
+            hidden = self.model(batch.input_ids, batch.positions)
+        if not batch.sample_seq_ids:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B, V] float32
+        states = [self.states[i] for i in batch.sample_seq_ids]
+        metadata = SamplingMetadata.build(
+            [s.params for s in states],
+            [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.token_ids[s.num_prompt_tokens:] for s in states],
+            self.vocab_size,
+            self.device,
+        )
+        return self._collect(batch.sample_seq_ids, states, self.sampler(logits, metadata))
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for seq_id in sched.freed_seq_ids:
+            self.states.pop(seq_id, None)
+        for new in sched.new_seqs:
+            self.states[new.seq_id] = SeqState(
+                list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
+                new.num_computed_tokens, new.sampling_params,
+            )
+        for cached in sched.cached_seqs:
+            state = self.states[cached.seq_id]
+            state.block_table.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
+        """Flat batch: single-token sequences first (batched decode attention), then chunks."""
+        counts = sched.num_scheduled_tokens
+        order = sorted(counts, key=lambda seq_id: counts[seq_id] != 1)
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        sample_seq_ids, logits_indices = [], []
+        offset = 0
+        for seq_id in order:
+            state, n = self.states[seq_id], counts[seq_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            pos = np.arange(start, end)
+            table = np.asarray(state.block_table, dtype=np.int64)
+            input_ids.append(state.token_ids[start:end])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                num_blocks = -(-end // bs)
+                prefills.append(PrefillChunk(offset, n, start, torch.from_numpy(table[:num_blocks]).to(self.device)))
+            if end == len(state.token_ids):
+                sample_seq_ids.append(seq_id)
+                logits_indices.append(offset + n - 1)
+            offset += n
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots)),
+            num_decode_tokens=len(decode_lens),
+            prefills=prefills,
+        )
+        if decode_lens:
+            meta.decode_block_tables = self._tensor(_pad_rows(decode_tables))
+            meta.decode_seq_lens = self._tensor(np.asarray(decode_lens, dtype=np.int64))
+        return BatchInputs(
+            input_ids=self._tensor(np.fromiter((t for ids in input_ids for t in ids), dtype=np.int64)),
+            positions=self._tensor(np.concatenate(positions)),
+            meta=meta,
+            sample_seq_ids=sample_seq_ids,
+            logits_indices=self._tensor(np.asarray(logits_indices, dtype=np.int64)),
+        )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _collect(self, seq_ids: list[int], states: list[SeqState], out: SamplerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        sampled = out.sampled_token_ids.tolist()
+        for seq_id, state, token in zip(seq_ids, states, sampled):
+            state.token_ids.append(token)
+            result.sampled_token_ids[seq_id] = token
+        if out.logprobs is not None:
+            ids, logprobs, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
+            for row, (seq_id, state) in enumerate(zip(seq_ids, states)):
+                if state.params.logprobs is not None:
+                    k = 1 + state.params.logprobs
+                    result.logprob_token_ids[seq_id] = ids[row][:k]
+                    result.logprobs[seq_id] = logprobs[row][:k]
+                    result.sampled_ranks[seq_id] = ranks[row]
+        return result
+
+
+def _pad_rows(rows: list[np.ndarray]) -> np.ndarray:
+    """[[3, 7], [5]] -> [[3, 7], [5, 0]]"""
+    out = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out

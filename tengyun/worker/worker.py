@@ -1,0 +1,73 @@
+"""Worker: owns the device — builds the model, loads weights, sizes and allocates the KV cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tengyun.config import DTYPE_BYTES, EngineConfig
+from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
+from tengyun.kv_sizing import KVCacheShape, kv_cache_shape, num_blocks_for_budget
+from tengyun.layers.attention.backend import get_attention_backend
+from tengyun.models.loader import load_weights
+from tengyun.models.registry import get_model_class
+from tengyun.platforms import get_platform
+from tengyun.worker.kv_cache import allocate_kv_cache
+from tengyun.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.platform = get_platform(config.device)
+        self.device = self.platform.torch_device()
+        torch.manual_seed(config.seed)
+        started = time.perf_counter()
+        model_cls = get_model_class(config.architecture)
+        with torch.device(self.device):
+            self.model = model_cls(config.hf_config, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
+        load_weights(self.model, config.model_path, config.load_format, seed=config.seed)
+        logger.info("Loaded %s (%s, %s) in %.1f s", config.architecture, config.dtype,
+                    config.load_format, time.perf_counter() - started)
+        self.kv_shape = kv_cache_shape(config.hf_config, DTYPE_BYTES[config.kv_cache_dtype])
+        self.num_blocks = self._count_kv_blocks(self.kv_shape)
+        backend = get_attention_backend(self.platform.attention_backend())
+        self.kv_cache = allocate_kv_cache(self.model, self.kv_shape, self.num_blocks, config.block_size,
+                                          TORCH_DTYPES[config.kv_cache_dtype], self.device, backend)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.num_blocks,
+                    config.block_size, self.num_blocks * config.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        self.runner = ModelRunner(self.model, config.block_size, config.hf_config["vocab_size"], self.device)
+
+    def _count_kv_blocks(self, shape: KVCacheShape) -> int:
+        config = self.config
+        if config.num_gpu_blocks_override is not None:
+            num_blocks = config.num_gpu_blocks_override
+            source = "--num-gpu-blocks-override"
+        elif self.device.type == "cpu":
+            num_blocks = num_blocks_for_budget(config.kv_cache_budget_bytes(), config.block_size, shape)
+            source = "--kv-cache-memory / TENGYUN_CPU_KVCACHE_SPACE"
+        else:
+            free, total = self.platform.memory_info()
+            budget = int(total * config.gpu_memory_utilization) - (total - free)
+            num_blocks = num_blocks_for_budget(max(budget, 0), config.block_size, shape)
+            source = "--gpu-memory-utilization"
+        capacity = num_blocks * config.block_size
+        if capacity < config.max_model_len:
+            need = -(-config.max_model_len // config.block_size) * shape.bytes_per_block(config.block_size)
+            raise ValueError(
+                f"The KV cache holds {capacity} tokens ({num_blocks} blocks) but --max-model-len is "
+                f"{config.max_model_len}: lower --max-model-len to {max(capacity, config.block_size)} "
+                f"or raise {source} (one sequence of {config.max_model_len} tokens needs "
+                f"{need / 2**20:.1f} MiB)."
+            )
+        return num_blocks
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched)
