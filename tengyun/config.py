@@ -17,6 +17,8 @@ SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "npu")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
+MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
 KVCACHE_SPACE_ENV = "TENGYUN_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 DEFAULT_CPU_KVCACHE_GIB = 4
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -187,7 +189,10 @@ class EngineConfig:
     @property
     def architecture(self) -> str:
         archs = self.hf_config.get("architectures") or []
-        return archs[0] if archs else ""
+        if archs:
+            return archs[0]
+        # Configs converted from GGUF carry model_type only.
+        return MODEL_TYPE_ARCHITECTURES.get(self.hf_config.get("model_type", ""), "")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         """A new, unfinalized config with the user-facing fields changed."""

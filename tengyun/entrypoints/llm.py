@@ -21,7 +21,16 @@ PromptType = str | list[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self.llm_engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        self._start(EngineConfig(model=model, **engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.llm_engine = LLMEngine.from_config(config)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

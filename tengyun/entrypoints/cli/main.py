@@ -1,0 +1,32 @@
+"""`tengyun` command line: one subcommand module each."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> module exposing add_parser(subparsers) and run(args) -> int
+SUBCOMMANDS = {
+    "generate": "tengyun.entrypoints.cli.generate",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="tengyun", description="Tengyun LLM inference and serving.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    modules = {name: importlib.import_module(path) for name, path in SUBCOMMANDS.items()}
+    for module in modules.values():
+        module.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return modules[args.command].run(args) or 0
+    except ValueError as e:  # configuration errors: say what to change, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Sampler: logits [B, V] -> one token per row, with vLLM's penalties, filters, seeds and logprobs.
+
+Order of a step (as vLLM): raw logprobs -> penalties -> min_tokens mask -> greedy argmax, or
+temperature -> top_k -> top_p -> min_p -> argmax(probs / q) with q ~ Exponential(1).
+Every stage that no row uses is skipped; an all-greedy batch is one argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from tengyun.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """Generator seed (uint64) for a seeded request's next token.
+
+    A function of (seed, tokens generated so far) only: the draw is the same whatever else is
+    in the batch, after an engine restart, and when a preempted request recomputes.
+    Hash the seed, offset by the step, hash again, so nearby seeds give unrelated streams.
+    """
+    return _splitmix64((_splitmix64(seed & _MASK64) + num_output_tokens) & _MASK64)
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[[3, 1], [7]] -> [[3, 1], [7, pad]] as int64 on device; width 0 when all rows are empty."""
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out).to(device)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs for the B rows that sample. A field is None when no row uses it."""
+
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    is_greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [B] int64 in [0, V], 0 = off
+    max_top_k: int
+    top_p: torch.Tensor | None  # [B] float32 in (0, 1]
+    min_p: torch.Tensor | None  # [B] float32 in [0, 1]
+    # Penalties: ids padded with V (a column that is dropped after scatter).
+    prompt_token_ids: torch.Tensor | None  # [B, Lp] int64, empty rows where repetition_penalty == 1
+    output_token_ids: torch.Tensor | None  # [B, Lo] int64
+    repetition_penalty: torch.Tensor | None  # [B] float32
+    presence_penalty: torch.Tensor | None  # [B] float32
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    # min_tokens: logits[min_tokens_rows[i], min_tokens_token_ids[i]] = -inf
+    min_tokens_rows: torch.Tensor | None  # [N] int64
+    min_tokens_token_ids: torch.Tensor | None  # [N] int64
+    # Seeded random rows and their generator seeds for this step (step_seed).
+    seeded_rows: list[int]
+    step_seeds: list[int]
+    max_num_logprobs: int | None  # max over rows of params.logprobs; None: no row wants logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> "SamplingMetadata":
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32).to(device)
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device)
+
+        greedy = [p.is_greedy for p in params]
+        # Filters only matter on random rows; greedy rows get the "off" value.
+        top_k = [0 if g else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+
+        penalised = any(p.uses_penalties for p in params)
+        if penalised:
+            # Ids are only needed on rows that use them: keeps the padded width small.
+            prompts = [ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_token_ids)]
+            outputs = [ids if p.uses_penalties else [] for p, ids in zip(params, output_token_ids)]
+
+        mt_rows: list[int] = []
+        mt_ids: list[int] = []
+        for i, (p, out) in enumerate(zip(params, output_token_ids)):
+            if len(out) < p.min_tokens:
+                ids = sorted(t for t in p.all_stop_token_ids | set(p.stop_token_ids) if t < vocab_size)
+                mt_rows += [i] * len(ids)
+                mt_ids += ids
+
+        seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is not None]
+        wants_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+        return cls(
+            temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_k=longs(top_k) if any(top_k) else None,
+            max_top_k=max(top_k, default=0),
+            top_p=floats(top_p) if any(p < 1.0 for p in top_p) else None,
+            min_p=floats(min_p) if any(min_p) else None,
+            prompt_token_ids=_pad(prompts, vocab_size, device) if penalised else None,
+            output_token_ids=_pad(outputs, vocab_size, device) if penalised else None,
+            repetition_penalty=floats([p.repetition_penalty for p in params]) if penalised else None,
+            presence_penalty=floats([p.presence_penalty for p in params]) if penalised else None,
+            frequency_penalty=floats([p.frequency_penalty for p in params]) if penalised else None,
+            min_tokens_rows=longs(mt_rows) if mt_rows else None,
+            min_tokens_token_ids=longs(mt_ids) if mt_rows else None,
+            seeded_rows=seeded,
+            step_seeds=[step_seed(params[i].seed, len(output_token_ids[i])) for i in seeded],
+            max_num_logprobs=min(max(wants_logprobs), vocab_size) if wants_logprobs else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprob_token_ids: torch.Tensor | None  # [B, 1 + max_k] int64: sampled token, then top-k
+    logprobs: torch.Tensor | None  # [B, 1 + max_k] float32, same layout
+    sampled_ranks: torch.Tensor | None  # [B] int64, 1 = most likely
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Out of place. Repetition over prompt + output ids; presence / frequency over output ids.
+
+    Row with output [5, 5], presence 0.5, frequency 0.25: logits[:, 5] -= 0.5 + 2 * 0.25.
+    """
+    B, V = logits.shape
+    out_ids = md.output_token_ids  # [B, Lo], pad = V
+    counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :V]  # [B, V]
+    in_prompt = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
+    in_prompt.scatter_(1, md.prompt_token_ids, True)
+    seen = in_prompt[:, :V] | (counts > 0)  # [B, V]
+
+    rep = torch.where(seen, md.repetition_penalty.unsqueeze(1), 1.0)  # [B, V]
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - md.frequency_penalty.unsqueeze(1) * counts
+    return logits - md.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k largest logits (ties with the k-th kept); top_k 0 keeps all."""
+    kth = logits.topk(max_top_k, dim=-1).values  # [B, max_k], descending
+    thresh = kth.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))  # [B, 1]
+    thresh = thresh.masked_fill((top_k == 0).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < thresh, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the fewest most-likely tokens whose probability sums to >= top_p.
+
+    probs [.5, .3, .15, .05], top_p .75: ascending cumsum [.05, .2, .5, 1.] -> drop where
+    <= .25 -> keep {.5, .3}. The most likely token is always kept.
+    """
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)  # [B, V]
+    drop = cum <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities below min_p * (the row's largest). Not renormalised."""
+    thresh = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    return probs.masked_fill(probs < thresh, 0.0)
+
+
+def exponential_noise(shape: torch.Size, md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    """[B, V] ~ Exponential(1): one global-RNG draw, then each seeded row redrawn from its seed."""
+    q = torch.empty(shape, dtype=torch.float32, device=device)
+    if len(md.seeded_rows) < shape[0]:
+        q.exponential_()
+    if md.seeded_rows:
+        gen = torch.Generator(device=device)
+        for row, seed in zip(md.seeded_rows, md.step_seeds):
+            gen.manual_seed(seed)
+            q[row].exponential_(generator=gen)
+    # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks.
+    return q.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[B, V] penalised logits -> [B] tokens for the random rows (greedy rows' values are junk)."""
+    logits = logits / md.temperature.unsqueeze(1)
+    if md.top_k is not None:
+        logits = apply_top_k(logits, md.top_k, md.max_top_k)
+    if md.top_p is not None:
+        logits = apply_top_p(logits, md.top_p)
+    probs = logits.softmax(dim=-1)
+    if md.min_p is not None:
+        probs = apply_min_p(probs, md.min_p)
+    # argmax(p / q), q ~ Exp(1) is a sample from p (the exponential race / Gumbel-max trick).
+    return probs.div_(exponential_noise(probs.shape, md, probs.device)).argmax(dim=-1)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, max_k: int):
+    """-> ids [B, 1 + max_k], logprobs [B, 1 + max_k], ranks [B]; column 0 is the sampled token."""
+    sampled = sampled.unsqueeze(1)  # [B, 1]
+    sampled_lp = logprobs.gather(1, sampled)  # [B, 1]
+    ranks = (logprobs >= sampled_lp).sum(dim=-1)  # [B], as vLLM: ties rank after
+    if max_k == 0:
+        return sampled, sampled_lp, ranks
+    top_lp, top_ids = logprobs.topk(max_k, dim=-1)  # descending
+    return torch.cat([sampled, top_ids], dim=1), torch.cat([sampled_lp, top_lp], dim=1), ranks
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits [B, V] float32 (not modified) -> SamplerOutput."""
+        md = metadata
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+
+        if md.output_token_ids is not None:
+            logits = apply_penalties(logits, md)
+        if md.min_tokens_rows is not None:
+            neg_inf = logits.new_full((), float("-inf"))
+            logits = logits.index_put((md.min_tokens_rows, md.min_tokens_token_ids), neg_inf)
+
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        elif md.all_random:
+            sampled = _sample_random(logits, md)
+        else:
+            sampled = torch.where(md.is_greedy, logits.argmax(dim=-1), _sample_random(logits, md))
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        ids, lps, ranks = _gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled, ids, lps, ranks)

@@ -1,0 +1,128 @@
+"""End-to-end engine behaviour on a tiny random Llama: bad input, seeds, stops, n, abort."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tengyun import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 29, 41], [7, 7, 9], list(range(10, 60)), [100, 101, 102, 103, 104, 105]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(str(tiny_checkpoints["llama"]), block_size=8, max_model_len=128,
+               kv_cache_memory="2MiB", max_num_batched_tokens=64)
+
+
+def _assert_idle(llm):
+    stats = llm.llm_engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+@pytest.mark.parametrize("field, params, prompt", [
+    ("max-model-len", dict(), list(range(1, 200))),
+    ("max_tokens", dict(max_tokens=0), [1, 2]),
+    ("temperature", dict(temperature=-0.5), [1, 2]),
+    ("top_p", dict(top_p=0.0), [1, 2]),
+    ("top_p", dict(top_p=1.5), [1, 2]),
+    ("n", dict(n=0), [1, 2]),
+    ("prompt_token_ids", dict(), [1, 10_000]),
+])
+def test_bad_input_names_the_field_and_keeps_serving(llm, field, params, prompt):
+    engine = llm.llm_engine
+    good = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = llm.generate([PROMPTS[0]], good)[0].outputs[0].token_ids
+    engine.add_request("good", PROMPTS[0], good)
+    engine.step()  # the good request is mid-flight when the bad one arrives
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("bad", prompt, SamplingParams(**params))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert set(outputs) == {"good"}
+    assert outputs["good"].outputs[0].token_ids == expected
+    _assert_idle(llm)
+
+
+def test_too_long_prompt_message_has_both_numbers(llm):
+    with pytest.raises(ValueError, match=r"199 tokens but --max-model-len is 128"):
+        llm.generate([list(range(1, 200))])
+
+
+def test_seeded_request_ignores_batch_composition(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    noise = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], seeded)[0].outputs[0].token_ids
+    crowded = llm.generate(PROMPTS[2:] + [PROMPTS[1]] + PROMPTS[:1], [noise, noise, seeded, noise])
+    assert crowded[2].outputs[0].token_ids == alone
+    other_seed = llm.generate([PROMPTS[1]], SamplingParams(temperature=1.0, seed=99, max_tokens=12,
+                                                           ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_completions_are_indexed_and_seeded_apart(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    first = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == first.outputs[0].token_ids  # completion 0 uses seed 7
+
+
+def test_stop_string_across_tokens_is_cut_from_text(llm):
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = llm.generate([PROMPTS[3]], params)[0].outputs[0]
+    pieces = [tokenizer.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    # A stop string that starts inside token 3 and ends inside token 5 (or later).
+    start = len(pieces[3]) - 1 if len(pieces[3]) > len(pieces[2]) else len(pieces[3])
+    stop = full.text[start:start + max(3, len(pieces[5]) - start)]
+    assert stop and stop in full.text
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    completion = out.outputs[0]
+    assert completion.text == full.text[: full.text.index(stop)]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    kept = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_end_with_that_reason(llm):
+    full = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    stop_id = full.token_ids[4]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                    stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_max_tokens_and_max_model_len_end_with_length(llm):
+    out = llm.generate([list(range(1, 120))], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 128 - 119
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_blocks_and_reports_abort(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.get_stats().kv_cache_usage > 0
+    engine.abort_request("a")
+    outputs = engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "abort")]
+    assert not engine.has_unfinished_requests()
+    _assert_idle(llm)
+
+
+def test_engine_package_does_not_import_torch():
+    code = (
+        "import sys, pkgutil, importlib, tengyun.engine as e\n"
+        "for m in pkgutil.iter_modules(e.__path__): importlib.import_module('tengyun.engine.' + m.name)\n"
+        "assert 'torch' not in sys.modules, 'engine/ imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
