@@ -118,11 +118,11 @@ class EngineConfig:
         from tengyun.models.model_source import resolve_model
         from tengyun.platforms import current_platform_type
 
-        source = resolve_model(self.model, self.load_format)
+        source = resolve_model(self.model, self.load_format, self.tokenizer)
         self.model_path = source.folder
         if self.load_format in ("auto", "gguf"):
             self.load_format = source.load_format
-        self.tokenizer_path = Path(self.tokenizer) if self.tokenizer else source.tokenizer_folder
+        self.tokenizer_path = source.tokenizer_folder
         self.hf_config = json.loads((source.folder / "config.json").read_text())
         self.device_type = current_platform_type(self.device)
         self._resolve_dtypes()

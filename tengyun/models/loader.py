@@ -1,0 +1,168 @@
+"""Fill a model's parameters from safetensors files (HF names), or with seeded random values.
+
+Checkpoint names map onto parameters through the model's `packed_modules_mapping`:
+    model.layers.0.self_attn.k_proj.weight -> model.layers.0.self_attn.qkv_proj.weight, shard "k"
+    model.layers.0.mlp.up_proj.bias        -> model.layers.0.mlp.gate_up_proj.bias,     shard 1
+every other name is kept as is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from tengyun.layers.weight_loading import WeightShapeError, default_weight_loader
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+_QKV_SHARDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by the rotary layer
+
+
+@dataclass(frozen=True)
+class _Target:
+    param_name: str
+    shard_id: str | int | None  # None: not a packed parameter
+
+
+def load_weights(model: torch.nn.Module, folder: Path, load_format: str, seed: int = 0) -> None:
+    """Copy every checkpoint tensor in `folder` into its parameter, or fill with random values ("dummy")."""
+    if load_format == "dummy":
+        _fill_dummy(model, seed)  # `folder` is not read
+    elif load_format in ("safetensors", "auto"):
+        _load_safetensors(model, Path(folder))
+    else:
+        raise ValueError(f"--load-format {load_format!r} cannot load weights; use 'safetensors' or 'dummy'")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shards named by model.safetensors.index.json, else every *.safetensors in `folder`."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} named in {index} is missing from {folder}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}; pass --load-format dummy for random weights")
+    return files
+
+
+def _is_tied(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> bool:
+    if getattr(model, "tie_word_embeddings", False):
+        return True
+    head, embed = params.get("lm_head.weight"), params.get("model.embed_tokens.weight")
+    return head is not None and head is embed
+
+
+def _shard_id(packed_name: str, index: int, shard_name: str) -> str | int:
+    # qkv_proj: "q" / "k" / "v"; every other packed parameter: the shard's index (gate 0, up 1)
+    return _QKV_SHARDS.get(shard_name, index) if packed_name == "qkv_proj" else index
+
+
+def _map_name(name: str, params: dict, packed: dict[str, list[str]]) -> _Target | None:
+    """Checkpoint name -> parameter (and shard); None when the model has no such parameter."""
+    for packed_name, shard_names in packed.items():
+        for i, shard_name in enumerate(shard_names):
+            if f".{shard_name}." in name:
+                param_name = name.replace(f".{shard_name}.", f".{packed_name}.")
+                if param_name in params:
+                    return _Target(param_name, _shard_id(packed_name, i, shard_name))
+    return _Target(name, None) if name in params else None
+
+
+def _plan(model: torch.nn.Module, files: list[Path]) -> list[tuple[Path, str, _Target]]:
+    """(file, checkpoint name, target) for every tensor to load; raises on unknown or missing names."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = _is_tied(model, params)
+    plan, unexpected = [], []
+    for f in files:
+        with safe_open(f, framework="pt") as reader:
+            for name in reader.keys():
+                if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                target = _map_name(name, params, packed)
+                if target is None:
+                    unexpected.append(f"{name} ({f.name})")
+                else:
+                    plan.append((f, name, target))
+    if unexpected:
+        raise ValueError(
+            f"{len(unexpected)} checkpoint tensor(s) in {files[0].parent} match no model parameter, e.g. "
+            f"{unexpected[:5]}; config.json's architecture disagrees with the checkpoint"
+        )
+
+    expected = {(n, None) for n in params if not (tied and n == "lm_head.weight")}
+    for packed_name, shard_names in packed.items():
+        for n in [n for n, _ in expected if f".{packed_name}." in n]:
+            expected.discard((n, None))
+            expected |= {(n, _shard_id(packed_name, i, s)) for i, s in enumerate(shard_names)}
+    missing = sorted(expected - {(t.param_name, t.shard_id) for _, _, t in plan}, key=str)
+    if missing:
+        shown = [n if s is None else f"{n} (shard {s})" for n, s in missing[:5]]
+        raise ValueError(
+            f"{len(missing)} model parameter(s) have no tensor in the checkpoint at {files[0].parent}, "
+            f"e.g. {shown}; config.json disagrees with the checkpoint"
+        )
+    return plan
+
+
+def _load_safetensors(model: torch.nn.Module, folder: Path) -> None:
+    start = time.perf_counter()
+    files = safetensors_files(folder)
+    plan = _plan(model, files)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    show_bar = len(files) > 1 and sys.stderr.isatty()
+    with torch.no_grad():
+        for f in tqdm(files, desc="Loading safetensors shards", disable=not show_bar):
+            with safe_open(f, framework="pt") as reader:
+                for _, name, target in (p for p in plan if p[0] == f):
+                    _load_one(params[target.param_name], reader.get_tensor(name), target, name, f)
+    logger.info("loaded %d tensors from %d file(s) in %s in %.1fs", len(plan), len(files), folder,
+                time.perf_counter() - start)
+
+
+def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, target: _Target, name: str, file: Path) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if loader is None and target.shard_id is not None:
+        raise TypeError(f"packed parameter {target.param_name} has no weight_loader to place shard {target.shard_id}")
+    try:
+        if target.shard_id is not None:
+            loader(param, tensor, target.shard_id)
+        else:
+            (loader or default_weight_loader)(param, tensor)
+    except WeightShapeError as e:
+        shard = "" if target.shard_id is None else f" (shard {target.shard_id})"
+        raise ValueError(
+            f"checkpoint tensor {name} in {file} has shape {list(e.actual)}, but parameter "
+            f"{target.param_name}{shard} built from config.json expects {list(e.expected)}: "
+            f"config.json disagrees with the checkpoint; use the config.json that came with these weights"
+        ) from e
+
+
+def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Biases 0, norm weights 1, everything else normal(0, 0.02); same seed, same values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.zero_()
+            elif name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
+                param.copy_(values)
+    logger.info("filled %s with dummy weights (seed %d)", type(model).__name__, seed)

