@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.weight_loading import check_shape, set_weight_loader
 
 
@@ -39,8 +40,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states [N, hidden] to logits [N, vocab] (gathered over TP ranks)."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__(vocab_size, hidden_size, dtype)
+        self.kernel = DenseLinearKernel()
+        self.kernel_weight = None
+
+    def process_weights_after_loading(self, kernel: DenseLinearKernel) -> None:
+        # The weight may be tied to the embedding, which still needs it: never freed here.
+        self.kernel = kernel
+        self.kernel_weight = kernel.prepare(self.weight.data)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        weight = self.weight if self.kernel_weight is None else self.kernel_weight
+        logits = self.kernel.apply(hidden, weight, None)
         if self.tp_size > 1:
             import torch.distributed as dist
 

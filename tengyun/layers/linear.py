@@ -7,10 +7,10 @@ all-reduces). Merged layers (qkv, gate_up) take each HF checkpoint tensor as a s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.weight_loading import check_shape, set_weight_loader
 
 
@@ -31,13 +31,25 @@ class LinearBase(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
+        self.kernel = DenseLinearKernel()
+        self.kernel_weight: torch.Tensor | None = None  # the kernel's form of weight, once loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         check_shape(param.data, loaded)
         param.data.copy_(loaded)
 
+    def process_weights_after_loading(self, kernel: DenseLinearKernel) -> None:
+        """Hand the loaded weight to ``kernel``; a repacking kernel frees the original."""
+        self.kernel = kernel
+        self.kernel_weight = kernel.prepare(self.weight.data)
+        if kernel.frees_original:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def _weight(self) -> torch.Tensor:
+        return self.weight if self.kernel_weight is None else self.kernel_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.kernel.apply(x, self._weight(), self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -121,7 +133,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.kernel.apply(x, self._weight(), None)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         return y if self.bias is None else y + self.bias

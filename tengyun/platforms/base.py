@@ -31,3 +31,9 @@ class Platform:
 
     def attention_backend(self) -> str:
         return "torch_sdpa"
+
+    def linear_kernel(self, dtype):
+        """The matmul kernel for linear layers of ``dtype`` (torch.dtype)."""
+        from tengyun.layers.linear_kernel import DenseLinearKernel
+
+        return DenseLinearKernel()

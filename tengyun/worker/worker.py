@@ -33,6 +33,10 @@ class Worker:
         with torch.device(self.device):
             self.model = model_cls(config.hf_config, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
         load_weights(self.model, config.model_path, config.load_format, seed=config.seed)
+        kernel = self.platform.linear_kernel(TORCH_DTYPES[config.dtype])
+        for module in self.model.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading(kernel)
         logger.info("Loaded %s (%s, %s) in %.1f s", config.architecture, config.dtype,
                     config.load_format, time.perf_counter() - started)
         self.kv_shape = kv_cache_shape(config.hf_config, DTYPE_BYTES[config.kv_cache_dtype])
