@@ -84,3 +84,24 @@ def test_greedy_matches_hf_under_pressure(tiny_checkpoints, arch, prefix_caching
         assert stats.prefix_cache_hits > 0
     else:
         assert stats.prefix_cache_hits == 0
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32, "rope_theta": 500000.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+], ids=lambda r: r["rope_type"])
+def test_rope_scaling_types_match_hf(tmp_path, tiny_tokenizer_dir, rope):
+    from conftest import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path, tiny_tokenizer_dir, "llama", rope_parameters=rope)
+    prompts = _prompts(300)[5:8]  # 50-90 tokens: past original_max_position_embeddings
+    reference = _hf_reference(folder, prompts)
+    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
+    for output, (ref_tokens, ref_tops) in zip(llm.generate(prompts, params), reference):
+        assert output.outputs[0].token_ids == ref_tokens
+        for step, (ref_ids, ref_values) in enumerate(ref_tops):
+            for token, value in zip(ref_ids, ref_values):
+                assert output.outputs[0].logprobs[step][token].logprob == pytest.approx(value, abs=1e-4)

@@ -1,0 +1,87 @@
+"""EngineConfig: vLLM's names, defaults resolved against model and machine, bad values named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tengyun import LLM
+from tengyun.config import EngineConfig, parse_size
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(dtype="float8"), "--dtype"),
+    (dict(kv_cache_dtype="int4"), "--kv-cache-dtype"),
+    (dict(block_size=3), "--block-size"),
+    (dict(max_model_len=0), "--max-model-len"),
+    (dict(max_num_seqs=0), "--max-num-seqs"),
+    (dict(max_num_batched_tokens=0), "--max-num-batched-tokens"),
+    (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization"),
+    (dict(kv_cache_memory="lots"), "--kv-cache-memory"),
+    (dict(load_format="pt"), "--load-format"),
+    (dict(device="tpu"), "--device"),
+])
+def test_bad_values_name_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        EngineConfig(**kwargs)
+
+
+def test_sizes_parse_with_units():
+    assert parse_size("4GiB", "x") == 4 * 2**30
+    assert parse_size("512MB", "x") == 512_000_000
+    assert parse_size("1.5KiB", "x") == 1536
+    assert parse_size(1024, "x") == 1024
+
+
+def test_kv_budget_env_var(monkeypatch):
+    monkeypatch.setenv("TENGYUN_CPU_KVCACHE_SPACE", "2")
+    assert EngineConfig().kv_cache_budget_bytes() == 2 * 2**30
+    assert EngineConfig(kv_cache_memory="64MiB").kv_cache_budget_bytes() == 64 * 2**20  # the flag wins
+    monkeypatch.setenv("TENGYUN_CPU_KVCACHE_SPACE", "abc")
+    with pytest.raises(ValueError, match="TENGYUN_CPU_KVCACHE_SPACE"):
+        EngineConfig().kv_cache_budget_bytes()
+
+
+def test_auto_dtypes_resolve_to_fp32_on_cpu_and_freeze(tiny_checkpoints):
+    config = EngineConfig(str(tiny_checkpoints["qwen3"])).finalize()
+    assert (config.dtype, config.kv_cache_dtype, config.device_type) == ("float32", "float32", "cpu")
+    assert config.max_model_len == 256  # max_position_embeddings
+    assert config.max_num_batched_tokens == 2048
+    assert config.architecture == "Qwen3ForCausalLM"
+    with pytest.raises(AttributeError, match="frozen"):
+        config.block_size = 32
+
+
+def test_kv_dtype_follows_an_explicit_model_dtype(tiny_checkpoints):
+    config = EngineConfig(str(tiny_checkpoints["llama"]), dtype="bfloat16").finalize()
+    assert config.kv_cache_dtype == "bfloat16"
+
+
+def test_max_model_len_over_the_model_limit_suggests_the_limit(tiny_checkpoints):
+    with pytest.raises(ValueError, match=r"--max-model-len 1000 .* lower --max-model-len to 256"):
+        EngineConfig(str(tiny_checkpoints["llama"]), max_model_len=1000).finalize()
+
+
+def test_unchunked_budget_must_hold_a_whole_prompt(tiny_checkpoints):
+    with pytest.raises(ValueError, match=r"--max-num-batched-tokens 64 .* --max-model-len 256"):
+        EngineConfig(str(tiny_checkpoints["llama"]), enable_chunked_prefill=False,
+                     max_num_batched_tokens=64).finalize()
+
+
+def test_kv_cache_too_small_for_max_model_len_names_both(tiny_checkpoints):
+    # llama tiny: 2 (K, V) x 2 layers x 2 kv heads x 16 dims x 4 bytes = 512 B per token -> 128 tokens.
+    with pytest.raises(ValueError, match=r"holds 128 tokens .* --max-model-len is 256: lower --max-model-len to 128"):
+        LLM(str(tiny_checkpoints["llama"]), kv_cache_memory="64KiB")
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path, tiny_checkpoints):
+    import shutil
+
+    folder = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_checkpoints["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(str(folder))
