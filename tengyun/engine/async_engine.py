@@ -1,0 +1,204 @@
+"""AsyncLLMEngine: the LLMEngine step loop in its own thread, fed and read from asyncio.
+
+    event loop (HTTP)                          engine thread
+    generate() --AddRequest/AbortRequest-->    inbox (queue.SimpleQueue), applied between steps
+    per-request asyncio.Queue <--StepResult--  loop.call_soon_threadsafe, once per step
+
+Only small picklable messages cross the boundary, never shared engine objects, so the loop
+can move into its own process later behind the same interface. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from tengyun.outputs import RequestOutput
+from tengyun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can be served any more."""
+
+
+# ----- messages: event loop -> engine thread ---------------------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class AbortRequest:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ----- messages: engine thread -> event loop ---------------------------------------------
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]
+    stats: Any  # EngineStats after the step
+    rejected: dict[str, Exception] = field(default_factory=dict)  # request_id -> add_request error
+
+
+@dataclass
+class EngineDead:
+    message: str
+
+
+StepListener = Callable[[list[RequestOutput], Any], None]
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: Any):
+        self.engine = engine  # touched only by the engine thread once start() ran
+        self.config = engine.config
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._listeners: list[StepListener] = []
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead_error: str | None = None
+        self.latest_stats = engine.get_stats()
+
+    @classmethod
+    def from_config(cls, config: Any) -> "AsyncLLMEngine":
+        from tengyun.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_config(config))
+
+    # ----- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will call generate()."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tengyun-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(Shutdown())
+            self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Called on the event loop after every step with (outputs, stats): metrics, logs."""
+        self._listeners.append(listener)
+
+    # ----- requests -----------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's RequestOutput after every step that changed it, the last one
+        finished. Raises add_request's ValueError for bad input, EngineDeadError if the loop
+        died. Closing or cancelling the iterator early aborts the request (KV blocks freed)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._inbox.put(AddRequest(request_id, prompt, params, arrival_time or time.time()))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    finished = True  # rejected or dead: nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if ids and self.dead_error is None:
+            self._inbox.put(AbortRequest(ids))
+
+    def abort_all(self) -> None:
+        self.abort(list(self._streams))
+
+    # ----- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                rejected: dict[str, Exception] = {}
+                for message in self._receive(block=not engine.has_unfinished_requests()):
+                    if isinstance(message, Shutdown):
+                        return
+                    if isinstance(message, AbortRequest):
+                        engine.abort_request(message.request_ids)
+                    else:
+                        try:
+                            engine.add_request(message.request_id, message.prompt, message.params,
+                                               message.arrival_time)
+                        except Exception as e:  # bad input: that caller's error, nobody else's
+                            rejected[message.request_id] = e
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                if outputs or rejected:
+                    self._emit(StepResult(outputs, engine.get_stats(), rejected))
+        except BaseException as e:  # noqa: BLE001 - report any death, then stop
+            logger.exception("Engine loop died")
+            self._emit(EngineDead(f"The engine loop died: {type(e).__name__}: {e}"))
+
+    def _receive(self, block: bool) -> list:
+        messages = [self._inbox.get()] if block else []
+        while True:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _emit(self, message: StepResult | EngineDead) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+        except RuntimeError:  # event loop closed: nobody is listening any more
+            pass
+
+    # ----- event loop side ----------------------------------------------------------------
+    def _dispatch(self, message: StepResult | EngineDead) -> None:
+        if isinstance(message, EngineDead):
+            self.dead_error = message.message
+            for stream in self._streams.values():
+                stream.put_nowait(EngineDeadError(message.message))
+            return
+        for request_id, error in message.rejected.items():
+            if request_id in self._streams:
+                self._streams[request_id].put_nowait(error)
+        for output in message.outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+        self.latest_stats = message.stats
+        for listener in self._listeners:
+            try:
+                listener(message.outputs, message.stats)
+            except Exception:  # a metrics bug must not break serving
+                logger.exception("Step listener %r failed", listener)
