@@ -48,7 +48,7 @@ def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
 class SamplingMetadata:
     """Per-step sampling inputs for the B rows that sample. A field is None when no row uses it."""
 
-    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None when every row is 1.0
     is_greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     all_random: bool
@@ -105,11 +105,12 @@ class SamplingMetadata:
                 mt_rows += [i] * len(ids)
                 mt_ids += ids
 
+        temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is not None]
         wants_logprobs = [p.logprobs for p in params if p.logprobs is not None]
 
         return cls(
-            temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            temperature=(floats(temperatures) if any(t != 1.0 for t in temperatures) else None),
             is_greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
@@ -207,14 +208,17 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.to(torch.float64).cumsum_(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # Rounding can put the target at the very end; fall back to the last token with mass.
-    last_nonzero = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(tokens, last_nonzero)
+    overflow = tokens >= probs.shape[1]  # target rounded up to the total (u within 1e-16 of 1)
+    if overflow.any():
+        last_nonzero = probs.shape[1] - 1 - (probs[overflow].flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+        tokens[overflow] = last_nonzero
+    return tokens
 
 
 def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """[B, V] penalised logits -> [B] tokens for the random rows (greedy rows' values are junk)."""
-    logits = logits / md.temperature.unsqueeze(1)
+    if md.temperature is not None:
+        logits = logits / md.temperature.unsqueeze(1)
     if md.top_k is not None:
         logits = apply_top_k(logits, md.top_k, md.max_top_k)
     if md.top_p is not None:
