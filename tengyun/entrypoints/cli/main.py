@@ -10,6 +10,7 @@ import sys
 # name -> module exposing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
     "generate": "tengyun.entrypoints.cli.generate",
+    "serve": "tengyun.entrypoints.cli.serve",
 }
 
 

@@ -1,0 +1,423 @@
+"""`tengyun serve` / `python -m tengyun.entrypoints.openai.api_server`: the OpenAI-compatible
+HTTP server (FastAPI + uvicorn) in front of AsyncLLMEngine.
+
+Life of the process:
+    bind the port at once (/health 503) -> load weights and KV cache in a thread -> warm-up
+    generation -> /health 200 -> ... -> SIGTERM: /health and new requests 503, in-flight ones
+    finish (aborted after --shutdown-timeout) -> exit 0.  Engine loop died: exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import shlex
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tengyun import __version__
+from tengyun.config import EngineConfig
+from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from tengyun.entrypoints.openai.cli_args import load_chat_template, make_arg_parser, resolve_api_key
+from tengyun.entrypoints.openai.metrics import EngineMetrics, StatLogger
+from tengyun.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+    RequestError, TokenizeRequest, TokenizeResponse, error_body,
+)
+from tengyun.entrypoints.openai.serving_chat import OpenAIServingChat
+from tengyun.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tengyun.entrypoints.openai.serving_engine import SSE_HEADERS, error_status
+from tengyun.sampling_params import SamplingParams
+
+logger = logging.getLogger("tengyun.server")
+
+AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # --api-key guards these; /health, /metrics stay open
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+class ServerState:
+    """Everything the routes share; the engine appears once loading and warm-up are done."""
+
+    def __init__(self, config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
+                 log_stats_interval: float | None = 10.0, shutdown_timeout: float = 30.0,
+                 base_url: str | None = None):
+        self.config = config  # finalized: served_model_name and max_model_len are known
+        self.api_key = api_key
+        self.chat_template = chat_template
+        self.shutdown_timeout = shutdown_timeout
+        self.base_url = base_url  # for the example curl line printed when ready
+        self.engine: AsyncLLMEngine | None = None
+        self.completion: OpenAIServingCompletion | None = None
+        self.chat: OpenAIServingChat | None = None
+        self.ready = False
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.drain_deadline = 0.0
+        self.aborted_in_flight = False
+        self.in_flight = 0  # API requests between arrival and their last byte
+        self.metrics = EngineMetrics(config.served_model_name)
+        self.stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
+
+    # ----- lifecycle ----------------------------------------------------------------------
+    async def start_engine(self) -> None:
+        try:
+            logger.info("Loading %s (served as %r) ...", self.config.model_path, self.config.served_model_name)
+            started = time.perf_counter()
+            engine = await _in_daemon_thread(AsyncLLMEngine.from_config, self.config)
+            from tengyun.tokenizer import get_tokenizer
+
+            tokenizer = await _in_daemon_thread(get_tokenizer, self.config)  # the front end's own copy
+            engine.start()
+            self.engine = engine
+            await self._warm_up(engine, tokenizer)
+            self.metrics.start_from(engine.latest_stats)  # warm-up tokens are not user traffic
+            engine.add_step_listener(self.metrics.on_step)
+            if self.stat_logger:
+                engine.add_step_listener(self.stat_logger.on_step)
+            name = self.config.served_model_name
+            self.completion = OpenAIServingCompletion(engine, tokenizer, name, self.chat_template)
+            self.chat = OpenAIServingChat(engine, tokenizer, name, self.chat_template)
+            self.ready = True
+            logger.info("Ready in %.1f s: serving %r", time.perf_counter() - started, name)
+            if self.base_url:
+                logger.info("Try it: %s", self.example_curl())
+        except Exception as e:
+            self.load_error = e
+            logger.error("Engine start failed: %s", e, exc_info=not isinstance(e, ValueError))
+
+    @staticmethod
+    async def _warm_up(engine: AsyncLLMEngine, tokenizer: Any) -> None:
+        """One short generation through the whole path, so the first user request is not slow."""
+        prompt = tokenizer.encode("Hello, warm-up.", add_special_tokens=False) or [0]
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        async for _ in engine.generate("warmup", prompt, params):
+            pass
+
+    async def log_stats_forever(self) -> None:
+        while self.stat_logger:
+            await asyncio.sleep(self.stat_logger.interval_s)
+            self.stat_logger.log()
+
+    def example_curl(self) -> str:
+        body = {"model": self.config.served_model_name, "max_tokens": 64, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        auth = ' -H "Authorization: Bearer $TENGYUN_API_KEY"' if self.api_key else ""
+        return (f"curl {self.base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+                f"-d {shlex.quote(json.dumps(body))}")
+
+    def begin_drain(self) -> None:
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.shutdown_timeout
+
+    def exit_code(self) -> int | None:
+        """Checked every 0.1 s by the server: None keeps serving, a number shuts down with it."""
+        if self.load_error is not None:
+            return 2 if isinstance(self.load_error, ValueError) else 1
+        if self.engine is not None and self.engine.errored:
+            return 1
+        if self.draining:
+            if self.in_flight == 0:
+                return 0
+            if time.monotonic() > self.drain_deadline:
+                if not self.aborted_in_flight:
+                    logger.warning("--shutdown-timeout passed: aborting %d in-flight request(s)", self.in_flight)
+                    self.aborted_in_flight = True
+                    if self.engine is not None:
+                        self.engine.abort_all()
+                elif time.monotonic() > self.drain_deadline + 5.0:
+                    return 0
+        return None
+
+    def unavailable_reason(self) -> str | None:
+        if self.engine is not None and self.engine.errored:
+            return f"The engine is not running: {self.engine.dead_error}"
+        if self.draining:
+            return "The server is shutting down and accepts no new requests."
+        if self.load_error is not None:
+            return f"The engine failed to start: {self.load_error}"
+        if not self.ready:
+            return "The server is starting (loading the model, warming up); retry when /health returns 200."
+        return None
+
+
+async def _in_daemon_thread(fn: Callable, *args: Any) -> Any:
+    """Run fn in a daemon thread, so a SIGTERM during model loading does not wait for it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(error: BaseException | None, result: Any) -> None:
+        if not future.done():
+            future.set_result(result) if error is None else future.set_exception(error)
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001
+            loop.call_soon_threadsafe(settle, e, None)
+        else:
+            loop.call_soon_threadsafe(settle, None, result)
+
+    threading.Thread(target=target, daemon=True, name=f"tengyun-{fn.__name__}").start()
+    return await future
+
+
+class GateMiddleware:
+    """API routes: bearer auth (401), then readiness / draining (503), then in-flight counting."""
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not (
+                path.startswith(AUTH_PREFIXES) or path == "/v1"):
+            return await self.app(scope, receive, send)
+        state = self.state
+        if state.api_key and not self._authorized(scope):
+            response = error_response(401, "Invalid or missing API key: send it as 'Authorization: Bearer KEY'.")
+            return await response(scope, receive, send)
+        reason = state.unavailable_reason()
+        if reason is not None:
+            return await error_response(503, reason)(scope, receive, send)
+        state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.in_flight -= 1
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        value = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.state.api_key)
+
+
+async def _until_disconnect(raw_request: Request, work: Any) -> Any:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    return task.result()
+
+
+def _respond(result: Any) -> Response:
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+    if isinstance(result, Response):
+        return result
+    return JSONResponse(result.model_dump())
+
+
+def build_app(state: ServerState, allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
+              allowed_headers: list[str] | None = None, allow_credentials: bool = False) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tasks = [asyncio.create_task(state.start_engine()), asyncio.create_task(state.log_stats_forever())]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            if state.engine is not None:
+                state.engine.shutdown()
+
+    app = FastAPI(title="Tengyun OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(GateMiddleware, state=state)
+    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
+                       allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],
+                       allow_credentials=allow_credentials)  # outermost: preflights never need the key
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = str(first.get("msg", "Invalid request.")).removeprefix("Value error, ")
+        if loc:
+            message = f"{'.'.join(loc)}: {message}"
+        elif first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            message = f"The request body must be a JSON object: {message}"
+        return error_response(400, message, loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"No route {request.method} {request.url.path}." if exc.status_code in (404, 405) else str(exc.detail)
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(error_status(exc), str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Internal error on %s", request.url.path)
+        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        reason = state.unavailable_reason()
+        return Response(status_code=200) if reason is None else error_response(503, reason)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=state.config.served_model_name, root=str(state.config.model_path),
+                         max_model_len=state.config.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return _respond(await _until_disconnect(raw_request, state.completion.create_completion(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return _respond(await _until_disconnect(raw_request, state.chat.create_chat_completion(request)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict:
+        serving = state.completion
+        serving.check_model(request.model)
+        if request.messages is not None:
+            text = serving.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
+                                       request.chat_template, request.chat_template_kwargs)
+            add_special = bool(request.add_special_tokens)
+        else:
+            text = request.prompt
+            add_special = request.add_special_tokens is not False
+        tokens = serving.tokenizer.encode(text, add_special_tokens=add_special)
+        token_strs = serving.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens,
+                                token_strs=token_strs).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict:
+        serving = state.completion
+        serving.check_model(request.model)
+        serving.tokenize_prompt(request.tokens)  # range check: 400 naming the bad ids
+        return DetokenizeResponse(prompt=serving.tokenizer.decode(request.tokens)).model_dump()
+
+
+class TengyunServer(uvicorn.Server):
+    """uvicorn, with SIGTERM / SIGINT starting a drain instead of an immediate stop, and an exit
+    code: 0 after a drain, 1 if the engine died, 2 if it could not start (configuration)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or self.should_exit:  # a second signal: stop now
+            self.should_exit = self.force_exit = True
+            return
+        logger.info("Received signal %d: no new requests; finishing %d in-flight request(s) within %.0f s",
+                    sig, self.state.in_flight, self.state.shutdown_timeout)
+        self.state.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        should_exit = await super().on_tick(counter)
+        code = self.state.exit_code()
+        if code is not None:
+            self.exit_code = code
+            return True
+        return should_exit
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from tengyun.entrypoints.cli.engine_args import config_from_args
+
+    config = config_from_args(args).finalize()  # fast checks first: bad flags never bind a port
+    state = ServerState(
+        config, api_key=resolve_api_key(args), chat_template=load_chat_template(args.chat_template),
+        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+        shutdown_timeout=args.shutdown_timeout,
+        base_url=f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}",
+    )
+    app = build_app(state, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+    uvicorn_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5, lifespan="on",
+    )
+    server = TengyunServer(uvicorn_config, state)
+    logger.info("Tengyun %s starting on http://%s:%d (/health turns 200 when the model is ready)",
+                __version__, args.host, args.port)
+    asyncio.run(server.serve())
+    if state.load_error is not None:
+        print(f"error: {state.load_error}", file=sys.stderr)
+    elif server.exit_code == 1:
+        print(f"error: {state.engine.dead_error if state.engine else 'the engine stopped'}", file=sys.stderr)
+    elif not server.started:
+        return 1  # the port could not be bound; uvicorn logged why
+    return server.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    parser = make_arg_parser(argparse.ArgumentParser(
+        prog="python -m tengyun.entrypoints.openai.api_server", description="Tengyun OpenAI-compatible server."))
+    args = parser.parse_args(argv)
+    try:
+        return run_server(args)
+    except (ValueError, FileNotFoundError) as e:  # configuration errors: say what to change, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Flags of `tengyun serve`: the engine's (shared with `tengyun generate`) plus the server's,
+under vLLM's names."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from tengyun.entrypoints.cli.engine_args import add_engine_args
+
+API_KEY_ENV = "TENGYUN_API_KEY"
+
+
+def _list_arg(value: str) -> list[str]:
+    """'["a", "b"]' (vLLM's JSON form) or 'a,b' -> ["a", "b"]."""
+    value = value.strip()
+    if value.startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError('expected a JSON list of strings such as ["*"]')
+        return items
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces, as vLLM)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=None,
+                       help=f"required as 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                            f"(default: ${API_KEY_ENV}); /health, /metrics and /version stay open")
+    group.add_argument("--allowed-origins", type=_list_arg, default=["*"], help='CORS origins, e.g. ["*"]')
+    group.add_argument("--allowed-methods", type=_list_arg, default=["*"])
+    group.add_argument("--allowed-headers", type=_list_arg, default=["*"])
+    group.add_argument("--allow-credentials", action="store_true")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, replacing the tokenizer's")
+    group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
+    group.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM waits for in-flight requests before aborting them")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    group.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_engine_args(parser)
+    add_server_args(parser)
+    return parser
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template is a path when such a file exists, else the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+    return value

@@ -1,0 +1,127 @@
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + i."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from tengyun.entrypoints.openai.protocol import (
+    CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
+    CompletionStreamResponse, UsageInfo, random_id,
+)
+from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
+from tengyun.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        """Validates everything before the first engine call: bad input raises RequestError."""
+        self.check_model(request.model)
+        prompts = request.prompts()
+        token_lists = [self.tokenize_prompt(p) for p in prompts]
+        for ids in token_lists:
+            self.check_length(len(ids), request.max_tokens)
+        params = request.to_sampling_params(request.max_tokens)
+        echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if request.echo else ""
+                      for p in prompts]
+        request_id = random_id("cmpl")
+        streams = [self.engine.generate(f"{request_id}-{i}", ids, params) for i, ids in enumerate(token_lists)]
+        if request.stream:
+            return self._stream(request, request_id, streams, echo_texts)
+        return await self._full(request, request_id, streams, echo_texts)
+
+    async def _full(self, request: CompletionRequest, request_id: str, streams,
+                    echo_texts: list[str]) -> CompletionResponse:
+        finals: dict[int, RequestOutput] = {}
+        async for i, output in self.merged(streams):
+            finals[i] = output
+        choices, usage = [], UsageInfo()
+        for i in sorted(finals):
+            output = finals[i]
+            usage.prompt_tokens += len(output.prompt_token_ids)
+            for c in output.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs, 0)
+                choices.append(CompletionResponseChoice(
+                    index=i * request.n + c.index, text=echo_texts[i] + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+
+    async def _stream(self, request: CompletionRequest, request_id: str, streams,
+                      echo_texts: list[str]) -> AsyncIterator[str]:
+        created, n = int(time.time()), request.n
+        num_choices = len(streams) * n
+        sent_chars, sent_tokens = [0] * num_choices, [0] * num_choices
+        echoed, done = [False] * num_choices, [False] * num_choices
+        prompt_tokens: dict[int, int] = {}
+        exclude = None if request.include_usage_in_stream else {"usage"}
+        try:
+            async for i, output in self.merged(streams):
+                prompt_tokens[i] = len(output.prompt_token_ids)
+                choices = []
+                for c in output.outputs:
+                    k = i * n + c.index
+                    if done[k]:
+                        continue
+                    choice = self._delta_choice(request, c, k, sent_chars, sent_tokens)
+                    if not echoed[k] and echo_texts[i]:
+                        choice = choice or CompletionResponseChoice(index=k, text="")
+                        choice.text = echo_texts[i] + choice.text
+                    echoed[k] = True
+                    if choice is not None:
+                        done[k] = choice.finish_reason is not None
+                        choices.append(choice)
+                if choices:
+                    chunk = CompletionStreamResponse(id=request_id, created=created,
+                                                     model=self.served_model_name, choices=choices)
+                    yield sse(chunk.model_dump(exclude=exclude))
+            if request.include_usage_in_stream:
+                prompt = sum(prompt_tokens.values())
+                completion = sum(sent_tokens)
+                usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                                  total_tokens=prompt + completion)
+                chunk = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                 choices=[], usage=usage)
+                yield sse(chunk.model_dump())
+        except Exception as e:
+            yield sse_error(e)
+        yield SSE_DONE
+
+    @staticmethod
+    def _delta_choice(request: CompletionRequest, c: CompletionOutput, k: int, sent_chars: list[int],
+                      sent_tokens: list[int]) -> CompletionResponseChoice | None:
+        """The text and tokens of choice k not yet sent; None when nothing changed."""
+        delta = c.text[sent_chars[k]:]
+        new_tokens = c.token_ids[sent_tokens[k]:]
+        if not delta and c.finish_reason is None and not (request.logprobs is not None and new_tokens):
+            return None
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = completion_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[k]:], request.logprobs,
+                                           sent_chars[k])
+        sent_chars[k] = len(c.text)
+        sent_tokens[k] = len(c.token_ids)
+        return CompletionResponseChoice(index=k, text=delta, logprobs=logprobs,
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int, offset: int) -> CompletionLogProbs:
+    """OpenAI's legacy shape: per token its string, logprob, offset, and {token: logprob} of the
+    top-k plus the sampled token."""
+    result = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, logprobs):
+        sampled = entry[token_id]
+        token = sampled.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(sampled.logprob)
+        result.text_offset.append(offset)
+        offset += len(token)
+        top = {}
+        for tid, lp in sorted(entry.items(), key=lambda item: item[1].rank or 0):
+            if tid == token_id or (lp.rank is not None and lp.rank <= k):
+                top.setdefault(lp.decoded_token or "", lp.logprob)
+        result.top_logprobs.append(top)
+    return result

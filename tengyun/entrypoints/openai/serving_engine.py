@@ -1,0 +1,148 @@
+"""OpenAIServing: what the completion and chat handlers share — model check, tokenizing and
+length checks, SSE framing, and merging the streams of several engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator
+
+from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from tengyun.entrypoints.openai.protocol import ChatMessage, RequestError, error_body
+from tengyun.outputs import RequestOutput
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, served_model_name: str,
+                 chat_template: str | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer  # the front end's own copy: the engine thread has another
+        self.served_model_name = served_model_name
+        self.max_model_len = engine.config.max_model_len
+        self.vocab_size = engine.config.hf_config["vocab_size"]
+        self.chat_template = chat_template
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise RequestError(f"The model `{model}` does not exist; this server serves "
+                               f"`{self.served_model_name}`.", "model")
+
+    # ----- prompts ----------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt holds token ids outside [0, {self.vocab_size}): {bad[:5]}.", "prompt")
+        return list(prompt)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The tokenizer's chat template (or --chat-template / the request's) over the messages."""
+        template = chat_template or self.chat_template
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("The model has no chat template: start the server with --chat-template "
+                               "or use /v1/completions.", "messages")
+        conversation = [_message_dict(m) for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=template,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
+            raise RequestError(f"The chat template failed on these messages: {e}", "messages") from None
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
+        """Prompt + max_tokens must fit --max-model-len; the message carries both numbers."""
+        if num_prompt_tokens == 0:
+            raise RequestError(f"The {what} is empty.", "messages" if what == "messages" else "prompt")
+        limit = self.max_model_len
+        if max_tokens is None:
+            if num_prompt_tokens >= limit:
+                raise RequestError(
+                    f"This model's maximum context length is {limit} tokens, but the {what} has "
+                    f"{num_prompt_tokens} tokens, which leaves no room to generate: shorten it below "
+                    f"{limit} tokens or raise --max-model-len.", "messages" if what == "messages" else "prompt")
+        elif num_prompt_tokens + max_tokens > limit:
+            room = limit - num_prompt_tokens
+            fix = f"lower max_tokens to {room}" if room > 0 else f"shorten the {what}"
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, "
+                f"{max_tokens} in the completion): {fix} or raise --max-model-len.", "max_tokens")
+
+    # ----- streams ----------------------------------------------------------------------
+    async def merged(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleave several engine streams as (stream index, output); closing this closes all."""
+        if len(streams) == 1:
+            try:
+                async for output in streams[0]:
+                    yield 0, output
+            finally:
+                await streams[0].aclose()  # an early exit aborts the engine request
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for output in stream:
+                    await queue.put((i, output))
+            except Exception as e:
+                await queue.put((i, e))
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()  # cancelling a pump closes its engine stream, which aborts the request
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """Text parts joined with newlines: templates expect string content."""
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"Only text content parts are supported, got type {part.get('type')!r}.",
+                                   "messages")
+            texts.append(part["text"])
+        data["content"] = "\n".join(texts)
+    return data
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event: `data: {...}\\n\\n`."""
+    body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_status(e: Exception) -> int:
+    """HTTP status for an exception: bad input 400, dead engine 503, anything else 500."""
+    if isinstance(e, EngineDeadError):
+        return 503
+    return 400 if isinstance(e, ValueError) else 500
+
+
+def sse_error(e: Exception) -> str:
+    """An error after the stream started: headers are gone, so it travels in-band."""
+    return sse(error_body(error_status(e), str(e), getattr(e, "param", None)))

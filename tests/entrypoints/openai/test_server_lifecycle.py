@@ -1,0 +1,124 @@
+"""Readiness and shutdown: /health before warm-up, SIGTERM drains in-flight requests and exits
+0, a dead engine loop gives 503 and exit 1, a start-up failure exits 2 naming the flag."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from remote_server import server_model, start_server  # noqa: F401 (fixtures)
+
+PROMPT = "The quick brown fox"
+
+
+def assert_error(r: httpx.Response, status: int, *words: str) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    for word in words:
+        assert word in error["message"]
+
+
+def wait_for_health(url: str, status: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health", timeout=30).status_code != status:
+        assert time.monotonic() < deadline, f"/health never returned {status}"
+        time.sleep(0.05)
+
+
+def test_sigterm_finishes_the_in_flight_request_refuses_new_ones_and_exits_zero(start_server):  # noqa: F811
+    server = start_server("--shutdown-timeout", "600").wait_ready()
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+        events = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+        first = next(events)
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for_health(server.url, 503)
+        assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=30), 503,
+                     "shutting down")
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in [first] + rest[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
+        == ["length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 200
+    assert server.wait_exit() == 0, server.log()
+    assert "finishing 1 in-flight request(s)" in server.log()  # it was mid-flight when the signal came
+
+
+DIE_WHEN_FILE_EXISTS = """
+import os, sys
+from tengyun.engine.llm_engine import LLMEngine
+
+real_step = LLMEngine.step
+
+def step(self):
+    if os.path.exists(os.environ["DIE_FILE"]):
+        raise RuntimeError("injected device failure")
+    return real_step(self)
+
+LLMEngine.step = step
+from tengyun.entrypoints.openai.api_server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_dead_engine_loop_fails_the_request_and_exits_nonzero(start_server, tmp_path):  # noqa: F811
+    die_file = tmp_path / "die"
+    server = start_server(python_code=DIE_WHEN_FILE_EXISTS, env={"DIE_FILE": str(die_file)}).wait_ready()
+    die_file.touch()
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=120)
+    assert_error(r, 503, "injected device failure")
+    assert server.wait_exit() == 1
+    assert "The engine loop died: RuntimeError: injected device failure" in server.log()
+
+
+def test_start_up_failure_exits_2_naming_the_flag(start_server):  # noqa: F811
+    server = start_server("--kv-cache-memory", "16KiB")
+    assert server.wait_exit() == 2
+    assert "--kv-cache-memory" in server.log() and "Traceback" not in server.log()
+
+
+def test_health_is_503_until_warm_and_after_the_engine_dies(server_model):  # noqa: F811
+    from tengyun.config import EngineConfig
+    from tengyun.entrypoints.openai.api_server import ServerState, build_app
+
+    config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
+    state = ServerState(config, log_stats_interval=None)
+    app = build_app(state)
+    body = {"prompt": PROMPT, "max_tokens": 3}
+
+    def boom():
+        raise RuntimeError("injected device failure")
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tengyun") as http:
+            assert_error(await http.get("/health"), 503, "starting")
+            assert_error(await http.post("/v1/completions", json=body), 503, "starting")
+            await state.start_engine()
+            try:
+                assert state.ready and (await http.get("/health")).status_code == 200
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+                assert state.exit_code() is None
+                state.engine.engine.step = boom
+                assert_error(await http.post("/v1/completions", json=body), 503, "injected device failure")
+                assert_error(await http.get("/health"), 503, "injected device failure")
+                assert state.exit_code() == 1
+            finally:
+                state.engine.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("value, expected", [('["http://a", "http://b"]', ["http://a", "http://b"]),
+                                             ("http://a, http://b", ["http://a", "http://b"]), ("*", ["*"])])
+def test_list_flags_take_json_or_commas(value, expected):
+    from tengyun.entrypoints.openai.cli_args import _list_arg
+
+    assert _list_arg(value) == expected
