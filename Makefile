@@ -17,8 +17,12 @@ $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# The OpenAI-compatible server on the embedded SmolLM2-135M-Instruct; it prints a curl line to try
+# once /health answers 200. A 1 GiB KV cache (23k tokens) starts in seconds; the CPU default is 4 GiB.
+SERVE_FLAGS ?= --host 127.0.0.1 --port 8000 --kv-cache-memory 1GiB
+
 run: setup
-	$(VENV)/bin/tengyun generate "What is the capital of France?"
+	exec $(VENV)/bin/tengyun serve $(SERVE_FLAGS)
 
 test: setup
 	$(PY) -m pytest -q
