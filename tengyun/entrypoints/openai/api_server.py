@@ -42,6 +42,7 @@ from tengyun.entrypoints.openai.serving_chat import OpenAIServingChat
 from tengyun.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tengyun.entrypoints.openai.serving_engine import SSE_HEADERS, error_status
 from tengyun.sampling_params import SamplingParams
+from tengyun.tokenizer import get_tokenizer
 
 logger = logging.getLogger("tengyun.server")
 
@@ -81,8 +82,6 @@ class ServerState:
             logger.info("Loading %s (served as %r) ...", self.config.model_path, self.config.served_model_name)
             started = time.perf_counter()
             engine = await _in_daemon_thread(AsyncLLMEngine.from_config, self.config)
-            from tengyun.tokenizer import get_tokenizer
-
             tokenizer = await _in_daemon_thread(get_tokenizer, self.config)  # the front end's own copy
             engine.start()
             self.engine = engine
@@ -90,6 +89,7 @@ class ServerState:
             self.metrics.start_from(engine.latest_stats)  # warm-up tokens are not user traffic
             engine.add_step_listener(self.metrics.on_step)
             if self.stat_logger:
+                self.stat_logger.start_from(engine.latest_stats)
                 engine.add_step_listener(self.stat_logger.on_step)
             name = self.config.served_model_name
             self.completion = OpenAIServingCompletion(engine, tokenizer, name, self.chat_template)
@@ -204,10 +204,10 @@ class GateMiddleware:
             state.in_flight -= 1
 
     def _authorized(self, scope) -> bool:
-        headers = dict(scope.get("headers") or [])
-        value = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = value.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.state.api_key)
+        value = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = value.partition(b" ")
+        # Bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.state.api_key.encode())
 
 
 async def _until_disconnect(raw_request: Request, work: Any) -> Any:

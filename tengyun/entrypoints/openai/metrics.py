@@ -128,12 +128,18 @@ class StatLogger:
         self._logged = None
         self._logged_at = time.monotonic()
 
+    def start_from(self, stats, now: float | None = None) -> None:
+        """Rates count from these engine totals on (the warm-up's tokens are not traffic)."""
+        self._stats = self._logged = stats
+        self._logged_at = time.monotonic() if now is None else now
+
     def on_step(self, outputs: list[RequestOutput], stats) -> None:
         self._stats = stats
 
-    def line(self) -> str | None:
+    def line(self, now: float | None = None) -> str | None:
         """The line for the interval just ended, or None when nothing happened in it."""
-        now, stats, last = time.monotonic(), self._stats, self._logged
+        now = time.monotonic() if now is None else now
+        stats, last = self._stats, self._logged
         if stats is None or (stats == last and stats.num_running == 0 and stats.num_waiting == 0):
             return None
         elapsed = max(now - self._logged_at, 1e-9)

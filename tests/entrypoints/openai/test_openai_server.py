@@ -269,7 +269,8 @@ def test_wrong_or_missing_key_is_401_but_health_and_metrics_stay_open(server):
     with pytest.raises(openai.AuthenticationError) as info:
         bad.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert info.value.status_code == 401
-    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": API_KEY}):
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": API_KEY},
+                    {"Authorization": "Bearer sk-\u00e9t\u00e9".encode()}):
         for path in ("/v1/completions", "/tokenize", "/detokenize"):
             r = post(server, path, {"prompt": "x", "tokens": [1]}, headers=headers)
             assert r.status_code == 401

@@ -122,3 +122,15 @@ def test_list_flags_take_json_or_commas(value, expected):
     from tengyun.entrypoints.openai.cli_args import _list_arg
 
     assert _list_arg(value) == expected
+
+
+def test_tengyun_serve_takes_engine_and_server_flags(capsys):
+    from tengyun.entrypoints.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    usage = capsys.readouterr().out
+    for flag in ("--max-model-len", "--enable-prefix-caching", "--kv-cache-dtype", "--api-key", "--port",
+                 "--allowed-origins", "--disable-log-stats", "--shutdown-timeout", "--served-model-name"):
+        assert flag in usage
