@@ -196,6 +196,15 @@ def test_n2_gives_two_choices_streamed_and_not(client):
     assert texts == {c.index: c.message.content for c in full.choices}  # seeded: same draws
     completion = client.completions.create(prompt=[PROMPT, "Paris is"], **kw)
     assert [c.index for c in completion.choices] == [0, 1, 2, 3]  # prompt index * n + i
+    texts, reasons = {i: "" for i in range(4)}, {}
+    for chunk in client.completions.create(prompt=[PROMPT, "Paris is"], stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                assert c.index not in reasons, "finish_reason sent twice"
+                reasons[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in completion.choices}
+    assert reasons == {i: "length" for i in range(4)}
 
 
 def test_stop_string_cuts_the_text_streamed_and_not(client):
