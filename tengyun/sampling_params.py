@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -43,6 +44,11 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(name: str, value, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {value!r}.")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, value, "a finite number")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")

@@ -126,3 +126,9 @@ def test_engine_package_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'engine/ imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty"])
+def test_non_finite_sampling_values_are_rejected(field):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: float("nan")})

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.command].run(args) or 0
-    except ValueError as e:  # configuration errors: say what to change, no traceback
+    except (ValueError, FileNotFoundError) as e:  # bad settings or paths: say what to change, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 
