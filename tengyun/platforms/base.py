@@ -25,6 +25,9 @@ class Platform:
     def synchronize(self) -> None:
         pass
 
+    def init_process(self) -> None:
+        """Process-wide tuning done once by the worker before the model is built."""
+
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device."""
         raise NotImplementedError

@@ -1,8 +1,18 @@
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import os
 
 from tengyun.platforms.base import Platform
+
+logger = logging.getLogger(__name__)
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_KEEP_BYTES = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit
 
 
 class CpuPlatform(Platform):
@@ -13,6 +23,20 @@ class CpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    def init_process(self) -> None:
+        """Keep freed activation buffers in the heap instead of unmapping them: each step
+        allocates many multi-MB temporaries, and fresh mmaps page-fault on every touch
+        (prefill of 64 x 128 SmolLM2 tokens 12.2 s -> 10.3 s here). vLLM's CPU docs
+        reach for tcmalloc via LD_PRELOAD for the same reason; this needs no preload."""
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name)
+            ok = libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+        except (OSError, AttributeError, TypeError):
+            ok = False
+        if not ok:
+            logger.debug("mallopt unavailable (not glibc?); keeping the default allocator settings")
 
     def linear_kernel(self, dtype):
         from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available

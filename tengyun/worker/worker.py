@@ -27,6 +27,7 @@ class Worker:
         self.config = config
         self.platform = get_platform(config.device)
         self.device = self.platform.torch_device()
+        self.platform.init_process()
         torch.manual_seed(config.seed)
         started = time.perf_counter()
         model_cls = get_model_class(config.architecture)

@@ -13,15 +13,26 @@ from tengyun.layers.attention.backend import AttentionBackend
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """cache [N, bs, H, D], block_table [..., nb] -> [..., H, length, D]."""
-    blocks = cache[block_table]  # [..., nb, bs, H, D]
-    tokens = blocks.flatten(-4, -3)[..., :length, :, :]  # [..., L, H, D]
-    return tokens.transpose(-3, -2)
-
-
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+
+    def __init__(self):
+        # Gather scratch reused by every layer and step (grow-only): a fresh multi-MB
+        # buffer per call costs page faults that took longer than the copy itself.
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def _gather(self, name: str, cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """cache [N, bs, H, D], block_table [B, nb] (or [nb]) -> [B, H, length, D] (or [H, length, D])."""
+        num_blocks, block_size, heads, dim = cache.shape
+        flat_table = block_table.reshape(-1)
+        need = flat_table.numel() * block_size * heads * dim
+        scratch = self._scratch.get(name)
+        if scratch is None or scratch.numel() < need or scratch.dtype != cache.dtype or scratch.device != cache.device:
+            scratch = self._scratch[name] = torch.empty(need, dtype=cache.dtype, device=cache.device)
+        rows = scratch[:need].view(flat_table.numel(), block_size * heads * dim)
+        torch.index_select(cache.view(num_blocks, -1), 0, flat_table, out=rows)
+        tokens = rows.view(*block_table.shape[:-1], -1, heads, dim)[..., :length, :, :]  # [..., L, H, D]
+        return tokens.transpose(-3, -2)
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         num_kv_heads, head_dim = k_cache.shape[-2:]
@@ -46,8 +57,8 @@ class TorchSDPABackend(AttentionBackend):
             positions = torch.arange(max_len, device=q.device)
             mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
             meta.backend_state["decode_mask"] = mask
-        keys = _gather(k_cache, meta.decode_block_tables, max_len).to(q.dtype)
-        values = _gather(v_cache, meta.decode_block_tables, max_len).to(q.dtype)
+        keys = self._gather("k", k_cache, meta.decode_block_tables, max_len).to(q.dtype)
+        values = self._gather("v", v_cache, meta.decode_block_tables, max_len).to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -59,8 +70,8 @@ class TorchSDPABackend(AttentionBackend):
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
             total = chunk.context_len + chunk.query_len
-            keys = _gather(k_cache, chunk.block_table, total).to(q.dtype)
-            values = _gather(v_cache, chunk.block_table, total).to(q.dtype)
+            keys = self._gather("k", k_cache, chunk.block_table, total).to(q.dtype)
+            values = self._gather("v", v_cache, chunk.block_table, total).to(q.dtype)
             key = ("prefill_mask", chunk.query_start)
             mask = meta.backend_state.get(key)
             if mask is None:
