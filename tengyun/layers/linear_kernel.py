@@ -24,8 +24,8 @@ class DenseLinearKernel:
 class OneDNNPackedLinearKernel(DenseLinearKernel):
     """oneDNN with the weight reordered once into its blocked layout (CPU, fp32/bf16).
 
-    Measured here for SmolLM2 shapes (2 cores): 1.3-2x faster than F.linear at 1-64 rows,
-    ~10% at 512 rows (benchmarks/README.md).
+    Faster than F.linear at SmolLM2's shapes on this 2-core CPU, most at small row counts
+    (benchmarks/linear_kernels.py; figures in benchmarks/README.md).
     """
 
     frees_original = True
