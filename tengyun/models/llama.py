@@ -11,12 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from tengyun.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
 from tengyun.layers.activation import SiluAndMul
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tengyun.layers.layernorm import RMSNorm
 from tengyun.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from tengyun.models.pipeline import IntermediateTensors, PPMissingLayer, make_layers
 
 
 class LlamaMLP(nn.Module):
@@ -61,12 +63,16 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
+def make_dense_mlp(cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    return LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], dtype, cfg.get("mlp_bias", False))
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
-                 qkv_bias: bool, qk_norm: bool):
+                 qkv_bias: bool, qk_norm: bool, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, max_position, dtype, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], dtype, cfg.get("mlp_bias", False))
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
 
@@ -81,20 +87,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """One pipeline stage of the decoder: embedding on the first, final norm on the last."""
+
     def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
                  qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, max_position, dtype, qkv_bias, qk_norm)
-            for _ in range(cfg["num_hidden_layers"])
-        )
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+        hidden = cfg["hidden_size"]
+        self.embed_tokens = (VocabParallelEmbedding(cfg["vocab_size"], hidden, dtype)
+                             if is_first_pp_rank() else PPMissingLayer())
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg["num_hidden_layers"], lambda _: LlamaDecoderLayer(cfg, max_position, dtype, qkv_bias, qk_norm))
+        self.norm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype) if is_last_pp_rank() else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Last stage: hidden states [T, hidden]; earlier stages: [hidden, residual] for the next."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
+        if not is_last_pp_rank():
+            return [hidden, residual]
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -103,20 +118,26 @@ class LlamaForCausalLM(nn.Module):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     qkv_bias = False
     qk_norm = False
+    make_mlp = staticmethod(make_dense_mlp)  # (cfg, layer_idx, dtype) -> the layer's MLP
 
     def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
         super().__init__()
         qkv_bias = cfg.get("attention_bias", False) or self.qkv_bias
-        self.model = LlamaModel(cfg, max_position, dtype, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(cfg, max_position, dtype, qkv_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if is_last_pp_rank():
+            self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype)
+            if self.tie_word_embeddings and is_first_pp_rank():
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] -> hidden states [T, hidden] (or [hidden, residual] before the last stage)."""
+        return self.model(input_ids, positions, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.lm_head.compute_logits(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] float32 on TP rank 0; None on the other TP ranks."""
+        logits = self.lm_head.compute_logits(hidden)
+        return None if logits is None else logits.float()
