@@ -14,10 +14,12 @@ SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "npu")
+SUPPORTED_EXECUTOR_BACKENDS = ("mp", "uni")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 KVCACHE_SPACE_ENV = "TENGYUN_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 DEFAULT_CPU_KVCACHE_GIB = 4
@@ -60,6 +62,16 @@ class EngineConfig:
     trust_remote_code: bool = False
     device: str = "auto"
     served_model_name: str | None = None
+    # Parallelism (docs/parallelism.md). World size = tp * pp, split evenly over --nnodes.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "mp" (one process per rank) or "uni"; None = mp if world > 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node only)
+    headless: bool = False  # run this node's workers only, no engine or API server
+    distributed_timeout: float = 300.0  # seconds: a step or collective slower than this is an error
 
     # Resolved by finalize(); read-only afterwards.
     model_path: Path | None = field(default=None, init=False)
@@ -109,6 +121,38 @@ class EngineConfig:
                 raise ValueError(f"--kv-cache-memory must be positive (try 4GiB); got {self.kv_cache_memory}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"--num-gpu-blocks-override must be >= 1; got {self.num_gpu_blocks_override}.")
+        self._validate_parallel_values()
+
+    def _validate_parallel_values(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1 (try 1); got {self.tensor_parallel_size}.")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be >= 1 (try 1); got {self.pipeline_parallel_size}.")
+        if self.executor_backend not in SUPPORTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"--distributed-executor-backend must be one of mp, uni; "
+                             f"got {self.distributed_executor_backend!r}.")
+        if self.executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"--distributed-executor-backend uni runs one process, but --tensor-parallel-size x "
+                f"--pipeline-parallel-size is {self.world_size}: use --distributed-executor-backend mp."
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}); got {self.node_rank}.")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"--tensor-parallel-size x --pipeline-parallel-size = {self.world_size} ranks cannot be "
+                f"split evenly over --nnodes {self.nnodes}: use a node count that divides {self.world_size}."
+            )
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (the same free port on every node, e.g. 29500) "
+                             "and --master-addr (node 0's address).")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("--headless runs workers only; node 0 runs the engine: drop --headless "
+                             "or pass --node-rank 1 or higher.")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be in 1..65535 (try 29500); got {self.master_port}.")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"--distributed-timeout must be positive seconds (try 300); got {self.distributed_timeout}.")
 
     # ----- resolution against the model and the machine ----------------------------------
     def finalize(self) -> "EngineConfig":
@@ -127,6 +171,7 @@ class EngineConfig:
         self.device_type = current_platform_type(self.device)
         self._resolve_dtypes()
         self._resolve_lengths()
+        self._check_parallel_fits_model()
         if self.served_model_name is None:
             self.served_model_name = self.model or source.default_name
         self._frozen = True
@@ -170,7 +215,41 @@ class EngineConfig:
                 f"{self.max_num_seqs}: raise it to {self.max_num_seqs}."
             )
 
+    def _check_parallel_fits_model(self) -> None:
+        cfg, tp, pp = self.hf_config, self.tensor_parallel_size, self.pipeline_parallel_size
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % tp:
+            works = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+            raise ValueError(
+                f"--tensor-parallel-size {tp} does not divide num_attention_heads {heads}: "
+                f"use one of {works}."
+            )
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} and num_key_value_heads {kv_heads}: one must divide the other "
+                f"(KV heads are split, or replicated when tp > num_key_value_heads): try {kv_heads}."
+            )
+        if cfg.get("intermediate_size", 0) % tp:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide intermediate_size "
+                             f"{cfg['intermediate_size']}: try a power of two such as 2.")
+        layers = cfg["num_hidden_layers"]
+        if pp > layers:
+            raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers {layers}: "
+                             f"use at most {layers}.")
+
     # ----- derived values -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """--distributed-executor-backend, defaulting to mp when there is more than one rank."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.world_size > 1 else "uni"
+
     def kv_cache_budget_bytes(self) -> int:
         """Bytes of KV cache to allocate on CPU: --kv-cache-memory, else the env var, else 4 GiB."""
         if self.kv_cache_memory is not None:

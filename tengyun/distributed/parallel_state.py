@@ -1,23 +1,198 @@
-"""Process-group state. Single process for now: tensor-parallel rank 0 of 1."""
+"""Process groups and the collectives the model uses: tensor-parallel (TP) and pipeline-parallel (PP).
+
+Rank layout (vLLM's): global rank = pp_rank * tp_size + tp_rank, so a TP group is a run of
+consecutive ranks and, with ranks numbered node by node, stays inside one node.
+    tp=2, pp=2: TP groups [0, 1] [2, 3]; PP groups [0, 2] [1, 3]; stage 0 = ranks 0, 1.
+
+A process that never calls init_distributed() is rank 0 of 1 and every collective is a no-op.
+"""
 
 from __future__ import annotations
 
-_TP_RANK = 0
-_TP_SIZE = 1
+import datetime
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one worker process sits; built by the executor, sent to the process."""
+
+    rank: int
+    local_rank: int  # device index on this node
+    world_size: int
+    tp_size: int
+    pp_size: int
+    init_method: str  # tcp://MASTER_ADDR:MASTER_PORT
+    timeout_s: float
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+
+@dataclass
+class _State:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    rank: int = 0
+    tp_group: object = None
+    cpu_group: object = None  # gloo over every rank: pickled messages, whatever the device backend
+
+
+_STATE = _State()
+
+
+def init_distributed(info: RankInfo, backend: str) -> None:
+    """Join the world over ``backend`` (gloo / nccl / hccl) and build the TP groups."""
+    global _STATE
+    timeout = datetime.timedelta(seconds=info.timeout_s)
+    dist.init_process_group(backend, init_method=info.init_method, world_size=info.world_size,
+                            rank=info.rank, timeout=timeout)
+    tp_group = None
+    for pp_rank in range(info.pp_size):  # every rank creates every group, in the same order
+        ranks = list(range(pp_rank * info.tp_size, (pp_rank + 1) * info.tp_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        if pp_rank == info.pp_rank:
+            tp_group = group
+    # Its own group even under gloo, so pickled messages never interleave with PP tensors.
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    _STATE = _State(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.rank, tp_group, cpu_group)
+
+
+def destroy_distributed() -> None:
+    global _STATE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = _State()
 
 
 def get_tp_rank() -> int:
-    return _TP_RANK
+    return _STATE.tp_rank
 
 
 def get_tp_size() -> int:
-    return _TP_SIZE
+    return _STATE.tp_size
 
 
-def tensor_model_parallel_all_reduce(x):
-    if _TP_SIZE == 1:
+def get_pp_rank() -> int:
+    return _STATE.pp_rank
+
+
+def get_pp_size() -> int:
+    return _STATE.pp_size
+
+
+def get_rank() -> int:
+    return _STATE.rank
+
+
+def is_first_pp_rank() -> bool:
+    return _STATE.pp_rank == 0
+
+
+def is_last_pp_rank() -> bool:
+    return _STATE.pp_rank == _STATE.pp_size - 1
+
+
+def is_sampler_rank() -> bool:
+    """The one rank that samples and returns results: TP rank 0 of the last PP stage."""
+    return is_last_pp_rank() and _STATE.tp_rank == 0
+
+
+def sampler_rank(tp_size: int, pp_size: int) -> int:
+    return (pp_size - 1) * tp_size
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers stage ``pp_rank`` holds; earlier stages take the remainder.
+    10 layers, 4 stages -> (0, 3) (3, 6) (6, 8) (8, 10)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+# ----- tensor-parallel collectives --------------------------------------------------------
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _STATE.tp_size == 1:
         return x
-    import torch.distributed as dist
-
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_STATE.tp_group)
     return x
+
+
+def tensor_model_parallel_gather(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate every TP rank's x [..., n] along the last dim on TP rank 0 ([..., n * tp]);
+    the other ranks get None."""
+    if _STATE.tp_size == 1:
+        return x
+    first = _STATE.pp_rank * _STATE.tp_size
+    parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)] if _STATE.tp_rank == 0 else None
+    dist.gather(x.contiguous(), parts, dst=first, group=_STATE.tp_group)
+    return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+# ----- pipeline-parallel point-to-point ---------------------------------------------------
+def pp_send(tensors: list[torch.Tensor]) -> None:
+    """Send to the same TP rank of the next stage (global rank + tp_size)."""
+    dst = _STATE.rank + _STATE.tp_size
+    for t in tensors:
+        dist.send(t.contiguous(), dst)
+
+
+def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Receive from the same TP rank of the previous stage, one tensor per shape."""
+    src = _STATE.rank - _STATE.tp_size
+    out = []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src)
+        out.append(t)
+    return out
+
+
+# ----- pickled messages between ranks (CPU group) ----------------------------------------
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank ``src`` sends obj to every rank (length, then bytes); returns it everywhere."""
+    if src == _STATE.rank:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        dist.broadcast(size, src, group=_STATE.cpu_group)
+        dist.broadcast(payload, src, group=_STATE.cpu_group)
+        return obj
+    size = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(size, src, group=_STATE.cpu_group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src, group=_STATE.cpu_group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def send_object(obj: object, dst: int) -> None:
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group=_STATE.cpu_group)
+    dist.send(payload, dst, group=_STATE.cpu_group)
+
+
+def recv_object(src: int) -> object:
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src, group=_STATE.cpu_group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src, group=_STATE.cpu_group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest ``value`` over every rank (e.g. KV blocks that fit on all of them)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE.cpu_group)
+    return int(t.item())

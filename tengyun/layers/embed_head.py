@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tengyun.distributed.parallel_state import (
+    get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce, tensor_model_parallel_gather,
+)
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.weight_loading import check_shape, set_weight_loader
 
@@ -38,7 +40,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states [N, hidden] to logits [N, vocab] (gathered over TP ranks)."""
+    """Projects hidden states [N, hidden] to logits [N, vocab], gathered on TP rank 0 only
+    (the rank that samples); the other TP ranks get None."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
         super().__init__(vocab_size, hidden_size, dtype)
@@ -50,13 +53,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.kernel = kernel
         self.kernel_weight = kernel.prepare(self.weight.data)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight if self.kernel_weight is None else self.kernel_weight
-        logits = self.kernel.apply(hidden, weight, None)
-        if self.tp_size > 1:
-            import torch.distributed as dist
-
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
-        return logits[:, : self.vocab_size]
+        logits = self.kernel.apply(hidden, weight, None)  # [N, vocab / tp] (padded shard)
+        logits = tensor_model_parallel_gather(logits)  # [N, padded vocab] on TP rank 0
+        return None if logits is None else logits[:, : self.vocab_size]

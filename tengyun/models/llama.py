@@ -90,13 +90,14 @@ class LlamaModel(nn.Module):
     """One pipeline stage of the decoder: embedding on the first, final norm on the last."""
 
     def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
-                 qkv_bias: bool, qk_norm: bool):
+                 qkv_bias: bool, qk_norm: bool, make_mlp=make_dense_mlp):
         super().__init__()
         hidden = cfg["hidden_size"]
         self.embed_tokens = (VocabParallelEmbedding(cfg["vocab_size"], hidden, dtype)
                              if is_first_pp_rank() else PPMissingLayer())
         self.start_layer, self.end_layer, self.layers = make_layers(
-            cfg["num_hidden_layers"], lambda _: LlamaDecoderLayer(cfg, max_position, dtype, qkv_bias, qk_norm))
+            cfg["num_hidden_layers"],
+            lambda i: LlamaDecoderLayer(cfg, max_position, dtype, qkv_bias, qk_norm, make_mlp(cfg, i, dtype)))
         self.norm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype) if is_last_pp_rank() else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -20,12 +20,14 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from tengyun.layers.weight_loading import WeightShapeError, default_weight_loader
+from tengyun.models.pipeline import missing_prefixes
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 _QKV_SHARDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by the rotary layer
+_EMBED = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 def _is_tied(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> bool:
     if getattr(model, "tie_word_embeddings", False):
         return True
-    head, embed = params.get("lm_head.weight"), params.get("model.embed_tokens.weight")
+    head, embed = params.get("lm_head.weight"), params.get(_EMBED)
     return head is not None and head is embed
 
 
@@ -72,8 +74,14 @@ def _shard_id(packed_name: str, index: int, shard_name: str) -> str | int:
     return _QKV_SHARDS.get(shard_name, index) if packed_name == "qkv_proj" else index
 
 
-def _map_name(name: str, params: dict, packed: dict[str, list[str]]) -> _Target | None:
-    """Checkpoint name -> parameter (and shard); None when the model has no such parameter."""
+def _map_name(name: str, params: dict, packed: dict[str, list[str]], custom=None) -> _Target | None:
+    """Checkpoint name -> parameter (and shard); None when the model has no such parameter.
+
+    ``custom`` is the model's own ``checkpoint_name_to_param(name) -> (param, shard) | None``
+    (e.g. per-expert MoE tensors into stacked expert weights), tried first."""
+    mapped = custom(name) if custom else None
+    if mapped is not None and mapped[0] in params:
+        return _Target(*mapped)
     for packed_name, shard_names in packed.items():
         for i, shard_name in enumerate(shard_names):
             if f".{shard_name}." in name:
@@ -88,13 +96,21 @@ def _plan(model: torch.nn.Module, files: list[Path]) -> list[tuple[Path, str, _T
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
     tied = _is_tied(model, params)
+    other_stages = missing_prefixes(model)  # pipeline parallel: layers another stage loads
+    # Last pipeline stage of a tied model: the head has no embedding to share, so it loads the embedding's tensor.
+    head_from_embed = tied and "lm_head.weight" in params and _EMBED not in params
     plan, unexpected = [], []
     for f in files:
         with safe_open(f, framework="pt") as reader:
             for name in reader.keys():
                 if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                target = _map_name(name, params, packed)
+                if head_from_embed and name == _EMBED:
+                    plan.append((f, name, _Target("lm_head.weight", None)))
+                    continue
+                if name.startswith(other_stages):
+                    continue
+                target = _map_name(name, params, packed, getattr(model, "checkpoint_name_to_param", None))
                 if target is None:
                     unexpected.append(f"{name} ({f.name})")
                 else:
@@ -105,11 +121,14 @@ def _plan(model: torch.nn.Module, files: list[Path]) -> list[tuple[Path, str, _T
             f"{unexpected[:5]}; config.json's architecture disagrees with the checkpoint"
         )
 
-    expected = {(n, None) for n in params if not (tied and n == "lm_head.weight")}
+    expected = {(n, None) for n in params if not (tied and n == "lm_head.weight" and not head_from_embed)}
     for packed_name, shard_names in packed.items():
         for n in [n for n, _ in expected if f".{packed_name}." in n]:
             expected.discard((n, None))
             expected |= {(n, _shard_id(packed_name, i, s)) for i, s in enumerate(shard_names)}
+    for n in [n for n, _ in expected if hasattr(params[n], "shard_ids")]:  # e.g. stacked MoE experts
+        expected.discard((n, None))
+        expected |= {(n, shard) for shard in params[n].shard_ids}
     missing = sorted(expected - {(t.param_name, t.shard_id) for _, _, t in plan}, key=str)
     if missing:
         shown = [n if s is None else f"{n} (shard {s})" for n, s in missing[:5]]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from tengyun.config import (
-    SUPPORTED_DEVICES, SUPPORTED_DTYPES, SUPPORTED_KV_DTYPES, SUPPORTED_LOAD_FORMATS, EngineConfig,
+    SUPPORTED_DEVICES, SUPPORTED_DTYPES, SUPPORTED_EXECUTOR_BACKENDS, SUPPORTED_KV_DTYPES, SUPPORTED_LOAD_FORMATS,
+    EngineConfig,
 )
 
 
@@ -32,6 +33,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--device", default="auto", choices=SUPPORTED_DEVICES)
     parser.add_argument("--served-model-name", default=None)
+    group = parser.add_argument_group("parallelism (docs/parallelism.md)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    group.add_argument("--distributed-executor-backend", default=None, choices=SUPPORTED_EXECUTOR_BACKENDS,
+                       help="mp: one process per rank (default when tp x pp > 1); uni: this process")
+    group.add_argument("--nnodes", type=int, default=1, help="nodes the tp x pp ranks are spread over")
+    group.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 runs the engine")
+    group.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
+    group.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (default: a free one)")
+    group.add_argument("--headless", action="store_true", help="run this node's workers only (nodes 1..N-1)")
+    group.add_argument("--distributed-timeout", type=float, default=300.0,
+                       help="seconds a step or collective may take before the engine fails naming the rank")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -46,4 +59,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed, load_format=args.load_format,
         enforce_eager=args.enforce_eager, trust_remote_code=args.trust_remote_code, device=args.device,
         served_model_name=args.served_model_name,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend, nnodes=args.nnodes,
+        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        headless=args.headless, distributed_timeout=args.distributed_timeout,
     )
