@@ -20,6 +20,10 @@ ARCH_CONFIGS = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False, head_dim=32),
+    # 8 experts, top-2, renormalised; layer 1 stays dense (mlp_only_layers).
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False,
+                      head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
 }
 
 

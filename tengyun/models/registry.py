@@ -8,6 +8,7 @@ _MODELS = {
     "LlamaForCausalLM": ("tengyun.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tengyun.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tengyun.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tengyun.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -48,7 +48,7 @@ def _hf_reference(folder, prompts):
 _reference_cache: dict = {}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix", "noprefix"])
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
 def test_greedy_matches_hf_under_pressure(tiny_checkpoints, arch, prefix_caching, chunked):
