@@ -24,7 +24,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
-def _hf_reference(folder, prompts):
+def _hf_reference(folder, prompts, max_tokens=MAX_TOKENS):
     """Per prompt: greedy tokens and per-step top-5 (ids, logprobs), full recompute each step."""
     from transformers import AutoModelForCausalLM
 
@@ -34,7 +34,7 @@ def _hf_reference(folder, prompts):
         ids = list(prompt)
         tokens, tops = [], []
         with torch.no_grad():
-            for _ in range(MAX_TOKENS):
+            for _ in range(max_tokens):
                 logits = model(torch.tensor([ids])).logits[0, -1].float()
                 logprobs = torch.log_softmax(logits, dim=-1)
                 top = torch.topk(logprobs, TOP_K)
@@ -105,3 +105,16 @@ def test_rope_scaling_types_match_hf(tmp_path, tiny_tokenizer_dir, rope):
         for step, (ref_ids, ref_values) in enumerate(ref_tops):
             for token, value in zip(ref_ids, ref_values):
                 assert output.outputs[0].logprobs[step][token].logprob == pytest.approx(value, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_single_sequence_decode_of_64_tokens_matches_hf(tiny_checkpoints, arch):
+    folder = tiny_checkpoints[arch]
+    prompt = _prompts(300)[1]
+    reference = _hf_reference(folder, [prompt], max_tokens=64)[0]
+    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=TOP_K))[0]
+    assert out.outputs[0].token_ids == reference[0]
+    for step, (ref_ids, ref_values) in enumerate(reference[1]):
+        for token, value in zip(ref_ids, ref_values):
+            assert out.outputs[0].logprobs[step][token].logprob == pytest.approx(value, abs=1e-4)
