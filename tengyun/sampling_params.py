@@ -9,6 +9,42 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One output constraint (vLLM's names); exactly one of the first six fields is set.
+
+    Pure data: the worker compiles it with xgrammar (tengyun/structured_output.py) and masks
+    the logits of the constrained rows each step.
+    """
+
+    json: str | dict | None = None  # a JSON schema (text or dict)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF-style, as xgrammar reads it)
+    json_object: bool | None = None  # any JSON object
+    structural_tag: str | None = None  # xgrammar's structural tag, as JSON text (forced tool calls use it)
+    # True (our default): JSON is laid out as `{"a": 1, "b": [2, 3]}`, so a small model cannot
+    # spend its tokens on whitespace; False allows any whitespace between JSON tokens.
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object, structural_tag; got {kinds or 'none'}.")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}.")
+
+    @property
+    def kind(self) -> str:
+        """'json', 'regex', 'choice', 'grammar', 'json_object' or 'structural_tag'."""
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                    if getattr(self, name) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0
@@ -29,6 +65,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
     # Filled by the engine, never by users: EOS ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

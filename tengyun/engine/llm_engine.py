@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from tengyun.config import EngineConfig
 from tengyun.engine.detokenizer import IncrementalDetokenizer
@@ -40,8 +40,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor, eos_token_ids: set[int]):
+    def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor, eos_token_ids: set[int],
+                 check_structured_outputs: Callable[[Any], Any] | None = None):
         self.config = config
+        # Compiles a request's grammar (raising ValueError) before it is queued; None: not checked here.
+        self.check_structured_outputs = check_structured_outputs
         self.tokenizer = tokenizer
         self.executor = executor
         self.eos_token_ids = eos_token_ids
@@ -57,12 +60,14 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         config.finalize()
+        from tengyun.structured_output import grammar_compiler_for_config
         from tengyun.tokenizer import eos_token_ids, get_tokenizer
         from tengyun.worker.worker import Worker
 
         tokenizer = get_tokenizer(config)
         worker = Worker(config)
-        return cls(config, tokenizer, worker, eos_token_ids(config, tokenizer))
+        return cls(config, tokenizer, worker, eos_token_ids(config, tokenizer),
+                   check_structured_outputs=lambda spec: grammar_compiler_for_config(config).compile(spec))
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -73,6 +78,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         text, token_ids = self._tokenize(prompt)
         params = self._resolve_params(params, len(token_ids))
+        if params.structured_outputs is not None and self.check_structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs)
         request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()))
         for index in range(params.n):
             child = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)

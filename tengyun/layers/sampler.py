@@ -1,7 +1,8 @@
 """Sampler: logits [B, V] -> one token per row, with vLLM's penalties, filters, seeds and logprobs.
 
-Order of a step (as vLLM): raw logprobs -> penalties -> min_tokens mask -> greedy argmax, or
-temperature -> top_k -> top_p -> min_p -> inverse-CDF sampling with one uniform per row.
+Order of a step (as vLLM): raw logprobs -> penalties -> min_tokens mask -> grammar bitmask of
+constrained rows -> greedy argmax, or temperature -> top_k -> top_p -> min_p -> inverse-CDF
+sampling with one uniform per row.
 Every stage that no row uses is skipped; an all-greedy batch is one argmax.
 """
 
@@ -69,6 +70,10 @@ class SamplingMetadata:
     seeded_rows: list[int]
     step_seeds: list[int]
     max_num_logprobs: int | None  # max over rows of params.logprobs; None: no row wants logprobs
+    # Structured output: the rows a grammar constrains and their allowed tokens, packed 32 per
+    # int32 word (bit j of word w allows token 32 * w + j), as xgrammar fills them.
+    bitmask_rows: torch.Tensor | None = None  # [N] int64
+    token_bitmask: torch.Tensor | None = None  # [N, ceil(V / 32)] int32
 
     @classmethod
     def build(
@@ -78,6 +83,7 @@ class SamplingMetadata:
         output_token_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
+        token_bitmask: tuple[list[int], torch.Tensor] | None = None,  # (rows, [N, ceil(V / 32)] int32)
     ) -> "SamplingMetadata":
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32).to(device)
@@ -128,6 +134,8 @@ class SamplingMetadata:
             seeded_rows=seeded,
             step_seeds=[step_seed(params[i].seed, len(output_token_ids[i])) for i in seeded],
             max_num_logprobs=min(max(wants_logprobs), vocab_size) if wants_logprobs else None,
+            bitmask_rows=longs(token_bitmask[0]) if token_bitmask else None,
+            token_bitmask=token_bitmask[1].to(device) if token_bitmask else None,
         )
 
 
@@ -157,6 +165,17 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     logits = torch.where(logits > 0, logits / rep, logits * rep)
     logits = logits - md.frequency_penalty.unsqueeze(1) * counts
     return logits - md.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Out of place: -inf on the tokens of `rows` whose bit is 0; other rows untouched.
+
+    bitmask word 0b101 for V = 3 -> tokens 0 and 2 allowed, token 1 -> -inf.
+    """
+    V = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :V]  # [N, V]
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
@@ -252,6 +271,8 @@ class Sampler(nn.Module):
         if md.min_tokens_rows is not None:
             neg_inf = logits.new_full((), float("-inf"))
             logits = logits.index_put((md.min_tokens_rows, md.min_tokens_token_ids), neg_inf)
+        if md.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, md.bitmask_rows, md.token_bitmask)
 
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)

@@ -4,6 +4,7 @@ runs the model, and samples only at positions that end a sequence's known tokens
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
 from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tengyun.sampling_params import SamplingParams
+from tengyun.worker.grammar_state import GrammarState
 
 
 @dataclass
@@ -34,13 +36,16 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device):
+    def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device,
+                 grammar_compiler_factory: Callable[[], Any] | None = None):
         self.model = model
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
         self.states: dict[int, SeqState] = {}
+        # Structured output: per-sequence grammar matchers; the compiler is built on first use.
+        self.grammar = GrammarState(grammar_compiler_factory or _no_grammar_compiler, vocab_size)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -60,17 +65,20 @@ class ModelRunner:
             [s.token_ids[s.num_prompt_tokens:] for s in states],
             self.vocab_size,
             self.device,
+            token_bitmask=self.grammar.bitmask(batch.sample_seq_ids),
         )
         return self._collect(batch.sample_seq_ids, states, self.sampler(logits, metadata))
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for seq_id in sched.freed_seq_ids:
             self.states.pop(seq_id, None)
+            self.grammar.discard(seq_id)
         for new in sched.new_seqs:
             self.states[new.seq_id] = SeqState(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
                 new.num_computed_tokens, new.sampling_params,
             )
+            self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
         for cached in sched.cached_seqs:
             state = self.states[cached.seq_id]
             state.block_table.extend(cached.new_block_ids)
@@ -127,6 +135,7 @@ class ModelRunner:
         sampled = out.sampled_token_ids.tolist()
         for seq_id, state, token in zip(seq_ids, states, sampled):
             state.token_ids.append(token)
+            self.grammar.accept(seq_id, token)
             result.sampled_token_ids[seq_id] = token
         if out.logprobs is not None:
             ids, logprobs, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
@@ -137,6 +146,10 @@ class ModelRunner:
                     result.logprobs[seq_id] = logprobs[row][:k]
                     result.sampled_ranks[seq_id] = ranks[row]
         return result
+
+
+def _no_grammar_compiler() -> Any:
+    raise ValueError("This model runner was built without a grammar compiler: structured output is unavailable.")
 
 
 def _pad_rows(rows: list[np.ndarray]) -> np.ndarray:

@@ -14,6 +14,7 @@ from tengyun.layers.attention.backend import get_attention_backend
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
 from tengyun.platforms import get_platform
+from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
 from tengyun.worker.model_runner import ModelRunner
 
@@ -48,7 +49,8 @@ class Worker:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
-        self.runner = ModelRunner(self.model, config.block_size, config.hf_config["vocab_size"], self.device)
+        self.runner = ModelRunner(self.model, config.block_size, config.hf_config["vocab_size"], self.device,
+                                  grammar_compiler_factory=lambda: grammar_compiler_for_config(config))
 
     def _count_kv_blocks(self, shape: KVCacheShape) -> int:
         config = self.config

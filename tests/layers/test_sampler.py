@@ -298,3 +298,18 @@ def test_seeded_rows_keep_filters(temperature):
     params = [SamplingParams(temperature=temperature, top_k=2, seed=s) for s in range(n)]
     out = run(row.repeat(n, 1), params)
     assert set(out.sampled_token_ids.tolist()) == {0, 1}
+
+
+def test_token_bitmask_masks_only_the_constrained_rows():
+    V = 40  # two int32 words per row
+    logits = torch.arange(V, dtype=torch.float32).repeat(3, 1)  # argmax 39 on every row
+    words = torch.zeros(1, 2, dtype=torch.int32)
+    words[0, 0] = 1 << 5  # token 5
+    words[0, 1] = 1 << 1  # token 33
+    params = [SamplingParams(temperature=0.0)] * 3
+    md = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, V, CPU, token_bitmask=([1], words))
+    assert Sampler()(logits, md).sampled_token_ids.tolist() == [39, 33, 39]
+    md = SamplingMetadata.build([SamplingParams(temperature=1.0, seed=s) for s in range(3)], [[]] * 3, [[]] * 3,
+                                V, CPU, token_bitmask=([1], words))
+    for _ in range(20):
+        assert Sampler()(logits, md).sampled_token_ids[1].item() in (5, 33)

@@ -1,0 +1,77 @@
+"""ToolParser: the `<tool_call>...</tool_call>` blocks shared by Qwen's formats; subclasses read one
+block's body (JSON for hermes, XML for qwen3_coder) and say how to force one with a grammar.
+
+    "Let me check.\\n<tool_call>\\nBODY\\n</tool_call>"  ->  content "Let me check.", calls [parse(BODY)]
+
+Streaming parses the text so far with final=False: a block still open (and a partial
+"<tool_call>" or trailing whitespace at the end) is held back, so each result's content extends
+the previous one and its calls list only grows; a call is sent whole once its block closes. A
+block whose body does not parse stays in the content as text (logged once, on the final parse).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tengyun.entrypoints.openai.reasoning_parsers.qwen3 import partial_suffix_len
+
+logger = logging.getLogger("tengyun.tool_parser")
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+@dataclass
+class ToolParseResult:
+    content: str
+    calls: list[ParsedToolCall]
+
+
+class ToolParser:
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None):
+        # {"name": {"name", "description", "parameters"}} from the request's tools[].function
+        self.functions = {t["function"]["name"]: t["function"] for t in tools or [] if "function" in t}
+
+    def parse_call(self, body: str) -> ParsedToolCall | None:
+        """One block's body -> a call, or None when it does not parse."""
+        raise NotImplementedError
+
+    def forced_tag(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        """xgrammar structural-tag format of one call to `name`, arguments per `parameters`."""
+        raise NotImplementedError
+
+    def parse(self, text: str, final: bool = True) -> ToolParseResult:
+        content, calls, pos = [], [], 0
+        while True:
+            i = text.find(self.start, pos)
+            if i == -1:
+                tail = text[pos:]
+                content.append(tail if final else tail[:len(tail) - partial_suffix_len(tail, self.start)])
+                break
+            content.append(text[pos:i])
+            j = text.find(self.end, i + len(self.start))
+            if j == -1 and not final:
+                break  # the block is still being written
+            stop = len(text) if j == -1 else j  # an unclosed block at the very end is read as is
+            after = len(text) if j == -1 else j + len(self.end)
+            call = self.parse_call(text[i + len(self.start):stop])
+            if call is None:
+                if final:
+                    logger.warning("A tool call does not parse; returning it as content: %r", text[i:after][:200])
+                content.append(text[i:after])
+            else:
+                calls.append(call)
+            pos = after
+        joined = "".join(content)
+        # Trailing whitespace waits for what follows; around calls it is only layout.
+        return ToolParseResult(joined.rstrip() if calls or not final else joined, calls)
