@@ -11,6 +11,7 @@ import sys
 SUBCOMMANDS = {
     "generate": "tengyun.entrypoints.cli.generate",
     "serve": "tengyun.entrypoints.cli.serve",
+    "bench": "tengyun.entrypoints.cli.bench",
 }
 
 

@@ -1,0 +1,1 @@
+"""`tengyun bench serve` (HTTP load test) and `tengyun bench throughput` (offline)."""

@@ -1,0 +1,1 @@
+"""Operations tooling: pure functions (doctor, plan, bench, ...); only probe.py touches hardware."""
