@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ SUPPORTED_EXECUTOR_BACKENDS = ("mp", "uni")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
+logger = logging.getLogger(__name__)
+
 MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -29,6 +32,16 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECA
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "t": 1e12, "tb": 1e12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
                "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def text_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper's config.json (Qwen3.5: "text_config" inside) -> the language model's
+    fields at the top level, keeping the wrapper's architectures; other configs unchanged."""
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict):
+        return hf_config
+    outer = {k: v for k, v in hf_config.items() if not k.endswith("_config")}
+    return {**outer, **text, "architectures": hf_config.get("architectures") or []}
 
 
 def parse_size(value: int | str, name: str) -> int:
@@ -167,11 +180,12 @@ class EngineConfig:
         if self.load_format in ("auto", "gguf"):
             self.load_format = source.load_format
         self.tokenizer_path = source.tokenizer_folder
-        self.hf_config = json.loads((source.folder / "config.json").read_text())
+        self.hf_config = text_model_config(json.loads((source.folder / "config.json").read_text()))
         self.device_type = current_platform_type(self.device)
         self._resolve_dtypes()
         self._resolve_lengths()
         self._check_parallel_fits_model()
+        self._check_hybrid()
         if self.served_model_name is None:
             self.served_model_name = self.model or source.default_name
         self._frozen = True
@@ -237,6 +251,21 @@ class EngineConfig:
         if pp > layers:
             raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers {layers}: "
                              f"use at most {layers}.")
+
+    def _check_hybrid(self) -> None:
+        """Models with linear-attention layers (Qwen3.5) keep recurrent state per sequence, which a
+        prefix-cache hit cannot restore (docs/hybrid_cache.md)."""
+        from tengyun.kv_sizing import is_hybrid
+
+        if not is_hybrid(self.hf_config):
+            return
+        if self.enable_prefix_caching:
+            logger.info("Prefix caching is off for %s: its linear-attention layers keep recurrent state "
+                        "that cached KV blocks cannot restore.", self.architecture)
+            self.enable_prefix_caching = False
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"{self.architecture} (linear-attention layers) runs with --tensor-parallel-size 1 "
+                             f"only for now; got {self.tensor_parallel_size}: use --pipeline-parallel-size instead.")
 
     # ----- derived values -------------------------------------------------------------
     @property

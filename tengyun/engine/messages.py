@@ -17,6 +17,7 @@ class NewSeqData:
     block_table: list[int]
     num_computed_tokens: int  # > 0 when the prefix cache served the first tokens
     sampling_params: SamplingParams
+    state_slot: int = -1  # hybrid models: the StatePool slot of its recurrent state (-1: none)
 
 
 @dataclass

@@ -9,14 +9,17 @@ from tengyun.config import EngineConfig
 from tengyun.engine.block_manager import BlockManager
 from tengyun.engine.messages import CachedSeqData, NewSeqData, SchedulerOutput
 from tengyun.engine.sequence import Sequence, SequenceStatus
+from tengyun.engine.state_pool import StatePool
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int):
+    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Hybrid models: a sequence runs only while it holds a recurrent-state slot too.
+        self.state_pool = StatePool(num_state_slots) if num_state_slots else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order; the last is preempted first
         self._seqs_on_worker: set[int] = set()
@@ -35,6 +38,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
+        self._free_state(seq)
         self._forget_on_worker(seq)
 
     def has_unfinished(self) -> bool:
@@ -93,6 +97,8 @@ class Scheduler:
                 num_new = budget
             if not self.block_manager.can_allocate(seq, num_new, cached_blocks):
                 break
+            if self.state_pool is not None and not self.state_pool.can_allocate():
+                break
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
             self.block_manager.allocate(seq, num_new, cached_blocks)
@@ -101,9 +107,10 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_order)
+            slot = self.state_pool.allocate(seq.seq_id) if self.state_pool is not None else -1
             out.new_seqs.append(
                 NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
-                           list(seq.block_table), num_cached, seq.sampling_params)
+                           list(seq.block_table), num_cached, seq.sampling_params, slot)
             )
             self._seqs_on_worker.add(seq.seq_id)
             out.num_scheduled_tokens[seq.seq_id] = num_new
@@ -112,12 +119,17 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._free_state(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         self._forget_on_worker(seq)
+
+    def _free_state(self, seq: Sequence) -> None:
+        if self.state_pool is not None:
+            self.state_pool.free(seq.seq_id)
 
     def _forget_on_worker(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs_on_worker:

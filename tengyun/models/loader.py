@@ -99,22 +99,25 @@ def _plan(model: torch.nn.Module, files: list[Path]) -> list[tuple[Path, str, _T
     other_stages = missing_prefixes(model)  # pipeline parallel: layers another stage loads
     # Last pipeline stage of a tied model: the head has no embedding to share, so it loads the embedding's tensor.
     head_from_embed = tied and "lm_head.weight" in params and _EMBED not in params
+    # The model's own renaming (e.g. a multimodal wrapper's prefix off, None: not loaded), else names as is.
+    rename = getattr(model, "checkpoint_rename", None) or (lambda n: n)
     plan, unexpected = [], []
     for f in files:
         with safe_open(f, framework="pt") as reader:
-            for name in reader.keys():
-                if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            for stored_name in reader.keys():
+                name = rename(stored_name)
+                if name is None or name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
                 if head_from_embed and name == _EMBED:
-                    plan.append((f, name, _Target("lm_head.weight", None)))
+                    plan.append((f, stored_name, _Target("lm_head.weight", None)))
                     continue
                 if name.startswith(other_stages):
                     continue
                 target = _map_name(name, params, packed, getattr(model, "checkpoint_name_to_param", None))
                 if target is None:
-                    unexpected.append(f"{name} ({f.name})")
+                    unexpected.append(f"{stored_name} ({f.name})")
                 else:
-                    plan.append((f, name, target))
+                    plan.append((f, stored_name, target))
     if unexpected:
         raise ValueError(
             f"{len(unexpected)} checkpoint tensor(s) in {files[0].parent} match no model parameter, e.g. "

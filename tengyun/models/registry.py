@@ -9,6 +9,8 @@ _MODELS = {
     "Qwen2ForCausalLM": ("tengyun.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tengyun.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("tengyun.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen3_5ForCausalLM": ("tengyun.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("tengyun.models.qwen3_5", "Qwen3_5ForCausalLM"),
 }
 
 

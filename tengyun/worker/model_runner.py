@@ -24,6 +24,7 @@ class SeqState:
     block_table: list[int]
     num_computed_tokens: int
     params: SamplingParams
+    state_slot: int = -1  # hybrid models: row of the recurrent-state pool
 
 
 @dataclass
@@ -76,7 +77,7 @@ class ModelRunner:
         for new in sched.new_seqs:
             self.states[new.seq_id] = SeqState(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
-                new.num_computed_tokens, new.sampling_params,
+                new.num_computed_tokens, new.sampling_params, new.state_slot,
             )
             self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
         for cached in sched.cached_seqs:
@@ -90,7 +91,7 @@ class ModelRunner:
         order = sorted(counts, key=lambda seq_id: counts[seq_id] != 1)
         bs = self.block_size
         input_ids, positions, slots = [], [], []
-        decode_tables, decode_lens, prefills = [], [], []
+        decode_tables, decode_lens, decode_slots, prefills = [], [], [], []
         sample_seq_ids, logits_indices = [], []
         offset = 0
         for seq_id in order:
@@ -104,9 +105,11 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(table)
                 decode_lens.append(end)
+                decode_slots.append(state.state_slot)
             else:
                 num_blocks = -(-end // bs)
-                prefills.append(PrefillChunk(offset, n, start, torch.from_numpy(table[:num_blocks]).to(self.device)))
+                prefills.append(PrefillChunk(offset, n, start, torch.from_numpy(table[:num_blocks]).to(self.device),
+                                             state.state_slot))
             if end == len(state.token_ids):
                 sample_seq_ids.append(seq_id)
                 logits_indices.append(offset + n - 1)
@@ -119,6 +122,7 @@ class ModelRunner:
         if decode_lens:
             meta.decode_block_tables = self._tensor(_pad_rows(decode_tables))
             meta.decode_seq_lens = self._tensor(np.asarray(decode_lens, dtype=np.int64))
+            meta.decode_state_slots = self._tensor(np.asarray(decode_slots, dtype=np.int64))
         return BatchInputs(
             input_ids=self._tensor(np.fromiter((t for ids in input_ids for t in ids), dtype=np.int64)),
             positions=self._tensor(np.concatenate(positions)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -9,7 +10,9 @@ import torch
 
 from tengyun.config import DTYPE_BYTES, EngineConfig
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
-from tengyun.kv_sizing import KVCacheShape, kv_cache_shape, num_blocks_for_budget
+from tengyun.kv_sizing import (
+    KVCacheShape, attention_layer_count, kv_cache_shape, split_budget, state_shape,
+)
 from tengyun.layers.attention.backend import get_attention_backend
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
@@ -17,6 +20,7 @@ from tengyun.platforms import get_platform
 from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
 from tengyun.worker.model_runner import ModelRunner
+from tengyun.worker.state_cache import allocate_state_cache
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +45,16 @@ class Worker:
                 module.process_weights_after_loading(kernel)
         logger.info("Loaded %s (%s, %s) in %.1f s", config.architecture, config.dtype,
                     config.load_format, time.perf_counter() - started)
-        self.kv_shape = kv_cache_shape(config.hf_config, DTYPE_BYTES[config.kv_cache_dtype])
-        self.num_blocks = self._count_kv_blocks(self.kv_shape)
+        self.kv_shape = dataclasses.replace(kv_cache_shape(config.hf_config, DTYPE_BYTES[config.kv_cache_dtype]),
+                                            num_layers=attention_layer_count(config.hf_config))
+        # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
+        self.state_shape = state_shape(config.hf_config, DTYPE_BYTES[config.dtype])
+        self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
+        self.state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots,
+                                                TORCH_DTYPES[config.dtype], self.device)
+        if self.num_state_slots:
+            logger.info("Recurrent state: %d slots x %.1f MiB", self.num_state_slots,
+                        self.state_shape.bytes_per_slot / 2**20)
         backend = get_attention_backend(self.platform.attention_backend())
         self.kv_cache = allocate_kv_cache(self.model, self.kv_shape, self.num_blocks, config.block_size,
                                           TORCH_DTYPES[config.kv_cache_dtype], self.device, backend)
@@ -52,18 +64,21 @@ class Worker:
         self.runner = ModelRunner(self.model, config.block_size, config.hf_config["vocab_size"], self.device,
                                   grammar_compiler_factory=lambda: grammar_compiler_for_config(config))
 
-    def _count_kv_blocks(self, shape: KVCacheShape) -> int:
+    def _count_kv_blocks(self, shape: KVCacheShape, slot_bytes: int = 0) -> tuple[int, int]:
+        """(KV blocks, state slots) that fit. ``slot_bytes``: one sequence's recurrent state (0: none)."""
         config = self.config
+        split = lambda budget: split_budget(max(budget, 0), config.block_size, shape, slot_bytes,  # noqa: E731
+                                            config.max_num_seqs, config.max_model_len)
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
+            num_slots = config.max_num_seqs if slot_bytes else 0
             source = "--num-gpu-blocks-override"
         elif self.device.type == "cpu":
-            num_blocks = num_blocks_for_budget(config.kv_cache_budget_bytes(), config.block_size, shape)
+            num_blocks, num_slots = split(config.kv_cache_budget_bytes())
             source = "--kv-cache-memory / TENGYUN_CPU_KVCACHE_SPACE"
         else:
             free, total = self.platform.memory_info()
-            budget = int(total * config.gpu_memory_utilization) - (total - free)
-            num_blocks = num_blocks_for_budget(max(budget, 0), config.block_size, shape)
+            num_blocks, num_slots = split(int(total * config.gpu_memory_utilization) - (total - free))
             source = "--gpu-memory-utilization"
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:
@@ -74,7 +89,7 @@ class Worker:
                 f"or raise {source} (one sequence of {config.max_model_len} tokens needs "
                 f"{need / 2**20:.1f} MiB)."
             )
-        return num_blocks
+        return num_blocks, num_slots
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)

@@ -18,6 +18,7 @@ class PrefillChunk:
     query_len: int
     context_len: int  # tokens already in the cache before this chunk (0 = fresh prompt)
     block_table: torch.Tensor  # [num_blocks] int64, enough blocks for context_len + query_len
+    state_slot: int = -1  # hybrid models: the sequence's recurrent-state slot
 
 
 @dataclass
@@ -27,6 +28,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64 (padded with 0)
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_state_slots: torch.Tensor | None = None  # [num_decodes] int64, hybrid models only
     # Backend-owned scratch computed once per step and shared by all layers (e.g. masks).
     backend_state: dict = field(default_factory=dict)
 

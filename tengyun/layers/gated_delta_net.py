@@ -1,0 +1,95 @@
+"""Gated DeltaNet (Qwen3.5's linear-attention layer) over the flat batch, state in a slot pool.
+
+Per token: in_proj_qkv -> depthwise causal conv1d (kernel K, SiLU) over the q|k|v channels ->
+gated delta rule (state [Hv, Dk, Dv]) -> gated RMSNorm with silu(in_proj_z) -> out_proj.
+Each sequence's conv state (its last K - 1 conv inputs) and SSM state live in row
+``state_slot`` of ``conv_state`` / ``ssm_state``, bound by the worker. Decodes (the first
+``num_decode_tokens`` tokens, one per sequence) run as one batched recurrent step; each prefill
+chunk runs the chunked form from its sequence's state, so a prompt may span several steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, get_attention_metadata
+from tengyun.layers.gated_delta_rule import get_gated_delta_rule_kernel
+from tengyun.layers.layernorm import GatedRMSNorm
+from tengyun.layers.linear import ReplicatedLinear
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_k_heads, self.num_v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        self.k_dim, self.v_dim = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.conv_dim = 2 * self.key_size + self.value_size
+        self.kernel_size = cfg.get("linear_conv_kernel_dim", 4)
+        self.in_proj_qkv = ReplicatedLinear(hidden, self.conv_dim, False, dtype)
+        self.in_proj_z = ReplicatedLinear(hidden, self.value_size, False, dtype)
+        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads, False, dtype)
+        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads, False, dtype)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, bias=False,
+                                groups=self.conv_dim, dtype=dtype)  # weight [conv_dim, 1, K]
+        self.conv1d.weight.requires_grad_(False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNorm(self.v_dim, cfg["rms_norm_eps"], dtype)
+        self.out_proj = ReplicatedLinear(self.value_size, hidden, False, dtype)
+        self.kernel = get_gated_delta_rule_kernel()
+        # Bound by the worker: [num_slots, conv_dim, K - 1] (model dtype), [num_slots, Hv, Dk, Dv] float32.
+        self.conv_state = torch.empty(0)
+        self.ssm_state = torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        meta = get_attention_metadata()
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
+        out = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        n = meta.num_decode_tokens
+        if n:
+            out[:n] = self._decode(mixed[:n], g[:n], beta[:n], meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = self._prefill(mixed[rows], g[rows], beta[rows], chunk)
+        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.v_dim)
+        return self.out_proj(self.norm(out, z).flatten(1))
+
+    def _split(self, mixed: torch.Tensor):
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        return (q.unflatten(-1, (self.num_k_heads, self.k_dim)), k.unflatten(-1, (self.num_k_heads, self.k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.v_dim)))
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One token each of B sequences: mixed [B, conv_dim] -> [B, Hv, Dv]."""
+        slots = meta.decode_state_slots
+        # A one-token prompt has no state yet: start it from zeros.
+        has_state = (meta.decode_seq_lens > 1).view(-1, 1, 1)
+        window = torch.cat([self.conv_state[slots] * has_state, mixed.unsqueeze(-1)], dim=-1)  # [B, C, K]
+        self.conv_state[slots] = window[..., 1:]
+        mixed = F.silu((window * self.conv1d.weight.squeeze(1)).sum(-1))
+        state = self.ssm_state[slots] * has_state.unsqueeze(-1)
+        out, state = self.kernel.recurrent(*self._split(mixed), g, beta, state)
+        self.ssm_state[slots] = state
+        return out
+
+    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        """L tokens of one sequence: mixed [L, conv_dim] -> [L, Hv, Dv]; continues its state when
+        chunk.context_len > 0 (an earlier chunk of the same prompt ran before)."""
+        slot, fresh = chunk.state_slot, chunk.context_len == 0
+        prev = self.conv_state[slot]  # [C, K - 1]
+        inputs = torch.cat([torch.zeros_like(prev) if fresh else prev, mixed.t()], dim=-1)  # [C, K - 1 + L]
+        self.conv_state[slot] = inputs[:, -(self.kernel_size - 1):]
+        mixed = F.silu(F.conv1d(inputs.unsqueeze(0), self.conv1d.weight, groups=self.conv_dim)[0]).t()  # [L, C]
+        state = torch.zeros_like(self.ssm_state[slot]) if fresh else self.ssm_state[slot]
+        out, state = self.kernel.chunk(*self._split(mixed), g, beta, state)
+        self.ssm_state[slot] = state
+        return out

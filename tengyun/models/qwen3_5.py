@@ -1,0 +1,155 @@
+"""Qwen3.5 text model: Gated DeltaNet (linear attention) layers and gated full-attention layers,
+as config.json's ``layer_types`` lists them (three "linear_attention" then one "full_attention").
+
+Full attention: q_proj yields per head [query D | gate D]; q/k RMSNorm per head; partial RoPE
+(``partial_rotary_factor`` of head_dim, neox halves; text-only positions make Qwen3.5's mrope
+this); output attn * sigmoid(gate) before o_proj. Every RMSNorm outside the Gated DeltaNet is
+zero-centred (x_norm * (1 + w)). Loads the text-only layout (``model.layers...``) and the
+multimodal one (``model.language_model.layers...``; vision and MTP tensors are skipped).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from tengyun.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
+from tengyun.layers.attention.layer import Attention
+from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from tengyun.layers.gated_delta_net import GatedDeltaNet
+from tengyun.layers.layernorm import ZeroCenteredRMSNorm
+from tengyun.layers.linear import QKVParallelLinear, RowParallelLinear
+from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from tengyun.models.llama import make_dense_mlp
+from tengyun.models.pipeline import IntermediateTensors, PPMissingLayer, make_layers
+
+logger = logging.getLogger(__name__)
+
+_TEXT_PREFIX = "model.language_model."
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # vision tower, multi-token-prediction head
+
+
+class Qwen3_5Attention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+        super().__init__()
+        hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // num_heads
+        bias = cfg.get("attention_bias", False)
+        # The q shard holds 2 * heads "heads": per head its query then its gate.
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, 2 * num_heads, num_kv_heads, bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias, dtype)
+        rope = rope_parameters(cfg)
+        rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, max_position, rope)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        d, num_tokens = self.head_dim, x.shape[0]
+        q_gate, k, v = self.qkv_proj(x).split(
+            [2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, gate = q_gate.view(num_tokens, self.num_heads, 2 * d).chunk(2, dim=-1)  # [T, H, D] each
+        q = self.q_norm(q).reshape(num_tokens, -1)
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, d)).reshape(num_tokens, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.o_proj(out)
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, max_position: int, dtype: torch.dtype, mlp: nn.Module):
+        super().__init__()
+        self.is_linear = cfg["layer_types"][layer_idx] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype)
+        else:
+            self.self_attn = Qwen3_5Attention(cfg, max_position, dtype)
+        self.mlp = mlp
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.linear_attn(hidden) if self.is_linear else self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype, make_mlp):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.embed_tokens = (VocabParallelEmbedding(cfg["vocab_size"], hidden, dtype)
+                             if is_first_pp_rank() else PPMissingLayer())
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg["num_hidden_layers"],
+            lambda i: Qwen3_5DecoderLayer(cfg, i, max_position, dtype, make_mlp(cfg, i, dtype)))
+        self.norm = ZeroCenteredRMSNorm(hidden, cfg["rms_norm_eps"], dtype) if is_last_pp_rank() else PPMissingLayer()
+
+    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for layer in self.layers[self.start_layer:self.end_layer]:
+            hidden, residual = layer(positions, hidden, residual)
+        if not is_last_pp_rank():
+            return [hidden, residual]
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+def layer_types(cfg: dict[str, Any]) -> list[str]:
+    """config.json's layer_types, else every full_attention_interval-th layer (default 4) is full."""
+    interval = cfg.get("full_attention_interval", 4)
+    return cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                      for i in range(cfg["num_hidden_layers"])]
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Also Qwen3_5ForConditionalGeneration: the text model of the multimodal checkpoint."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    make_mlp = staticmethod(make_dense_mlp)
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+        super().__init__()
+        cfg = {**cfg, "layer_types": layer_types(cfg)}
+        self.model = Qwen3_5Model(cfg, max_position, dtype, self.make_mlp)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if is_last_pp_rank():
+            self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype)
+            if self.tie_word_embeddings and is_first_pp_rank():
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = PPMissingLayer()
+        self._logged_skips: set[str] = set()
+
+    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
+        return self.model(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head.compute_logits(hidden)
+        return None if logits is None else logits.float()
+
+    def checkpoint_rename(self, name: str) -> str | None:
+        """'model.language_model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj.weight';
+        vision and MTP tensors -> None (skipped, one log line per kind)."""
+        for prefix in _SKIPPED_PREFIXES:
+            if name.startswith(prefix):
+                if prefix not in self._logged_skips:
+                    self._logged_skips.add(prefix)
+                    logger.info("Skipping %s* checkpoint tensors: %s", prefix,
+                                "vision tower (text-only serving)" if prefix == "model.visual." else
+                                "multi-token-prediction head (no speculative decoding yet)")
+                return None
+        return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name

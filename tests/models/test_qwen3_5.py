@@ -1,0 +1,141 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention) matches HF transformers on tiny random fp32
+checkpoints: under chunked prefill and preemption, over a 64-token decode, and from the
+multimodal checkpoint layout as from the text-only one. Also the hybrid cache's sizing."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from tengyun import LLM, SamplingParams
+from tengyun.kv_sizing import KVCacheShape, split_budget, state_shape
+from test_hf_parity import TOP_K, _prompts
+
+TEXT = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=0, eos_token_id=0)
+
+
+def _hf_text_model(seed: int = 0):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT)).eval()
+    with torch.no_grad():  # norms start at 0 (zero-centred) or 1: give them values so a wrong formula shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    folder = tmp_path_factory.mktemp("tiny_qwen3_5")
+    _hf_text_model().save_pretrained(folder)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def multimodal_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    """The same text weights in Qwen3_5ForConditionalGeneration's layout, with a vision tower."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=TEXT, vision_config=vision))
+    text = _hf_text_model()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    folder = tmp_path_factory.mktemp("tiny_qwen3_5_mm")
+    model.save_pretrained(folder)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+def _hf_reference(model, prompts, max_tokens):
+    """Per prompt: greedy tokens and per-step top-5 (ids, logprobs), full recompute each step."""
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, tokens, tops = list(prompt), [], []
+            for _ in range(max_tokens):
+                logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+                top = torch.topk(logprobs, TOP_K)
+                tokens.append(int(logprobs.argmax()))
+                tops.append((top.indices.tolist(), top.values.tolist()))
+                ids.append(tokens[-1])
+            results.append((tokens, tops))
+    return results
+
+
+def _assert_matches(outputs, reference):
+    for output, (ref_tokens, ref_tops) in zip(outputs, reference):
+        completion = output.outputs[0]
+        assert completion.token_ids == ref_tokens
+        for step, (ref_ids, ref_values) in enumerate(ref_tops):
+            for token, value in zip(ref_ids, ref_values):
+                assert completion.logprobs[step][token].logprob == pytest.approx(value, abs=1e-4)
+
+
+def test_greedy_matches_hf_under_chunked_prefill_and_preemption(text_checkpoint, caplog):
+    prompts = _prompts(300)
+    reference = _hf_reference(_hf_text_model(), prompts, 12)
+    with caplog.at_level(logging.INFO, logger="tengyun.config"):
+        llm = LLM(str(text_checkpoint), block_size=8, max_model_len=104,
+                  num_gpu_blocks_override=13,  # 104 slots for ~660 tokens of demand: preemption must happen
+                  max_num_batched_tokens=32, max_num_seqs=16, enable_prefix_caching=True)
+    assert "Prefix caching is off" in caplog.text
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
+    _assert_matches(llm.generate(prompts, params), reference)
+    engine = llm.llm_engine
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits == 0  # four prompts share 40 tokens, but the hybrid cache is off
+    assert stats.kv_cache_usage == 0.0
+    assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots == 16
+
+
+def test_single_sequence_decode_of_64_tokens_matches_hf(text_checkpoint):
+    prompt = _prompts(300)[1]
+    reference = _hf_reference(_hf_text_model(), [prompt], 64)
+    llm = LLM(str(text_checkpoint), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=TOP_K)
+    _assert_matches(llm.generate([prompt], params), reference)
+
+
+def test_multimodal_layout_gives_the_text_only_tokens(text_checkpoint, multimodal_checkpoint, caplog):
+    prompts = _prompts(300)[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    text = LLM(str(text_checkpoint), block_size=8, max_model_len=128, kv_cache_memory="1MiB",
+               max_num_batched_tokens=32)
+    expected = [o.outputs[0].token_ids for o in text.generate(prompts, params)]
+    with caplog.at_level(logging.INFO, logger="tengyun.models.qwen3_5"):
+        mm = LLM(str(multimodal_checkpoint), block_size=8, max_model_len=128, kv_cache_memory="1MiB",
+                 max_num_batched_tokens=32)
+    assert caplog.text.count("Skipping model.visual.*") == 1
+    assert [o.outputs[0].token_ids for o in mm.generate(prompts, params)] == expected
+
+
+def test_state_bytes_per_slot_of_qwen3_5_27b():
+    cfg = dict(num_hidden_layers=64, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+               linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    shape = state_shape(cfg, dtype_bytes=2)
+    assert (shape.num_layers, shape.conv_dim, shape.conv_width) == (48, 10240, 3)
+    assert shape.bytes_per_slot == 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4)
+
+
+def test_budget_gives_slots_first_then_blocks_and_fewer_slots_when_tight():
+    kv = KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype_bytes=4)  # 64 bytes/token, 1 KiB/block
+    # Roomy: max_num_seqs slots, the rest in blocks.
+    assert split_budget(100 * 1024, 16, kv, 1000, max_num_seqs=4, max_model_len=64) == (96, 4)
+    # Tight: keep one max_model_len sequence of KV (4 blocks); 3 slots fit in the other 6 KiB.
+    assert split_budget(10 * 1024, 16, kv, 2048, max_num_seqs=8, max_model_len=64) == (4, 3)
+    # Not a hybrid model: everything in blocks.
+    assert split_budget(10 * 1024, 16, kv, 0, max_num_seqs=8, max_model_len=64) == (10, 0)
