@@ -11,6 +11,8 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("tengyun.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen3_5ForCausalLM": ("tengyun.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5ForConditionalGeneration": ("tengyun.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("tengyun.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("tengyun.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
 }
 
 

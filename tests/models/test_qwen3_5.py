@@ -1,6 +1,6 @@
-"""Qwen3.5 (hybrid Gated DeltaNet + gated attention) matches HF transformers on tiny random fp32
-checkpoints: under chunked prefill and preemption, over a 64-token decode, and from the
-multimodal checkpoint layout as from the text-only one. Also the hybrid cache's sizing."""
+"""Qwen3.5 and Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) match HF transformers on tiny
+random fp32 checkpoints: under chunked prefill and preemption, over a 64-token decode, and from
+the multimodal checkpoint layout as from the text-only one. Also the hybrid cache's sizing."""
 
 from __future__ import annotations
 
@@ -20,21 +20,37 @@ TEXT = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_la
             max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=0, eos_token_id=0)
 
 
-def _hf_text_model(seed: int = 0):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+# 8 experts, top-2, and a shared expert on every layer.
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def _hf_text_model(arch: str = "qwen3_5", seed: int = 0):
+    import transformers
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT)).eval()
+    if arch == "qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT))
+    else:
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**TEXT, **MOE))
     with torch.no_grad():  # norms start at 0 (zero-centred) or 1: give them values so a wrong formula shows
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.1)
-    return model
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def arch_checkpoint(request, tmp_path_factory, tiny_tokenizer_dir):
+    folder = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    _hf_text_model(request.param).save_pretrained(folder)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    return request.param, folder
 
 
 @pytest.fixture(scope="module")
 def text_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
-    folder = tmp_path_factory.mktemp("tiny_qwen3_5")
+    folder = tmp_path_factory.mktemp("tiny_qwen3_5_text")
     _hf_text_model().save_pretrained(folder)
     for f in tiny_tokenizer_dir.iterdir():
         shutil.copy(f, folder / f.name)
@@ -83,11 +99,12 @@ def _assert_matches(outputs, reference):
                 assert completion.logprobs[step][token].logprob == pytest.approx(value, abs=1e-4)
 
 
-def test_greedy_matches_hf_under_chunked_prefill_and_preemption(text_checkpoint, caplog):
+def test_greedy_matches_hf_under_chunked_prefill_and_preemption(arch_checkpoint, caplog):
+    arch, folder = arch_checkpoint
     prompts = _prompts(300)
-    reference = _hf_reference(_hf_text_model(), prompts, 12)
+    reference = _hf_reference(_hf_text_model(arch), prompts, 12)
     with caplog.at_level(logging.INFO, logger="tengyun.config"):
-        llm = LLM(str(text_checkpoint), block_size=8, max_model_len=104,
+        llm = LLM(str(folder), block_size=8, max_model_len=104,
                   num_gpu_blocks_override=13,  # 104 slots for ~660 tokens of demand: preemption must happen
                   max_num_batched_tokens=32, max_num_seqs=16, enable_prefix_caching=True)
     assert "Prefix caching is off" in caplog.text
@@ -101,10 +118,11 @@ def test_greedy_matches_hf_under_chunked_prefill_and_preemption(text_checkpoint,
     assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots == 16
 
 
-def test_single_sequence_decode_of_64_tokens_matches_hf(text_checkpoint):
+def test_single_sequence_decode_of_64_tokens_matches_hf(arch_checkpoint):
+    arch, folder = arch_checkpoint
     prompt = _prompts(300)[1]
-    reference = _hf_reference(_hf_text_model(), [prompt], 64)
-    llm = LLM(str(text_checkpoint), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    reference = _hf_reference(_hf_text_model(arch), [prompt], 64)
+    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=TOP_K)
     _assert_matches(llm.generate([prompt], params), reference)
 

@@ -1,0 +1,41 @@
+"""Qwen3.5-MoE text model: Qwen3.5's hybrid layers with a sparse MoE block as every layer's MLP
+(top-k softmax routing, renormalised, plus a shared expert scaled by sigmoid(shared_expert_gate))."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tengyun.layers.fused_moe import FusedMoE
+from tengyun.layers.linear import ReplicatedLinear
+from tengyun.models.llama import LlamaMLP
+from tengyun.models.qwen3_5 import Qwen3_5ForCausalLM
+
+
+class Qwen3_5MoeSparseMoeBlock(nn.Module):
+    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype):
+        super().__init__()
+        hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
+        self.gate = ReplicatedLinear(hidden, num_experts, False, dtype)  # router
+        self.experts = FusedMoE(num_experts, cfg["num_experts_per_tok"], hidden, cfg["moe_intermediate_size"],
+                                True, dtype)
+        self.shared_expert = LlamaMLP(hidden, cfg["shared_expert_intermediate_size"], dtype)
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> routed experts + sigmoid(gate) * shared expert, [T, H]."""
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, self.gate(x)) + shared
+
+
+def make_moe_mlp(cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    return Qwen3_5MoeSparseMoeBlock(cfg, dtype)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Also Qwen3_5MoeForConditionalGeneration (text weights only)."""
+
+    make_mlp = staticmethod(make_moe_mlp)
+    checkpoint_name_to_param = staticmethod(FusedMoE.checkpoint_name_to_param)
