@@ -32,6 +32,12 @@ class Platform:
         """(free bytes, total bytes) of the device."""
         raise NotImplementedError
 
+    def memory_usage(self, pid: int) -> tuple[int, int] | None:
+        """(used, total) bytes of the memory server process ``pid`` fills, for `tengyun supervise`:
+        the fullest of its visible devices, or on CPU its process tree's RSS against host RAM;
+        None when it cannot be read. Never initialises a device in the calling process."""
+        return None
+
     def attention_backend(self) -> str:
         return "torch_sdpa"
 
@@ -40,3 +46,15 @@ class Platform:
         from tengyun.layers.linear_kernel import DenseLinearKernel
 
         return DenseLinearKernel()
+
+
+def fullest_device(usage_mib: dict[int, tuple[int, int]], visible: str | None) -> tuple[int, int] | None:
+    """{device: (used MiB, total MiB)} limited to ``visible`` ("2,3"; all when unset) -> the
+    (used, total) bytes of the device with the largest used fraction."""
+    if visible and all(v.strip().isdigit() for v in visible.split(",")):
+        usage_mib = {d: u for d, u in usage_mib.items() if str(d) in {v.strip() for v in visible.split(",")}}
+    pairs = [(used, total) for used, total in usage_mib.values() if total]
+    if not pairs:
+        return None
+    used, total = max(pairs, key=lambda p: p[0] / p[1])
+    return used << 20, total << 20

@@ -47,3 +47,35 @@ class CpuPlatform(Platform):
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return free, pages
+
+    def memory_usage(self, pid: int) -> tuple[int, int] | None:
+        rss = process_tree_rss(pid)
+        return None if rss is None else (rss, self.memory_info()[1])
+
+
+def process_tree_rss(pid: int, proc: str = "/proc") -> int | None:
+    """Resident bytes of ``pid`` and all its descendants (VmRSS of each), None when pid is gone."""
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"{proc}/{p}/status") as f:
+                status = f.read()
+            tasks = os.listdir(f"{proc}/{p}/task")
+        except OSError:
+            if p == pid:
+                return None
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):  # "VmRSS:   123456 kB"
+                total += int(line.split()[1]) * 1024
+        for task in tasks:
+            try:
+                with open(f"{proc}/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+    return total

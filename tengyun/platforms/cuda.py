@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from tengyun.platforms.base import Platform
+import os
+
+from tengyun.platforms.base import Platform, fullest_device
 
 
 class CudaPlatform(Platform):
@@ -30,3 +32,11 @@ class CudaPlatform(Platform):
         import torch
 
         return torch.cuda.mem_get_info()
+
+    def memory_usage(self, pid: int) -> tuple[int, int] | None:
+        from tengyun.ops import probe, smi
+
+        out = probe.nvidia_smi_memory()
+        if out is None or out.returncode != 0:
+            return None
+        return fullest_device(smi.parse_nvidia_memory(out.stdout), os.environ.get(self.visible_devices_env))

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
-from tengyun.platforms.base import Platform
+from tengyun.platforms.base import Platform, fullest_device
 
 
 class NpuPlatform(Platform):
@@ -45,3 +46,16 @@ class NpuPlatform(Platform):
         import torch
 
         return torch.npu.mem_get_info()
+
+    def memory_usage(self, pid: int) -> tuple[int, int] | None:
+        from tengyun.ops import probe, smi
+
+        out = probe.npu_smi_info()
+        if out is None or out.returncode != 0:
+            return None
+        usage = {}
+        for d in smi.parse_npu_smi_info(out.stdout).devices:  # HBM where the card has it (910B), else DDR
+            used, total = (d.hbm_used_mb, d.hbm_total_mb) if d.hbm_total_mb else (d.memory_used_mb, d.memory_total_mb)
+            if total:
+                usage[d.npu_id] = (used or 0, total)
+        return fullest_device(usage, os.environ.get(self.visible_devices_env))

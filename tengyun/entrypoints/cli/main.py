@@ -12,6 +12,9 @@ SUBCOMMANDS = {
     "generate": "tengyun.entrypoints.cli.generate",
     "serve": "tengyun.entrypoints.cli.serve",
     "bench": "tengyun.entrypoints.cli.bench",
+    "supervise": "tengyun.entrypoints.cli.supervise",
+    "deploy": "tengyun.entrypoints.cli.deploy",
+    "launch": "tengyun.entrypoints.cli.launch",
 }
 
 

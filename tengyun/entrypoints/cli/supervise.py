@@ -1,0 +1,206 @@
+"""`tengyun supervise [options] -- serve [MODEL] [flags]`: run the server and restart it
+gracefully when its memory passes a threshold, /health fails, or it exits; see ops/supervise.py."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from tengyun.ops.supervise import Decision, Observation, Reason, Watchdog, WatchdogPolicy
+
+logger = logging.getLogger("tengyun.supervise")
+KILL_GRACE_S = 15  # after --shutdown-timeout the server aborts what is left; this covers its exit
+_PR_SET_PDEATHSIG = 1
+
+
+def serve_command(argv: list[str]) -> list[str]:
+    """'-- serve MODEL ...' / 'serve MODEL ...' / 'MODEL ...' -> ['MODEL', ...] (the serve flags)."""
+    argv = list(argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    return argv
+
+
+def parse_serve_args(serve_args: list[str]) -> argparse.Namespace:
+    """The serve flags as `tengyun serve` reads them (host, port, --shutdown-timeout, --device)."""
+    from tengyun.entrypoints.openai.cli_args import make_arg_parser
+
+    return make_arg_parser(argparse.ArgumentParser(prog="tengyun serve")).parse_args(serve_args)
+
+
+def server_argv(serve_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "tengyun.entrypoints.cli.main", "serve", *serve_args]
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM it if the supervisor dies (Linux), so no server is left orphaned."""
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def start_child(argv: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None) -> subprocess.Popen:
+    """A child in its own session: a terminal's Ctrl-C reaches only the parent, which forwards
+    one SIGTERM (a second one would stop the server without draining)."""
+    def preexec() -> None:
+        _die_with_parent()
+        if cpus:
+            import os
+
+            os.sched_setaffinity(0, cpus)
+
+    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec)
+
+
+def stop_child(proc: subprocess.Popen, drain_s: float) -> int:
+    """SIGTERM (the server drains), SIGKILL if still running drain_s + KILL_GRACE_S later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(drain_s + KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("pid %d still running %.0f s after SIGTERM: SIGKILL", proc.pid, drain_s + KILL_GRACE_S)
+        proc.kill()
+        return proc.wait()
+
+
+def health_ok(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "supervise", help="run `serve` under a watchdog that restarts it gracefully (memory, /health, exits)",
+        usage="tengyun supervise [options] -- serve [MODEL] [serve flags]")
+    parser.add_argument("--memory-threshold", type=float, default=0.95,
+                        help="restart when the server's device memory (CPU: its RSS against host RAM) reaches "
+                             "this fraction (default 0.95)")
+    parser.add_argument("--check-interval", type=float, default=5.0, help="seconds between checks (default 5)")
+    parser.add_argument("--health-failures", type=int, default=3,
+                        help="restart after this many failed /health checks in a row (default 3)")
+    parser.add_argument("--start-timeout", type=float, default=900.0,
+                        help="restart when /health is not 200 this many seconds after a start (default 900)")
+    parser.add_argument("--backoff-initial", type=float, default=1.0,
+                        help="seconds before the 2nd of a run of restarts; doubles each time (default 1)")
+    parser.add_argument("--backoff-max", type=float, default=300.0, help="longest back-off (default 300 s)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve tengyun:supervisor_restarts_total on this port's /metrics")
+    parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- serve [MODEL] [flags]")
+
+
+def run(args: argparse.Namespace) -> int:
+    serve_args = serve_command(args.serve_args)
+    serve = parse_serve_args(serve_args)  # bad serve flags fail here, before anything starts
+    if not 0 < args.memory_threshold <= 1:
+        raise ValueError(f"--memory-threshold {args.memory_threshold}: a fraction in (0, 1], e.g. 0.95.")
+    if args.check_interval <= 0:
+        raise ValueError(f"--check-interval {args.check_interval}: must be positive, e.g. 5.")
+    policy = WatchdogPolicy(args.memory_threshold, args.check_interval, args.health_failures, args.start_timeout,
+                            args.backoff_initial, args.backoff_max)
+    return Supervisor(policy, serve_args, serve, args.metrics_port).run()
+
+
+class Supervisor:
+    def __init__(self, policy: WatchdogPolicy, serve_args: list[str], serve: argparse.Namespace,
+                 metrics_port: int | None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        from tengyun.platforms import get_platform
+
+        self.policy = policy
+        self.serve_args = serve_args
+        self.drain_s = serve.shutdown_timeout
+        host = "127.0.0.1" if serve.host in ("0.0.0.0", "::", "") else serve.host
+        self.health_url = f"http://{host}:{serve.port}/health"
+        self.platform = get_platform(serve.device)
+        self.watchdog = Watchdog(policy)
+        self.stopping = False
+        self.registry = CollectorRegistry()
+        self.restarts = Counter("tengyun:supervisor_restarts", "Server restarts by the supervisor, by reason",
+                                ["reason"], registry=self.registry)
+        for reason in Reason:
+            self.restarts.labels(reason.value)  # every series exists from the start, at 0
+        self.memory = Gauge("tengyun:supervisor_memory_usage_perc",
+                            "Memory the server fills, as a fraction of its device's (CPU: host RAM)",
+                            registry=self.registry)
+        self.up = Gauge("tengyun:supervisor_server_healthy", "1 while the server's /health is 200",
+                        registry=self.registry)
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(metrics_port, addr=host, registry=self.registry)
+            logger.info("Supervisor metrics on http://%s:%d/metrics", host, metrics_port)
+
+    def _on_signal(self, sig: int, frame) -> None:
+        if not self.stopping:
+            logger.info("Received signal %d: stopping the server (drain up to %.0f s)", sig, self.drain_s)
+        self.stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        while True:
+            proc = start_child(server_argv(self.serve_args))
+            logger.info("Started the server: pid %d, watching %s", proc.pid, self.health_url)
+            self.watchdog.started(time.monotonic())
+            decision = self._watch(proc)
+            if decision is None:  # stopping
+                code = stop_child(proc, self.drain_s)
+                logger.info("The server exited with code %d", code)
+                return code
+            self.restarts.labels(decision.reason.value).inc()
+            logger.warning("Restart %d (%s): %s", self.watchdog.restarts + 1, decision.reason.value, decision.detail)
+            if decision.graceful:
+                logger.info("Stopping pid %d gracefully (SIGTERM; in-flight requests finish within %.0f s)",
+                            proc.pid, self.drain_s)
+                code = stop_child(proc, self.drain_s)
+                logger.info("pid %d exited with code %d", proc.pid, code)
+            self.up.set(0)
+            delay = self.watchdog.restarted()
+            logger.info("Starting the server again in %.1f s (back-off)", delay)
+            if self._sleep(delay):
+                return 0
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep, returning True early if a stop signal came."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        return self.stopping
+
+    def _watch(self, proc: subprocess.Popen) -> Decision | None:
+        next_check = time.monotonic() + min(self.policy.check_interval_s, 1.0)  # readiness polled at <= 1 s
+        while not self.stopping:
+            exited = proc.poll()
+            if exited is None and time.monotonic() < next_check:
+                time.sleep(0.1)
+                continue
+            now = time.monotonic()
+            ready = self.watchdog.ready_at is not None
+            healthy = exited is None and health_ok(self.health_url, timeout=min(10.0, self.policy.check_interval_s * 2))
+            usage = self.platform.memory_usage(proc.pid) if ready and exited is None else None
+            if usage is not None:
+                self.memory.set(usage[0] / usage[1])
+            self.up.set(1 if healthy else 0)
+            decision = self.watchdog.check(Observation(now, exited, healthy, *(usage or (None, None))))
+            if not ready and self.watchdog.ready_at is not None:
+                logger.info("The server is healthy (pid %d)", proc.pid)
+            interval = self.policy.check_interval_s
+            next_check = now + (interval if self.watchdog.ready_at is not None else min(interval, 1.0))
+            if decision is not None:
+                return decision
+        return None

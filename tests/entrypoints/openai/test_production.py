@@ -1,0 +1,204 @@
+"""Production operations end to end, with real servers and a real nginx on loopback:
+`tengyun launch` (two instances behind the generated nginx config) and `tengyun supervise`
+(graceful restart on a memory threshold, restart with back-off after an exit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from remote_server import MAX_MODEL_LEN, free_port, server_model  # noqa: F401 (fixture)
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SERVE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN), "--disable-uvicorn-access-log",
+               "--disable-log-stats"]
+
+pytestmark = pytest.mark.skipif(not os.path.exists(NGINX), reason="nginx not installed (.ci/run installs it)")
+
+
+class Tengyun:
+    """`python -m tengyun.entrypoints.cli.main ARGS` in the background, output in a log file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tengyun.entrypoints.cli.main", *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=ENV)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, count: int = 1, timeout: float = 240.0) -> list[re.Match]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = list(re.finditer(pattern, self.log()))
+            if len(found) >= count:
+                return found
+            assert self.proc.poll() is None, f"exited with {self.proc.returncode}:\n{self.log()}"
+            time.sleep(0.1)
+        pytest.fail(f"{pattern!r} x{count} not logged within {timeout} s:\n{self.log()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def tengyun(tmp_path):
+    started: list[Tengyun] = []
+
+    def start(*args: str) -> Tengyun:
+        t = Tengyun(list(args), tmp_path / f"tengyun{len(started)}.log")
+        started.append(t)
+        return t
+
+    yield start
+    for t in started:
+        t.stop()
+
+
+def wait_health(url: str, timeout: float = 240.0, poll: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(poll)
+    pytest.fail(f"{url}/health did not turn 200 within {timeout} s")
+
+
+def stream_completion(url: str, body: dict) -> tuple[list[dict], list[float], float]:
+    """(chunks, arrival time of each, time the request was sent)."""
+    sent = time.monotonic()
+    chunks, arrivals = [], []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+                arrivals.append(time.monotonic())
+    return chunks, arrivals, sent
+
+
+def completion(url: str, prompt: str) -> str:
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_two_instances_behind_nginx_stream_balance_and_survive_a_kill(server_model, tengyun, tmp_path):  # noqa: F811
+    base, listen = free_port(), free_port()
+    launch = tengyun("launch", "--instances", "2", "--base-port", str(base), "--listen", f"127.0.0.1:{listen}",
+                     "--nginx-dir", str(tmp_path / "nginx"), "--nginx", NGINX,
+                     "--", "serve", str(server_model), *SERVE_FLAGS)
+    instances = [f"http://127.0.0.1:{base + i}" for i in range(2)]
+    front = f"http://127.0.0.1:{listen}"
+    for url in instances:
+        wait_health(url, poll=0.2)
+    wait_health(front)
+    pids = {int(m.group(1)): int(m.group(2)) for m in launch.wait_log(r"Instance (\d): pid (\d+)", 2)}
+    conf = (tmp_path / "nginx" / "nginx.conf").read_text()
+    assert f"server 127.0.0.1:{base + 1} max_fails=1" in conf and "proxy_buffering off;" in conf
+
+    # Streamed through nginx: the tokens arrive one by one, not in one burst at the end.
+    chunks, arrivals, sent = stream_completion(front, {"prompt": "The quick brown fox", "max_tokens": 300,
+                                                       "ignore_eos": True, "temperature": 0})
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(chunks) > 50
+    assert arrivals[-1] - arrivals[0] > 0.5 * (arrivals[-1] - sent)
+    assert sum(b - a > 0.001 for a, b in zip(arrivals, arrivals[1:])) > len(chunks) // 2  # not one burst
+    assert "".join(c["choices"][0]["text"] for c in chunks) == completion_text(instances[0], 300)
+
+    # Non-streamed answers through nginx equal the instances' own.
+    prompts = ["Paris is the capital of", "def add(a, b):", "人工智能"]
+    direct = [completion(instances[i % 2], p) for i, p in enumerate(prompts)]
+    assert [completion(front, p) for p in prompts] == direct
+    assert httpx.get(front + "/instances/1/health", timeout=10).status_code == 200
+    assert "tengyun:num_requests_running" in httpx.get(front + "/instances/0/metrics", timeout=10).text
+
+    # One instance dies: every request after that still succeeds, through the other.
+    os.kill(pids[0], signal.SIGKILL)
+    launch.wait_log(r"Instance 0 \(pid \d+\) exited")
+    assert [completion(front, p) for p in prompts * 2] == direct * 2
+    chunks, _, _ = stream_completion(front, {"prompt": "Hello", "max_tokens": 8, "temperature": 0})
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert httpx.get(front + "/instances/0/health", timeout=10).status_code == 502
+    assert launch.stop() == 0, launch.log()
+
+
+def completion_text(url: str, max_tokens: int) -> str:
+    r = httpx.post(url + "/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": max_tokens,
+                                                  "ignore_eos": True, "temperature": 0}, timeout=120)
+    return r.json()["choices"][0]["text"]
+
+
+def restarts_metric(metrics_url: str, reason: str) -> float:
+    text = httpx.get(metrics_url, timeout=10).text
+    match = re.search(rf'^tengyun:supervisor_restarts_total{{reason="{reason}"}} (\S+)$', text, re.M)
+    assert match, text
+    return float(match.group(1))
+
+
+def test_supervisor_memory_threshold_restarts_gracefully(server_model, tengyun):  # noqa: F811
+    port, metrics_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    sup = tengyun("supervise", "--memory-threshold", "0.001", "--check-interval", "1",
+                  "--metrics-port", str(metrics_port), "--",
+                  "serve", str(server_model), "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout",
+                  "600", *SERVE_FLAGS)
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    wait_health(url)  # polled every 50 ms; the supervisor looks at memory a second after it sees 200
+    assert restarts_metric(metrics_url, "memory") == 0
+    chunks, _, _ = stream_completion(url, {"prompt": "The quick brown fox", "max_tokens": 1500, "ignore_eos": True,
+                                           "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"]["completion_tokens"] == 1500
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
+        == ["length"]
+
+    log = sup.wait_log(r"Restart 1 \(memory\): memory \S+% \(\d+ MiB of \d+ MiB\) >= --memory-threshold 0.001")
+    assert log
+    assert "finishing 1 in-flight request(s)" in sup.log()  # the request above was mid-flight at the restart
+    sup.wait_log(r"Started the server: pid \d+", 2)
+    wait_health(url)
+    assert restarts_metric(metrics_url, "memory") >= 1
+    assert restarts_metric(metrics_url, "exit") == 0
+    assert sup.stop() == 0, sup.log()
+
+
+def test_supervisor_restarts_a_server_that_exits_with_backoff(server_model, tengyun):  # noqa: F811
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    sup = tengyun("supervise", "--check-interval", "0.5", "--backoff-initial", "2", "--",
+                  "serve", str(server_model), "--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS)
+    for n in (1, 2):
+        pid = int(sup.wait_log(r"Started the server: pid (\d+)", n)[-1].group(1))
+        sup.wait_log(rf"The server is healthy \(pid {pid}\)")
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        sup.wait_log(rf"Restart {n} \(exit\): the server exited with code -9")
+        sup.wait_log(r"Started the server: pid (\d+)", n + 1)
+        if n == 2:  # the second restart in a row waits --backoff-initial
+            assert time.monotonic() - killed >= 2.0
+    assert re.findall(r"Starting the server again in (\S+) s", sup.log()) == ["0.0", "2.0"]
+    wait_health(url)
+    assert sup.stop() == 0, sup.log()
