@@ -32,7 +32,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tengyun import __version__
 from tengyun.config import EngineConfig
 from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from tengyun.entrypoints.openai.cli_args import load_chat_template, make_arg_parser, resolve_api_key
+from tengyun.entrypoints.openai.cli_args import (
+    check_server_args, load_chat_template, make_arg_parser, resolve_api_key,
+)
 from tengyun.entrypoints.openai.metrics import EngineMetrics, StatLogger
 from tengyun.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -58,12 +60,13 @@ class ServerState:
 
     def __init__(self, config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
                  log_stats_interval: float | None = 10.0, shutdown_timeout: float = 30.0,
-                 base_url: str | None = None):
+                 base_url: str | None = None, chat_options: dict[str, Any] | None = None):
         self.config = config  # finalized: served_model_name and max_model_len are known
         self.api_key = api_key
         self.chat_template = chat_template
         self.shutdown_timeout = shutdown_timeout
         self.base_url = base_url  # for the example curl line printed when ready
+        self.chat_options = chat_options or {}  # enable_auto_tool_choice, tool_call_parser, reasoning_parser
         self.engine: AsyncLLMEngine | None = None
         self.completion: OpenAIServingCompletion | None = None
         self.chat: OpenAIServingChat | None = None
@@ -93,7 +96,7 @@ class ServerState:
                 engine.add_step_listener(self.stat_logger.on_step)
             name = self.config.served_model_name
             self.completion = OpenAIServingCompletion(engine, tokenizer, name, self.chat_template)
-            self.chat = OpenAIServingChat(engine, tokenizer, name, self.chat_template)
+            self.chat = OpenAIServingChat(engine, tokenizer, name, self.chat_template, **self.chat_options)
             self.ready = True
             logger.info("Ready in %.1f s: serving %r", time.perf_counter() - started, name)
             if self.base_url:
@@ -334,8 +337,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         serving = state.completion
         serving.check_model(request.model)
         if request.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
             text = serving.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                       request.chat_template, request.chat_template_kwargs)
+                                       request.chat_template, request.chat_template_kwargs, tools)
             add_special = bool(request.add_special_tokens)
         else:
             text = request.prompt
@@ -382,12 +386,15 @@ class TengyunServer(uvicorn.Server):
 def run_server(args: argparse.Namespace) -> int:
     from tengyun.entrypoints.cli.engine_args import config_from_args
 
+    check_server_args(args)
     config = config_from_args(args).finalize()  # fast checks first: bad flags never bind a port
     state = ServerState(
         config, api_key=resolve_api_key(args), chat_template=load_chat_template(args.chat_template),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout,
         base_url=f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}",
+        chat_options=dict(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser),
     )
     app = build_app(state, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     uvicorn_config = uvicorn.Config(

@@ -8,6 +8,8 @@ import json
 import os
 
 from tengyun.entrypoints.cli.engine_args import add_engine_args
+from tengyun.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from tengyun.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "TENGYUN_API_KEY"
 
@@ -44,6 +46,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests before aborting them")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default when a request has tools): the model decides, '
+                            "--tool-call-parser reads its calls")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="format of the model's tool calls: hermes (Qwen2.5 / Qwen3 JSON in <tool_call>) or "
+                            "qwen3_coder (Qwen3-Coder XML)")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split <think>...</think> into reasoning_content: qwen3")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -53,6 +63,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_engine_args(parser)
     add_server_args(parser)
     return parser
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: add --tool-call-parser hermes "
+                         "(Qwen2.5 / Qwen3) or qwen3_coder (Qwen3-Coder).")
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
-from tengyun.sampling_params import SamplingParams
+from tengyun.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 
@@ -78,6 +78,18 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIBaseModel):
     """Sampling fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
@@ -103,6 +115,13 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_*.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -116,7 +135,33 @@ class SamplingFields(OpenAIBaseModel):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the request's output constraint, the field it came from); at most one field may set one."""
+        given = {name: getattr(self, name) for name in
+                 ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format
+        if len(given) > 1:
+            raise RequestError(f"Set at most one output constraint, got {sorted(given)}.", sorted(given)[1])
+        if not given:
+            return None, None
+        (source, value), = given.items()
+        try:
+            if source == "response_format":
+                if value.type == "json_object":
+                    return StructuredOutputsParams(json_object=True), source
+                if value.json_schema is None or value.json_schema.json_schema is None:
+                    raise ValueError("response_format json_schema needs json_schema.schema.")
+                return StructuredOutputsParams(json=value.json_schema.json_schema), source
+            if source == "structured_outputs":
+                return StructuredOutputsParams(**value), source
+            return StructuredOutputsParams(**{source.removeprefix("guided_"): value}), source
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"{source}: {e}", source) from None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 n=self.n,
@@ -137,6 +182,7 @@ class SamplingFields(OpenAIBaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
             field_name = str(e).split(" ", 1)[0]
@@ -174,8 +220,9 @@ class CompletionRequest(SamplingFields):
             raise RequestError("prompt must not be empty.", "prompt")
         return list(prompt)
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs)
+    def to_sampling_params(self, max_tokens: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        return self._sampling_params(max_tokens, self.logprobs, structured_outputs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -218,18 +265,42 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # False: drop reasoning_content from the answer
 
     @model_validator(mode="after")
     def _check(self):
@@ -240,8 +311,12 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}.")
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported yet; remove it.")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools: add the functions to tools or drop tool_choice.")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
+                             f"not in tools ({', '.join(t.function.name for t in self.tools)}).")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true; "
                              "set add_generation_prompt to false.")
@@ -251,8 +326,10 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+    def to_sampling_params(self, max_tokens: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                     structured_outputs)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -269,9 +346,23 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the <think> part
+    reasoning: str | None = None  # the same text under the newer field name
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -291,9 +382,24 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -327,6 +433,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

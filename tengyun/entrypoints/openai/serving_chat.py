@@ -1,38 +1,99 @@
-"""POST /v1/chat/completions: the chat template renders the messages, then one engine request."""
+"""POST /v1/chat/completions: the chat template renders the messages (and tools), then one engine
+request; the answer's text is split into reasoning, content and tool calls by the configured parsers.
+
+tool_choice:
+    "none"                 tools reach the template, nothing is parsed
+    "auto"                 --enable-auto-tool-choice: the --tool-call-parser reads the model's calls
+    "required" / named     a grammar forces one (or, with parallel_tool_calls, several) calls in the
+                           parser's own format, with arguments valid against the function's
+                           parameters schema: deterministic even for a tiny model
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import AsyncIterator
 
+from tengyun.entrypoints.openai.chat_output import ChoiceOutputParser, ParsedOutput
 from tengyun.entrypoints.openai.protocol import (
     ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage, UsageInfo, random_id,
+    ChatCompletionStreamResponse, ChatResponseMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
+    NamedToolChoice, RequestError, ToolCall, UsageInfo, random_id,
 )
+from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
+from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
 from tengyun.outputs import RequestOutput
+from tengyun.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser_cls = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         """Validates everything before the first engine call: bad input raises RequestError."""
         self.check_model(request.model)
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         text = self.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                request.chat_template, request.chat_template_kwargs)
+                                request.chat_template, request.chat_template_kwargs, tools)
         # The template already holds BOS and friends: do not add special tokens twice.
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = request.requested_max_tokens
         self.check_length(len(token_ids), max_tokens, "messages")
-        params = request.to_sampling_params(max_tokens)
+        tool_parser, spec, source = self._tool_parser_and_constraint(request, tools)
+        await self.check_structured_outputs(spec, source)
+        params = request.to_sampling_params(max_tokens, spec)
+        reasoning = self.reasoning_parser_cls() if self.reasoning_parser_cls else None
+        in_reasoning = reasoning is not None and reasoning.prompt_opens_reasoning(text)
+        parsers = [ChoiceOutputParser(reasoning, tool_parser, in_reasoning) for _ in range(request.n)]
         request_id = random_id("chatcmpl")
         stream = self.engine.generate(request_id, token_ids, params)
         if request.stream:
-            return self._stream(request, request_id, stream)
-        return await self._full(request, request_id, stream)
+            return self._stream(request, request_id, stream, parsers)
+        return await self._full(request, request_id, stream, parsers)
 
-    async def _full(self, request: ChatCompletionRequest, request_id: str, stream) -> ChatCompletionResponse:
+    def _tool_parser_and_constraint(self, request: ChatCompletionRequest, tools: list[dict] | None
+                                    ) -> tuple[ToolParser | None, StructuredOutputsParams | None, str | None]:
+        """(the parser that reads this answer's tool calls, the output constraint, its field)."""
+        spec, source = request.structured_outputs_params()
+        choice = request.tool_choice
+        if choice is None:
+            choice = "auto" if tools and self.enable_auto_tool_choice else "none"
+        if not tools or choice == "none":
+            return None, spec, source
+        if choice == "auto":
+            if not (self.enable_auto_tool_choice and self.tool_parser_cls):
+                raise RequestError('"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                                   "--tool-call-parser NAME (hermes or qwen3_coder).", "tool_choice")
+            return self.tool_parser_cls(tools), spec, source
+        if spec is not None:
+            raise RequestError(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
+                               f"already constrains the output: drop {source}.", source)
+        # Forced calls take the configured parser's format (hermes JSON when none is configured).
+        parser = (self.tool_parser_cls or HermesToolParser)(tools)
+        functions = [t["function"] for t in tools]
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+        tags = [parser.forced_tag(f["name"], f.get("parameters") or {"type": "object", "properties": {}})
+                for f in functions]
+        if isinstance(choice, NamedToolChoice) or not request.parallel_tool_calls:
+            fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        else:
+            fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                   "stop_after_first": False}
+        tag = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+        return parser, StructuredOutputsParams(structural_tag=tag), "tools"
+
+    async def _full(self, request: ChatCompletionRequest, request_id: str, stream,
+                    parsers: list[ChoiceOutputParser]) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         async for _, output in self.merged([stream]):
             final = output
@@ -41,17 +102,19 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
+            parsed = parsers[c.index].parse(c.text)
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                index=c.index, message=_message(parsed, request.include_reasoning), logprobs=logprobs,
+                finish_reason=_finish_reason(c.finish_reason, bool(parsed.tool_calls)), stop_reason=c.stop_reason))
         prompt = len(final.prompt_token_ids)
         completion = sum(len(c.token_ids) for c in final.outputs)
         usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, stream) -> AsyncIterator[str]:
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, stream,
+                      parsers: list[ChoiceOutputParser]) -> AsyncIterator[str]:
         created, n = int(time.time()), request.n
-        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        sent_tokens, done, num_calls = [0] * n, [False] * n, [0] * n
         exclude = None if request.include_usage_in_stream else {"usage"}
         prompt_tokens = 0
 
@@ -70,19 +133,22 @@ class OpenAIServingChat(OpenAIServing):
                 for c in output.outputs:
                     if done[c.index]:
                         continue
-                    delta = c.text[sent_chars[c.index]:]
+                    parsed = parsers[c.index].delta(c.text, finished=c.finish_reason is not None)
+                    delta = _delta(parsed, num_calls[c.index], request.include_reasoning)
+                    num_calls[c.index] += len(parsed.tool_calls)
                     new_tokens = c.token_ids[sent_tokens[c.index]:]
-                    if not delta and c.finish_reason is None and not (request.logprobs and new_tokens):
+                    if delta is None and c.finish_reason is None and not (request.logprobs and new_tokens):
                         continue
                     logprobs = None
                     if request.logprobs:
                         logprobs = chat_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[c.index]:],
                                                  request.top_logprobs or 0)
-                    sent_chars[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    sent_tokens[c.index] = len(c.token_ids)
                     done[c.index] = c.finish_reason is not None
                     choices.append(ChatCompletionResponseStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                        logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                        index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
+                        finish_reason=_finish_reason(c.finish_reason, num_calls[c.index] > 0),
+                        stop_reason=c.stop_reason))
                 if choices:
                     yield chunk(choices)
             if request.include_usage_in_stream:
@@ -95,6 +161,30 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             yield sse_error(e)
         yield SSE_DONE
+
+
+def _message(parsed: ParsedOutput, include_reasoning: bool) -> ChatResponseMessage:
+    """Content is None only beside tool calls (as OpenAI); otherwise a string, maybe empty."""
+    reasoning = parsed.reasoning if include_reasoning else None
+    content = parsed.content if parsed.content or not parsed.tool_calls else None
+    calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.tool_calls]
+    return ChatResponseMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls)
+
+
+def _delta(parsed: ParsedOutput, first_index: int, include_reasoning: bool) -> DeltaMessage | None:
+    """One stream delta; a tool call travels whole, with its id, name and arguments."""
+    reasoning = parsed.reasoning if include_reasoning else None
+    calls = [DeltaToolCall(index=first_index + k, id=c.id, type="function",
+                           function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+             for k, c in enumerate(parsed.tool_calls)]
+    if not (reasoning or parsed.content or calls):
+        return None
+    return DeltaMessage(content=parsed.content or None, reasoning_content=reasoning, reasoning=reasoning,
+                        tool_calls=calls or None)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if reason == "stop" and called else reason
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> ChatCompletionLogProbs:

@@ -21,7 +21,9 @@ class OpenAIServingCompletion(OpenAIServing):
         token_lists = [self.tokenize_prompt(p) for p in prompts]
         for ids in token_lists:
             self.check_length(len(ids), request.max_tokens)
-        params = request.to_sampling_params(request.max_tokens)
+        spec, source = request.structured_outputs_params()
+        await self.check_structured_outputs(spec, source)
+        params = request.to_sampling_params(request.max_tokens, spec)
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if request.echo else ""
                       for p in prompts]
         request_id = random_id("cmpl")

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from tengyun.entrypoints.openai.protocol import ChatMessage, RequestError, error_body
 from tengyun.outputs import RequestOutput
+from tengyun.sampling_params import StructuredOutputsParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
@@ -38,9 +39,22 @@ class OpenAIServing:
             raise RequestError(f"prompt holds token ids outside [0, {self.vocab_size}): {bad[:5]}.", "prompt")
         return list(prompt)
 
+    async def check_structured_outputs(self, spec: StructuredOutputsParams | None, param: str | None) -> None:
+        """Compile the request's grammar off the event loop (cached for the worker): a bad schema,
+        regex or grammar is a 400 naming the field, before anything is queued."""
+        if spec is None:
+            return
+        from tengyun.structured_output import grammar_compiler_for_config
+
+        try:
+            await asyncio.to_thread(lambda: grammar_compiler_for_config(self.engine.config).compile(spec))
+        except ValueError as e:
+            raise RequestError(f"{param}: {e}" if param else str(e), param) from None
+
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The tokenizer's chat template (or --chat-template / the request's) over the messages."""
         template = chat_template or self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -50,7 +64,7 @@ class OpenAIServing:
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=template,
+                continue_final_message=continue_final_message, chat_template=template, tools=tools,
                 **(chat_template_kwargs or {}),
             )
         except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
@@ -124,6 +138,14 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
                                    "messages")
             texts.append(part["text"])
         data["content"] = "\n".join(texts)
+    for call in data.get("tool_calls") or []:
+        # Templates write arguments with tojson / items(): give them the object, not its JSON text.
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass
     return data
 
 

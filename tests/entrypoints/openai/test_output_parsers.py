@@ -171,3 +171,10 @@ def test_forced_call_grammar_accepts_the_parsers_own_format(parser_cls, text, ti
     matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag)))
     assert matcher.accept_string(text) and matcher.is_completed()
     assert _calls(ChoiceOutputParser(tool_parser=parser).parse(text)) == [("get_weather", {"city": "Paris", "days": 3})]
+
+
+def test_call_cut_off_after_calls_is_not_content():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n\n<tool_c'
+    parsed = ChoiceOutputParser(tool_parser=HermesToolParser(TOOLS)).parse(text)
+    assert (parsed.content, _calls(parsed)) == ("", [("get_weather", {"city": "Oslo"})])
+    assert _stream(ChoiceOutputParser(tool_parser=HermesToolParser(TOOLS)), list(text))[1] == ""

@@ -56,7 +56,9 @@ class ToolParser:
             i = text.find(self.start, pos)
             if i == -1:
                 tail = text[pos:]
-                content.append(tail if final else tail[:len(tail) - partial_suffix_len(tail, self.start)])
+                if not final or calls:  # after calls, a partial "<tool_c" is a call cut off by max_tokens
+                    tail = tail[:len(tail) - partial_suffix_len(tail, self.start)]
+                content.append(tail)
                 break
             content.append(text[pos:i])
             j = text.find(self.end, i + len(self.start))
