@@ -152,3 +152,28 @@ def test_fullest_device_limits_to_visible_devices():
     assert fullest_device(usage, None) == (1900 << 20, 2000 << 20)
     assert fullest_device(usage, "0,2") == (1000 << 20, 2000 << 20)
     assert fullest_device({}, None) is None
+
+
+def test_deploy_cli_prints_a_verified_unit_and_a_valid_nginx_config(tmp_path, capsys):
+    from tengyun.entrypoints.cli.main import main
+
+    assert main(["deploy", "systemd", "--no-capture-env", "--env", "ASCEND_RT_VISIBLE_DEVICES=4,5", "--supervise",
+                 "--memory-threshold", "0.9", "--", "serve", str(tmp_path), "--port", "8001",
+                 "--shutdown-timeout", "45"]) == 0
+    text = capsys.readouterr().out
+    service = dict(unit_sections(text)["Service"])
+    assert service["ExecStart"] == (f"{TENGYUN} supervise --memory-threshold 0.9 -- serve {tmp_path} "
+                                    "--port 8001 --shutdown-timeout 45")
+    assert service["TimeoutStopSec"] == "75" and service["Environment"] == "ASCEND_RT_VISIBLE_DEVICES=4,5"
+    if SYSTEMD_ANALYZE:
+        (tmp_path / "t.service").write_text(text)
+        r = subprocess.run([SYSTEMD_ANALYZE, "verify", str(tmp_path / "t.service")], capture_output=True, text=True)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert main(["deploy", "nginx", "--upstream", "127.0.0.1:8001", "--listen", "127.0.0.1:18081",
+                 "--full-config", str(tmp_path)]) == 0
+    r = nginx_t(tmp_path, capsys.readouterr().out)
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(SystemExit):  # serve's own flag parser reads the serve flags
+        main(["deploy", "systemd", "--", "serve", str(tmp_path), "--port", "eighty"])
+    assert main(["deploy", "nginx", "--upstream", "localhost"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err

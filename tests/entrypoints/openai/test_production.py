@@ -162,12 +162,12 @@ def restarts_metric(metrics_url: str, reason: str) -> float:
 def test_supervisor_memory_threshold_restarts_gracefully(server_model, tengyun):  # noqa: F811
     port, metrics_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    sup = tengyun("supervise", "--memory-threshold", "0.001", "--check-interval", "1",
+    sup = tengyun("supervise", "--memory-threshold", "0.001", "--check-interval", "2",
                   "--metrics-port", str(metrics_port), "--",
                   "serve", str(server_model), "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout",
                   "600", *SERVE_FLAGS)
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    wait_health(url)  # polled every 50 ms; the supervisor looks at memory a second after it sees 200
+    wait_health(url)  # polled every 50 ms; the supervisor looks at memory 2 s after it sees 200
     assert restarts_metric(metrics_url, "memory") == 0
     chunks, _, _ = stream_completion(url, {"prompt": "The quick brown fox", "max_tokens": 1500, "ignore_eos": True,
                                            "stream_options": {"include_usage": True}})
