@@ -34,3 +34,13 @@ def test_shared_prefix_is_served_from_the_cache_only_with_prefix_caching_on(tmp_
     assert on["prefix_cache_hit_rate"] == 128 / 144
     assert off["prefix_cache_hit_rate"] == 0.0
     assert "TTFT mean, prefix caching off / on:" in capsys.readouterr().out
+
+
+def test_jsonl_workload_takes_prompts_and_output_lengths_from_the_file(tmp_path, tiny_checkpoints):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt_token_ids": [5, 6, 7, 8], "output_len": 3}\n{"prompt": "The quick brown fox"}\n')
+    for flags in (["--dataset", str(workload)], ["--dataset-name", "custom", "--dataset-path", str(workload)]):
+        runs = run_bench(tmp_path, tiny_checkpoints["llama"], *flags, "--num-prompts", "4", "--output-len", "2")
+        (result,) = runs.values()
+        assert result["completed"] == 4
+        assert result["total_output_tokens"] == 3 + 2 + 3 + 2  # rows repeat; "output_len" beats --output-len

@@ -42,10 +42,13 @@ def dataset_kind(args: argparse.Namespace) -> str:
         if not args.dataset_path:
             raise ValueError(f"--dataset-name {args.dataset} needs --dataset-path FILE.jsonl.")
         return "jsonl"
-    if args.dataset_path is None and Path(args.dataset).suffix == ".jsonl":
-        args.dataset_path = args.dataset
+    if Path(args.dataset).suffix == ".jsonl":
         return "jsonl"
     raise ValueError(f"--dataset {args.dataset!r}: use random, shared-prefix or a path to a .jsonl file.")
+
+
+def jsonl_path(args: argparse.Namespace) -> Path:
+    return Path(args.dataset_path if args.dataset in ("jsonl", "custom") else args.dataset)
 
 
 def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
@@ -56,9 +59,9 @@ def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchReques
         raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}.")
     kind = dataset_kind(args)
     if kind == "jsonl":
-        path = Path(args.dataset_path)
+        path = jsonl_path(args)
         if not path.is_file():
-            raise FileNotFoundError(f"--dataset-path {path}: no such file")
+            raise FileNotFoundError(f"--dataset {path}: no such file")
         return jsonl_requests(path, args.num_prompts, args.output_len,
                               lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     prefix_len = shared_prefix_len(args)
