@@ -85,6 +85,7 @@ class EngineConfig:
     master_port: int | None = None  # None: a free port (single node only)
     headless: bool = False  # run this node's workers only, no engine or API server
     distributed_timeout: float = 300.0  # seconds: a step or collective slower than this is an error
+    numa_bind: str = "auto"  # pin each worker to its device's NUMA node: auto (when > 1 node) or off
 
     # Resolved by finalize(); read-only afterwards.
     model_path: Path | None = field(default=None, init=False)
@@ -113,6 +114,7 @@ class EngineConfig:
         choice("kv-cache-dtype", self.kv_cache_dtype, SUPPORTED_KV_DTYPES)
         choice("load-format", self.load_format, SUPPORTED_LOAD_FORMATS)
         choice("device", self.device, SUPPORTED_DEVICES)
+        choice("numa-bind", self.numa_bind, ("auto", "off"))
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"--block-size must be a power of two from 1 to 256 (try 16); got {self.block_size}.")
         if self.max_model_len is not None and self.max_model_len < 1:

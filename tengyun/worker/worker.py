@@ -16,6 +16,7 @@ from tengyun.kv_sizing import (
 from tengyun.layers.attention.backend import get_attention_backend
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
+from tengyun.ops.numa import bind_to_device_numa
 from tengyun.platforms import get_platform
 from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
@@ -32,6 +33,7 @@ class Worker:
         self.config = config
         self.platform = get_platform(config.device)
         self.device = self.platform.torch_device()
+        bind_to_device_numa(self.device.index or 0, config.numa_bind, self.platform.device_type)
         self.platform.init_process()
         torch.manual_seed(config.seed)
         started = time.perf_counter()

@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--device", default="auto", choices=SUPPORTED_DEVICES)
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--numa-bind", default="auto", choices=("auto", "off"),
+                        help="pin each worker's CPUs and memory to its device's NUMA node (auto: when the host "
+                             "has more than one node)")
     group = parser.add_argument_group("parallelism (docs/parallelism.md)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -62,5 +65,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-        headless=args.headless, distributed_timeout=args.distributed_timeout,
+        headless=args.headless, distributed_timeout=args.distributed_timeout, numa_bind=args.numa_bind,
     )

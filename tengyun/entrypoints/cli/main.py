@@ -11,6 +11,9 @@ import sys
 SUBCOMMANDS = {
     "generate": "tengyun.entrypoints.cli.generate",
     "serve": "tengyun.entrypoints.cli.serve",
+    "doctor": "tengyun.entrypoints.cli.doctor",
+    "plan": "tengyun.entrypoints.cli.plan",
+    "rank-table": "tengyun.entrypoints.cli.rank_table",
     "bench": "tengyun.entrypoints.cli.bench",
     "supervise": "tengyun.entrypoints.cli.supervise",
     "deploy": "tengyun.entrypoints.cli.deploy",

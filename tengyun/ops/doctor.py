@@ -1,0 +1,331 @@
+"""`tengyun doctor`: preflight checks, each OK / WARN / FAIL with what to do.
+
+Every check is a pure function of HostFacts (probe.collect() on a live machine, recorded
+outputs in tests). Ascend checks run when the host shows any sign of Ascend software
+(torch_npu, CANN, npu-smi); CUDA checks when nvidia-smi or a CUDA device is there.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+from tengyun.ops.compat import base_version, cann_matches, load_table, version_key
+from tengyun.ops.probe import HostFacts
+from tengyun.ops.smi import (
+    NpuSmiInfo, Topology, parse_colon_table, parse_gcc_version, parse_key_value_file, parse_npu_smi_info,
+    parse_nvidia_query, parse_topology, slowest_link,
+)
+
+MIN_PYTHON = "3.10"  # pyproject.toml requires-python
+MIN_TORCH = "2.5"  # pyproject.toml dependencies
+# Ascend/pytorch README (commit 19fb596): "we recommend to use gcc 10.2 for ARM and gcc 9.3.1 for X86"
+MIN_GCC = {"aarch64": "10.2", "x86_64": "9.3.1"}
+SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
+
+
+class Status(str, enum.Enum):
+    OK = "OK"
+    WARN = "WARN"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def ok(check: str, detail: str) -> Finding:
+    return Finding(check, Status.OK, detail)
+
+
+def warn(check: str, detail: str, fix: str) -> Finding:
+    return Finding(check, Status.WARN, detail, fix)
+
+
+def fail(check: str, detail: str, fix: str) -> Finding:
+    return Finding(check, Status.FAIL, detail, fix)
+
+
+# ----- what the facts say -----------------------------------------------------------------------
+def _stdout(facts: HostFacts, command: str) -> str | None:
+    out = facts.commands.get(command)
+    return out.stdout if out is not None and out.returncode == 0 else None
+
+
+def npu_smi(facts: HostFacts) -> NpuSmiInfo | None:
+    text = _stdout(facts, "npu-smi info")
+    return parse_npu_smi_info(text) if text else None
+
+
+def cann_version(facts: HostFacts) -> str | None:
+    text = facts.files.get("cann")
+    return parse_key_value_file(text).get("version") if text else None
+
+
+def driver_version(facts: HostFacts) -> str | None:
+    text = facts.files.get("driver")
+    if text and parse_key_value_file(text).get("version"):
+        return parse_key_value_file(text)["version"]
+    info = npu_smi(facts)
+    return info.version if info else None
+
+
+def firmware_version(facts: HostFacts) -> str | None:
+    text = facts.files.get("firmware")
+    if text and parse_key_value_file(text).get("version"):
+        return parse_key_value_file(text)["version"]
+    board = _stdout(facts, "npu-smi info -t board -i 0")
+    return parse_colon_table(board).get("Firmware Version") if board else None
+
+
+def is_ascend_host(facts: HostFacts) -> bool:
+    return bool(facts.packages.get("torch_npu") or facts.files.get("cann") or facts.files.get("driver")
+                or facts.commands.get("npu-smi info") is not None)
+
+
+def is_cuda_host(facts: HostFacts) -> bool:
+    return facts.commands.get("nvidia-smi topo -m") is not None or any(
+        d.get("type") == "cuda" for d in facts.torch_probe.get("devices", []))
+
+
+# ----- checks -------------------------------------------------------------------------------------
+def check_python(facts: HostFacts) -> list[Finding]:
+    if version_key(facts.python_version) < version_key(MIN_PYTHON):
+        return [fail("python", f"Python {facts.python_version}", f"use Python >= {MIN_PYTHON} (pyproject.toml)")]
+    return [ok("python", f"Python {facts.python_version}")]
+
+
+def check_torch(facts: HostFacts) -> list[Finding]:
+    probe = facts.torch_probe
+    if probe.get("timed_out"):
+        return [fail("torch", probe.get("error", "importing torch hung"),
+                     f"a hung NPU/GPU driver or runtime init: check `npu-smi info` / `nvidia-smi`, "
+                     f"`source {SET_ENV}` again, then rerun")]
+    if "torch" not in probe:
+        return [fail("torch", f"torch does not import: {probe.get('torch_error') or probe.get('error')}",
+                     f"pip install 'torch>={MIN_TORCH}' (the CPU wheel, or the build your NPU/GPU stack needs)")]
+    version = probe["torch"]
+    if version_key(base_version(version)) < version_key(MIN_TORCH):
+        return [fail("torch", f"torch {version}", f"upgrade to torch >= {MIN_TORCH}")]
+    return [ok("torch", f"torch {version}" + (f" (CUDA {probe['torch_cuda']})" if probe.get("torch_cuda") else ""))]
+
+
+def check_platform(facts: HostFacts) -> list[Finding]:
+    probe = facts.torch_probe
+    platform = probe.get("platform")
+    if platform is None:
+        return [fail("platform", f"no platform found: {probe.get('platform_error') or probe.get('error')}",
+                     "fix the torch finding first")]
+    devices = [d for d in probe.get("devices", []) if d.get("type") == platform]
+    if platform == "cpu":
+        detail = f"CPU: {facts.cpu_count} cores, {facts.memory_bytes / 2**30:.1f} GiB RAM (no NPU or GPU found)"
+        if facts.commands.get("npu-smi info") is not None and not facts.packages.get("torch_npu"):
+            return [warn("platform", detail + "; npu-smi is installed but torch_npu is not",
+                         "pip install the torch_npu matching your torch and CANN (see the torch_npu finding)")]
+        return [ok("platform", detail)]
+    listed = ", ".join(f"{d['index']}: {d['name']} {d['total_memory'] / 2**30:.1f} GiB" for d in devices)
+    return [ok("platform", f"{platform}: {len(devices)} device(s) ({listed})")]
+
+
+def check_torch_npu(facts: HostFacts) -> list[Finding]:
+    """torch_npu is built for one torch version; and each (torch, CANN) pair has one documented
+    torch_npu release (compat_table.json)."""
+    probe, table = facts.torch_probe, load_table()
+    torch_npu = probe.get("torch_npu") or facts.packages.get("torch_npu")
+    torch = probe.get("torch") or facts.packages.get("torch")
+    cann = cann_version(facts)
+    if not torch_npu:
+        pairs = table.rows_for(cann, torch) if cann and torch else []
+        want = f"pip install torch-npu=={pairs[0].torch_npu}" if pairs else \
+            "pip install the torch_npu release listed for your torch and CANN in compat_table.json"
+        return [fail("torch_npu", "torch_npu is not installed on this Ascend host", want)]
+    out = []
+    if torch and base_version(torch_npu) != base_version(torch):
+        matching = sorted({r.torch_npu for r in table.torch_npu if r.torch == base_version(torch)}, key=version_key)
+        out.append(fail("torch_npu", f"torch_npu {torch_npu} is built for torch {base_version(torch_npu)} but torch "
+                        f"{torch} is installed",
+                        f"pip install torch=={base_version(torch_npu)}, or a torch_npu for torch "
+                        f"{base_version(torch)}" + (f" ({', '.join(matching)})" if matching else "")))
+    if probe.get("torch_npu_error"):
+        out.append(fail("torch_npu", f"import torch_npu failed: {probe['torch_npu_error']}",
+                        f"`source {SET_ENV}` and check the CANN finding"))
+    if cann:
+        rows = table.rows_for_torch_npu(torch_npu)
+        if any(r.torch == base_version(torch_npu) and cann_matches(r.cann, cann) for r in rows):
+            out.append(ok("torch_npu", f"torch_npu {torch_npu} with CANN {cann} (documented pair)"))
+        elif rows:
+            paired = ", ".join(sorted({r.cann for r in rows}))
+            for_this = table.rows_for(cann, torch) if torch else []
+            fix = f"install CANN {paired}" + (f", or torch_npu {for_this[0].torch_npu} for CANN {cann}" if for_this else "")
+            out.append(warn("torch_npu", f"torch_npu {torch_npu} is documented with CANN {paired}, "
+                            f"not CANN {cann}", fix))
+        else:
+            out.append(warn("torch_npu", f"torch_npu {torch_npu} is not in the compatibility table",
+                            "use a torch_npu release from the table (compat_table.json, sourced from "
+                            "Ascend/pytorch's version table), or check Ascend's table for this build"))
+    elif not any(f.status == Status.FAIL for f in out):
+        out.append(ok("torch_npu", f"torch_npu {torch_npu}"))
+    return out
+
+
+def check_cann(facts: HostFacts) -> list[Finding]:
+    cann = cann_version(facts)
+    if cann is None:
+        return [fail("CANN", "no CANN toolkit found (ascend_toolkit_install.info under "
+                             "/usr/local/Ascend/ascend-toolkit/latest/<arch>-linux/)",
+                     "install the CANN toolkit (and kernels package) that your torch_npu is listed with, "
+                     f"then `source {SET_ENV}`")]
+    return [ok("CANN", f"CANN toolkit {cann}")]
+
+
+def check_set_env(facts: HostFacts) -> list[Finding]:
+    env = facts.env
+    home = env.get("ASCEND_TOOLKIT_HOME") or env.get("ASCEND_HOME_PATH")
+    missing = [k for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH") if k not in env]
+    lib_ok = "ascend" in env.get("LD_LIBRARY_PATH", "").lower()
+    if home and not missing and lib_ok:
+        return [ok("set_env.sh", f"Ascend environment set (ASCEND_TOOLKIT_HOME={home})")]
+    what = ", ".join(missing + ([] if lib_ok else ["LD_LIBRARY_PATH without Ascend libraries"]))
+    return [fail("set_env.sh", f"the CANN environment is not sourced: {what}",
+                 f"run `source {SET_ENV}` (add it to ~/.bashrc or the service's environment)")]
+
+
+def check_driver(facts: HostFacts) -> list[Finding]:
+    driver, firmware, cann = driver_version(facts), firmware_version(facts), cann_version(facts)
+    if driver is None:
+        return [fail("driver", "no NPU driver found (/usr/local/Ascend/driver/version.info, npu-smi)",
+                     "install the Ascend HDK NPU driver and firmware, then reboot")]
+    out = []
+    hdk = load_table().hdk_for(cann) if cann else None
+    if hdk and version_key(driver) < version_key(hdk.driver):
+        out.append(warn("driver", f"NPU driver {driver} is older than Ascend HDK {hdk.driver}, which CANN {cann} "
+                        f"is documented with", f"upgrade the NPU driver to >= {hdk.driver}"))
+    else:
+        out.append(ok("driver", f"NPU driver {driver}" + (f" (CANN {cann} is documented with >= {hdk.driver})"
+                                                          if hdk else "")))
+    board = _stdout(facts, "npu-smi info -t board -i 0")
+    compat = parse_colon_table(board).get("Compatibility") if board else None
+    if compat and compat.upper() != "OK":
+        out.append(fail("firmware", f"npu-smi reports driver/firmware Compatibility: {compat}",
+                        "install the firmware package of the same Ascend HDK release as the driver, then reboot"))
+    elif firmware and hdk and hdk.firmware and version_key(firmware) < version_key(hdk.firmware):
+        out.append(warn("firmware", f"NPU firmware {firmware} is older than {hdk.firmware} (Ascend HDK "
+                        f"{hdk.driver}, documented with CANN {cann})", f"upgrade the NPU firmware to >= {hdk.firmware}"))
+    elif firmware:
+        out.append(ok("firmware", f"NPU firmware {firmware}" + (f", Compatibility {compat}" if compat else "")))
+    return out
+
+
+def check_npu_devices(facts: HostFacts) -> list[Finding]:
+    info = npu_smi(facts)
+    if info is None:
+        out = facts.commands.get("npu-smi info")
+        why = "npu-smi is not installed" if out is None else f"npu-smi info failed: {out.stderr.strip()[:200]}"
+        return [fail("NPUs", why, "install the Ascend HDK driver (it ships npu-smi); in a container mount "
+                                  "/usr/local/bin/npu-smi, /usr/local/Ascend/driver and the /dev/davinci* devices")]
+    if not info.devices:
+        return [fail("NPUs", "npu-smi lists no NPU", "check the driver (dmesg | grep -i davinci) and the devices")]
+    listed = ", ".join(f"NPU{d.npu_id} {d.name} {d.device_memory_mb or 0} MB" for d in info.devices)
+    sick = [d for d in info.devices if d.health.upper() != "OK"]
+    if sick:
+        return [fail("NPUs", f"{len(sick)} of {len(info.devices)} NPUs not healthy: "
+                     + ", ".join(f"NPU{d.npu_id} {d.health}" for d in sick),
+                     "npu-smi info -t health -i <id> shows the error code; fix or exclude them with "
+                     "ASCEND_RT_VISIBLE_DEVICES")]
+    out = [ok("NPUs", f"{len(info.devices)} NPU(s) healthy: {listed}")]
+    torch_count = sum(d.get("type") == "npu" for d in facts.torch_probe.get("devices", []))
+    visible = facts.env.get("ASCEND_RT_VISIBLE_DEVICES")
+    if facts.torch_probe.get("npu_available") and torch_count != len(info.devices) and not visible:
+        out.append(warn("NPUs", f"torch_npu sees {torch_count} NPUs, npu-smi lists {len(info.devices)}",
+                        "a container may lack /dev/davinci* devices: pass every device you want to use"))
+    return out
+
+
+def check_topology(facts: HostFacts, tp_size: int | None) -> list[Finding]:
+    """Each TP group (consecutive devices) should sit on HCCS / NVLink: an all-reduce runs at
+    the pace of its slowest link."""
+    text = _stdout(facts, "npu-smi info -t topo") or _stdout(facts, "nvidia-smi topo -m")
+    if text is None:
+        return []
+    topo = parse_topology(text)
+    if len(topo.devices) < 2:
+        return [ok("topology", f"{len(topo.devices)} device: no inter-card links to check")]
+    tp = tp_size or len(topo.devices)
+    problems = []
+    for first in range(0, len(topo.devices) - tp + 1, tp):
+        group = topo.devices[first:first + tp]
+        pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:]]
+        worst = slowest_link([topo.link(a, b) for a, b in pairs])
+        if worst:
+            a, b = next((a, b) for a, b in pairs if topo.link(a, b) == worst)
+            problems.append(f"TP group {group[0]}-{group[-1]} crosses {worst} ({a}-{b})")
+    links = sorted({v for v in topo.links.values()})
+    if problems:
+        return [warn("topology", "; ".join(problems) + f" (links seen: {', '.join(links)})",
+                     f"keep each tensor-parallel group on HCCS / NVLink-connected cards: a smaller "
+                     f"--tensor-parallel-size (with --pipeline-parallel-size across the slow link), or pick "
+                     f"cards with ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES")]
+    return [ok("topology", f"TP {tp} groups of {', '.join(topo.devices)} use {', '.join(links)} links only")]
+
+
+def check_numa(facts: HostFacts, topo: Topology | None = None) -> list[Finding]:
+    nodes = facts.numa_nodes
+    if len(nodes) <= 1:
+        return [ok("NUMA", f"{len(nodes) or 1} NUMA node: binding is a no-op here")]
+    described = "; ".join(f"node {n}: CPUs {c}" for n, c in sorted(nodes.items()))
+    placed = {bus: node for bus, node in facts.pci_numa.items()}
+    if not placed and topo is not None:
+        placed = {dev: node for dev, node in topo.numa_affinity.items()}
+    if not placed:
+        return [warn("NUMA", f"{len(nodes)} NUMA nodes ({described}) but no accelerator found in sysfs",
+                     "NUMA binding will be skipped; check that the NPUs/GPUs are visible in this container")]
+    unknown = [bus for bus, node in placed.items() if node < 0]
+    mapping = ", ".join(f"{bus} -> node {node}" for bus, node in placed.items())
+    if unknown:
+        return [warn("NUMA", f"{len(nodes)} NUMA nodes; devices: {mapping}",
+                     "the firmware reports no NUMA node (-1) for " + ", ".join(unknown)
+                     + ": enable NUMA / ACPI SRAT in the BIOS, or bind by hand with numactl")]
+    return [ok("NUMA", f"{len(nodes)} NUMA nodes ({described}); devices: {mapping}; each worker binds to "
+                       f"its device's node (--numa-bind auto)")]
+
+
+def check_gcc(facts: HostFacts) -> list[Finding]:
+    out = facts.commands.get("gcc --version")
+    minimum = MIN_GCC.get(facts.machine, "9.3.1")
+    if out is None or out.returncode != 0:
+        return [warn("gcc", "gcc not found", f"install gcc >= {minimum}: torch.compile and custom kernel builds "
+                                             f"(torch_npu recommends gcc {minimum} on {facts.machine}) need it")]
+    version = parse_gcc_version(out.stdout)
+    if version is None or version_key(version) < version_key(minimum):
+        return [warn("gcc", f"gcc {version}", f"install gcc >= {minimum} for kernel builds")]
+    return [ok("gcc", f"gcc {version}")]
+
+
+def run_checks(facts: HostFacts, tp_size: int | None = None) -> list[Finding]:
+    findings: list[Finding] = []
+    checks: list[Callable[[HostFacts], list[Finding]]] = [check_python, check_torch, check_platform]
+    if is_ascend_host(facts):
+        checks += [check_cann, check_set_env, check_torch_npu, check_driver, check_npu_devices]
+    for check in checks:
+        findings += check(facts)
+    if not is_ascend_host(facts):
+        findings.append(ok("Ascend", "no Ascend software (torch_npu, CANN, npu-smi): Ascend checks skipped"))
+    if is_cuda_host(facts):
+        query = _stdout(facts, "nvidia-smi query")
+        gpus = parse_nvidia_query(query) if query else []
+        if gpus:
+            findings.append(ok("GPUs", ", ".join(f"GPU{g.index} {g.name} {g.memory_total_mib} MiB" for g in gpus)))
+    findings += check_topology(facts, tp_size)
+    topo_text = _stdout(facts, "nvidia-smi topo -m")
+    findings += check_numa(facts, parse_topology(topo_text) if topo_text else None)
+    findings += check_gcc(facts)
+    return findings
+
+
+def exit_code(findings: list[Finding]) -> int:
+    return 1 if any(f.status == Status.FAIL for f in findings) else 0

@@ -1,0 +1,240 @@
+"""The one module of ops/ that touches the machine: runs npu-smi / nvidia-smi / gcc, reads
+sysfs and the Ascend version files, and applies CPU / memory binding. Everything it returns is
+raw text or plain numbers; doctor.py, numa.py and smi.py interpret them and are tested on
+recorded outputs."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SYSFS_NODES = Path("/sys/devices/system/node")
+SYSFS_PCI = Path("/sys/bus/pci/devices")
+ASCEND_ROOT = Path("/usr/local/Ascend")
+# PCI vendor id and class-code prefix of each accelerator kind.
+PCI_ACCELERATORS = {"npu": ("0x19e5", "0x12"), "cuda": ("0x10de", "0x03")}
+ENV_KEYS = ("LD_LIBRARY_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_OPP_PATH",
+            "ASCEND_AICPU_PATH", "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+PACKAGES = ("torch", "torch_npu", "transformers", "tengyun")
+COMMANDS = {
+    "npu-smi info": ["npu-smi", "info"],
+    "npu-smi info -t topo": ["npu-smi", "info", "-t", "topo"],
+    "npu-smi info -t board -i 0": ["npu-smi", "info", "-t", "board", "-i", "0"],
+    "nvidia-smi query": ["nvidia-smi", "--query-gpu=index,name,memory.total,pci.bus_id",
+                         "--format=csv,noheader,nounits"],
+    "nvidia-smi topo -m": ["nvidia-smi", "topo", "-m"],
+    "gcc --version": ["gcc", "--version"],
+}
+TORCH_PROBE_TIMEOUT_S = 120
+
+# Runs in a child process so that a hanging driver or ACL init cannot hang `tengyun doctor`.
+_TORCH_PROBE = r"""
+import importlib.util, json
+out = {}
+try:
+    import torch
+    out["torch"] = torch.__version__
+    out["torch_cuda"] = torch.version.cuda
+except Exception as e:
+    out["torch_error"] = repr(e)
+    print(json.dumps(out)); raise SystemExit(0)
+devices = []
+if importlib.util.find_spec("torch_npu") is not None:
+    try:
+        import torch_npu
+        out["torch_npu"] = torch_npu.__version__
+        out["npu_available"] = bool(torch.npu.is_available())
+        for i in range(torch.npu.device_count() if out["npu_available"] else 0):
+            p = torch.npu.get_device_properties(i)
+            devices.append({"type": "npu", "index": i, "name": p.name, "total_memory": int(p.total_memory)})
+    except Exception as e:
+        out["torch_npu_error"] = repr(e)
+try:
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            devices.append({"type": "cuda", "index": i, "name": p.name, "total_memory": int(p.total_memory)})
+except Exception as e:
+    out["cuda_error"] = repr(e)
+out["devices"] = devices
+try:
+    from tengyun.platforms import current_platform_type
+    out["platform"] = current_platform_type()
+except Exception as e:
+    out["platform_error"] = repr(e)
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class CommandOutput:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class HostFacts:
+    """Everything `tengyun doctor` looks at, as read from the machine (or from fixtures)."""
+
+    python_version: str = ""
+    machine: str = ""  # "x86_64", "aarch64"
+    cpu_count: int = 0
+    memory_bytes: int = 0
+    packages: dict[str, str | None] = field(default_factory=dict)  # distribution -> version, None = absent
+    torch_probe: dict = field(default_factory=dict)  # _TORCH_PROBE's JSON, or {"error": ..., "timed_out": bool}
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str | None] = field(default_factory=dict)  # "cann" / "driver" / "firmware" -> text
+    commands: dict[str, CommandOutput | None] = field(default_factory=dict)  # None = not installed
+    numa_nodes: dict[int, str] = field(default_factory=dict)  # node -> cpulist ("0-23")
+    pci_numa: dict[str, int] = field(default_factory=dict)  # accelerator bus id -> numa_node (-1 unknown)
+
+
+def run_command(argv: list[str], timeout: float = 30) -> CommandOutput | None:
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return CommandOutput(124, "", f"{' '.join(argv)} did not finish in {timeout:.0f} s")
+    except OSError as e:
+        return CommandOutput(127, "", str(e))
+    return CommandOutput(proc.returncode, proc.stdout, proc.stderr)
+
+
+def probe_torch(timeout: float = TORCH_PROBE_TIMEOUT_S) -> dict:
+    try:
+        proc = subprocess.run([sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"importing torch / torch_npu did not finish in {timeout:.0f} s", "timed_out": True}
+    lines = proc.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1], "timed_out": False}
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def ascend_files(env: dict[str, str], machine: str) -> dict[str, str | None]:
+    """The CANN toolkit, NPU driver and firmware version files, where they usually live."""
+    homes = [env.get("ASCEND_TOOLKIT_HOME"), env.get("ASCEND_HOME_PATH"),
+             str(ASCEND_ROOT / "ascend-toolkit" / "latest"), str(ASCEND_ROOT / "cann")]
+    cann = None
+    for home in filter(None, homes):
+        cann = _read(Path(home) / f"{machine}-linux" / "ascend_toolkit_install.info")
+        if cann is not None:
+            break
+    return {"cann": cann, "driver": _read(ASCEND_ROOT / "driver" / "version.info"),
+            "firmware": _read(ASCEND_ROOT / "firmware" / "version.info")}
+
+
+def read_numa_nodes(root: Path = SYSFS_NODES) -> dict[int, str]:
+    """{node: cpulist} from /sys/devices/system/node/node*/cpulist ({} when sysfs has no nodes)."""
+    nodes: dict[int, str] = {}
+    for path in sorted(root.glob("node[0-9]*")):
+        cpulist = _read(path / "cpulist")
+        if cpulist is not None:
+            nodes[int(path.name[4:])] = cpulist.strip()
+    return nodes
+
+
+def accelerator_pci_numa(kind: str, root: Path = SYSFS_PCI) -> dict[str, int]:
+    """{bus id: numa_node} of the ``kind`` ("npu" / "cuda") PCI functions, sorted by bus id."""
+    vendor, class_prefix = PCI_ACCELERATORS[kind]
+    out: dict[str, int] = {}
+    for path in sorted(root.glob("*")):
+        if (_read(path / "vendor") or "").strip().lower() != vendor:
+            continue
+        if not (_read(path / "class") or "").strip().lower().startswith(class_prefix):
+            continue
+        node = (_read(path / "numa_node") or "-1").strip()
+        out[path.name.upper()] = int(node) if node.lstrip("-").isdigit() else -1
+    return out
+
+
+def memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def collect(torch_timeout: float = TORCH_PROBE_TIMEOUT_S) -> HostFacts:
+    env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    machine = platform.machine()
+    pci: dict[str, int] = {}
+    for kind in PCI_ACCELERATORS:
+        pci.update(accelerator_pci_numa(kind))
+    return HostFacts(
+        python_version=platform.python_version(), machine=machine, cpu_count=os.cpu_count() or 0,
+        memory_bytes=memory_bytes(), packages=package_versions(), torch_probe=probe_torch(torch_timeout),
+        env=env, files=ascend_files(env, machine),
+        commands={name: run_command(argv) for name, argv in COMMANDS.items()},
+        numa_nodes=read_numa_nodes(), pci_numa=pci,
+    )
+
+
+# ----- applying a NUMA binding --------------------------------------------------------------
+def allowed_cpus() -> set[int]:
+    return set(os.sched_getaffinity(0))
+
+
+def pin_process_cpus(cpus: set[int]) -> None:
+    """sched_setaffinity on every thread of this process (pid 0 would pin the caller only)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def prefer_memory_node(node: int) -> bool:
+    """libnuma numa_set_preferred(node) for this thread and the threads it starts later;
+    False when libnuma is not installed or the kernel has no NUMA support."""
+    name = ctypes.util.find_library("numa")
+    if name is None:
+        return False
+    try:
+        libnuma = ctypes.CDLL(name)
+        if libnuma.numa_available() < 0:
+            return False
+        libnuma.numa_set_preferred(ctypes.c_int(node))
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+# ----- memory of a running server (`tengyun supervise`) ---------------------------------------
+def nvidia_smi_memory() -> CommandOutput | None:
+    return run_command(["nvidia-smi", "--query-gpu=index,memory.used,memory.total",
+                        "--format=csv,noheader,nounits"], timeout=10)
+
+
+def npu_smi_info() -> CommandOutput | None:
+    return run_command(COMMANDS["npu-smi info"], timeout=10)

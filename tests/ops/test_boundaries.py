@@ -1,0 +1,30 @@
+"""STYLE boundaries of ops/: no engine or torch imports; only probe.py touches the machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+OPS = Path(__file__).parents[2] / "tengyun" / "ops"
+MODULES = ("compat", "doctor", "model_size", "numa", "plan", "probe", "ranktable", "smi")
+
+
+def test_ops_modules_import_neither_torch_nor_the_engine():
+    code = ("import sys\n"
+            + "".join(f"import tengyun.ops.{m}\n" for m in MODULES)
+            + "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('tengyun.engine', "
+              "'tengyun.worker', 'tengyun.models', 'tengyun.layers', 'tengyun.executor', 'tengyun.distributed')))\n"
+              "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_only_probe_shells_out_or_reads_sysfs():
+    for module in MODULES:
+        if module == "probe":
+            continue
+        source = (OPS / f"{module}.py").read_text()
+        for marker in ("subprocess", "/sys/", "/proc/", "sched_setaffinity", "ctypes", "shutil.which"):
+            assert marker not in source, f"ops/{module}.py uses {marker}: move it to ops/probe.py"

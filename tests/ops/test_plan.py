@@ -1,0 +1,159 @@
+"""`tengyun plan`: figures checked by hand for Qwen3-0.6B and Qwen3.5-397B-A17B, parameter counts
+against real checkpoints, and plan vs. the engine's own KV allocation on this machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tengyun.ops.model_size import stage_layer_range, total_params
+from tengyun.ops.plan import PlanRequest, make_plan, read_model, smallest_fit
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
+GiB = 2**30
+BUDGET_64G = int(64 * GiB * 0.9)  # 61,847,529,062 B per card at --gpu-memory-utilization 0.9
+
+
+def load(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+def test_qwen3_0_6b_on_one_64g_card_by_hand():
+    plan = make_plan(load("qwen3_0_6b"), PlanRequest())
+    [stage] = plan.stages
+    # embedding 151936 x 1024 (tied: no separate LM head); per layer q 1024x2048, k and v 1024x1024 each,
+    # o 2048x1024, q/k norm 128 each, MLP 3 x 1024 x 3072, two norms of 1024; final norm 1024.
+    per_layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024
+    params = 151_936 * 1024 + 28 * per_layer + 1024
+    assert params == 596_049_920 == plan.total_params == stage.params.total
+    assert stage.weight_bytes == 2 * params  # bfloat16
+    activation = 2048 * (4 * 1024 + 2 * 3072) * 2 + 256 * 151_936 * 4  # tokens x (4 hidden + gate_up) + logits
+    assert plan.activation_bytes == activation == 197_525_504
+    assert stage.budget_bytes == BUDGET_64G - 2 * params - activation == 60_457_903_718
+    assert stage.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2 == 114_688
+    assert plan.blocks == stage.budget_bytes // (16 * 114_688) == 32_946
+    assert plan.cache_tokens == 527_136
+    assert plan.max_model_len == 40_960  # max_position_embeddings
+    assert plan.max_concurrency == 32_946 // (40_960 // 16) == 12
+    assert plan.fits
+    assert smallest_fit(load("qwen3_0_6b"), PlanRequest()) == (1, 1)
+
+
+def test_qwen3_0_6b_context_that_does_not_fit_names_the_limit():
+    plan = make_plan(load("qwen3_0_6b"), PlanRequest(device_memory=2 * GiB, max_model_len=40_960))
+    # 2 GiB x 0.9 - 1,192,099,840 - 197,525,504 = 543,109,939 B -> 295 blocks = 4,720 tokens < 40,960
+    assert plan.stages[0].budget_bytes == int(2 * GiB * 0.9) - 1_192_099_840 - 197_525_504 == 543_109_939
+    assert plan.cache_tokens == 543_109_939 // 1_835_008 * 16 == 4_720
+    assert not plan.fits and plan.max_concurrency == 0
+
+
+def test_qwen3_5_397b_a17b_tp8_pp4_on_64g_cards_by_hand():
+    cfg = load("qwen3_5_397b_a17b")
+    plan = make_plan(cfg, PlanRequest(tp=8, pp=4, max_model_len=32_768))
+    # 60 layers, 15 per stage; full attention at layers 3, 7, ..., 59: 3 on stage 0, 4 on stages 1-3.
+    assert [s.layers for s in plan.stages] == [(0, 15), (15, 30), (30, 45), (45, 60)]
+    assert [s.attention_layers for s in plan.stages] == [3, 4, 4, 4]
+    h, tp = 4096, 8
+    attention = h * 32 * 256 * 2 // tp + 2 * h * 1 * 256 + 32 * 256 * h // tp + 2 * 256  # gated q, 1 KV head/rank
+    linear = (h * (2 * 2048 + 2 * 8192) // tp + h * 2 * 64 // tp + (2 * 2048 + 8192) * 4 // tp + 2 * 64 // tp
+              + 128 + 8192 * h // tp)
+    moe = 512 * 3 * h * 1024 // tp + 512 * h + 3 * h * 1024 // tp + h  # experts, router, shared expert + gate
+    vocab = 248_320 // tp * h  # embedding / LM head, vocab-parallel
+    assert (attention, linear, moe, vocab) == (14_680_576, 14_751_888, 808_980_480, 127_139_840)
+    stage0 = vocab + 3 * attention + 12 * linear + 15 * moe + 15 * 2 * h
+    stage3 = 4 * attention + 11 * linear + 15 * moe + 15 * 2 * h + h + vocab
+    assert [s.params.total for s in plan.stages] == [stage0, stage3 - h - vocab, stage3 - h - vocab, stage3]
+    assert (stage0, stage3) == (12_483_034_304, 12_482_967_088)
+    assert plan.total_params == 396_346_350_336  # decoder only: no vision tower, no MTP layer
+    activation = 2048 * (4 * h + (10 * 2 * 1024 + 2 * 1024) // tp) * 2 + 256 * 248_320 * 4
+    assert plan.activation_bytes == activation == 332_922_880
+    budget3 = BUDGET_64G - 2 * stage3 - activation
+    assert plan.stages[3].budget_bytes == budget3 == 36_548_672_006
+    # KV: 2 x 4 layers x 1 head x 256 x 2 B; state per sequence: 11 layers x (conv 12288/8 x 3 x 2 B
+    # + SSM 64/8 heads x 128 x 128 x 4 B); 256 slots first, KV blocks from the rest.
+    assert plan.stages[3].kv_bytes_per_token == 2 * 4 * 1 * 256 * 2 == 4096
+    state = 11 * (12288 // tp * 3 * 2 + 64 // tp * 128 * 128 * 4)
+    assert plan.stages[3].state_bytes_per_seq == state == 5_868_544
+    assert plan.stages[3].blocks == (budget3 - 256 * state) // (16 * 4096) == 534_764
+    state0 = 12 * (12288 // tp * 3 * 2 + 64 // tp * 128 * 128 * 4)
+    assert plan.stages[0].kv_bytes_per_token == 3072
+    assert plan.stages[0].blocks == (BUDGET_64G - 2 * stage0 - activation - 256 * state0) // (16 * 3072) == 710_237
+    assert plan.blocks == 534_764 and plan.cache_tokens == 8_556_224
+    assert plan.max_concurrency == 256 and plan.fits
+    # The whole decoder in bf16 is 792.7 GB: 14 cards of 61.8 GB usable is the fewest that also hold KV.
+    assert smallest_fit(cfg, PlanRequest(max_model_len=32_768)) == (2, 7)
+
+
+def test_stage_split_is_the_engines():
+    from tengyun.distributed.parallel_state import pp_layer_range
+
+    for layers in (1, 2, 10, 28, 60, 61, 94):
+        for pp in range(1, min(layers, 16) + 1):
+            assert [stage_layer_range(layers, s, pp) for s in range(pp)] == \
+                [pp_layer_range(layers, s, pp) for s in range(pp)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_parameter_count_matches_the_checkpoint(tiny_checkpoints, arch):
+    folder = tiny_checkpoints[arch]
+    numel = 0
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            numel += sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                         else _prod(f.get_slice(k).get_shape()) for k in f.keys())
+    cfg, checkpoint_bytes, _ = read_model(folder)
+    assert total_params(cfg) == numel
+    assert checkpoint_bytes == 4 * numel  # fp32 safetensors, read from the headers
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_plan_and_engine_agree_on_kv_blocks(tiny_checkpoints):
+    """The same budget through `tengyun plan` and through the engine's allocator (CPU: the
+    --kv-cache-memory budget) gives the same blocks and bytes."""
+    from tengyun import LLM
+
+    folder = tiny_checkpoints["qwen3"]
+    budget = 1_000_000
+    plan = make_plan(read_model(folder)[0], PlanRequest(kv_cache_memory=budget, dtype="float32", max_model_len=256))
+    llm = LLM(str(folder), kv_cache_memory=budget)
+    engine_blocks = llm.llm_engine.scheduler.block_manager.num_blocks
+    # 2 layers x 2 KV heads x 32 head dim x 2 (K, V) x 4 B = 1024 B per token; 16-token blocks.
+    assert plan.stages[0].kv_bytes_per_token == 1024
+    assert plan.blocks == engine_blocks == budget // (16 * 1024) == 61
+    kv_cache = llm.llm_engine.executor.kv_cache
+    assert kv_cache.numel() * kv_cache.element_size() == plan.blocks * 16 * plan.stages[0].kv_bytes_per_token
+
+
+def test_plan_command_prints_the_arithmetic_and_json():
+    def tengyun(*args):
+        return subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "plan", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    config = str(FIXTURES / "qwen3_0_6b" / "config.json")
+    proc = tengyun(config)
+    assert proc.returncode == 0, proc.stderr
+    assert ("KV bytes per token per card: 2 (K, V) x 28 attention layers x 8 KV heads x 128 head dim x 2 B "
+            "= 114,688 B") in proc.stdout
+    assert "Max concurrent sequences at 40,960 tokens: min(--max-num-seqs 256, 32,946 // 2,560 blocks) = 12" \
+        in proc.stdout
+    report = json.loads(tengyun(config, "-tp", "2", "--json").stdout)
+    assert (report["tensor_parallel_size"], report["fits"], report["smallest_fit"]) == (2, True, [1, 1])
+    too_long = tengyun(config, "--device-memory", "2GiB")
+    assert too_long.returncode == 1
+    assert "--max-model-len 40,960 does NOT fit: the cache holds 4,720 tokens; lower --max-model-len to 4,720" \
+        in too_long.stdout
+    missing = tengyun(str(FIXTURES / "nowhere"))
+    assert missing.returncode == 2
+    assert missing.stderr.strip().endswith("nowhere not found: MODEL must be a Hugging Face folder with config.json, "
+                                           "or a config.json file.")
