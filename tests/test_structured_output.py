@@ -155,3 +155,23 @@ def test_invalid_schema_is_rejected_before_queueing(llm):
     with pytest.raises(ValueError, match="structured_outputs.json"):
         llm.llm_engine.add_request("bad", [1, 2], SamplingParams(structured_outputs=_spec(json={"type": "foo"})))
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "qwen3_coder"])
+def test_forced_tool_call_grammar_makes_a_random_model_call_validly(llm, parser_name):
+    from tengyun.entrypoints.openai.chat_output import ChoiceOutputParser
+    from tengyun.entrypoints.openai.tool_parsers import get_tool_parser
+
+    parameters = {"type": "object", "required": ["unit", "days"],
+                  "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    parser = get_tool_parser(parser_name)(tools)
+    tag = json.dumps({"type": "structural_tag", "format": parser.forced_tag("get_weather", parameters)})
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=_spec(structural_tag=tag))
+              for i in range(4)]
+    for out in llm.generate([[5, 17, 29, 41]] * 4, params):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        [call] = ChoiceOutputParser(tool_parser=parser).parse(completion.text).tool_calls
+        assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), parameters)

@@ -72,6 +72,13 @@ CASES = [
     ("qwen3_think_then_coder_call", "qwen3_coder", True,
      "Need weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=days>\n7\n</parameter>\n"
      "</function>\n</tool_call>", "Need weather.", "", [("get_weather", {"days": 7})]),
+    # Recorded: the embedded Qwen2.5-Coder-0.5B-Instruct, greedy, with tools in its template, writes
+    # markdown JSON instead of <tool_call>: no call to take, the text stays content.
+    ("qwen2.5_coder_0.5b_recorded_markdown_json", "hermes", False,
+     '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Beijing",\n    "unit": "celsius"\n'
+     '  }\n}\n```', None,
+     '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Beijing",\n    "unit": "celsius"\n'
+     '  }\n}\n```', []),
 ]
 REASONING = {"qwen3_think_then_call", "qwen3_think_then_answer", "qwen3_2507_prompt_opened_think",
              "qwen3_thinking_disabled", "qwen3_truncated_in_thought", "qwen3_think_then_coder_call"}

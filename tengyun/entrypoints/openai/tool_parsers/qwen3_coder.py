@@ -39,7 +39,7 @@ class Qwen3CoderToolParser(ToolParser):
             key, value = param.group(1).strip(), param.group(2)
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
-            args[key] = _typed(value, (schema.get(key) or {}).get("type"))
+            args[key] = _typed(value, schema.get(key) or {})
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
 
     def forced_tag(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
@@ -49,8 +49,14 @@ class Qwen3CoderToolParser(ToolParser):
                 "end": f"\n</function>\n{self.end}"}
 
 
-def _typed(value: str, kind: Any) -> Any:
-    """'3' as integer -> 3, 'true' as boolean -> True, '[1, 2]' as array -> [1, 2]; strings stay."""
+def _typed(value: str, schema: dict[str, Any]) -> Any:
+    """'3' as integer -> 3, 'true' as boolean -> True, '[1, 2]' as array -> [1, 2], ' f\n' in enum
+    ["c", "f"] -> 'f'; strings stay as written."""
+    kind = schema.get("type")
+    if isinstance(schema.get("enum"), list):
+        for option in schema["enum"]:
+            if value.strip() == (option if isinstance(option, str) else json.dumps(option)):
+                return option
     if isinstance(kind, list):  # ["integer", "null"]
         kind = next((k for k in kind if k != "null"), "string")
     if value.strip().lower() in ("null", "none") and kind != "string":
