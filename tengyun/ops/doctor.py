@@ -161,7 +161,9 @@ def check_torch_npu(facts: HostFacts) -> list[Finding]:
         elif rows:
             paired = ", ".join(sorted({r.cann for r in rows}))
             for_this = table.rows_for(cann, torch) if torch else []
-            fix = f"install CANN {paired}" + (f", or torch_npu {for_this[0].torch_npu} for CANN {cann}" if for_this else "")
+            fix = f"install CANN {paired}"
+            if for_this:
+                fix += f", or torch_npu {for_this[0].torch_npu} for CANN {cann}"
             out.append(warn("torch_npu", f"torch_npu {torch_npu} is documented with CANN {paired}, "
                             f"not CANN {cann}", fix))
         else:
@@ -215,7 +217,8 @@ def check_driver(facts: HostFacts) -> list[Finding]:
                         "install the firmware package of the same Ascend HDK release as the driver, then reboot"))
     elif firmware and hdk and hdk.firmware and version_key(firmware) < version_key(hdk.firmware):
         out.append(warn("firmware", f"NPU firmware {firmware} is older than {hdk.firmware} (Ascend HDK "
-                        f"{hdk.driver}, documented with CANN {cann})", f"upgrade the NPU firmware to >= {hdk.firmware}"))
+                        f"{hdk.driver}, documented with CANN {cann})",
+                        f"upgrade the NPU firmware to >= {hdk.firmware}"))
     elif firmware:
         out.append(ok("firmware", f"NPU firmware {firmware}" + (f", Compatibility {compat}" if compat else "")))
     return out

@@ -336,7 +336,8 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
         "kv_cache_memory": r.kv_cache_memory, "block_size": r.block_size, "max_model_len": plan.max_model_len,
         "activation_bytes": plan.activation_bytes, "weight_scale": plan.weight_scale,
         "stages": [{
-            "stage": s.stage, "layers": list(s.layers), "params": dataclasses.asdict(s.params) | {"total": s.params.total},
+            "stage": s.stage, "layers": list(s.layers),
+            "params": dataclasses.asdict(s.params) | {"total": s.params.total},
             "weight_bytes": s.weight_bytes, "budget_bytes": s.budget_bytes, "attention_layers": s.attention_layers,
             "kv_bytes_per_token": s.kv_bytes_per_token, "state_bytes_per_seq": s.state_bytes_per_seq,
             "blocks": s.blocks if s.attention_layers else None, "state_slots": s.state_slots,

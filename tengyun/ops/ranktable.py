@@ -131,7 +131,8 @@ def validate(table: Any, mgmt_prefix: int = 24, devices_per_server: int | None =
     """Every problem HCCL would trip on, each with its JSON path and the fix. ``mgmt_prefix``:
     the management network's prefix length, for the same-subnet check (/24 unless told)."""
     if not isinstance(table, dict):
-        return [Problem("$", "the rank table must be a JSON object", "regenerate it with `tengyun rank-table generate`")]
+        return [Problem("$", "the rank table must be a JSON object",
+                        "regenerate it with `tengyun rank-table generate`")]
     problems: list[Problem] = []
     version = table.get("version")
     if version not in VERSIONS:
@@ -254,7 +255,8 @@ def _check_ranks(ranks: list[tuple[int, str]]) -> list[Problem]:
         extra = sorted(r for r in seen if r >= len(ranks) or r < 0)
         problems.append(Problem(seen[extra[0]] if extra else "$.server_list",
                                 f"rank ids are not contiguous: {len(ranks)} devices but rank_id "
-                                f"{', '.join(map(str, missing))} missing" + (f" and {extra} out of range" if extra else ""),
+                                f"{', '.join(map(str, missing))} missing"
+                                + (f" and {extra} out of range" if extra else ""),
                                 f"number the ranks 0-{len(ranks) - 1}, server by server in file order"))
     for (prev, _), (rank, path) in zip(ranks, ranks[1:]):
         if rank < prev:

@@ -157,3 +157,20 @@ def test_plan_command_prints_the_arithmetic_and_json():
     assert missing.returncode == 2
     assert missing.stderr.strip().endswith("nowhere not found: MODEL must be a Hugging Face folder with config.json, "
                                            "or a config.json file.")
+
+
+def test_checkpoint_index_size_scales_weights_when_it_differs(tmp_path):
+    """An int4 checkpoint's index says 0.3x what config.json's bf16 decoder would be: weights follow
+    the index, and the report says why."""
+    cfg = load("qwen3_0_6b")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 357_614_952}, "weight_map": {}}))
+    hf_config, checkpoint_bytes, name = read_model(tmp_path)
+    assert checkpoint_bytes == 357_614_952
+    plan = make_plan(hf_config, PlanRequest(), checkpoint_bytes, name)
+    assert plan.weight_scale == 357_614_952 / (596_049_920 * 2)
+    assert plan.stages[0].weight_bytes == int(596_049_920 * 2 * plan.weight_scale) == 357_614_952
+    assert plan.notes[0].startswith("The checkpoint holds 0.33 GiB but config.json's decoder is 1.11 GiB")
+    same = make_plan(hf_config, PlanRequest(), 596_049_920 * 2 + 1000, name)  # within 2 %: counted, not scaled
+    assert same.weight_scale == 1.0 and same.notes == []
