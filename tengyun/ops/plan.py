@@ -75,6 +75,7 @@ class Plan:
     activation_formula: str
     weight_scale: float  # checkpoint bytes / config estimate, when the checkpoint says (quantized, extra tensors)
     stages: list[StagePlan]
+    architecture: str = ""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -120,7 +121,7 @@ def read_model(path: str | Path) -> tuple[dict[str, Any], int | None, str]:
                                 f"or a config.json file.")
     cfg = json.loads(config_path.read_text())
     folder = config_path.parent
-    name = folder.name if path.is_dir() else config_path.name
+    name = folder.name if config_path.name == "config.json" else config_path.stem
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
@@ -241,8 +242,9 @@ def make_plan(hf_config: dict[str, Any], request: PlanRequest, checkpoint_bytes:
             blocks, slots = split_budget(max(budget, 0), bs, shape, state, request.max_num_seqs, max_len)
         stages.append(StagePlan(stage, (start, end), params, weights, budget, attention, shape.num_kv_heads,
                                 shape.head_dim, shape.bytes_per_token, state, blocks, slots))
+    architecture = (hf_config.get("architectures") or [cfg.get("model_type", "?")])[0]
     return Plan(request, name, dtype, kv_dtype, max_len, model_max, total, activation, formula, scale,
-                stages, notes)
+                stages, architecture, notes)
 
 
 def tp_candidates(cfg: dict[str, Any], limit: int) -> list[int]:
@@ -282,8 +284,8 @@ def worst_stage(plan: Plan) -> StagePlan:
 
 def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
     r, s = plan.request, worst_stage(plan)
-    cfg_line = (f"Model {plan.model}: {plan.total_params:,} decoder parameters, weights {plan.dtype}, "
-                f"KV cache {plan.kv_cache_dtype}")
+    cfg_line = (f"Model {plan.model} ({plan.architecture}): {plan.total_params:,} decoder parameters, "
+                f"weights {plan.dtype}, KV cache {plan.kv_cache_dtype}")
     lines = [cfg_line, f"Plan: TP {r.tp} x PP {r.pp} = {r.tp * r.pp} card(s); showing stage {s.stage} "
                        f"(layers {s.layers[0]}-{s.layers[1] - 1}), the one that holds the fewest KV blocks", ""]
     p = s.params
@@ -330,7 +332,7 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
 def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
     r = plan.request
     return {
-        "model": plan.model, "total_params": plan.total_params, "dtype": plan.dtype,
+        "model": plan.model, "architecture": plan.architecture, "total_params": plan.total_params, "dtype": plan.dtype,
         "kv_cache_dtype": plan.kv_cache_dtype, "tensor_parallel_size": r.tp, "pipeline_parallel_size": r.pp,
         "device_memory": r.device_memory, "gpu_memory_utilization": r.gpu_memory_utilization,
         "kv_cache_memory": r.kv_cache_memory, "block_size": r.block_size, "max_model_len": plan.max_model_len,
