@@ -287,8 +287,10 @@ def check_numa(facts: HostFacts, topo: Topology | None = None) -> list[Finding]:
     if not placed:
         return [warn("NUMA", f"{len(nodes)} NUMA nodes ({described}) but no accelerator found in sysfs",
                      "NUMA binding will be skipped; check that the NPUs/GPUs are visible in this container")]
+    info = npu_smi(facts)
+    names = {d.bus_id: f"NPU{d.npu_id} " for d in info.devices} if info else {}
     unknown = [bus for bus, node in placed.items() if node < 0]
-    mapping = ", ".join(f"{bus} -> node {node}" for bus, node in placed.items())
+    mapping = ", ".join(f"{names.get(bus, '')}{bus} -> node {node}" for bus, node in placed.items())
     if unknown:
         return [warn("NUMA", f"{len(nodes)} NUMA nodes; devices: {mapping}",
                      "the firmware reports no NUMA node (-1) for " + ", ".join(unknown)

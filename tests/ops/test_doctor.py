@@ -85,7 +85,8 @@ def test_healthy_ascend_host_is_all_ok():
     assert only(findings, "driver").detail == "NPU driver 25.5.0 (CANN 8.5.0 is documented with >= 25.5.0)"
     assert only(findings, "NPUs").detail.startswith("8 NPU(s) healthy: NPU0 910B3 65536 MB")
     assert only(findings, "topology").detail.startswith("TP 8 groups of NPU0, NPU1")
-    assert "0000:C1:00.0 -> node 6" in only(findings, "NUMA").detail
+    assert "NPU0 0000:C1:00.0 -> node 6, NPU1 0000:C2:00.0 -> node 6, NPU2 0000:81:00.0 -> node 4" \
+        in only(findings, "NUMA").detail
 
 
 def test_cpu_host_reports_the_cpu_platform_and_skips_ascend():
