@@ -33,6 +33,43 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its "[10:45:52] /project/cpp/file.cc:94: " prefix."""
+    reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return reason.split(": ", 1)[-1] if reason.startswith("[") else reason
+
+
+def after_reasoning(spec: StructuredOutputsParams, end_tag: str = "</think>") -> StructuredOutputsParams:
+    """The same constraint, enforced only once the model closed its reasoning: any text, then
+    `end_tag`, a blank line, then what `spec` allows. For prompts that open <think> themselves
+    (Qwen3-2507 thinking models), so the answer, not the thoughts, follows the schema."""
+    xgr = _xgrammar()
+    try:
+        if spec.kind == "structural_tag":
+            fmt = json.loads(spec.structural_tag)["format"]
+        else:
+            fmt = {"type": "grammar", "grammar": str(_grammar(xgr, spec))}
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"The {spec.kind} constraint (structured_outputs.{spec.kind}) does not compile: "
+                         f"{_reason(e)}") from None
+    thoughts = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end_tag}
+    sequence = {"type": "sequence", "elements": [thoughts, {"type": "const_string", "value": "\n\n"}, fmt]}
+    return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": sequence},
+                                                             ensure_ascii=False))
+
+
+def _grammar(xgr: Any, spec: StructuredOutputsParams) -> Any:
+    """spec (not a structural tag) -> xgrammar.Grammar."""
+    compact = spec.disable_any_whitespace
+    if spec.kind in ("json", "json_object"):
+        schema = spec.json if spec.kind == "json" else {"type": "object"}
+        return xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                            any_whitespace=not compact)
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.regex)
+    return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice) if spec.kind == "choice" else spec.grammar)
+
+
 class GrammarCompiler:
     """xgrammar's compiler over one tokenizer; compiled grammars are cached by xgrammar."""
 
@@ -63,9 +100,8 @@ class GrammarCompiler:
                 return self._compiler.compile_structural_tag(spec.structural_tag)
             return self._compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            reason = reason.split(": ", 1)[-1] if reason.startswith("[") else reason  # "[10:45:52] file.cc:94: ..."
-            raise ValueError(f"The {kind} constraint (structured_outputs.{kind}) does not compile: {reason}") from None
+            raise ValueError(f"The {kind} constraint (structured_outputs.{kind}) does not compile: "
+                             f"{_reason(e)}") from None
 
 
 def grammar_compiler(tokenizer: Any, tokenizer_key: str, vocab_size: int, stop_token_ids: set[int]) -> GrammarCompiler:

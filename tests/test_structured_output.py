@@ -175,3 +175,27 @@ def test_forced_tool_call_grammar_makes_a_random_model_call_validly(llm, parser_
         [call] = ChoiceOutputParser(tool_parser=parser).parse(completion.text).tool_calls
         assert call.name == "get_weather"
         jsonschema.validate(json.loads(call.arguments), parameters)
+
+
+@pytest.mark.parametrize("kwargs, answer", [
+    (dict(json=SCHEMA), '{"ok": true, "tag": "b"}'),
+    (dict(choice=CHOICES), 'say "hi"'),
+    (dict(regex=REGEX), "123-ab"),
+])
+def test_after_reasoning_constrains_only_what_follows_the_thoughts(compiler, kwargs, answer):
+    import xgrammar
+
+    from tengyun.structured_output import after_reasoning
+
+    grammar = compiler.compile(after_reasoning(_spec(**kwargs)))
+    matcher = xgrammar.GrammarMatcher(grammar)
+    assert matcher.accept_string('Free thoughts: {"x": <b>} 123.\n</think>\n\n' + answer) and matcher.is_completed()
+    matcher = xgrammar.GrammarMatcher(grammar)
+    assert not matcher.accept_string("Thoughts.</think>\n\nnot the constraint")
+
+
+def test_after_reasoning_keeps_the_error_of_a_bad_constraint():
+    from tengyun.structured_output import after_reasoning
+
+    with pytest.raises(ValueError, match=r'structured_outputs.json\) does not compile: Unsupported type "foo"'):
+        after_reasoning(_spec(json={"type": "foo"}))

@@ -27,6 +27,7 @@ from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, s
 from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
 from tengyun.outputs import RequestOutput
 from tengyun.sampling_params import StructuredOutputsParams
+from tengyun.structured_output import after_reasoning
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -50,9 +51,12 @@ class OpenAIServingChat(OpenAIServing):
         self.check_length(len(token_ids), max_tokens, "messages")
         tool_parser, spec, source = self._tool_parser_and_constraint(request, tools)
         await self.check_structured_outputs(spec, source)
-        params = request.to_sampling_params(max_tokens, spec)
         reasoning = self.reasoning_parser_cls() if self.reasoning_parser_cls else None
         in_reasoning = reasoning is not None and reasoning.prompt_opens_reasoning(text)
+        if spec is not None and in_reasoning:  # constrain the answer, not the thoughts
+            spec = after_reasoning(spec, reasoning.end)
+            await self.check_structured_outputs(spec, source)
+        params = request.to_sampling_params(max_tokens, spec)
         parsers = [ChoiceOutputParser(reasoning, tool_parser, in_reasoning) for _ in range(request.n)]
         request_id = random_id("chatcmpl")
         stream = self.engine.generate(request_id, token_ids, params)
