@@ -84,7 +84,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port (single node only)
     headless: bool = False  # run this node's workers only, no engine or API server
-    distributed_timeout: float = 300.0  # seconds: a step or collective slower than this is an error
+    distributed_timeout: float = 300.0  # seconds the engine waits for a step result before failing
     numa_bind: str = "auto"  # pin each worker to its device's NUMA node: auto (when > 1 node) or off
 
     # Resolved by finalize(); read-only afterwards.

@@ -22,12 +22,15 @@ class KVCacheShape:
         return self.bytes_per_token * block_size
 
 
-def kv_cache_shape(hf_config: dict[str, Any], dtype_bytes: int, tp_size: int = 1) -> KVCacheShape:
+def kv_cache_shape(hf_config: dict[str, Any], dtype_bytes: int, tp_size: int = 1,
+                   num_layers: int | None = None) -> KVCacheShape:
+    """Per rank: KV heads split over TP ranks (1 each, replicated, when tp > num_key_value_heads);
+    ``num_layers``: this pipeline stage's layers (default all)."""
     num_heads = hf_config["num_attention_heads"]
     num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads
     return KVCacheShape(
-        num_layers=hf_config["num_hidden_layers"],
+        num_layers=hf_config["num_hidden_layers"] if num_layers is None else num_layers,
         num_kv_heads=max(1, num_kv_heads // tp_size),
         head_dim=head_dim,
         dtype_bytes=dtype_bytes,

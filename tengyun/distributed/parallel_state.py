@@ -16,26 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where one worker process sits; built by the executor, sent to the process."""
-
-    rank: int
-    local_rank: int  # device index on this node
-    world_size: int
-    tp_size: int
-    pp_size: int
-    init_method: str  # tcp://MASTER_ADDR:MASTER_PORT
-    timeout_s: float
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // self.tp_size
+from tengyun.distributed.rank_info import RankInfo
 
 
 @dataclass

@@ -23,6 +23,8 @@ from tengyun.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+HEALTH_CHECK_INTERVAL_S = 0.5  # while idle: how soon a dead worker process is noticed
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served any more."""
@@ -152,6 +154,7 @@ class AsyncLLMEngine:
                 rejected: dict[str, Exception] = {}
                 for message in self._receive(block=not engine.has_unfinished_requests()):
                     if isinstance(message, Shutdown):
+                        engine.shutdown()
                         return
                     if isinstance(message, AbortRequest):
                         engine.abort_request(message.request_ids)
@@ -167,9 +170,17 @@ class AsyncLLMEngine:
         except BaseException as e:  # noqa: BLE001 - report any death, then stop
             logger.exception("Engine loop died")
             self._emit(EngineDead(f"The engine loop died: {type(e).__name__}: {e}"))
+            engine.shutdown()
 
     def _receive(self, block: bool) -> list:
-        messages = [self._inbox.get()] if block else []
+        """Messages waiting in the inbox; with ``block``, wait for one, checking every
+        HEALTH_CHECK_INTERVAL_S that the executor's workers are alive (raises if not)."""
+        messages = []
+        while block and not messages:
+            try:
+                messages.append(self._inbox.get(timeout=HEALTH_CHECK_INTERVAL_S))
+            except queue.Empty:
+                self.engine.check_health()
         while True:
             try:
                 messages.append(self._inbox.get_nowait())

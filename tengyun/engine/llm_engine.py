@@ -22,9 +22,11 @@ from tengyun.sampling_params import SamplingParams
 
 
 class Executor(Protocol):
-    num_blocks: int
+    num_blocks: int  # KV blocks every rank holds
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    # Optional: check_health() raises if a worker died; shutdown() stops worker processes.
 
 
 @dataclass
@@ -60,13 +62,13 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         config.finalize()
+        from tengyun.executor import create_executor
         from tengyun.structured_output import grammar_compiler_for_config
         from tengyun.tokenizer import eos_token_ids, get_tokenizer
-        from tengyun.worker.worker import Worker
 
         tokenizer = get_tokenizer(config)
-        worker = Worker(config)
-        return cls(config, tokenizer, worker, eos_token_ids(config, tokenizer),
+        executor = create_executor(config)  # this process, or one process per rank
+        return cls(config, tokenizer, executor, eos_token_ids(config, tokenizer),
                    check_structured_outputs=lambda spec: grammar_compiler_for_config(config).compile(spec))
 
     # ----- requests -----------------------------------------------------------------------
@@ -202,6 +204,17 @@ class LLMEngine:
             self.seqs.pop(seq.seq_id, None)
         self.requests.pop(request.request_id, None)
         return request.make_output()
+
+    def check_health(self) -> None:
+        """Raise if the executor lost a worker (the error names the rank); cheap, call it while idle."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check()
+
+    def shutdown(self) -> None:
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ----- introspection ------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

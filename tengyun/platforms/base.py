@@ -25,6 +25,9 @@ class Platform:
     def synchronize(self) -> None:
         pass
 
+    def set_device(self, device) -> None:
+        """Make ``device`` this process's current device (one process per device)."""
+
     def init_process(self) -> None:
         """Process-wide tuning done once by the worker before the model is built."""
 

@@ -28,6 +28,11 @@ class CudaPlatform(Platform):
 
         torch.cuda.synchronize()
 
+    def set_device(self, device) -> None:
+        import torch
+
+        torch.cuda.set_device(device)
+
     def memory_info(self) -> tuple[int, int]:
         import torch
 

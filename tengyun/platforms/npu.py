@@ -42,6 +42,11 @@ class NpuPlatform(Platform):
 
         torch.npu.synchronize()
 
+    def set_device(self, device) -> None:
+        import torch
+
+        torch.npu.set_device(device)
+
     def memory_info(self) -> tuple[int, int]:
         import torch
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
 from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -38,27 +39,42 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device,
-                 grammar_compiler_factory: Callable[[], Any] | None = None):
+                 grammar_compiler_factory: Callable[[], Any] | None = None,
+                 stage: PipelineStage | None = None):
         self.model = model
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
+        # Pipeline parallel: activations in from the previous stage, out to the next.
+        self.stage = stage or PipelineStage(0, torch.float32, device)
         self.sampler = Sampler()
         self.states: dict[int, SeqState] = {}
         # Structured output: per-sequence grammar matchers; the compiler is built on first use.
         self.grammar = GrammarState(grammar_compiler_factory or _no_grammar_compiler, vocab_size)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput,
+                sampled_elsewhere: dict[int, int] | None = None) -> ModelRunnerOutput | None:
+        """Run one step. Returns None on ranks that do not sample (an earlier pipeline stage,
+        a TP rank other than 0); ``sampled_elsewhere``: the tokens the sampling rank drew last
+        step, which such ranks append before this step's inputs are built."""
+        for seq_id, token in (sampled_elsewhere or {}).items():
+            if seq_id in self.states:
+                self.states[seq_id].token_ids.append(token)
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         with attention_metadata(batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.model(batch.input_ids, batch.positions, self.stage.receive(len(batch.input_ids)))
+        if not self.stage.is_last:
+            self.stage.send(hidden)  # [hidden, residual]
+            return None
         if not batch.sample_seq_ids:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B, V] float32
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B, V] float32; None off TP rank 0
+        if logits is None:
+            return None
         states = [self.states[i] for i in batch.sample_seq_ids]
         metadata = SamplingMetadata.build(
             [s.params for s in states],

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
 import torch
 
 from tengyun.config import DTYPE_BYTES, EngineConfig
+from tengyun.distributed.parallel_state import (
+    RankInfo, all_reduce_min, get_pp_rank, get_pp_size, get_rank, init_distributed, pp_layer_range,
+)
+from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.kv_sizing import (
     KVCacheShape, attention_layer_count, kv_cache_shape, split_budget, state_shape,
@@ -29,12 +32,18 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 class Worker:
-    def __init__(self, config: EngineConfig):
+    """One rank. ``rank`` is None for the single-process engine (rank 0 of 1)."""
+
+    def __init__(self, config: EngineConfig, rank: RankInfo | None = None):
         self.config = config
+        self.rank = rank
         self.platform = get_platform(config.device)
-        self.device = self.platform.torch_device()
+        self.device = self.platform.torch_device(rank.local_rank if rank else 0)
+        self.platform.set_device(self.device)
         bind_to_device_numa(self.device.index or 0, config.numa_bind, self.platform.device_type)
         self.platform.init_process()
+        if rank is not None and rank.world_size > 1:
+            init_distributed(rank, self.platform.dist_backend)
         torch.manual_seed(config.seed)
         started = time.perf_counter()
         model_cls = get_model_class(config.architecture)
@@ -45,12 +54,16 @@ class Worker:
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(kernel)
-        logger.info("Loaded %s (%s, %s) in %.1f s", config.architecture, config.dtype,
-                    config.load_format, time.perf_counter() - started)
-        self.kv_shape = dataclasses.replace(kv_cache_shape(config.hf_config, DTYPE_BYTES[config.kv_cache_dtype]),
-                                            num_layers=attention_layer_count(config.hf_config))
+        self.weight_bytes = weight_bytes(self.model)
+        logger.info("Loaded %s (%s, %s) in %.1f s: %.1f MiB of weights on rank %d", config.architecture,
+                    config.dtype, config.load_format, time.perf_counter() - started,
+                    self.weight_bytes / 2**20, get_rank())
+        tp = config.tensor_parallel_size
+        start, end = pp_layer_range(config.hf_config["num_hidden_layers"], get_pp_rank(), get_pp_size())
+        self.kv_shape = kv_cache_shape(config.hf_config, DTYPE_BYTES[config.kv_cache_dtype], tp,
+                                       attention_layer_count(config.hf_config, start, end))
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
-        self.state_shape = state_shape(config.hf_config, DTYPE_BYTES[config.dtype])
+        self.state_shape = state_shape(config.hf_config, DTYPE_BYTES[config.dtype], start, end)
         self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
         self.state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots,
                                                 TORCH_DTYPES[config.dtype], self.device)
@@ -63,11 +76,14 @@ class Worker:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        stage = PipelineStage(config.hf_config["hidden_size"], TORCH_DTYPES[config.dtype], self.device)
         self.runner = ModelRunner(self.model, config.block_size, config.hf_config["vocab_size"], self.device,
-                                  grammar_compiler_factory=lambda: grammar_compiler_for_config(config))
+                                  grammar_compiler_factory=lambda: grammar_compiler_for_config(config),
+                                  stage=stage)
 
     def _count_kv_blocks(self, shape: KVCacheShape, slot_bytes: int = 0) -> tuple[int, int]:
-        """(KV blocks, state slots) that fit. ``slot_bytes``: one sequence's recurrent state (0: none)."""
+        """(KV blocks, state slots) that fit here, then the fewest over all ranks: every rank holds
+        the same block and slot ids. ``slot_bytes``: one sequence's recurrent state (0: none)."""
         config = self.config
         split = lambda budget: split_budget(max(budget, 0), config.block_size, shape, slot_bytes,  # noqa: E731
                                             config.max_num_seqs, config.max_model_len)
@@ -82,6 +98,7 @@ class Worker:
             free, total = self.platform.memory_info()
             num_blocks, num_slots = split(int(total * config.gpu_memory_utilization) - (total - free))
             source = "--gpu-memory-utilization"
+        num_blocks, num_slots = all_reduce_min(num_blocks), all_reduce_min(num_slots)
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:
             need = -(-config.max_model_len // config.block_size) * shape.bytes_per_block(config.block_size)
@@ -93,5 +110,27 @@ class Worker:
             )
         return num_blocks, num_slots
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(sched)
+    def execute_model(self, sched: SchedulerOutput,
+                      sampled_elsewhere: dict[int, int] | None = None) -> ModelRunnerOutput | None:
+        return self.runner.execute(sched, sampled_elsewhere)
+
+    def check_health(self) -> None:
+        """The single-process worker lives in the engine's process: nothing can die separately."""
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights this rank holds: parameters and repacked kernel weights, shared storage once."""
+    seen, total = set(), 0
+    tensors = [p.data for p in model.parameters()]
+    tensors += [m.kernel_weight for m in model.modules() if getattr(m, "kernel_weight", None) is not None]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            continue
+        if t.is_mkldnn:  # oneDNN's blocked layout: opaque storage, same element count
+            total += t.numel() * t.element_size()
+            continue
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total

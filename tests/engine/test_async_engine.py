@@ -29,7 +29,16 @@ class FakeLLMEngine:
         self.pending: list[RequestOutput] = []
         self.aborted: list[str] = []
         self.fail_with: BaseException | None = None
+        self.health_error: BaseException | None = None  # what check_health raises (a dead worker)
+        self.shut_down = False
         self.steps = 0
+
+    def check_health(self):
+        if self.health_error is not None:
+            raise self.health_error
+
+    def shutdown(self):
+        self.shut_down = True
 
     def add_request(self, request_id, prompt, params, arrival_time=None):
         if not prompt:
@@ -190,3 +199,16 @@ def test_engine_package_does_not_import_torch():
             "sys.exit(f'engine/ imported {bad[:3]}' if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_dead_worker_while_idle_kills_the_loop_naming_the_rank():
+    async def body(engine, fake):
+        fake.health_error = RuntimeError("worker rank 1 (pid 42) exited with code -9")
+        await _wait_until(lambda: engine.errored, timeout=5.0)
+        assert "worker rank 1" in engine.dead_error
+        assert fake.shut_down
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            async for _ in engine.generate("late", [1], SamplingParams(max_tokens=2)):
+                pass
+
+    _run(body)

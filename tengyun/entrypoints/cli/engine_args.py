@@ -47,7 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (default: a free one)")
     group.add_argument("--headless", action="store_true", help="run this node's workers only (nodes 1..N-1)")
     group.add_argument("--distributed-timeout", type=float, default=300.0,
-                       help="seconds a step or collective may take before the engine fails naming the rank")
+                       help="seconds the engine waits for a step's result before it fails (a dead local rank "
+                            "is named at once)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -388,6 +388,10 @@ def run_server(args: argparse.Namespace) -> int:
 
     check_server_args(args)
     config = config_from_args(args).finalize()  # fast checks first: bad flags never bind a port
+    if config.headless:  # nodes 1..N-1 of a multi-node launch: this node's ranks, no engine, no port
+        from tengyun.executor.multiproc_executor import run_headless
+
+        return run_headless(config)
     state = ServerState(
         config, api_key=resolve_api_key(args), chat_template=load_chat_template(args.chat_template),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,

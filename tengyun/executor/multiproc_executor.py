@@ -1,0 +1,196 @@
+"""MultiprocExecutor: one process per rank (``--distributed-executor-backend mp``).
+
+Every rank, rank 0 included, runs in its own spawned process; the engine process holds no
+model and imports no torch. The engine talks to rank 0 over a pipe (worker_process.py
+says what crosses it). Each local rank also has its own pipe for start-up and error
+reports, and its process sentinel is watched, so a rank that dies is named at once:
+
+    WorkerDiedError: worker rank 1 (pid 4242) exited with code -9 ...
+
+A step with no answer within --distributed-timeout seconds is an error too, never a hang.
+Ranks of other nodes (``--headless``) are started by `launch_node` there; their death
+reaches the engine as a failed collective on rank 0, or as the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from tengyun.config import EngineConfig
+from tengyun.distributed.rank_info import RankInfo, node_ranks
+from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
+from tengyun.executor.worker_process import EXECUTE, SHUTDOWN, worker_main
+
+logger = logging.getLogger(__name__)
+
+# torch.distributed's own timeout (rendezvous, collectives). Generous: ranks wait in the KV
+# block count all-reduce for the slowest rank to load its weights. A step that hangs is caught
+# sooner, by the engine's --distributed-timeout on its answer.
+COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank's process exited or reported an error; the message names the rank."""
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: multiprocessing.Process
+    pipe: Connection  # engine side
+
+
+def launch_node(config: EngineConfig, master_port: int) -> list[_Rank]:
+    """Start this node's ranks (config.node_rank), each in a spawned process."""
+    ctx = multiprocessing.get_context("spawn")
+    ranks = node_ranks(config.world_size, config.nnodes, config.node_rank)
+    threads = _threads_per_rank(config, len(ranks))
+    started = []
+    for local_rank, rank in enumerate(ranks):
+        info = RankInfo(rank, local_rank, config.world_size, config.tensor_parallel_size,
+                        config.pipeline_parallel_size, f"tcp://{config.master_addr}:{master_port}",
+                        max(config.distributed_timeout, COLLECTIVE_TIMEOUT_S))
+        ours, theirs = ctx.Pipe()
+        process = ctx.Process(target=worker_main, args=(config, info, theirs, threads),
+                              name=f"tengyun-rank{rank}", daemon=True)
+        process.start()
+        theirs.close()
+        started.append(_Rank(rank, process, ours))
+    return started
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.timeout = config.distributed_timeout
+        port = config.master_port or _free_port(config.master_addr)
+        logger.info("Starting %d worker process(es) on this node (tp %d x pp %d over %d node(s), rendezvous %s:%d)",
+                    config.world_size // config.nnodes, config.tensor_parallel_size,
+                    config.pipeline_parallel_size, config.nnodes, config.master_addr, port)
+        self._inbox: dict[int, list[tuple]] = {}
+        self.ranks = launch_node(config, port)
+        self._driver = self.ranks[0]
+        try:
+            infos = [self._receive(r, timeout=None, expect="ready") for r in self.ranks]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = infos[0]["num_blocks"]  # already the minimum over all ranks
+        self.weight_bytes = {r.rank: info["weight_bytes"] for r, info in zip(self.ranks, infos)}
+        for rank, nbytes in self.weight_bytes.items():
+            logger.info("rank %d holds %.2f MiB of weights", rank, nbytes / 2**20)
+
+    # ----- the Executor interface -----------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._send(self._driver, (EXECUTE, sched))
+        return self._receive(self._driver, timeout=self.timeout, expect="result")
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if any local rank's process has exited (called while idle too)."""
+        for r in self.ranks:
+            if not r.process.is_alive():
+                raise self._died(r)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._driver.process.is_alive():
+            try:
+                self._driver.pipe.send((SHUTDOWN,))
+            except (BrokenPipeError, OSError):
+                pass
+        for r in self.ranks:
+            r.process.join(timeout)
+            if r.process.is_alive():
+                r.process.terminate()
+                r.process.join(timeout)
+
+    # ----- pipes and sentinels --------------------------------------------------------------
+    def _send(self, r: _Rank, message: tuple) -> None:
+        try:
+            r.pipe.send(message)
+        except (BrokenPipeError, OSError):
+            raise self._died(r) from None
+
+    def _receive(self, r: _Rank, timeout: float | None, expect: str):
+        """The next message from rank ``r``, while watching every local rank's pipe and process;
+        other ranks' messages (their "ready") wait in ``_inbox`` for their turn."""
+        if self._inbox.get(r.rank):
+            return self._payload(self._inbox[r.rank].pop(0))
+        watched = {x.pipe: x for x in self.ranks} | {x.process.sentinel: x for x in self.ranks}
+        while True:
+            ready = wait(list(watched), timeout)
+            if not ready:
+                raise WorkerDiedError(
+                    f"no {expect} from the workers within --distributed-timeout {self.timeout:g} s "
+                    f"(a rank is stuck, or a rank on another node died); raise --distributed-timeout "
+                    f"if steps are legitimately this slow."
+                )
+            for handle in ready:
+                source = watched[handle]
+                if handle is source.pipe:
+                    try:
+                        message = source.pipe.recv()
+                    except (EOFError, OSError):
+                        raise self._died(source) from None
+                    if message[0] == "error":
+                        _, rank, text, is_config_error = message
+                        if is_config_error:  # e.g. the KV cache is too small: name the flag, exit 2
+                            raise ValueError(text)
+                        raise WorkerDiedError(f"worker rank {rank} failed: {text}")
+                    if source is r:
+                        return self._payload(message)
+                    self._inbox.setdefault(source.rank, []).append(message)
+                else:
+                    raise self._died(source)
+
+    @staticmethod
+    def _payload(message: tuple):
+        return message[1] if message[0] == "result" else message[2]
+
+    def _died(self, r: _Rank) -> WorkerDiedError:
+        r.process.join(0.5)
+        code = r.process.exitcode
+        how = "is not responding" if code is None else f"exited with code {code}"
+        return WorkerDiedError(
+            f"worker rank {r.rank} (pid {r.process.pid}) {how}; the engine cannot continue "
+            f"(see the rank{r.rank} log lines above)."
+        )
+
+
+def run_headless(config: EngineConfig) -> int:
+    """--headless: start this node's ranks and wait; exit non-zero as soon as one fails."""
+    ranks = launch_node(config, config.master_port)
+    logger.info("Headless node %d: ranks %s joining %s:%d", config.node_rank, [r.rank for r in ranks],
+                config.master_addr, config.master_port)
+    code = 0
+    pending = {r.process.sentinel: r for r in ranks}
+    while pending:
+        for sentinel in wait(list(pending)):
+            r = pending.pop(sentinel)
+            r.process.join()
+            if r.process.exitcode != 0:
+                logger.error("worker rank %d exited with code %s", r.rank, r.process.exitcode)
+                code = 1
+        if code:
+            for r in pending.values():
+                r.process.terminate()
+            break
+    return code
+
+
+def _threads_per_rank(config: EngineConfig, local_ranks: int) -> int:
+    """CPU: split the cores between this node's ranks unless OMP_NUM_THREADS says otherwise
+    (0 = leave torch's default). 4 ranks on 16 cores -> 4 threads each."""
+    if config.device_type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return 0
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
