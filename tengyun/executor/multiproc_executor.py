@@ -82,8 +82,9 @@ class MultiprocExecutor:
             raise
         self.num_blocks = infos[0]["num_blocks"]  # already the minimum over all ranks
         self.weight_bytes = {r.rank: info["weight_bytes"] for r, info in zip(self.ranks, infos)}
-        for rank, nbytes in self.weight_bytes.items():
-            logger.info("rank %d holds %.2f MiB of weights", rank, nbytes / 2**20)
+        for r, info in zip(self.ranks, infos):
+            logger.info("rank %d (pid %d) holds %.2f MiB of weights", r.rank, info["pid"],
+                        info["weight_bytes"] / 2**20)
 
     # ----- the Executor interface -----------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -129,7 +130,8 @@ class MultiprocExecutor:
                     f"(a rank is stuck, or a rank on another node died); raise --distributed-timeout "
                     f"if steps are legitimately this slow."
                 )
-            for handle in ready:
+            # A dead process first: its peers' errors are only the consequence.
+            for handle in sorted(ready, key=lambda h: h is watched[h].pipe):
                 source = watched[handle]
                 if handle is source.pipe:
                     try:
@@ -140,6 +142,9 @@ class MultiprocExecutor:
                         _, rank, text, is_config_error = message
                         if is_config_error:  # e.g. the KV cache is too small: name the flag, exit 2
                             raise ValueError(text)
+                        dead = self._first_dead(grace_s=1.0)  # a peer's death makes rank 0's collective fail
+                        if dead is not None and dead.rank != rank:
+                            raise self._died(dead, f"; rank {rank} then failed: {text}")
                         raise WorkerDiedError(f"worker rank {rank} failed: {text}")
                     if source is r:
                         return self._payload(message)
@@ -151,12 +156,17 @@ class MultiprocExecutor:
     def _payload(message: tuple):
         return message[1] if message[0] == "result" else message[2]
 
-    def _died(self, r: _Rank) -> WorkerDiedError:
+    def _first_dead(self, grace_s: float) -> _Rank | None:
+        """The first local rank whose process has exited, waiting up to ``grace_s`` for one."""
+        wait([r.process.sentinel for r in self.ranks], grace_s)
+        return next((r for r in self.ranks if not r.process.is_alive()), None)
+
+    def _died(self, r: _Rank, detail: str = "") -> WorkerDiedError:
         r.process.join(0.5)
         code = r.process.exitcode
         how = "is not responding" if code is None else f"exited with code {code}"
         return WorkerDiedError(
-            f"worker rank {r.rank} (pid {r.process.pid}) {how}; the engine cannot continue "
+            f"worker rank {r.rank} (pid {r.process.pid}) {how}{detail}; the engine cannot continue "
             f"(see the rank{r.rank} log lines above)."
         )
 
