@@ -60,7 +60,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # None: the platform's (16; 128 on Ascend NPU)
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -115,7 +115,7 @@ class EngineConfig:
         choice("load-format", self.load_format, SUPPORTED_LOAD_FORMATS)
         choice("device", self.device, SUPPORTED_DEVICES)
         choice("numa-bind", self.numa_bind, ("auto", "off"))
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        if self.block_size is not None and self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"--block-size must be a power of two from 1 to 256 (try 16); got {self.block_size}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1 (try 2048); got {self.max_model_len}.")
@@ -175,7 +175,7 @@ class EngineConfig:
         if self._frozen:
             return self
         from tengyun.models.model_source import resolve_model
-        from tengyun.platforms import current_platform_type
+        from tengyun.platforms import get_platform
 
         source = resolve_model(self.model, self.load_format, self.tokenizer)
         self.model_path = source.folder
@@ -183,7 +183,10 @@ class EngineConfig:
             self.load_format = source.load_format
         self.tokenizer_path = source.tokenizer_folder
         self.hf_config = text_model_config(json.loads((source.folder / "config.json").read_text()))
-        self.device_type = current_platform_type(self.device)
+        platform = get_platform(self.device)
+        self.device_type = platform.device_type
+        if self.block_size is None:
+            self.block_size = platform.default_block_size
         self._resolve_dtypes()
         self._resolve_lengths()
         self._check_parallel_fits_model()

@@ -7,6 +7,7 @@ class Platform:
     device_type: str = ""
     dist_backend: str = ""
     visible_devices_env: str = ""
+    default_block_size: int = 16  # tokens per KV block when --block-size is not given
 
     @classmethod
     def is_available(cls) -> bool:

@@ -10,6 +10,10 @@ class NpuPlatform(Platform):
     device_type = "npu"
     dist_backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+    default_block_size = 128  # what the fused paged-attention kernels are tuned for
+
+    def attention_backend(self) -> str:
+        return "npu"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -17,7 +17,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--dtype", default="auto", choices=SUPPORTED_DTYPES + ("half", "float", "bf16", "fp16", "fp32"))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=SUPPORTED_KV_DTYPES)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16; 128 on NPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -30,4 +30,8 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 
         return TorchSDPABackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch_sdpa")
+    if name == "npu":
+        from tengyun.layers.attention.npu_attention import NpuAttentionBackend
+
+        return NpuAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch_sdpa, npu")

@@ -1,0 +1,53 @@
+"""The Ascend path without an NPU: platform selection and errors, the block-size default, and
+the NPU attention backend's calls checked against a CPU reference of the documented torch_npu
+ops (tests/platforms/fake_torch_npu.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tengyun import LLM, SamplingParams
+from tengyun.config import EngineConfig
+from tengyun.layers.attention.backend import get_attention_backend
+from tengyun.layers.attention.layer import Attention
+from tengyun.platforms import get_platform
+from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.npu import NpuPlatform
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_torch_npu  # noqa: E402
+
+
+def test_npu_without_torch_npu_is_an_error_naming_set_env(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_npu" else real(name, *a))
+    with pytest.raises(RuntimeError, match="set_env.sh"):
+        get_platform("npu")
+    assert get_platform("auto").device_type in ("cpu", "cuda")
+
+
+def test_block_size_defaults_to_the_platforms(tiny_checkpoints, monkeypatch):
+    assert NpuPlatform.default_block_size == 128 and NpuPlatform().attention_backend() == "npu"
+    assert EngineConfig(model=str(tiny_checkpoints["llama"])).finalize().block_size == 16
+    monkeypatch.setattr(CpuPlatform, "default_block_size", 128)  # stands in for an NPU host
+    assert EngineConfig(model=str(tiny_checkpoints["llama"])).finalize().block_size == 128
+    assert EngineConfig(model=str(tiny_checkpoints["llama"]), block_size=32).finalize().block_size == 32
+
+
+def test_npu_attention_backend_matches_torch_sdpa(tiny_checkpoints, monkeypatch):
+    assert get_attention_backend("npu").name == "npu"  # importable without torch_npu
+    prompts = [[5, 6, 7], list(range(1, 60)), list(range(1, 40)) + [9, 9]]  # 59 tokens: chunked over 3 steps
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    args = dict(block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=24)
+    reference = [o.outputs[0].token_ids for o in LLM(str(tiny_checkpoints["qwen3"]), **args).generate(prompts, params)]
+
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu.module())
+    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: "npu")
+    llm = LLM(str(tiny_checkpoints["qwen3"]), **args)
+    layers = [m for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)]
+    assert {layer.backend.name for layer in layers} == {"npu"}
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
