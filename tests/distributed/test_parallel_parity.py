@@ -50,6 +50,7 @@ def _single_process(folder):
     ("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2),
     ("qwen3", 2, 1), ("qwen3", 1, 2), ("qwen3", 2, 2),
     ("qwen2", 2, 1), ("qwen2", 1, 2),  # tied embeddings: the last stage's head loads embed_tokens
+    ("qwen3_moe", 2, 1), ("qwen3_moe", 1, 2),  # TP: each rank holds half the experts
 ])
 def test_parallel_greedy_matches_single_process(tiny_checkpoints, arch, tp, pp):
     folder = tiny_checkpoints[arch]
