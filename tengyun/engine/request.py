@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tengyun.engine.detokenizer import IncrementalDetokenizer
@@ -44,6 +45,6 @@ class Request:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            metrics=self.metrics,
+            metrics=dataclasses.replace(self.metrics),  # a snapshot: the engine keeps updating its own
             num_cached_tokens=self.seqs[0].num_cached_tokens,
         )

@@ -132,3 +132,15 @@ def test_engine_package_does_not_import_torch():
 def test_non_finite_sampling_values_are_rejected(field):
     with pytest.raises(ValueError, match=f"{field} must be a finite number"):
         SamplingParams(**{field: float("nan")})
+
+
+def test_outputs_carry_a_metrics_snapshot_not_the_live_object(llm):
+    # The async server reads outputs on another thread while the engine keeps stepping.
+    engine = llm.llm_engine
+    engine.add_request("snap", PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    first = next(o for o in engine.step() if o.request_id == "snap")
+    seen = first.metrics.last_token_time
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert first.metrics.last_token_time == seen
+    assert first.metrics.finished_time is None
