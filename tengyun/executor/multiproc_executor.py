@@ -142,8 +142,10 @@ class MultiprocExecutor:
                         _, rank, text, is_config_error = message
                         if is_config_error:  # e.g. the KV cache is too small: name the flag, exit 2
                             raise ValueError(text)
-                        dead = self._first_dead(grace_s=1.0)  # a peer's death makes rank 0's collective fail
-                        if dead is not None and dead.rank != rank:
+                        # A peer's death makes the reporting rank's collective fail (and the
+                        # reporter may exit too): name the other rank that died, if one did.
+                        dead = self._first_dead(grace_s=1.0, besides=rank)
+                        if dead is not None:
                             raise self._died(dead, f"; rank {rank} then failed: {text}")
                         raise WorkerDiedError(f"worker rank {rank} failed: {text}")
                     if source is r:
@@ -156,10 +158,12 @@ class MultiprocExecutor:
     def _payload(message: tuple):
         return message[1] if message[0] == "result" else message[2]
 
-    def _first_dead(self, grace_s: float) -> _Rank | None:
-        """The first local rank whose process has exited, waiting up to ``grace_s`` for one."""
-        wait([r.process.sentinel for r in self.ranks], grace_s)
-        return next((r for r in self.ranks if not r.process.is_alive()), None)
+    def _first_dead(self, grace_s: float, besides: int) -> _Rank | None:
+        """The first local rank other than ``besides`` whose process has exited, waiting up to
+        ``grace_s`` for one."""
+        others = [r for r in self.ranks if r.rank != besides]
+        wait([r.process.sentinel for r in others], grace_s)
+        return next((r for r in others if not r.process.is_alive()), None)
 
     def _died(self, r: _Rank, detail: str = "") -> WorkerDiedError:
         r.process.join(0.5)
