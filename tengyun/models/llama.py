@@ -87,18 +87,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """One pipeline stage of the decoder: embedding on the first, final norm on the last."""
+    """One pipeline stage of the decoder: embedding on the first, final norm on the last.
 
-    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
-                 qkv_bias: bool, qk_norm: bool, make_mlp=make_dense_mlp):
+    ``make_layer(index)`` builds decoder layer ``index``; every layer takes and returns
+    (hidden, residual). Shared by every model family here (Qwen3.5 passes its own layers/norm).
+    """
+
+    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype, make_layer, norm_cls=RMSNorm):
         super().__init__()
         hidden = cfg["hidden_size"]
         self.embed_tokens = (VocabParallelEmbedding(cfg["vocab_size"], hidden, dtype)
                              if is_first_pp_rank() else PPMissingLayer())
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            cfg["num_hidden_layers"],
-            lambda i: LlamaDecoderLayer(cfg, max_position, dtype, qkv_bias, qk_norm, make_mlp(cfg, i, dtype)))
-        self.norm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype) if is_last_pp_rank() else PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(cfg["num_hidden_layers"], make_layer)
+        self.norm = norm_cls(hidden, cfg["rms_norm_eps"], dtype) if is_last_pp_rank() else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
@@ -120,11 +121,11 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
     make_mlp = staticmethod(make_dense_mlp)  # (cfg, layer_idx, dtype) -> the layer's MLP
+    norm_cls = RMSNorm
 
     def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
         super().__init__()
-        qkv_bias = cfg.get("attention_bias", False) or self.qkv_bias
-        self.model = LlamaModel(cfg, max_position, dtype, qkv_bias, self.qk_norm, self.make_mlp)
+        self.model = LlamaModel(cfg, dtype, self.layer_factory(cfg, max_position, dtype), self.norm_cls)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         if is_last_pp_rank():
             self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype)
@@ -132,6 +133,12 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head = PPMissingLayer()
+
+    def layer_factory(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+        """index -> decoder layer ``index`` of this family."""
+        qkv_bias = cfg.get("attention_bias", False) or self.qkv_bias
+        return lambda i: LlamaDecoderLayer(cfg, max_position, dtype, qkv_bias, self.qk_norm,
+                                           self.make_mlp(cfg, i, dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

@@ -16,15 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tengyun.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
 from tengyun.layers.attention.layer import Attention
-from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tengyun.layers.gated_delta_net import GatedDeltaNet
 from tengyun.layers.layernorm import ZeroCenteredRMSNorm
 from tengyun.layers.linear import QKVParallelLinear, RowParallelLinear
 from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from tengyun.models.llama import make_dense_mlp
-from tengyun.models.pipeline import IntermediateTensors, PPMissingLayer, make_layers
+from tengyun.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -84,30 +81,6 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class Qwen3_5Model(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype, make_mlp):
-        super().__init__()
-        hidden = cfg["hidden_size"]
-        self.embed_tokens = (VocabParallelEmbedding(cfg["vocab_size"], hidden, dtype)
-                             if is_first_pp_rank() else PPMissingLayer())
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            cfg["num_hidden_layers"],
-            lambda i: Qwen3_5DecoderLayer(cfg, i, max_position, dtype, make_mlp(cfg, i, dtype)))
-        self.norm = ZeroCenteredRMSNorm(hidden, cfg["rms_norm_eps"], dtype) if is_last_pp_rank() else PPMissingLayer()
-
-    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
-        if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            hidden, residual = intermediate
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
-        if not is_last_pp_rank():
-            return [hidden, residual]
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
 def layer_types(cfg: dict[str, Any]) -> list[str]:
     """config.json's layer_types, else every full_attention_interval-th layer (default 4) is full."""
     interval = cfg.get("full_attention_interval", 4)
@@ -115,31 +88,17 @@ def layer_types(cfg: dict[str, Any]) -> list[str]:
                                       for i in range(cfg["num_hidden_layers"])]
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
     """Also Qwen3_5ForConditionalGeneration: the text model of the multimodal checkpoint."""
 
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    make_mlp = staticmethod(make_dense_mlp)
+    norm_cls = ZeroCenteredRMSNorm
 
     def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
-        super().__init__()
-        cfg = {**cfg, "layer_types": layer_types(cfg)}
-        self.model = Qwen3_5Model(cfg, max_position, dtype, self.make_mlp)
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        if is_last_pp_rank():
-            self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype)
-            if self.tie_word_embeddings and is_first_pp_rank():
-                self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = PPMissingLayer()
+        super().__init__({**cfg, "layer_types": layer_types(cfg)}, max_position, dtype)
         self._logged_skips: set[str] = set()
 
-    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
-        return self.model(input_ids, positions, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.lm_head.compute_logits(hidden)
-        return None if logits is None else logits.float()
+    def layer_factory(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+        return lambda i: Qwen3_5DecoderLayer(cfg, i, max_position, dtype, self.make_mlp(cfg, i, dtype))
 
     def checkpoint_rename(self, name: str) -> str | None:
         """'model.language_model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj.weight';
