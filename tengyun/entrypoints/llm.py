@@ -99,7 +99,7 @@ class LLM:
 
     def _drain(self, request_ids: set[str]) -> None:
         """Collect the abort outputs of requests we gave up on, so they do not leak."""
-        while self.llm_engine._pending_outputs and request_ids:
+        while request_ids and self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
                 request_ids.discard(output.request_id)
 

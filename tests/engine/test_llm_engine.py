@@ -144,3 +144,11 @@ def test_outputs_carry_a_metrics_snapshot_not_the_live_object(llm):
         engine.step()
     assert first.metrics.last_token_time == seen
     assert first.metrics.finished_time is None
+
+
+def test_generate_with_one_bad_prompt_queues_nothing_and_leaks_nothing(llm):
+    with pytest.raises(ValueError, match="max-model-len"):
+        llm.generate([PROMPTS[0], list(range(1, 200))], SamplingParams(max_tokens=4))
+    assert not llm.llm_engine.has_unfinished_requests()
+    _assert_idle(llm)
+    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
