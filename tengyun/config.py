@@ -268,9 +268,11 @@ class EngineConfig:
             logger.info("Prefix caching is off for %s: its linear-attention layers keep recurrent state "
                         "that cached KV blocks cannot restore.", self.architecture)
             self.enable_prefix_caching = False
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"{self.architecture} (linear-attention layers) runs with --tensor-parallel-size 1 "
-                             f"only for now; got {self.tensor_parallel_size}: use --pipeline-parallel-size instead.")
+        if self.world_size > 1:  # the multi-process executor does not size recurrent-state slots yet
+            raise ValueError(
+                f"{self.architecture} (linear-attention layers) runs in one process only for now: use "
+                f"--tensor-parallel-size 1 and --pipeline-parallel-size 1 (got {self.tensor_parallel_size} "
+                f"and {self.pipeline_parallel_size}).")
 
     # ----- derived values -------------------------------------------------------------
     @property

@@ -157,3 +157,11 @@ def test_budget_gives_slots_first_then_blocks_and_fewer_slots_when_tight():
     assert split_budget(10 * 1024, 16, kv, 2048, max_num_seqs=8, max_model_len=64) == (4, 3)
     # Not a hybrid model: everything in blocks.
     assert split_budget(10 * 1024, 16, kv, 0, max_num_seqs=8, max_model_len=64) == (10, 0)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_hybrid_models_refuse_more_than_one_rank_naming_both_flags(text_checkpoint, parallel):
+    from tengyun.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1 and --pipeline-parallel-size 1"):
+        EngineConfig(str(text_checkpoint), **parallel).finalize()
