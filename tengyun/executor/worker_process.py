@@ -40,7 +40,8 @@ def worker_main(config, rank: RankInfo, pipe: Connection | None, threads: int) -
         from tengyun.worker.worker import Worker
 
         worker = Worker(config, rank)
-        _reply(pipe, ("ready", rank.rank, {"num_blocks": worker.num_blocks, "weight_bytes": worker.weight_bytes,
+        _reply(pipe, ("ready", rank.rank, {"num_blocks": worker.num_blocks, "num_state_slots": worker.num_state_slots,
+                                           "weight_bytes": worker.weight_bytes,
                                            "pid": os.getpid()}))
         _serve(worker, rank, pipe)
     except BaseException as e:  # noqa: BLE001 - report, then exit non-zero
