@@ -252,10 +252,22 @@ class EngineConfig:
         if cfg.get("intermediate_size", 0) % tp:
             raise ValueError(f"--tensor-parallel-size {tp} does not divide intermediate_size "
                              f"{cfg['intermediate_size']}: try a power of two such as 2.")
+        self._check_tp_divides({"linear_num_key_heads": "key heads", "linear_num_value_heads": "value heads",
+                                "num_experts": "experts", "shared_expert_intermediate_size": "shared expert"})
         layers = cfg["num_hidden_layers"]
         if pp > layers:
             raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers {layers}: "
                              f"use at most {layers}.")
+
+    def _check_tp_divides(self, fields: dict[str, str]) -> None:
+        """Gated DeltaNet heads, MoE experts and the shared expert are split evenly over TP ranks."""
+        tp = self.tensor_parallel_size
+        for field, what in fields.items():
+            value = self.hf_config.get(field)
+            if value and value % tp:
+                works = [n for n in (1, 2, 4, 8, 16) if value % n == 0]
+                raise ValueError(f"--tensor-parallel-size {tp} does not divide {field} {value} (the {what} are "
+                                 f"split over the ranks): use one of {works}.")
 
     def _check_hybrid(self) -> None:
         """Models with linear-attention layers (Qwen3.5) keep recurrent state per sequence, which a
@@ -268,11 +280,6 @@ class EngineConfig:
             logger.info("Prefix caching is off for %s: its linear-attention layers keep recurrent state "
                         "that cached KV blocks cannot restore.", self.architecture)
             self.enable_prefix_caching = False
-        if self.world_size > 1:  # the multi-process executor does not size recurrent-state slots yet
-            raise ValueError(
-                f"{self.architecture} (linear-attention layers) runs in one process only for now: use "
-                f"--tensor-parallel-size 1 and --pipeline-parallel-size 1 (got {self.tensor_parallel_size} "
-                f"and {self.pipeline_parallel_size}).")
 
     # ----- derived values -------------------------------------------------------------
     @property

@@ -73,17 +73,19 @@ class StateShape:
         return self.num_layers * (conv + ssm)
 
 
-def state_shape(hf_config: dict[str, Any], dtype_bytes: int, start: int = 0, end: int | None = None) -> StateShape:
-    """Qwen3.5-27B (48 linear layers, 16 key / 48 value heads of 128, kernel 4, bf16):
+def state_shape(hf_config: dict[str, Any], dtype_bytes: int, start: int = 0, end: int | None = None,
+                tp_size: int = 1) -> StateShape:
+    """Per tensor-parallel rank (its 1/tp of the key and value heads). Qwen3.5-27B (48 linear
+    layers, 16 key / 48 value heads of 128, kernel 4, bf16), tp 1:
     48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4) bytes = 147.4 MiB per sequence."""
     end = hf_config["num_hidden_layers"] if end is None else end
     key_dim = hf_config.get("linear_num_key_heads", 0) * hf_config.get("linear_key_head_dim", 0)
     value_heads, value_dim = hf_config.get("linear_num_value_heads", 0), hf_config.get("linear_value_head_dim", 0)
     return StateShape(
         num_layers=(end - start) - attention_layer_count(hf_config, start, end),
-        conv_dim=2 * key_dim + value_heads * value_dim,
+        conv_dim=(2 * key_dim + value_heads * value_dim) // tp_size,
         conv_width=hf_config.get("linear_conv_kernel_dim", 4) - 1,
-        num_v_heads=value_heads,
+        num_v_heads=value_heads // tp_size,
         k_head_dim=hf_config.get("linear_key_head_dim", 0),
         v_head_dim=value_dim,
         dtype_bytes=dtype_bytes,

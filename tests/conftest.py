@@ -27,6 +27,34 @@ ARCH_CONFIGS = {
 }
 
 
+# Qwen3.5: 4 layers (3 Gated DeltaNet, 1 gated attention), 2 key / 4 value linear heads.
+QWEN3_5_TEXT = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4, max_position_embeddings=256, rms_norm_eps=1e-6,
+                    initializer_range=0.1, bos_token_id=0, eos_token_id=0)
+# Qwen3.5-MoE adds 8 experts, top-2, and a shared expert on every layer.
+QWEN3_5_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def make_tiny_qwen3_5(arch: str = "qwen3_5", seed: int = 0, **overrides):
+    """A tiny random HF Qwen3.5 (arch "qwen3_5") or Qwen3.5-MoE ("qwen3_5_moe") text model, fp32, eval mode."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    if arch == "qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**QWEN3_5_TEXT, **overrides}))
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(**{**QWEN3_5_TEXT, **QWEN3_5_MOE, **overrides})
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    with torch.no_grad():  # norms start at 0 (zero-centred) or 1: give them values so a wrong formula shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.1)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     from tokenizers import ByteLevelBPETokenizer
@@ -80,6 +108,20 @@ def tiny_checkpoints(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, Path]:
         arch: make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny_{arch}"), tiny_tokenizer_dir, arch)
         for arch in ARCH_CONFIGS
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_checkpoints(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, Path]:
+    """Saved tiny Qwen3.5 and Qwen3.5-MoE checkpoints with the tiny tokenizer."""
+    import shutil
+
+    folders = {}
+    for arch in ("qwen3_5", "qwen3_5_moe"):
+        folders[arch] = tmp_path_factory.mktemp(f"tiny_{arch}")
+        make_tiny_qwen3_5(arch).save_pretrained(folders[arch])
+        for f in tiny_tokenizer_dir.iterdir():
+            shutil.copy(f, folders[arch] / f.name)
+    return folders
 
 
 def read_config(folder: Path) -> dict:

@@ -10,38 +10,52 @@ chunk runs the chunked form from its sequence's state, so a prompt may span seve
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, get_attention_metadata
 from tengyun.layers.gated_delta_rule import get_gated_delta_rule_kernel
 from tengyun.layers.layernorm import GatedRMSNorm
-from tengyun.layers.linear import ReplicatedLinear
+from tengyun.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from tengyun.layers.weight_loading import check_shape, rank_slice_of_segments, set_weight_loader
 
 
 class GatedDeltaNet(nn.Module):
+    """Tensor parallel by heads: each rank holds 1/tp of the key heads and of the value heads (a
+    rank's value heads share only its own key heads), so the conv channels, the state and the
+    in/out projections split with them; out_proj all-reduces."""
+
     def __init__(self, cfg: dict[str, Any], dtype: torch.dtype):
         super().__init__()
-        hidden = cfg["hidden_size"]
-        self.num_k_heads, self.num_v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        hidden, tp = cfg["hidden_size"], get_tp_size()
+        total_k_heads, total_v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
         self.k_dim, self.v_dim = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        self.num_k_heads, self.num_v_heads = total_k_heads // tp, total_v_heads // tp  # this rank's
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
         self.kernel_size = cfg.get("linear_conv_kernel_dim", 4)
-        self.in_proj_qkv = ReplicatedLinear(hidden, self.conv_dim, False, dtype)
-        self.in_proj_z = ReplicatedLinear(hidden, self.value_size, False, dtype)
-        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads, False, dtype)
-        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads, False, dtype)
+        # The checkpoint's q | k | v channels, full size; each rank keeps its slice of each.
+        channels = [total_k_heads * self.k_dim] * 2 + [total_v_heads * self.v_dim]
+        self.in_proj_qkv = MergedColumnParallelLinear(hidden, channels, False, dtype)
+        self.in_proj_z = ColumnParallelLinear(hidden, total_v_heads * self.v_dim, False, dtype)
+        self.in_proj_b = ColumnParallelLinear(hidden, total_v_heads, False, dtype)
+        self.in_proj_a = ColumnParallelLinear(hidden, total_v_heads, False, dtype)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, bias=False,
-                                groups=self.conv_dim, dtype=dtype)  # weight [conv_dim, 1, K]
+                                groups=self.conv_dim, dtype=dtype)  # weight [conv_dim, 1, K], this rank's channels
         self.conv1d.weight.requires_grad_(False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=dtype), requires_grad=False)
-        self.norm = GatedRMSNorm(self.v_dim, cfg["rms_norm_eps"], dtype)
-        self.out_proj = ReplicatedLinear(self.value_size, hidden, False, dtype)
+        rank = get_tp_rank()
+        for param, sizes in ((self.conv1d.weight, channels), (self.dt_bias, [total_v_heads]),
+                             (self.A_log, [total_v_heads])):
+            set_weight_loader(param, functools.partial(_load_rank_slice, sizes=sizes, tp_rank=rank, tp_size=tp))
+        self.norm = GatedRMSNorm(self.v_dim, cfg["rms_norm_eps"], dtype)  # per head: replicated
+        self.out_proj = RowParallelLinear(total_v_heads * self.v_dim, hidden, False, dtype)
         self.kernel = get_gated_delta_rule_kernel()
         # Bound by the worker: [num_slots, conv_dim, K - 1] (model dtype), [num_slots, Hv, Dk, Dv] float32.
         self.conv_state = torch.empty(0)
@@ -93,3 +107,10 @@ class GatedDeltaNet(nn.Module):
         out, state = self.kernel.chunk(*self._split(mixed), g, beta, state)
         self.ssm_state[slot] = state
         return out
+
+
+def _load_rank_slice(param: nn.Parameter, loaded: torch.Tensor, sizes: list[int], tp_rank: int, tp_size: int) -> None:
+    """conv1d.weight [conv_dim, 1, K] (q | k | v channels), dt_bias and A_log [Hv]: this rank's heads."""
+    part = rank_slice_of_segments(loaded, sizes, tp_rank, tp_size)
+    check_shape(param.data, part)
+    param.data.copy_(part)

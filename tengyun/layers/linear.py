@@ -11,7 +11,7 @@ from torch import nn
 
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from tengyun.layers.linear_kernel import DenseLinearKernel
-from tengyun.layers.weight_loading import check_shape, set_weight_loader
+from tengyun.layers.weight_loading import check_shape, rank_slice_of_segments, set_weight_loader
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -71,13 +71,20 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs stored as one weight, e.g. gate_up = [gate; up]."""
+    """Several column-parallel outputs stored as one weight, e.g. gate_up = [gate; up]. Each output
+    is split over the ranks; the checkpoint holds them as separate tensors (shard_id = their index)
+    or as one tensor back to back (shard_id None)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:  # one checkpoint tensor holding every output, e.g. Qwen3.5's in_proj_qkv
+            part = rank_slice_of_segments(loaded, self.output_sizes, self.tp_rank, self.tp_size)
+            check_shape(param.data, part)
+            param.data.copy_(part)
+            return
         shard_rows = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         full = (self.output_sizes[shard_id],) + tuple(param.shape[1:])

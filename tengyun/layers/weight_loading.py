@@ -26,3 +26,12 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor
 
 def set_weight_loader(param: torch.nn.Parameter, loader) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def rank_slice_of_segments(loaded: torch.Tensor, sizes: list[int], tp_rank: int, tp_size: int) -> torch.Tensor:
+    """A tensor whose dim 0 is several segments back to back (e.g. Qwen3.5's in_proj_qkv: q | k | v)
+    -> this rank's 1/tp of each segment, concatenated: [sum(sizes) / tp, ...]."""
+    if loaded.shape[0] != sum(sizes):
+        raise WeightShapeError((sum(sizes),) + tuple(loaded.shape[1:]), tuple(loaded.shape))
+    return torch.cat([part.narrow(0, tp_rank * (size // tp_size), size // tp_size)
+                      for part, size in zip(loaded.split(sizes), sizes)])

@@ -177,13 +177,10 @@ def activation_estimate(cfg: dict[str, Any], tp: int, tokens: int, max_num_seqs:
 
 def _stage_state_bytes(cfg: dict[str, Any], dtype_bytes: int, tp: int, start: int, end: int) -> int:
     """Per-sequence recurrent state of the stage's linear-attention layers on one TP rank
-    (kv_sizing.state_shape, its conv channels and value heads split over tp)."""
+    (kv_sizing.state_shape)."""
     if not cfg.get("linear_num_value_heads"):
         return 0
-    shape = state_shape(cfg, dtype_bytes, start, end)
-    if tp > 1:
-        shape = dataclasses.replace(shape, conv_dim=shape.conv_dim // tp, num_v_heads=shape.num_v_heads // tp)
-    return shape.bytes_per_slot
+    return state_shape(cfg, dtype_bytes, start, end, tp).bytes_per_slot
 
 
 def make_plan(hf_config: dict[str, Any], request: PlanRequest, checkpoint_bytes: int | None = None,

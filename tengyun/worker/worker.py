@@ -14,7 +14,7 @@ from tengyun.distributed.parallel_state import (
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.kv_sizing import (
-    KVCacheShape, attention_layer_count, kv_cache_shape, split_budget, state_shape,
+    KVCacheShape, attention_layer_count, is_hybrid, kv_cache_shape, split_budget, state_shape,
 )
 from tengyun.layers.attention.backend import get_attention_backend
 from tengyun.models.loader import load_weights
@@ -63,7 +63,7 @@ class Worker:
         self.kv_shape = kv_cache_shape(config.hf_config, DTYPE_BYTES[config.kv_cache_dtype], tp,
                                        attention_layer_count(config.hf_config, start, end))
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
-        self.state_shape = state_shape(config.hf_config, DTYPE_BYTES[config.dtype], start, end)
+        self.state_shape = state_shape(config.hf_config, DTYPE_BYTES[config.dtype], start, end, tp)
         self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
         self.state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots,
                                                 TORCH_DTYPES[config.dtype], self.device)
@@ -88,8 +88,7 @@ class Worker:
         split = lambda budget: split_budget(max(budget, 0), config.block_size, shape, slot_bytes,  # noqa: E731
                                             config.max_num_seqs, config.max_model_len)
         if config.num_gpu_blocks_override is not None:
-            num_blocks = config.num_gpu_blocks_override
-            num_slots = config.max_num_seqs if slot_bytes else 0
+            num_blocks, num_slots = config.num_gpu_blocks_override, config.max_num_seqs
             source = "--num-gpu-blocks-override"
         elif self.device.type == "cpu":
             num_blocks, num_slots = split(config.kv_cache_budget_bytes())
@@ -98,6 +97,8 @@ class Worker:
             free, total = self.platform.memory_info()
             num_blocks, num_slots = split(int(total * config.gpu_memory_utilization) - (total - free))
             source = "--gpu-memory-utilization"
+        if not slot_bytes:  # no linear-attention layers on this stage: it never limits the slots
+            num_slots = config.max_num_seqs if is_hybrid(config.hf_config) else 0
         num_blocks, num_slots = all_reduce_min(num_blocks), all_reduce_min(num_slots)
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:

@@ -51,9 +51,13 @@ def _single_process(folder):
     ("qwen3", 2, 1), ("qwen3", 1, 2), ("qwen3", 2, 2),
     ("qwen2", 2, 1), ("qwen2", 1, 2),  # tied embeddings: the last stage's head loads embed_tokens
     ("qwen3_moe", 2, 1), ("qwen3_moe", 1, 2),  # TP: each rank holds half the experts
+    # Hybrid: TP splits the Gated DeltaNet heads and its state; PP=2 puts layers 0-1 (linear
+    # attention only, no KV cache) on stage 0 and layers 2-3 (one of each) on stage 1.
+    ("qwen3_5", 2, 1), ("qwen3_5", 1, 2), ("qwen3_5", 2, 2),
+    ("qwen3_5_moe", 2, 1), ("qwen3_5_moe", 1, 2),
 ])
-def test_parallel_greedy_matches_single_process(tiny_checkpoints, arch, tp, pp):
-    folder = tiny_checkpoints[arch]
+def test_parallel_greedy_matches_single_process(tiny_checkpoints, tiny_hybrid_checkpoints, arch, tp, pp):
+    folder = {**tiny_checkpoints, **tiny_hybrid_checkpoints}[arch]
     reference = _single_process(folder)
     outputs, stats = _generate(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     assert stats.num_preemptions > 0
@@ -92,3 +96,18 @@ def test_tp2_halves_weight_bytes_per_rank(tmp_path, tiny_tokenizer_dir):
     print(message)
     assert sorted(per_rank) == [0, 1]
     assert all(0.45 < ratio < 0.55 for ratio in ratios.values()), message
+
+
+def test_hybrid_tp2_sizes_state_slots_and_blocks_per_rank(tiny_hybrid_checkpoints):
+    """Each TP=2 rank holds half the KV heads and half the recurrent state per sequence, so a
+    per-rank budget B gives what TP=1 gets from 2B (budgets tight enough that both limits bind)."""
+    folder = str(tiny_hybrid_checkpoints["qwen3_5"])
+    args = dict(block_size=8, max_model_len=104, max_num_seqs=32)
+    single = LLM(folder, kv_cache_memory="128KiB", **args).llm_engine.executor
+    tp2 = LLM(folder, kv_cache_memory="64KiB", tensor_parallel_size=2, **args).llm_engine
+    try:
+        got = (tp2.executor.num_blocks, tp2.executor.num_state_slots)
+    finally:
+        tp2.shutdown()
+    assert got == (single.num_blocks, single.num_state_slots)
+    assert 1 < single.num_state_slots < 32  # the budget, not max_num_seqs, set the slot count

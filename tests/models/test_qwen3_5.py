@@ -12,31 +12,11 @@ import torch
 
 from tengyun import LLM, SamplingParams
 from tengyun.kv_sizing import KVCacheShape, split_budget, state_shape
+from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, make_tiny_qwen3_5
 from test_hf_parity import TOP_K, _prompts
 
-TEXT = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-            max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=0, eos_token_id=0)
-
-
-# 8 experts, top-2, and a shared expert on every layer.
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-
-
-def _hf_text_model(arch: str = "qwen3_5", seed: int = 0):
-    import transformers
-
-    torch.manual_seed(seed)
-    if arch == "qwen3_5":
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT))
-    else:
-        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**TEXT, **MOE))
-    with torch.no_grad():  # norms start at 0 (zero-centred) or 1: give them values so a wrong formula shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.1)
-    return model.eval()
+TEXT, MOE = QWEN3_5_TEXT, QWEN3_5_MOE
+_hf_text_model = make_tiny_qwen3_5
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
@@ -159,9 +139,20 @@ def test_budget_gives_slots_first_then_blocks_and_fewer_slots_when_tight():
     assert split_budget(10 * 1024, 16, kv, 0, max_num_seqs=8, max_model_len=64) == (10, 0)
 
 
-@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
-def test_hybrid_models_refuse_more_than_one_rank_naming_both_flags(text_checkpoint, parallel):
+def test_tp_that_does_not_divide_the_linear_heads_names_the_field(tmp_path, tiny_tokenizer_dir):
     from tengyun.config import EngineConfig
 
-    with pytest.raises(ValueError, match="--tensor-parallel-size 1 and --pipeline-parallel-size 1"):
-        EngineConfig(str(text_checkpoint), **parallel).finalize()
+    make_tiny_qwen3_5("qwen3_5", linear_num_key_heads=1, linear_num_value_heads=3).save_pretrained(tmp_path)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(ValueError, match="does not divide linear_num_key_heads 1"):
+        EngineConfig(str(tmp_path), tensor_parallel_size=2).finalize()
+
+
+def test_state_shape_per_tp_rank_holds_its_share_of_the_heads():
+    cfg = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+               linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    whole, quarter = state_shape(cfg, 2), state_shape(cfg, 2, tp_size=4)
+    assert (quarter.conv_dim, quarter.num_v_heads) == (whole.conv_dim // 4, 12)
+    assert quarter.bytes_per_slot * 4 == whole.bytes_per_slot
