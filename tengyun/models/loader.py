@@ -3,11 +3,13 @@
 Checkpoint names map onto parameters through the model's `packed_modules_mapping`:
     model.layers.0.self_attn.k_proj.weight -> model.layers.0.self_attn.qkv_proj.weight, shard "k"
     model.layers.0.mlp.up_proj.bias        -> model.layers.0.mlp.gate_up_proj.bias,     shard 1
-every other name is kept as is.
+every other name is kept as is. A model may also rename checkpoint tensors (`checkpoint_rename`),
+map them itself (`checkpoint_name_to_param`), or split one into several (`checkpoint_transform`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
@@ -34,6 +36,7 @@ _EMBED = "model.embed_tokens.weight"
 class _Target:
     param_name: str
     shard_id: str | int | None  # None: not a packed parameter
+    part: int = 0  # which of checkpoint_transform's outputs (0: the tensor itself)
 
 
 def load_weights(model: torch.nn.Module, folder: Path, load_format: str, seed: int = 0) -> None:
@@ -91,6 +94,14 @@ def _map_name(name: str, params: dict, packed: dict[str, list[str]], custom=None
     return _Target(name, None) if name in params else None
 
 
+def _parts(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The model's ``checkpoint_transform(name, tensor) -> [(name, tensor), ...] | None``, which splits
+    one checkpoint tensor into several (Qwen3-Next: in_proj_qkvz -> in_proj_qkv, in_proj_z); None or
+    no such method: [(name, tensor)]. Planning calls it with a meta tensor of the stored shape."""
+    transform = getattr(model, "checkpoint_transform", None)
+    return (transform(name, tensor) if transform else None) or [(name, tensor)]
+
+
 def _plan(model: torch.nn.Module, files: list[Path]) -> list[tuple[Path, str, _Target]]:
     """(file, checkpoint name, target) for every tensor to load; raises on unknown or missing names."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -105,19 +116,24 @@ def _plan(model: torch.nn.Module, files: list[Path]) -> list[tuple[Path, str, _T
     for f in files:
         with safe_open(f, framework="pt") as reader:
             for stored_name in reader.keys():
-                name = rename(stored_name)
-                if name is None or name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                renamed = rename(stored_name)
+                if renamed is None:
                     continue
-                if head_from_embed and name == _EMBED:
-                    plan.append((f, stored_name, _Target("lm_head.weight", None)))
-                    continue
-                if name.startswith(other_stages):
-                    continue
-                target = _map_name(name, params, packed, getattr(model, "checkpoint_name_to_param", None))
-                if target is None:
-                    unexpected.append(f"{stored_name} ({f.name})")
-                else:
-                    plan.append((f, stored_name, target))
+                meta = torch.empty(reader.get_slice(stored_name).get_shape(), device="meta")
+                for part, (name, _) in enumerate(_parts(model, renamed, meta)):
+                    if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                        continue
+                    if head_from_embed and name == _EMBED:
+                        plan.append((f, stored_name, _Target("lm_head.weight", None, part)))
+                        continue
+                    if name.startswith(other_stages):
+                        continue
+                    target = _map_name(name, params, packed, getattr(model, "checkpoint_name_to_param", None))
+                    if target is None:
+                        shown = stored_name if name == stored_name else f"{stored_name} as {name}"
+                        unexpected.append(f"{shown} ({f.name})")
+                    else:
+                        plan.append((f, stored_name, _Target(target.param_name, target.shard_id, part)))
     if unexpected:
         raise ValueError(
             f"{len(unexpected)} checkpoint tensor(s) in {files[0].parent} match no model parameter, e.g. "
@@ -147,12 +163,19 @@ def _load_safetensors(model: torch.nn.Module, folder: Path) -> None:
     files = safetensors_files(folder)
     plan = _plan(model, files)
     params = dict(model.named_parameters(remove_duplicate=False))
+    rename = getattr(model, "checkpoint_rename", None) or (lambda n: n)
     show_bar = len(files) > 1 and sys.stderr.isatty()
     with torch.no_grad():
         for f in tqdm(files, desc="Loading safetensors shards", disable=not show_bar):
             with safe_open(f, framework="pt") as reader:
-                for _, name, target in (p for p in plan if p[0] == f):
-                    _load_one(params[target.param_name], reader.get_tensor(name), target, name, f)
+                # A tensor's entries are adjacent in the plan: read (and transform) it once.
+                for name, entries in itertools.groupby((p for p in plan if p[0] == f), key=lambda p: p[1]):
+                    renamed = rename(name)
+                    parts = _parts(model, renamed, reader.get_tensor(name))
+                    for _, _, target in entries:
+                        part_name, tensor = parts[target.part]
+                        shown = name if part_name == renamed else f"{name} (as {part_name})"
+                        _load_one(params[target.param_name], tensor, target, shown, f)
     logger.info("loaded %d tensors from %d file(s) in %s in %.1fs", len(plan), len(files), folder,
                 time.perf_counter() - start)
 
