@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tengyun.ops.model_size import decoder_config
+
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -35,13 +37,11 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9
 
 
 def text_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal wrapper's config.json (Qwen3.5: "text_config" inside) -> the language model's
-    fields at the top level, keeping the wrapper's architectures; other configs unchanged."""
-    text = hf_config.get("text_config")
-    if not isinstance(text, dict):
-        return hf_config
-    outer = {k: v for k, v in hf_config.items() if not k.endswith("_config")}
-    return {**outer, **text, "architectures": hf_config.get("architectures") or []}
+    """The language model's fields at the top level, as `tengyun plan` reads them (a multimodal
+    wrapper's "text_config" lifted out; Qwen3-Next's layer_types from full_attention_interval),
+    keeping the wrapper's architectures."""
+    archs = {"architectures": hf_config["architectures"]} if "architectures" in hf_config else {}
+    return {**decoder_config(hf_config), **archs}
 
 
 def parse_size(value: int | str, name: str) -> int:

@@ -21,12 +21,13 @@ QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
 def decoder_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The language model's fields at the top level: a multimodal wrapper's "text_config"
     (Qwen3.5) is lifted out; a hybrid config without "layer_types" (Qwen3-Next) gets them from
-    full_attention_interval (every n-th layer full attention, the rest linear attention)."""
+    full_attention_interval (every n-th layer full attention, the rest linear attention; n is 4
+    when absent, as in transformers). The engine reads config.json through this too."""
     cfg = dict(hf_config)
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**{k: v for k, v in cfg.items() if not k.endswith("_config")}, **cfg["text_config"]}
-    interval = cfg.get("full_attention_interval")
-    if not cfg.get("layer_types") and interval and cfg.get("linear_num_value_heads"):
+    interval = cfg.get("full_attention_interval") or 4
+    if not cfg.get("layer_types") and cfg.get("linear_num_value_heads"):
         cfg["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                               for i in range(cfg["num_hidden_layers"])]
     return cfg
