@@ -13,6 +13,7 @@ _MODELS = {
     "Qwen3_5ForConditionalGeneration": ("tengyun.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("tengyun.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("tengyun.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("tengyun.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

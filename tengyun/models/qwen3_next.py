@@ -1,0 +1,80 @@
+"""Qwen3-Next text model: Qwen3.5's hybrid layers (Gated DeltaNet + gated, partially rotary full
+attention, zero-centred norms) with a sparse MoE block (routed experts plus a gated shared expert)
+on every ``decoder_sparse_step``-th layer outside ``mlp_only_layers``, a dense MLP elsewhere.
+
+The checkpoint packs each Gated DeltaNet's projections per key-head group (HF's
+``fix_query_key_value_ordering``); ``checkpoint_transform`` unpacks them at load time into
+Qwen3.5's tensors (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), so the layers are Qwen3.5's.
+``layer_types`` may be absent from config.json: every ``full_attention_interval``-th layer is full.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tengyun.layers.fused_moe import FusedMoE
+from tengyun.models.llama import make_dense_mlp
+from tengyun.models.qwen3_5 import Qwen3_5ForCausalLM
+from tengyun.models.qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+from tengyun.models.qwen3_moe import is_sparse_layer
+
+
+class Qwen3NextSparseMoeBlock(Qwen3_5MoeSparseMoeBlock):
+    """Qwen3.5-MoE's block; the top-k routing weights sum to 1 only with norm_topk_prob (default true)."""
+
+    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype):
+        super().__init__(cfg, dtype)
+        self.experts.renormalize = bool(cfg.get("norm_topk_prob", True))
+
+
+def make_next_mlp(cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    if is_sparse_layer(cfg, layer_idx):
+        return Qwen3NextSparseMoeBlock(cfg, dtype)
+    return make_dense_mlp(cfg, layer_idx, dtype)
+
+
+def split_qkvz(w: torch.Tensor, num_k_heads: int, k_dim: int, group_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """in_proj_qkvz [Hk * (2 Dk + 2 G), hidden], rows per key head g: [q_g Dk | k_g Dk | v_g G | z_g G]
+    (G = Hv / Hk * Dv) -> in_proj_qkv [2 Hk Dk + Hv Dv, hidden] (all q | all k | all v) and in_proj_z
+    [Hv Dv, hidden]. Hk 2, Dk 1, G 2: [q0 k0 v0 v0' z0 z0' q1 k1 v1 v1' z1 z1']
+    -> qkv [q0 q1 k0 k1 v0 v0' v1 v1'], z [z0 z0' z1 z1']."""
+    q, k, v, z = w.unflatten(0, (num_k_heads, -1)).split([k_dim, k_dim, group_v, group_v], dim=1)
+    return torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)]), z.flatten(0, 1)
+
+
+def split_ba(w: torch.Tensor, num_k_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """in_proj_ba [2 Hv, hidden], rows per key head g: [b_g (Hv / Hk) | a_g (Hv / Hk)] -> in_proj_b,
+    in_proj_a [Hv, hidden] each. Hk 2, Hv 4: [b0 b1 a0 a1 b2 b3 a2 a3] -> b [b0 b1 b2 b3], a [a0 a1 a2 a3]."""
+    b, a = w.unflatten(0, (num_k_heads, -1)).chunk(2, dim=1)
+    return b.flatten(0, 1), a.flatten(0, 1)
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    make_mlp = staticmethod(make_next_mlp)
+    checkpoint_name_to_param = staticmethod(FusedMoE.checkpoint_name_to_param)
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+        super().__init__(cfg, max_position, dtype)
+        self.num_k_heads, self.num_v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        self.k_dim = cfg["linear_key_head_dim"]
+        self.group_v = self.num_v_heads // self.num_k_heads * cfg["linear_value_head_dim"]  # v channels per key head
+
+    def checkpoint_transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """'...linear_attn.in_proj_qkvz.weight' -> in_proj_qkv and in_proj_z; '...linear_attn.in_proj_ba.weight'
+        -> in_proj_b and in_proj_a (full tensors, Qwen3.5's layout); None (as stored) for the rest."""
+        prefix, sep, leaf = name.rpartition(".linear_attn.")
+        if not sep or leaf not in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
+            return None
+        qkvz = leaf == "in_proj_qkvz.weight"
+        rows = self.num_k_heads * (2 * self.k_dim + 2 * self.group_v) if qkvz else 2 * self.num_v_heads
+        if tensor.shape[0] != rows:
+            raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} rows but config.json's linear_* sizes "
+                             f"give {rows}: use the config.json that came with these weights")
+        if qkvz:
+            names, parts = ("in_proj_qkv", "in_proj_z"), split_qkvz(tensor, self.num_k_heads, self.k_dim, self.group_v)
+        else:
+            names, parts = ("in_proj_b", "in_proj_a"), split_ba(tensor, self.num_k_heads)
+        return [(f"{prefix}.linear_attn.{n}.weight", t) for n, t in zip(names, parts)]
