@@ -33,6 +33,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 class FusedMoE(nn.Module):
     """Experts stacked per rank: w13 [E_local, 2 * I, H] (gate rows, then up), w2 [E_local, H, I]."""
 
+    supports_graph_capture = False  # per-expert token counts go to the host every step
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype):
         super().__init__()

@@ -8,6 +8,7 @@ class Platform:
     dist_backend: str = ""
     visible_devices_env: str = ""
     default_block_size: int = 16  # tokens per KV block when --block-size is not given
+    supports_graphs: bool = False  # decode steps can be captured and replayed (capture_graph)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -41,6 +42,11 @@ class Platform:
         the fullest of its visible devices, or on CPU its process tree's RSS against host RAM;
         None when it cannot be read. Never initialises a device in the calling process."""
         return None
+
+    def capture_graph(self, forward):
+        """Record ``forward() -> Tensor`` once; return a function that replays it and returns the
+        same output tensor (its values updated). Only where supports_graphs."""
+        raise NotImplementedError(f"{self.device_type} has no graph capture")
 
     def attention_backend(self) -> str:
         return "torch_sdpa"

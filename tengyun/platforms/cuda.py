@@ -9,6 +9,11 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     dist_backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    supports_graphs = True
+
+    def __init__(self):
+        self._graph_pool = None  # one memory pool shared by every captured graph
+
 
     @classmethod
     def is_available(cls) -> bool:
@@ -32,6 +37,29 @@ class CudaPlatform(Platform):
         import torch
 
         torch.cuda.set_device(device)
+
+    def capture_graph(self, forward):
+        """CUDA graph: warm up on a side stream (lazy init, autotuning), then capture; all graphs
+        share one memory pool, captured largest batch first so smaller ones fit inside it."""
+        import torch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            output = forward()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
 
     def memory_info(self) -> tuple[int, int]:
         import torch

@@ -15,6 +15,7 @@ from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
 from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tengyun.sampling_params import SamplingParams
+from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
 
 
@@ -51,6 +52,8 @@ class ModelRunner:
         self.states: dict[int, SeqState] = {}
         # Structured output: per-sequence grammar matchers; the compiler is built on first use.
         self.grammar = GrammarState(grammar_compiler_factory or _no_grammar_compiler, vocab_size)
+        # Decode-only steps replayed from captured graphs (worker/decode_graphs.py); None: eager.
+        self.decode_graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -65,8 +68,11 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
-        with attention_metadata(batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions, self.stage.receive(len(batch.input_ids)))
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch.meta):
+            hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            with attention_metadata(batch.meta):
+                hidden = self.model(batch.input_ids, batch.positions, self.stage.receive(len(batch.input_ids)))
         if not self.stage.is_last:
             self.stage.send(hidden)  # [hidden, residual]
             return None

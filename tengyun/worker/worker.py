@@ -23,11 +23,13 @@ from tengyun.ops.numa import bind_to_device_numa
 from tengyun.platforms import get_platform
 from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
+from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.model_runner import ModelRunner
 from tengyun.worker.state_cache import allocate_state_cache
 
 logger = logging.getLogger(__name__)
 
+MAX_GRAPH_BATCH = 512  # larger decode batches run eager (vLLM's default capture limit)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -65,13 +67,15 @@ class Worker:
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
         self.state_shape = state_shape(config.hf_config, DTYPE_BYTES[config.dtype], start, end, tp)
         self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
-        self.state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots,
+        backend = get_attention_backend(self.platform.attention_backend())
+        # Decode graphs pad batches into one extra KV block and state slot that no sequence gets.
+        graphs = self._use_decode_graphs(backend)
+        self.state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots + graphs,
                                                 TORCH_DTYPES[config.dtype], self.device)
         if self.num_state_slots:
             logger.info("Recurrent state: %d slots x %.1f MiB", self.num_state_slots,
                         self.state_shape.bytes_per_slot / 2**20)
-        backend = get_attention_backend(self.platform.attention_backend())
-        self.kv_cache = allocate_kv_cache(self.model, self.kv_shape, self.num_blocks, config.block_size,
+        self.kv_cache = allocate_kv_cache(self.model, self.kv_shape, self.num_blocks + graphs, config.block_size,
                                           TORCH_DTYPES[config.kv_cache_dtype], self.device, backend)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
@@ -80,6 +84,27 @@ class Worker:
         self.runner = ModelRunner(self.model, config.block_size, config.hf_config["vocab_size"], self.device,
                                   grammar_compiler_factory=lambda: grammar_compiler_for_config(config),
                                   stage=stage)
+        if graphs:
+            self.runner.decode_graphs = DecodeGraphs(
+                self.model, self.platform.capture_graph, min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                -(-config.max_model_len // config.block_size), config.block_size, pad_block=self.num_blocks,
+                pad_slot=self.num_state_slots, device=self.device)
+
+    def _use_decode_graphs(self, backend) -> bool:
+        """Graphs where the platform captures them, unless --enforce-eager or something in the
+        model cannot be captured (then one log line says what)."""
+        if not self.platform.supports_graphs or self.config.enforce_eager:
+            return False
+        reason = None
+        if get_pp_size() > 1:
+            reason = "pipeline parallelism (activations cross ranks between stages)"
+        elif not backend.supports_decode_graphs:
+            reason = f"the {backend.name} attention backend"
+        elif any(not getattr(m, "supports_graph_capture", True) for m in self.model.modules()):
+            reason = "MoE routing (per-expert token counts go to the host)"
+        if reason:
+            logger.info("Decode graphs off: %s cannot be captured; running eager.", reason)
+        return reason is None
 
     def _count_kv_blocks(self, shape: KVCacheShape, slot_bytes: int = 0) -> tuple[int, int]:
         """(KV blocks, state slots) that fit here, then the fewest over all ranks: every rank holds

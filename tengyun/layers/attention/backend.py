@@ -14,6 +14,9 @@ class AttentionBackend:
     """
 
     name = ""
+    # True when decodes can be captured into a graph: no host syncs, and a static
+    # AttentionMetadata.decode_max_len costs nothing extra (the kernel reads the block table).
+    supports_decode_graphs = False
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -29,6 +29,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_state_slots: torch.Tensor | None = None  # [num_decodes] int64, hybrid models only
+    # Context length decodes attend over when it must be static (graph replay: every row's
+    # table padded to max_blocks); None: the longest decode's length, computed per step.
+    decode_max_len: int | None = None
     # Backend-owned scratch computed once per step and shared by all layers (e.g. masks).
     backend_state: dict = field(default_factory=dict)
 

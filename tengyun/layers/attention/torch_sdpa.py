@@ -15,6 +15,9 @@ from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+    # Graph replay needs a static context: this backend would then gather max_model_len tokens
+    # per decode row every step (memory and time grow with --max-model-len x batch).
+    supports_decode_graphs = False
 
     def __init__(self):
         # Gather scratch reused by every layer and step (grow-only): a fresh multi-MB
@@ -51,7 +54,9 @@ class TorchSDPABackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q [B, Hq, D] -> [B, Hq, 1, D]; contexts [B, Hkv, L, D] padded to the longest.
-        max_len = int(meta.backend_state.setdefault("decode_max_len", int(meta.decode_seq_lens.max())))
+        max_len = meta.decode_max_len or meta.backend_state.get("decode_max_len")
+        if max_len is None:
+            max_len = meta.backend_state["decode_max_len"] = int(meta.decode_seq_lens.max())
         mask = meta.backend_state.get("decode_mask")
         if mask is None:
             positions = torch.arange(max_len, device=q.device)
