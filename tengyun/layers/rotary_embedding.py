@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tengyun.layers.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -74,34 +76,39 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_position: int) 
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotates the first ``rotary_dim`` channels of each head (all of them unless partial, as
+    Qwen3.5's 64 of 256) through the bound ops (``layer_ops.py``); the rest pass through."""
+
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]):
         super().__init__()
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         base, kind = float(params["rope_theta"]), params["rope_type"]
         inv_freq = _default_inv_freq(base, rotary_dim)
-        scale = 1.0
+        self.scale = 1.0  # YaRN's attention factor, folded into cos and sin
         if kind == "linear":
             inv_freq = inv_freq / params["factor"]
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif kind == "yarn":
-            inv_freq, scale = _yarn_inv_freq(base, rotary_dim, params, max_position)
+            inv_freq, self.scale = _yarn_inv_freq(base, rotary_dim, params, max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # [max_position, rotary_dim / 2] each; float32 whatever the model dtype.
-        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+        self.register_buffer("cos", freqs.cos() * self.scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * self.scale, persistent=False)
+        self.ops: TorchLayerOps = TORCH_LAYER_OPS
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, H, head_dim]; cos/sin [T, 1, rotary_dim / 2]
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        return rotated if rest.numel() == 0 else torch.cat((rotated, rest), dim=-1)
+    def bind_ops(self, ops: TorchLayerOps) -> None:
+        """Use ``ops`` from now on, or stay on PyTorch where they do not take this rotary."""
+        self.ops = ops if ops.rotary_fits(self.rotary_dim, self.scale) else TORCH_LAYER_OPS
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, Hq * D]; k [T, Hkv * D] -> rotated q, k of the same shapes."""
-        cos = self.cos[positions].unsqueeze(1)
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
-        q = self._rotate(q.view(q.shape[0], -1, self.head_dim), cos, sin).flatten(1)
-        k = self._rotate(k.view(k.shape[0], -1, self.head_dim), cos, sin).flatten(1)
-        return q, k
+        q = q.view(q.shape[0], -1, self.head_dim)
+        k = k.view(k.shape[0], -1, self.head_dim)
+        r = self.rotary_dim
+        q_rot, k_rot = self.ops.rotary(q[..., :r], k[..., :r], cos, sin)
+        if r < self.head_dim:
+            q_rot, k_rot = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        return q_rot.flatten(1), k_rot.flatten(1)

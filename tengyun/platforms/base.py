@@ -57,6 +57,12 @@ class Platform:
 
         return DenseLinearKernel()
 
+    def layer_ops(self):
+        """How RMSNorm and rotary embedding compute (tengyun/layers/layer_ops.py)."""
+        from tengyun.layers.layer_ops import TORCH_LAYER_OPS
+
+        return TORCH_LAYER_OPS
+
 
 def fullest_device(usage_mib: dict[int, tuple[int, int]], visible: str | None) -> tuple[int, int] | None:
     """{device: (used MiB, total MiB)} limited to ``visible`` ("2,3"; all when unset) -> the

@@ -17,6 +17,7 @@ from tengyun.kv_sizing import (
     KVCacheShape, attention_layer_count, is_hybrid, kv_cache_shape, split_budget, state_shape,
 )
 from tengyun.layers.attention.backend import get_attention_backend
+from tengyun.layers.layer_ops import bind_layer_ops
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
 from tengyun.ops.numa import bind_to_device_numa
@@ -56,6 +57,7 @@ class Worker:
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(kernel)
+        bind_layer_ops(self.model, self.platform.layer_ops())
         self.weight_bytes = weight_bytes(self.model)
         logger.info("Loaded %s (%s, %s) in %.1f s: %.1f MiB of weights on rank %d", config.architecture,
                     config.dtype, config.load_format, time.perf_counter() - started,
