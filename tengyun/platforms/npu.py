@@ -15,6 +15,11 @@ class NpuPlatform(Platform):
     def attention_backend(self) -> str:
         return "npu"
 
+    def layer_ops(self):
+        from tengyun.platforms.npu_ops import NpuLayerOps
+
+        return NpuLayerOps()
+
     @classmethod
     def is_available(cls) -> bool:
         if importlib.util.find_spec("torch_npu") is None:

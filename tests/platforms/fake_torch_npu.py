@@ -1,10 +1,13 @@
-"""CPU reference of the torch_npu ops the NPU attention backend calls, following their documented
-semantics (Ascend op-plugin docs), with the documented argument contracts asserted.
+"""CPU reference of the torch_npu ops the NPU attention backend and the NPU layer ops call,
+following their documented semantics (Ascend op-plugin docs), with the documented argument
+contracts asserted. ``module().calls`` counts the calls per op.
 
 Installed as ``sys.modules["torch_npu"]`` by tests; never used by the package."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import importlib.machinery
 import types
 
@@ -47,9 +50,58 @@ def npu_fused_infer_attention_score(query, key, value, *, block_table=None, actu
     return out, torch.zeros(1)
 
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _rms_norm(x, gamma, epsilon):
+    # y = x / sqrt(mean(x^2) + eps) * gamma over gamma's dims, computed in float32, returned in
+    # x's dtype; rstd float32 with x's leading dims and 1 for each normalised one.
+    assert x.dtype in _FLOATS and gamma.dtype == x.dtype, "gamma must have x's dtype"
+    assert x.shape[x.dim() - gamma.dim():] == gamma.shape
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(dims, keepdim=True) + epsilon)
+    return (x32 * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def npu_rms_norm(self, gamma, epsilon=1e-6):
+    return _rms_norm(self, gamma, epsilon)
+
+
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    # -> (rms_norm(x1 + x2), rstd, x1 + x2); the sum in x1's dtype, inputs untouched
+    assert x1.dtype == x2.dtype and x1.shape == x2.shape
+    x = x1 + x2
+    y, rstd = _rms_norm(x, gamma, epsilon)
+    return y, rstd, x
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
+    # half mode: input [B, S, N, D] ("BSND" here), r1/r2 [1, S, 1, D] in input's dtype, values in [-1, 1]
+    assert rotary_mode == "half" and input.dim() == 4 and r1.dim() == 4 and r1.shape == r2.shape
+    b, s, n, d = input.shape
+    assert d % 2 == 0 and d < 896 and b < 1000 and n < 1000
+    assert r1.shape in ((1, s, 1, d), (b, s, 1, d), (b, s, n, d)), "BSND takes r1/r2 as 1S1D, BS1D or BSND"
+    assert r1.dtype == r2.dtype == input.dtype
+    assert r1.abs().max() <= 1 and r2.abs().max() <= 1, "r1, r2 must lie in [-1, 1]"
+    x1, x2 = torch.chunk(input, 2, -1)
+    return r1 * input + r2 * torch.cat((-x2, x1), dim=-1)
+
+
 def module() -> types.ModuleType:
     fake = types.ModuleType("torch_npu")
     fake.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # no torch.npu: the platform stays CPU
-    fake._npu_reshape_and_cache = _npu_reshape_and_cache
-    fake.npu_fused_infer_attention_score = npu_fused_infer_attention_score
+    fake.calls = collections.Counter()
+    for op in (_npu_reshape_and_cache, npu_fused_infer_attention_score, npu_rms_norm, npu_add_rms_norm,
+               npu_rotary_mul):
+        setattr(fake, op.__name__, _counted(op, fake.calls))
     return fake
+
+
+def _counted(op, calls):
+    @functools.wraps(op)
+    def wrapper(*args, **kwargs):
+        calls[op.__name__] += 1
+        return op(*args, **kwargs)
+
+    return wrapper

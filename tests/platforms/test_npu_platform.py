@@ -1,6 +1,6 @@
 """The Ascend path without an NPU: platform selection and errors, the block-size default, and
-the NPU attention backend's calls checked against a CPU reference of the documented torch_npu
-ops (tests/platforms/fake_torch_npu.py)."""
+the NPU attention backend's and layer ops' calls checked against a CPU reference of the
+documented torch_npu ops (tests/platforms/fake_torch_npu.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from tengyun import LLM, SamplingParams
 from tengyun.config import EngineConfig
 from tengyun.layers.attention.backend import get_attention_backend
 from tengyun.layers.attention.layer import Attention
+from tengyun.layers.layer_ops import TORCH_LAYER_OPS
+from tengyun.layers.layernorm import RMSNorm
+from tengyun.layers.rotary_embedding import RotaryEmbedding
 from tengyun.platforms import get_platform
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.npu import NpuPlatform
@@ -51,3 +54,30 @@ def test_npu_attention_backend_matches_torch_sdpa(tiny_checkpoints, monkeypatch)
     layers = [m for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)]
     assert {layer.backend.name for layer in layers} == {"npu"}
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])  # plain norms; q/k norms; zero-centred, gated, partial rotary
+def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
+    from tengyun.platforms.npu_ops import NpuLayerOps
+
+    checkpoints = request.getfixturevalue("tiny_hybrid_checkpoints" if arch == "qwen3_5" else "tiny_checkpoints")
+    folder = str(checkpoints[arch])
+    prompts = [[5, 6, 7], list(range(1, 60)), list(range(1, 40)) + [9, 9]]  # 59 tokens: chunked over 3 steps
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    args = dict(block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=24)
+
+    def layers(llm, cls):
+        return [m for m in llm.llm_engine.executor.model.modules() if isinstance(m, cls)]
+
+    fake = fake_torch_npu.module()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)  # importable, but the CPU platform does not select it
+    plain = LLM(folder, **args)
+    assert {id(m.ops) for m in layers(plain, RMSNorm) + layers(plain, RotaryEmbedding)} == {id(TORCH_LAYER_OPS)}
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert fake.calls == {}
+
+    monkeypatch.setattr(CpuPlatform, "layer_ops", lambda self: NpuLayerOps())
+    llm = LLM(folder, **args)
+    assert all(isinstance(m.ops, NpuLayerOps) for m in layers(llm, RMSNorm) + layers(llm, RotaryEmbedding))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+    assert set(fake.calls) == {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul"}
