@@ -1,7 +1,7 @@
 """Paged attention on Ascend NPUs through torch_npu's fused kernels.
 
 NOT YET RUN ON HARDWARE: written against the documented torch_npu APIs and tested on CPU
-against a reference of those documented semantics (tests/layers/test_npu_attention.py).
+against a reference of those documented semantics (tests/platforms/test_npu_platform.py).
 
 - K/V into the paged cache: ``torch_npu._npu_reshape_and_cache`` (slot i of token t:
   ``cache[slot // block_size, slot % block_size] = k[t]``).
