@@ -8,8 +8,11 @@ reports, and its process sentinel is watched, so a rank that dies is named at on
     WorkerDiedError: worker rank 1 (pid 4242) exited with code -9 ...
 
 A step with no answer within --distributed-timeout seconds is an error too, never a hang.
-Ranks of other nodes (``--headless``) are started by `launch_node` there; their death
-reaches the engine as a failed collective on rank 0, or as the timeout.
+Ranks of other nodes (``--headless``) are started by `run_headless` there, which reports
+each exit over the node link (node_link.py, --master-port + 1), watched in the same wait:
+
+    WorkerDiedError: worker rank 3 (pid 4242) on node 1 exited with code -9 ...
+    WorkerDiedError: node 1 (ranks 2, 3) lost its connection to the engine ...
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ import logging
 import multiprocessing
 import os
 import socket
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from tengyun.config import EngineConfig
 from tengyun.distributed.rank_info import RankInfo, node_ranks
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
+from tengyun.executor.node_link import (
+    NodeLinkClient, NodeLinkServer, NodeLost, RankExit, describe_ranks, link_port,
+)
 from tengyun.executor.worker_process import EXECUTE, SHUTDOWN, worker_main
 
 logger = logging.getLogger(__name__)
@@ -73,6 +80,8 @@ class MultiprocExecutor:
                     config.world_size // config.nnodes, config.tensor_parallel_size,
                     config.pipeline_parallel_size, config.nnodes, config.master_addr, port)
         self._inbox: dict[int, list[tuple]] = {}
+        # Before the ranks start: a headless node launches its ranks only once welcomed here.
+        self.link = NodeLinkServer(link_port(port), config.nnodes, config.world_size) if config.nnodes > 1 else None
         self.ranks = launch_node(config, port)
         self._driver = self.ranks[0]
         try:
@@ -93,10 +102,13 @@ class MultiprocExecutor:
         return self._receive(self._driver, timeout=self.timeout, expect="result")
 
     def check_health(self) -> None:
-        """Raise WorkerDiedError if any local rank's process has exited (called while idle too)."""
+        """Raise WorkerDiedError if any rank's process has exited, here or on another node
+        (called while idle too)."""
+        if self.link is not None and (events := self.link.poll()):
+            raise self._remote_died(events[0])
         for r in self.ranks:
             if not r.process.is_alive():
-                raise self._died(r)
+                raise self._local_exit(r)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self._driver.process.is_alive():
@@ -109,6 +121,8 @@ class MultiprocExecutor:
             if r.process.is_alive():
                 r.process.terminate()
                 r.process.join(timeout)
+        if self.link is not None:
+            self.link.close()
 
     # ----- pipes and sentinels --------------------------------------------------------------
     def _send(self, r: _Rank, message: tuple) -> None:
@@ -124,47 +138,98 @@ class MultiprocExecutor:
             return self._payload(self._inbox[r.rank].pop(0))
         watched = {x.pipe: x for x in self.ranks} | {x.process.sentinel: x for x in self.ranks}
         while True:
-            ready = wait(list(watched), timeout)
+            ready = wait(list(watched) + self._link_handles(), timeout)
             if not ready:
                 raise WorkerDiedError(
                     f"no {expect} from the workers within --distributed-timeout {self.timeout:g} s "
-                    f"(a rank is stuck, or a rank on another node died); raise --distributed-timeout "
+                    f"(a rank is stuck, or the network to another node is cut); raise --distributed-timeout "
                     f"if steps are legitimately this slow."
                 )
-            # A dead process first: its peers' errors are only the consequence.
-            for handle in sorted(ready, key=lambda h: h is watched[h].pipe):
+            # Deaths first (other nodes' reports, then local sentinels): errors are their consequence.
+            if events := self._link_events(ready):
+                raise self._remote_died(events[0])
+            local = [h for h in ready if h in watched]
+            for handle in sorted(local, key=lambda h: h is watched[h].pipe):
                 source = watched[handle]
-                if handle is source.pipe:
-                    try:
-                        message = source.pipe.recv()
-                    except (EOFError, OSError):
-                        raise self._died(source) from None
-                    if message[0] == "error":
-                        _, rank, text, is_config_error = message
-                        if is_config_error:  # e.g. the KV cache is too small: name the flag, exit 2
-                            raise ValueError(text)
-                        # A peer's death makes the reporting rank's collective fail (and the
-                        # reporter may exit too): name the other rank that died, if one did.
-                        dead = self._first_dead(grace_s=1.0, besides=rank)
-                        if dead is not None:
-                            raise self._died(dead, f"; rank {rank} then failed: {text}")
-                        raise WorkerDiedError(f"worker rank {rank} failed: {text}")
-                    if source is r:
-                        return self._payload(message)
-                    self._inbox.setdefault(source.rank, []).append(message)
-                else:
-                    raise self._died(source)
+                if handle is not source.pipe:
+                    raise self._local_exit(source)
+                try:
+                    message = source.pipe.recv()
+                except (EOFError, OSError):
+                    raise self._died(source) from None
+                if message[0] == "error":
+                    raise self._failure(message)
+                if source is r:
+                    return self._payload(message)
+                self._inbox.setdefault(source.rank, []).append(message)
 
     @staticmethod
     def _payload(message: tuple):
         return message[1] if message[0] == "result" else message[2]
 
-    def _first_dead(self, grace_s: float, besides: int) -> _Rank | None:
-        """The first local rank other than ``besides`` whose process has exited, waiting up to
-        ``grace_s`` for one."""
+    def _failure(self, message: tuple) -> Exception:
+        """A rank's ("error", rank, text, is_config_error) report as the exception to raise."""
+        _, rank, text, is_config_error = message
+        if is_config_error:  # e.g. the KV cache is too small: name the flag, exit 2
+            return ValueError(text)
+        # A peer's death makes the reporting rank's collective fail (and the reporter may
+        # exit too): name the other rank that died, here or on another node, if one did.
+        dead = self._first_dead(grace_s=1.0, besides=rank)
+        if isinstance(dead, _Rank):
+            return self._died(dead, f"; rank {rank} then failed: {text}")
+        if dead is not None:
+            return self._remote_died(dead, f"; rank {rank} then failed: {text}")
+        return WorkerDiedError(f"worker rank {rank} failed: {text}")
+
+    def _local_exit(self, r: _Rank) -> Exception:
+        """A local rank's process ended: if it reported an error on the way out (a collective
+        failed under it), that report names the cause; otherwise its own death is the cause."""
+        try:
+            message = r.pipe.recv() if r.pipe.poll() else None
+        except (EOFError, OSError):
+            message = None
+        if message is not None and message[0] == "error":
+            return self._failure(message)
+        return self._died(r)
+
+    def _first_dead(self, grace_s: float, besides: int) -> _Rank | RankExit | NodeLost | None:
+        """The first rank other than ``besides`` whose process has exited (another node's
+        report first), or a node whose link dropped, waiting up to ``grace_s`` for one."""
         others = [r for r in self.ranks if r.rank != besides]
-        wait([r.process.sentinel for r in others], grace_s)
-        return next((r for r in others if not r.process.is_alive()), None)
+        deadline = time.monotonic() + grace_s
+        while True:
+            ready = wait([r.process.sentinel for r in others] + self._link_handles(),
+                         max(0.0, deadline - time.monotonic()))
+            if events := self._link_events(ready):
+                return events[0]
+            dead = next((r for r in others if not r.process.is_alive()), None)
+            if dead is not None or time.monotonic() >= deadline:
+                return dead
+
+    # ----- the node link (other nodes' ranks) ----------------------------------------------
+    def _link_handles(self) -> list:
+        return self.link.handles() if self.link is not None else []
+
+    def _link_events(self, ready: list) -> list[RankExit | NodeLost]:
+        """Read the ready link handles (accepting connections, welcoming nodes)."""
+        events = []
+        for handle in ready:
+            if self.link is not None and self.link.owns(handle):
+                events += self.link.read(handle)
+        return events
+
+    def _remote_died(self, event: RankExit | NodeLost, detail: str = "") -> WorkerDiedError:
+        if isinstance(event, RankExit):
+            return WorkerDiedError(
+                f"worker rank {event.rank} (pid {event.pid}) on node {event.node} exited with code "
+                f"{event.code}{detail}; the engine cannot continue (see the rank{event.rank} log lines "
+                f"on node {event.node})."
+            )
+        return WorkerDiedError(
+            f"node {event.node} ({describe_ranks(event.ranks)}) lost its connection to the engine{detail}: "
+            f"its --headless launcher or the whole host is gone, or the network between the nodes broke; "
+            f"the engine cannot continue (see node {event.node}'s log)."
+        )
 
     def _died(self, r: _Rank, detail: str = "") -> WorkerDiedError:
         r.process.join(0.5)
@@ -177,23 +242,37 @@ class MultiprocExecutor:
 
 
 def run_headless(config: EngineConfig) -> int:
-    """--headless: start this node's ranks and wait; exit non-zero as soon as one fails."""
+    """--headless: join node 0's engine over the node link, start this node's ranks, report
+    each one's exit; exit non-zero as soon as one fails."""
+    ours = list(node_ranks(config.world_size, config.nnodes, config.node_rank))
+    try:
+        link = NodeLinkClient.connect(config.master_addr, config.master_port, config.node_rank, ours,
+                                      within_s=config.distributed_timeout)
+    except ConnectionError as e:
+        logger.error("%s", e)
+        return 1
+    except ValueError as e:  # node 0 expects other ranks from this node: the flags differ
+        logger.error("%s", e)
+        return 2
     ranks = launch_node(config, config.master_port)
-    logger.info("Headless node %d: ranks %s joining %s:%d", config.node_rank, [r.rank for r in ranks],
-                config.master_addr, config.master_port)
+    logger.info("Headless node %d: ranks %s (pids %s) joining %s:%d", config.node_rank, [r.rank for r in ranks],
+                [r.process.pid for r in ranks], config.master_addr, config.master_port)
     code = 0
     pending = {r.process.sentinel: r for r in ranks}
     while pending:
-        for sentinel in wait(list(pending)):
-            r = pending.pop(sentinel)
+        exited = [pending.pop(sentinel) for sentinel in wait(list(pending))]
+        for r in exited:
             r.process.join()
+        for r in sorted(exited, key=lambda r: r.process.exitcode >= 0):  # killed by a signal first
+            link.report_exit(r.rank, r.process.pid, r.process.exitcode)
             if r.process.exitcode != 0:
-                logger.error("worker rank %d exited with code %s", r.rank, r.process.exitcode)
+                logger.error("worker rank %d (pid %d) exited with code %s", r.rank, r.process.pid, r.process.exitcode)
                 code = 1
         if code:
             for r in pending.values():
                 r.process.terminate()
             break
+    link.close()
     return code
 
 

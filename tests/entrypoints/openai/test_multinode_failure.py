@@ -1,0 +1,63 @@
+"""A two-"node" launch on 127.0.0.1 (node 0 serving, node 1 --headless): when a rank of node 1
+dies, or node 1's launcher itself, node 0's server exits 1 naming that rank or node (the node
+link, --master-port + 1); a headless node with no node 0 to reach exits 1 naming the flags."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+
+from remote_server import server_model, start_server  # noqa: F401 (fixtures)
+
+
+def _free_port_pair() -> str:
+    """A port p with p + 1 free too (--master-port and the node link)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                with socket.socket() as b:
+                    b.bind(("", port + 1))
+                    return str(port)
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
+def _two_nodes(start_server):
+    common = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", _free_port_pair())
+    head = start_server(*common, "--node-rank", "0")
+    node1 = start_server(*common, "--node-rank", "1", "--headless")
+    head.wait_ready()
+    return head, node1
+
+
+def test_killed_rank_on_the_headless_node_makes_the_server_exit_naming_rank_and_node(start_server):
+    head, node1 = _two_nodes(start_server)
+    assert "node link: node 1 (rank 1) connected from 127.0.0.1" in head.log()
+    pid = int(re.search(r"Headless node 1: ranks \[1\] \(pids \[(\d+)\]\)", node1.log()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    assert head.wait_exit(timeout=60) == 1
+    assert re.search(rf"worker rank 1 \(pid {pid}\) on node 1 exited with code -9", head.log()), head.log()
+    assert node1.wait_exit(timeout=60) == 1
+    assert f"worker rank 1 (pid {pid}) exited with code -9" in node1.log()
+
+
+def test_killed_headless_launcher_makes_the_server_exit_naming_the_node(start_server):
+    head, node1 = _two_nodes(start_server)
+    os.kill(node1.proc.pid, signal.SIGKILL)  # the launcher; its rank exits with it
+    assert head.wait_exit(timeout=60) == 1
+    assert "node 1 (rank 1) lost its connection to the engine" in head.log(), head.log()
+
+
+def test_headless_node_without_node_0_exits_naming_master_addr_and_port(start_server):
+    port = _free_port_pair()
+    node1 = start_server("--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--headless",
+                         "--master-addr", "127.0.0.1", "--master-port", port, "--distributed-timeout", "2")
+    assert node1.wait_exit(timeout=60) == 1
+    assert (f"node 1 could not reach node 0's engine at 127.0.0.1:{int(port) + 1} (--master-addr, and "
+            f"--master-port {port} + 1 for the node link) within 2 s") in node1.log(), node1.log()
