@@ -1,6 +1,7 @@
 """A two-"node" launch on 127.0.0.1 (node 0 serving, node 1 --headless): when a rank of node 1
 dies, or node 1's launcher itself, node 0's server exits 1 naming that rank or node (the node
-link, --master-port + 1); a headless node with no node 0 to reach exits 1 naming the flags."""
+link, --master-port + 1); a headless node with no node 0 to reach exits 1 naming the flags, and
+one started with other parallel flags than node 0 is refused by both (exit 2)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,15 @@ def test_headless_node_without_node_0_exits_naming_master_addr_and_port(start_se
     assert node1.wait_exit(timeout=60) == 1
     assert (f"node 1 could not reach node 0's engine at 127.0.0.1:{int(port) + 1} (--master-addr, and "
             f"--master-port {port} + 1 for the node link) within 2 s") in node1.log(), node1.log()
+
+
+def test_headless_node_with_other_parallel_flags_is_refused_by_both_sides(start_server):
+    port = _free_port_pair()
+    common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
+    head = start_server("--tensor-parallel-size", "2", *common, "--node-rank", "0")
+    node1 = start_server("--tensor-parallel-size", "4", *common, "--node-rank", "1", "--headless")
+    assert node1.wait_exit(timeout=60) == 2
+    assert head.wait_exit(timeout=60) == 2
+    expected = "node 1 at 127.0.0.1 announced ranks [2, 3], but node 0 expects node 1: [1]: give every node the same"
+    assert expected in head.log(), head.log()
+    assert "node 0 refused this node: " + expected in node1.log(), node1.log()
