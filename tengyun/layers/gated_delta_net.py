@@ -56,7 +56,7 @@ class GatedDeltaNet(nn.Module):
             set_weight_loader(param, functools.partial(_load_rank_slice, sizes=sizes, tp_rank=rank, tp_size=tp))
         self.norm = GatedRMSNorm(self.v_dim, cfg["rms_norm_eps"], dtype)  # per head: replicated
         self.out_proj = RowParallelLinear(total_v_heads * self.v_dim, hidden, False, dtype)
-        self.kernel = get_gated_delta_rule_kernel()
+        self.kernel = get_gated_delta_rule_kernel(self.A_log.device)
         # Bound by the worker: [num_slots, conv_dim, K - 1] (model dtype), [num_slots, Hv, Dk, Dv] float32.
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)

@@ -1,5 +1,6 @@
 """The gated delta rule (Gated DeltaNet's recurrence) in plain PyTorch, behind a small kernel
-interface that a CUDA (flash-linear-attention) or Ascend kernel can replace.
+interface that a platform's kernel replaces (flash-linear-attention on CUDA:
+tengyun/layers/gated_delta_rule_fla.py).
 
 Per value head h, with state S [Dk, Dv] and per-token q, k [Dk] (l2-normalised), v [Dv],
 decay g <= 0 (log space) and beta in (0, 1):
@@ -85,6 +86,12 @@ class TorchGatedDeltaRule:
         return out.to(out_dtype), state
 
 
-def get_gated_delta_rule_kernel() -> GatedDeltaRuleKernel:
-    """The plain-PyTorch kernel; a platform kernel (fla on CUDA, Ascend) plugs in here."""
-    return TorchGatedDeltaRule()
+def get_gated_delta_rule_kernel(device: torch.device | None = None) -> GatedDeltaRuleKernel:
+    """The kernel the platform of ``device`` picks (``Platform.gated_delta_rule_kernel``: fla on
+    CUDA when it imports); the plain-PyTorch one with no device, or on meta (a model built for
+    its shapes only)."""
+    if device is None or device.type == "meta":
+        return TorchGatedDeltaRule()
+    from tengyun.platforms import get_platform
+
+    return get_platform(device.type).gated_delta_rule_kernel()

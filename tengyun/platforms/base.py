@@ -51,6 +51,12 @@ class Platform:
     def attention_backend(self) -> str:
         return "torch_sdpa"
 
+    def gated_delta_rule_kernel(self):
+        """The kernel Gated DeltaNet layers on this device run (tengyun/layers/gated_delta_rule.py)."""
+        from tengyun.layers.gated_delta_rule import TorchGatedDeltaRule
+
+        return TorchGatedDeltaRule()
+
     def linear_kernel(self, dtype):
         """The matmul kernel for linear layers of ``dtype`` (torch.dtype)."""
         from tengyun.layers.linear_kernel import DenseLinearKernel

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 from tengyun.platforms.base import Platform, fullest_device
+
+logger = logging.getLogger(__name__)
 
 
 class CudaPlatform(Platform):
@@ -61,6 +65,14 @@ class CudaPlatform(Platform):
 
         return replay
 
+    def gated_delta_rule_kernel(self):
+        """flash-linear-attention's Triton kernels when fla imports, else the PyTorch kernel."""
+        if _fla_import_error() is not None:
+            return super().gated_delta_rule_kernel()
+        from tengyun.layers.gated_delta_rule_fla import FlaGatedDeltaRule
+
+        return FlaGatedDeltaRule()
+
     def memory_info(self) -> tuple[int, int]:
         import torch
 
@@ -73,3 +85,16 @@ class CudaPlatform(Platform):
         if out is None or out.returncode != 0:
             return None
         return fullest_device(smi.parse_nvidia_memory(out.stdout), os.environ.get(self.visible_devices_env))
+
+
+@functools.cache
+def _fla_import_error() -> str | None:
+    """Checked and logged once per process (every Gated DeltaNet layer asks)."""
+    from tengyun.layers.gated_delta_rule_fla import fla_import_error
+
+    error = fla_import_error()
+    if error:
+        logger.info("Gated delta rule: PyTorch kernel (%s; pip install fla-core for the Triton kernels)", error)
+    else:
+        logger.info("Gated delta rule: flash-linear-attention's Triton kernels")
+    return error
