@@ -26,6 +26,9 @@ class Logprob:
 
 # One entry per generated token: {token_id: Logprob} holding the sampled token and the top-k.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing predicts it), then {token_id: Logprob}
+# holding the actual prompt token (with its rank) and the top-N.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -60,3 +63,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # only when SamplingParams.prompt_logprobs is set

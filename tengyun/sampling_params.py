@@ -61,6 +61,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per output token
+    # Per prompt token after the first: its logprob, rank and the top-N (raw logits, as vLLM).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -114,6 +116,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "an integer >= 0")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

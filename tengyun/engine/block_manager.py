@@ -66,8 +66,9 @@ class BlockManager:
     # ----- prefix cache lookup ------------------------------------------------------------
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of ``seq``; at least one token is left
-        to compute so the sequence still produces logits."""
-        if not self.enable_prefix_caching:
+        to compute so the sequence still produces logits. No hit for a sequence that must
+        compute its whole prompt (prompt logprobs); its full blocks still serve others."""
+        if not self.enable_prefix_caching or not seq.uses_prefix_cache:
             return []
         num_lookup_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, num_lookup_blocks)

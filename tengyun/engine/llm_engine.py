@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol
 
 from tengyun.config import EngineConfig
 from tengyun.engine.detokenizer import IncrementalDetokenizer
-from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
+from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.engine.request import Request
 from tengyun.engine.scheduler import Scheduler
 from tengyun.engine.sequence import Sequence
@@ -149,6 +149,8 @@ class LLMEngine:
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         result = self.executor.execute_model(sched)
         self.scheduler.advance(sched, self.seqs)
+        for seq_id, chunk in result.prompt_logprobs.items():
+            self._record_prompt_logprobs(self.requests[self.seqs[seq_id].request_id], chunk)
         now = time.time()
         changed: dict[str, Request] = {}
         for seq_id, token_id in result.sampled_token_ids.items():
@@ -188,12 +190,29 @@ class LLMEngine:
         return None, None
 
     def _record_logprobs(self, seq: Sequence, result: ModelRunnerOutput, seq_id: int) -> None:
-        ids, values = result.logprob_token_ids[seq_id], result.logprobs[seq_id]
-        entry = {ids[0]: Logprob(values[0], result.sampled_ranks[seq_id], self._piece(ids[0]))}
-        for rank, (token, value) in enumerate(zip(ids[1:], values[1:]), start=1):
-            entry.setdefault(token, Logprob(value, rank, self._piece(token)))
-        seq.output_logprobs.append(entry)
+        values = result.logprobs[seq_id]
+        seq.output_logprobs.append(self._logprob_entry(result.logprob_token_ids[seq_id], values,
+                                                       result.sampled_ranks[seq_id]))
         seq.cumulative_logprob += values[0]
+
+    def _record_prompt_logprobs(self, request: Request, chunk: PromptLogprobsChunk) -> None:
+        """Append the rows past what the request holds: a recompute after preemption, or a
+        sibling sequence (n > 1), scores the same prompt tokens again; those rows are dropped."""
+        have = len(request.prompt_logprobs)  # prompt tokens [0, have) are known
+        if chunk.start > have:
+            raise AssertionError(f"prompt logprobs of request {request.request_id} skip tokens "
+                                 f"[{have}, {chunk.start}): a prefix-cache hit on a prompt_logprobs request?")
+        for row in range(have - chunk.start, len(chunk.ranks)):
+            request.prompt_logprobs.append(
+                self._logprob_entry(chunk.token_ids[row], chunk.logprobs[row], chunk.ranks[row]))
+
+    def _logprob_entry(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
+        """[token, top-1, ..., top-k] -> {token: Logprob(rank), top-1: Logprob(1), ...}; the
+        token keeps its own rank when it is also among the top-k."""
+        entry = {ids[0]: Logprob(values[0], rank, self._piece(ids[0]))}
+        for top_rank, (token, value) in enumerate(zip(ids[1:], values[1:]), start=1):
+            entry.setdefault(token, Logprob(value, top_rank, self._piece(token)))
+        return entry
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

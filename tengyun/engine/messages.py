@@ -46,6 +46,22 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens [start, start + len(ranks)) from one prefill chunk.
+
+    Row j scores prompt token start + j with the logits at position start + j - 1; lists are
+    [actual token, top-1, ..., top-k]. Positions [0, 4) of a 10-token prompt -> start 1, rows for
+    tokens 1..4; positions [4, 8) of a 6-token prompt (recomputed after preemption, 2 outputs)
+    -> start 5, one row: positions 5.. predict output tokens.
+    """
+
+    start: int  # >= 1: the first prompt token has no logprob
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # of the actual token, 1 = most likely
+
+
+@dataclass
 class ModelRunnerOutput:
     """Per sequence that sampled this step. Logprob lists are [sampled, top-1, ..., top-k]."""
 
@@ -53,3 +69,5 @@ class ModelRunnerOutput:
     logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list[float]] = field(default_factory=dict)
     sampled_ranks: dict[int, int] = field(default_factory=dict)
+    # Sequences with SamplingParams.prompt_logprobs whose prompt was (partly) computed this step.
+    prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from tengyun.engine.detokenizer import IncrementalDetokenizer
 from tengyun.engine.sequence import Sequence
-from tengyun.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tengyun.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from tengyun.sampling_params import SamplingParams
 
 
@@ -20,6 +20,13 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
+    # [None, then one entry per prompt token received so far]; None when not asked for. Shared by
+    # the n sequences: whichever computes a position first fills it, recomputes are dropped.
+    prompt_logprobs: PromptLogprobs | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def finished(self) -> bool:
@@ -47,4 +54,5 @@ class Request:
             finished=finished,
             metrics=dataclasses.replace(self.metrics),  # a snapshot: the engine keeps updating its own
             num_cached_tokens=self.seqs[0].num_cached_tokens,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )

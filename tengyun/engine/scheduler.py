@@ -100,7 +100,8 @@ class Scheduler:
             if self.state_pool is not None and not self.state_pool.can_allocate():
                 break
             self.waiting.popleft()
-            self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
+            if seq.uses_prefix_cache:
+                self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
             self.block_manager.allocate(seq, num_new, cached_blocks)
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:

@@ -67,6 +67,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def uses_prefix_cache(self) -> bool:
+        """False for prompt logprobs (as vLLM): a cached block's positions produce no logits."""
+        return self.sampling_params.prompt_logprobs is None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -248,8 +248,9 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return sample_from_probs(probs, uniform_draws(probs.shape[0], md, probs.device))
 
 
-def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, max_k: int):
-    """-> ids [B, 1 + max_k], logprobs [B, 1 + max_k], ranks [B]; column 0 is the sampled token."""
+def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, max_k: int):
+    """logprobs [B, V], sampled [B] -> ids [B, 1 + max_k], logprobs [B, 1 + max_k], ranks [B];
+    column 0 is the sampled (or, for prompt logprobs, the actual next) token."""
     sampled = sampled.unsqueeze(1)  # [B, 1]
     sampled_lp = logprobs.gather(1, sampled)  # [B, 1]
     ranks = (logprobs >= sampled_lp).sum(dim=-1)  # [B], as vLLM: ties rank after
@@ -283,5 +284,5 @@ class Sampler(nn.Module):
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
-        ids, lps, ranks = _gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled, ids, lps, ranks)

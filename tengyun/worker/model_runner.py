@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from tengyun.distributed.pipeline_stage import PipelineStage
-from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
+from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
-from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from tengyun.sampling_params import SamplingParams
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
@@ -36,6 +36,10 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_seq_ids: list[int]  # sequences that sample, in logits row order
     logits_indices: torch.Tensor  # [len(sample_seq_ids)]: last token of each in the flat batch
+    # Prompt logprobs: the R rows whose next token is a prompt token, of sequences that asked.
+    prompt_rows: list[tuple[int, int, int]]  # (seq_id, first prompt token scored, rows), in row order
+    prompt_indices: torch.Tensor | None = None  # [R] rows of the flat batch
+    prompt_targets: torch.Tensor | None = None  # [R] the prompt token each row predicts
 
 
 class ModelRunner:
@@ -76,21 +80,30 @@ class ModelRunner:
         if not self.stage.is_last:
             self.stage.send(hidden)  # [hidden, residual]
             return None
-        if not batch.sample_seq_ids:
+        if not batch.sample_seq_ids and not batch.prompt_rows:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B, V] float32; None off TP rank 0
+        rows = batch.logits_indices
+        if batch.prompt_rows:
+            rows = torch.cat([rows, batch.prompt_indices])
+        logits = self.model.compute_logits(hidden[rows])  # [B + R, V] float32; None off TP rank 0
         if logits is None:
             return None
-        states = [self.states[i] for i in batch.sample_seq_ids]
-        metadata = SamplingMetadata.build(
-            [s.params for s in states],
-            [s.token_ids[: s.num_prompt_tokens] for s in states],
-            [s.token_ids[s.num_prompt_tokens:] for s in states],
-            self.vocab_size,
-            self.device,
-            token_bitmask=self.grammar.bitmask(batch.sample_seq_ids),
-        )
-        return self._collect(batch.sample_seq_ids, states, self.sampler(logits, metadata))
+        num_sampled = len(batch.sample_seq_ids)
+        result = ModelRunnerOutput()
+        if num_sampled:
+            states = [self.states[i] for i in batch.sample_seq_ids]
+            metadata = SamplingMetadata.build(
+                [s.params for s in states],
+                [s.token_ids[: s.num_prompt_tokens] for s in states],
+                [s.token_ids[s.num_prompt_tokens:] for s in states],
+                self.vocab_size,
+                self.device,
+                token_bitmask=self.grammar.bitmask(batch.sample_seq_ids),
+            )
+            result = self._collect(batch.sample_seq_ids, states, self.sampler(logits[:num_sampled], metadata))
+        if batch.prompt_rows:
+            self._collect_prompt_logprobs(batch, logits[num_sampled:], result)
+        return result
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for seq_id in sched.freed_seq_ids:
@@ -115,6 +128,7 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         decode_tables, decode_lens, decode_slots, prefills = [], [], [], []
         sample_seq_ids, logits_indices = [], []
+        prompt_rows, prompt_indices, prompt_targets = [], [], []
         offset = 0
         for seq_id in order:
             state, n = self.states[seq_id], counts[seq_id]
@@ -135,6 +149,13 @@ class ModelRunner:
             if end == len(state.token_ids):
                 sample_seq_ids.append(seq_id)
                 logits_indices.append(offset + n - 1)
+            if state.params.prompt_logprobs is not None:
+                # Positions [start, last) predict prompt tokens start + 1 .. last.
+                last = min(end, state.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_rows.append((seq_id, start + 1, last - start))
+                    prompt_indices.extend(range(offset, offset + last - start))
+                    prompt_targets.extend(state.token_ids[start + 1:last + 1])
             offset += n
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)),
@@ -151,6 +172,9 @@ class ModelRunner:
             meta=meta,
             sample_seq_ids=sample_seq_ids,
             logits_indices=self._tensor(np.asarray(logits_indices, dtype=np.int64)),
+            prompt_rows=prompt_rows,
+            prompt_indices=self._tensor(np.asarray(prompt_indices, dtype=np.int64)) if prompt_rows else None,
+            prompt_targets=self._tensor(np.asarray(prompt_targets, dtype=np.int64)) if prompt_rows else None,
         )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -172,6 +196,20 @@ class ModelRunner:
                     result.logprobs[seq_id] = logprobs[row][:k]
                     result.sampled_ranks[seq_id] = ranks[row]
         return result
+
+    def _collect_prompt_logprobs(self, batch: BatchInputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """logits [R, V] (raw, as vLLM) of batch.prompt_rows -> one PromptLogprobsChunk per sequence.
+        R <= the step's tokens, so memory stays within --max-num-batched-tokens x vocab floats."""
+        wanted = {seq_id: self.states[seq_id].params.prompt_logprobs for seq_id, _, _ in batch.prompt_rows}
+        max_k = min(max(wanted.values()), self.vocab_size)
+        ids, logprobs, ranks = gather_logprobs(logits.log_softmax(dim=-1), batch.prompt_targets, max_k)
+        ids, logprobs, ranks = ids.tolist(), logprobs.tolist(), ranks.tolist()
+        row = 0
+        for seq_id, start, count in batch.prompt_rows:
+            k, rows = 1 + wanted[seq_id], slice(row, row + count)
+            result.prompt_logprobs[seq_id] = PromptLogprobsChunk(
+                start, [r[:k] for r in ids[rows]], [r[:k] for r in logprobs[rows]], ranks[rows])
+            row += count
 
 
 def _no_grammar_compiler() -> Any:

@@ -142,3 +142,13 @@ def test_prefix_caching_off_never_hits():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     bm.allocate(_seq(0, list(range(9))), 9)
     assert bm.find_cached_blocks(_seq(1, list(range(9)))) == []
+
+
+def test_prompt_logprobs_sequence_takes_no_hit_but_its_blocks_serve_others():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    scoring = Sequence(0, "0", 0, list(range(9)), SamplingParams(prompt_logprobs=2), arrival_order=0)
+    bm.allocate(scoring, 9)
+    assert bm.find_cached_blocks(_seq(1, list(range(9)))) == scoring.block_table[:2]
+    again = Sequence(2, "2", 0, list(range(9)), SamplingParams(prompt_logprobs=0), arrival_order=2)
+    assert not again.uses_prefix_cache
+    assert bm.find_cached_blocks(again) == []  # every prompt position must produce logits

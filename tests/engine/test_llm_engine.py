@@ -30,6 +30,7 @@ def _assert_idle(llm):
     ("top_p", dict(top_p=0.0), [1, 2]),
     ("top_p", dict(top_p=1.5), [1, 2]),
     ("n", dict(n=0), [1, 2]),
+    ("prompt_logprobs", dict(prompt_logprobs=-1), [1, 2]),
     ("prompt_token_ids", dict(), [1, 10_000]),
 ])
 def test_bad_input_names_the_field_and_keeps_serving(llm, field, params, prompt):
@@ -152,3 +153,17 @@ def test_generate_with_one_bad_prompt_queues_nothing_and_leaks_nothing(llm):
     assert not llm.llm_engine.has_unfinished_requests()
     _assert_idle(llm)
     assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_prompt_logprobs_are_listed_once_per_request_with_n_2(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    one = llm.generate([PROMPTS[2]], params)[0]
+    two = llm.generate([PROMPTS[2]], SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                    prompt_logprobs=3))[0]
+    assert len(one.prompt_logprobs) == len(two.prompt_logprobs) == len(PROMPTS[2])
+    assert one.prompt_logprobs[0] is None
+    for a, b, token in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], PROMPTS[2][1:]):
+        assert token in a and len(a) <= 4 and sorted(a) == sorted(b)
+        assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-5)
+    assert llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+    _assert_idle(llm)
