@@ -48,7 +48,9 @@ class Platform:
         same output tensor (its values updated). Only where supports_graphs."""
         raise NotImplementedError(f"{self.device_type} has no graph capture")
 
-    def attention_backend(self) -> str:
+    def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
+        """The attention backend's name (tengyun/layers/attention/backend.py) for KV blocks of
+        ``block_size`` tokens in ``kv_cache_dtype`` ("bfloat16", ...)."""
         return "torch_sdpa"
 
     def gated_delta_rule_kernel(self):

@@ -65,6 +65,24 @@ class CudaPlatform(Platform):
 
         return replay
 
+    @property
+    def default_block_size(self) -> int:
+        """256 when flash-attn imports (its paged KV needs a multiple of 256), else 16. Pass
+        --block-size 16 for finer prefix-cache hits; attention then runs on torch_sdpa."""
+        from tengyun.layers.attention.flash_attn import PAGE_BLOCK_MULTIPLE, flash_attn_import_error
+
+        return PAGE_BLOCK_MULTIPLE if flash_attn_import_error() is None else 16
+
+    def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
+        """flash_attn when it imports and takes this cache, else torch_sdpa; one log line says
+        which and why."""
+        reason = _why_not_flash_attn(block_size, kv_cache_dtype)
+        if reason:
+            logger.info("Attention backend: torch_sdpa (%s)", reason)
+            return "torch_sdpa"
+        logger.info("Attention backend: flash_attn (block size %d, %s KV cache)", block_size, kv_cache_dtype)
+        return "flash_attn"
+
     def gated_delta_rule_kernel(self):
         """flash-linear-attention's Triton kernels when fla imports, else the PyTorch kernel."""
         if _fla_import_error() is not None:
@@ -85,6 +103,21 @@ class CudaPlatform(Platform):
         if out is None or out.returncode != 0:
             return None
         return fullest_device(smi.parse_nvidia_memory(out.stdout), os.environ.get(self.visible_devices_env))
+
+
+def _why_not_flash_attn(block_size: int | None, kv_cache_dtype: str | None) -> str | None:
+    from tengyun.layers.attention.flash_attn import CACHE_DTYPES, PAGE_BLOCK_MULTIPLE, flash_attn_import_error
+
+    if error := flash_attn_import_error():
+        return error
+    if block_size is None:
+        return "no block size was given to choose by"
+    if block_size % PAGE_BLOCK_MULTIPLE:
+        return (f"flash-attn's paged KV needs a block size that is a multiple of {PAGE_BLOCK_MULTIPLE}; "
+                f"--block-size is {block_size}")
+    if kv_cache_dtype not in CACHE_DTYPES:
+        return f"flash-attn takes a float16 or bfloat16 KV cache, not {kv_cache_dtype}"
+    return None
 
 
 @functools.cache

@@ -37,4 +37,8 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from tengyun.layers.attention.npu_attention import NpuAttentionBackend
 
         return NpuAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch_sdpa, npu")
+    if name == "flash_attn":
+        from tengyun.layers.attention.flash_attn import FlashAttnBackend
+
+        return FlashAttnBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch_sdpa, npu, flash_attn")
