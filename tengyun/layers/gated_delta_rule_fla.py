@@ -1,8 +1,9 @@
 """The gated delta rule through flash-linear-attention's Triton kernels (CUDA).
 
-NOT YET RUN ON A GPU: written against fla's documented API (fla-core 0.6.0, the same call
-works from flash-linear-attention 0.2.0) and checked on CPU by pointing it at fla's own
-pure-PyTorch reference in place of the Triton kernels (tests/layers/test_gated_delta_rule_fla.py).
+NOT YET RUN ON A GPU: written against fla's documented API (fla-core 0.6.0; the same call fits
+flash-linear-attention 0.2.0 on, whose ops ship as fla-core from 0.3.2) and checked on CPU by
+pointing it at fla's own pure-PyTorch references in place of the Triton kernels
+(tests/layers/test_gated_delta_rule_fla.py).
 
 Mapping from ``GatedDeltaRuleKernel`` (tengyun/layers/gated_delta_rule.py) to fla:
 - layout: fla takes [B, T, H, D]; a prefill chunk is B = 1, T = L; a decode batch is B
@@ -30,10 +31,11 @@ def fla_import_error() -> str | None:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as e:  # ImportError, or triton failing to initialise
-        return f"fla does not import ({type(e).__name__}: {e})"
+        return f"fla does not import: {type(e).__name__}: {e}"
     head_first = inspect.signature(chunk_gated_delta_rule).parameters.get("head_first")
     if head_first is not None and head_first.default is True:  # flash-linear-attention < 0.2
-        return "the installed fla expects [B, H, T, D] (head_first=True by default): install fla-core>=0.2"
+        return ("the installed fla expects [B, H, T, D] (head_first=True by default): "
+                "install fla-core (flash-linear-attention>=0.2)")
     return None
 
 
