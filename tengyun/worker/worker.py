@@ -69,7 +69,7 @@ class Worker:
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
         self.state_shape = state_shape(config.hf_config, DTYPE_BYTES[config.dtype], start, end, tp)
         self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
-        backend = get_attention_backend(self.platform.attention_backend())
+        backend = get_attention_backend(self.platform.attention_backend(config.block_size, config.kv_cache_dtype))
         # Decode graphs pad batches into one extra KV block and state slot that no sequence gets.
         graphs = self._use_decode_graphs(backend)
         self.state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots + graphs,

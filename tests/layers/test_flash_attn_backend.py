@@ -152,3 +152,10 @@ def test_cpu_never_picks_flash_attn(tiny_checkpoints, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn.module())
     assert CpuPlatform().attention_backend(256, "bfloat16") == "torch_sdpa"
     assert EngineConfig(model=str(tiny_checkpoints["llama"])).finalize().block_size == 16
+
+
+def test_worker_asks_the_platform_with_the_block_size_and_kv_dtype(tiny_checkpoints, monkeypatch):
+    asked = []
+    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self, *args: asked.append(args) or "torch_sdpa")
+    LLM(str(tiny_checkpoints["llama"]), block_size=32, kv_cache_memory="1MiB", max_model_len=64)
+    assert asked == [(32, "float32")]

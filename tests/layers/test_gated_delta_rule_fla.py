@@ -5,11 +5,11 @@ by its authors, not here: our PyTorch kernel must match them, and FlaGatedDeltaR
 mapping (layout, scale, l2-norm, heads, state) is checked by giving it those references in
 place of the Triton kernels. Skipped when fla is not importable.
 
-fla is not a dev requirement: installed next to transformers (5.x), it makes HF's Qwen3.5
-call fla's Triton kernels even on CPU, and the HF-parity tests fail. Run these with fla on
-the path of this process only:
-    .venv/bin/pip install --no-deps --target /tmp/fla fla-core==0.6.0 einops
-    PYTHONPATH=/tmp/fla OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/layers/test_gated_delta_rule_fla.py
+fla is not in the venv's site-packages: there, it makes transformers (5.x) run HF's Qwen3.5
+through fla's Triton kernels even on CPU, and the HF-parity tests fail. `make setup` puts it
+in .venv/fla-site, and tests/layers/test_fla_reference.py runs this file in a subprocess with
+that folder on PYTHONPATH; by hand:
+    PYTHONPATH=.venv/fla-site OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/layers/test_gated_delta_rule_fla.py
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_npu_attention_backend_matches_torch_sdpa(tiny_checkpoints, monkeypatch)
     reference = [o.outputs[0].token_ids for o in LLM(str(tiny_checkpoints["qwen3"]), **args).generate(prompts, params)]
 
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu.module())
-    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: "npu")
+    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self, *args: "npu")
     llm = LLM(str(tiny_checkpoints["qwen3"]), **args)
     layers = [m for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)]
     assert {layer.backend.name for layer in layers} == {"npu"}
