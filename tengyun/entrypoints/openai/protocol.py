@@ -8,9 +8,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
+from tengyun.outputs import PromptLogprobs
 from tengyun.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
+MIN_LOGPROB = -9999.0  # -inf becomes this, as vLLM and OpenAI send it (JSON has no infinity)
 
 
 def random_id(prefix: str) -> str:
@@ -55,6 +57,24 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 # ----- shared pieces ---------------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob as JSON: {"logprob": -1.2, "rank": 3, "decoded_token": " fox"}."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def prompt_logprobs_json(entries: PromptLogprobs | None) -> list[dict[int, PromptLogprob] | None] | None:
+    """RequestOutput.prompt_logprobs -> the response's `prompt_logprobs` (token ids become JSON keys)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {token: PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank, decoded_token=lp.decoded_token)
+             for token, lp in entry.items()}
+            for entry in entries]
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -115,6 +135,7 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # answered as `prompt_logprobs`, vLLM's shape; not when streaming
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_*.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
@@ -129,6 +150,12 @@ class SamplingFields(OpenAIBaseModel):
             raise ValueError("stream_options can only be set when stream is true.")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server; remove it.")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}.")
+            if self.stream:
+                raise ValueError("prompt_logprobs are not sent when streaming (as in vLLM): drop prompt_logprobs "
+                                 "or stream.")
         return self
 
     @property
@@ -161,7 +188,8 @@ class SamplingFields(OpenAIBaseModel):
             raise RequestError(f"{source}: {e}", source) from None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 n=self.n,
@@ -179,6 +207,7 @@ class SamplingFields(OpenAIBaseModel):
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
@@ -206,10 +235,13 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of is not supported by this server; set it equal to n or remove it.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which this server does not "
-                             "compute; drop echo or logprobs.")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated. As vLLM,
+        the engine runs with max_tokens 1 and the token is dropped."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """"a" -> ["a"], [1, 2] -> [[1, 2]], ["a", "b"] and [[1], [2]] unchanged."""
@@ -222,7 +254,12 @@ class CompletionRequest(SamplingFields):
 
     def to_sampling_params(self, max_tokens: int | None,
                            structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs, structured_outputs)
+        """echo with logprobs N scores the prompt with N alternatives too, unless prompt_logprobs says otherwise."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(1 if self.echo_only else max_tokens, self.logprobs, structured_outputs,
+                                     prompt_logprobs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -238,6 +275,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -329,7 +367,7 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self, max_tokens: int | None,
                            structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                                     structured_outputs)
+                                     structured_outputs, self.prompt_logprobs)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -380,6 +418,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
 
 
 class DeltaFunctionCall(OpenAIBaseModel):

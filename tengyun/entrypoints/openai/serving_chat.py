@@ -20,7 +20,7 @@ from tengyun.entrypoints.openai.protocol import (
     ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse, ChatResponseMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-    NamedToolChoice, RequestError, ToolCall, UsageInfo, random_id,
+    NamedToolChoice, RequestError, ToolCall, UsageInfo, prompt_logprobs_json, random_id,
 )
 from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
@@ -113,7 +113,8 @@ class OpenAIServingChat(OpenAIServing):
         prompt = len(final.prompt_token_ids)
         completion = sum(len(c.token_ids) for c in final.outputs)
         usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage,
+                                      prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream,
                       parsers: list[ChoiceOutputParser]) -> AsyncIterator[str]:

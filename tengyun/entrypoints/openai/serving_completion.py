@@ -1,16 +1,21 @@
-"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + i."""
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + i.
+
+echo puts the prompt before the completion, in the text and (with logprobs) in the logprobs:
+the prompt tokens come first, the first one with a null logprob, as OpenAI and vLLM answer.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from tengyun.entrypoints.openai.protocol import (
-    CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, UsageInfo, random_id,
+    MIN_LOGPROB, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
+    CompletionStreamResponse, UsageInfo, prompt_logprobs_json, random_id,
 )
 from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
-from tengyun.outputs import CompletionOutput, RequestOutput
+from tengyun.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -41,14 +46,19 @@ class OpenAIServingCompletion(OpenAIServing):
         for i in sorted(finals):
             output = finals[i]
             usage.prompt_tokens += len(output.prompt_token_ids)
+            prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
             for c in output.outputs:
+                c = _visible(request, c)
                 usage.completion_tokens += len(c.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs, 0)
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
+                                                   len(echo_texts[i]))
+                    if request.echo:
+                        logprobs = self._echo_logprobs(request, output, logprobs)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + c.index, text=echo_texts[i] + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
 
@@ -68,10 +78,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     k = i * n + c.index
                     if done[k]:
                         continue
-                    choice = self._delta_choice(request, c, k, sent_chars, sent_tokens)
-                    if not echoed[k] and echo_texts[i]:
+                    c = _visible(request, c)
+                    choice = self._delta_choice(request, c, k, sent_chars, sent_tokens, len(echo_texts[i]))
+                    if not echoed[k] and request.echo:
                         choice = choice or CompletionResponseChoice(index=k, text="")
                         choice.text = echo_texts[i] + choice.text
+                        if request.logprobs is not None:
+                            choice.logprobs = self._echo_logprobs(request, output, choice.logprobs)
                     echoed[k] = True
                     if choice is not None:
                         done[k] = choice.finish_reason is not None
@@ -92,10 +105,21 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_error(e)
         yield SSE_DONE
 
+    def _echo_logprobs(self, request: CompletionRequest, output: RequestOutput,
+                       completion: CompletionLogProbs | None) -> CompletionLogProbs:
+        """The prompt's logprobs (offsets from 0), then the completion's."""
+        prompt = completion_logprobs(output.prompt_token_ids, output.prompt_logprobs or [], request.logprobs, 0,
+                                     decode=lambda token: self.tokenizer.decode([token]))
+        if completion is not None:
+            for name in CompletionLogProbs.model_fields:
+                getattr(prompt, name).extend(getattr(completion, name))
+        return prompt
+
     @staticmethod
     def _delta_choice(request: CompletionRequest, c: CompletionOutput, k: int, sent_chars: list[int],
-                      sent_tokens: list[int]) -> CompletionResponseChoice | None:
-        """The text and tokens of choice k not yet sent; None when nothing changed."""
+                      sent_tokens: list[int], echo_len: int = 0) -> CompletionResponseChoice | None:
+        """The text and tokens of choice k not yet sent; None when nothing changed. Text offsets
+        count from the start of the answer, which holds ``echo_len`` characters of echoed prompt."""
         delta = c.text[sent_chars[k]:]
         new_tokens = c.token_ids[sent_tokens[k]:]
         if not delta and c.finish_reason is None and not (request.logprobs is not None and new_tokens):
@@ -103,27 +127,44 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if request.logprobs is not None:
             logprobs = completion_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[k]:], request.logprobs,
-                                           sent_chars[k])
+                                           echo_len + sent_chars[k])
         sent_chars[k] = len(c.text)
         sent_tokens[k] = len(c.token_ids)
         return CompletionResponseChoice(index=k, text=delta, logprobs=logprobs,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int, offset: int) -> CompletionLogProbs:
+def _visible(request: CompletionRequest, c: CompletionOutput) -> CompletionOutput:
+    """The completion as answered: nothing of the one token an echo-only request ran for."""
+    if not request.echo_only:
+        return c
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None)
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int, offset: int,
+                        decode: Callable[[int], str] | None = None) -> CompletionLogProbs:
     """OpenAI's legacy shape: per token its string, logprob, offset, and {token: logprob} of the
-    top-k plus the sampled token."""
+    top-k plus the token itself. An entry None (the first prompt token) has null logprobs and
+    its string from ``decode``."""
     result = CompletionLogProbs()
     for token_id, entry in zip(token_ids, logprobs):
+        if entry is None:
+            token = decode(token_id) if decode else ""
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(offset)
+            offset += len(token)
+            continue
         sampled = entry[token_id]
         token = sampled.decoded_token or ""
         result.tokens.append(token)
-        result.token_logprobs.append(sampled.logprob)
+        result.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB))
         result.text_offset.append(offset)
         offset += len(token)
         top = {}
         for tid, lp in sorted(entry.items(), key=lambda item: item[1].rank or 0):
             if tid == token_id or (lp.rank is not None and lp.rank <= k):
-                top.setdefault(lp.decoded_token or "", lp.logprob)
+                top.setdefault(lp.decoded_token or "", max(lp.logprob, MIN_LOGPROB))
         result.top_logprobs.append(top)
     return result
