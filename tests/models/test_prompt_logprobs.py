@@ -138,3 +138,25 @@ def test_prompt_logprobs_under_tp2_pp2_match_hf(tiny_checkpoints, arch):
     for i, (output, prompt) in enumerate(zip(outputs, _prompts())):
         if ASKS[i]:
             assert_matches_hf(output.prompt_logprobs, prompt, _reference_for(folder)[i])
+
+
+def test_one_token_prompt_chunks_in_graph_replayed_decode_steps_match_hf(tiny_checkpoints, monkeypatch):
+    """A budget of 2 tokens: once the first sequence decodes, the second's prompt comes one
+    token per step beside it, so those steps are decode-only and replay a decode graph (the
+    CPU stand-in for a CUDA capture re-runs the recorded forward over the static buffers)."""
+    from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
+    from tengyun.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward: (forward(), forward)[1])
+    monkeypatch.setattr(TorchSDPABackend, "supports_decode_graphs", True)
+    folder = tiny_checkpoints["llama"]
+    prompts = _prompts()[:2]
+    llm = LLM(str(folder), block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_seqs=4,
+              max_num_batched_tokens=2)
+    graphs = llm.llm_engine.executor.runner.decode_graphs
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=TOP_N)
+    outputs = llm.generate(prompts, params)
+    assert graphs.steps[2] > 10  # decode + one prompt token, replayed
+    for output, prompt, reference in zip(outputs, prompts, _reference_for(folder)):
+        assert_matches_hf(output.prompt_logprobs, prompt, reference)
