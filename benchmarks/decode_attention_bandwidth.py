@@ -1,0 +1,62 @@
+"""Is CPU decode attention memory-bound? Times Tengyun's paged decode attention (gather + SDPA,
+layers/attention/torch_sdpa.py) over 30 layers with their own KV caches (as in a real step, so
+the context comes from DRAM, not cache), against only reading the same K/V bytes.
+
+SmolLM2-135M's shapes by default: 64 sequences of ~150 tokens, 9 query / 3 KV heads of 64.
+
+    python benchmarks/decode_attention_bandwidth.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tengyun.layers.attention.metadata import AttentionMetadata
+from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
+
+
+def best_ms(fn, rounds: int = 5) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=150)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    q_heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    blocks_per_seq = -(-args.context // block_size)
+    num_blocks = args.seqs * blocks_per_seq
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen),
+               torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)) for _ in range(args.layers)]
+    tables = torch.arange(num_blocks).view(args.seqs, blocks_per_seq)
+    lens = torch.full((args.seqs,), args.context)
+    q = torch.randn(args.seqs, q_heads, dim, generator=gen)
+    backend = TorchSDPABackend()
+    meta = AttentionMetadata(slot_mapping=torch.zeros(args.seqs, dtype=torch.int64), num_decode_tokens=args.seqs,
+                             decode_block_tables=tables, decode_seq_lens=lens)
+    attend = best_ms(lambda: [backend._decode(q, k, v, meta, dim ** -0.5) for k, v in caches])
+    read = best_ms(lambda: [(k.sum(), v.sum()) for k, v in caches])
+    kv_bytes = 2 * args.seqs * args.context * kv_heads * dim * 4 * args.layers
+    print(f"{args.layers} layers, {args.seqs} x {args.context} tokens, {args.threads} threads: "
+          f"K/V {kv_bytes / 2**20:.0f} MiB per step")
+    print("| what | ms per step | GB/s of K/V |")
+    print("|---|---|---|")
+    for name, ms in (("decode attention (gather + SDPA)", attend), ("read K/V only (sum)", read)):
+        print(f"| {name} | {ms:.1f} | {kv_bytes / ms / 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
