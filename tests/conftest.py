@@ -124,5 +124,24 @@ def tiny_hybrid_checkpoints(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, P
     return folders
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 free too: --master-port and the node link (--master-port + 1)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            try:
+                with socket.socket() as b:
+                    b.bind(("", port + 1))
+                    return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
 def read_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())

@@ -10,24 +10,8 @@ from multiprocessing.connection import wait
 
 import pytest
 
+from conftest import free_port_pair
 from tengyun.executor.node_link import NodeLinkClient, NodeLinkServer, NodeLost, RankExit, link_port
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 free too (--master-port and the node link)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            try:
-                with socket.socket() as b:
-                    b.bind(("", port + 1))
-                    return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
 
 
 def _connect_in_thread(port: int, node: int, ranks: list[int], within_s: float = 10.0) -> dict:

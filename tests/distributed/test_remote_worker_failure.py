@@ -16,7 +16,7 @@ import pytest
 from tengyun import LLM, SamplingParams
 from tengyun.executor.multiproc_executor import WorkerDiedError
 
-from test_node_link import free_port_pair
+from conftest import free_port_pair
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 SHAPE = dict(block_size=8, max_model_len=64, kv_cache_memory="1MiB", tensor_parallel_size=2, nnodes=2)

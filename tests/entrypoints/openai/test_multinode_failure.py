@@ -8,29 +8,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 
+from conftest import free_port_pair
 from remote_server import server_model, start_server  # noqa: F401 (fixtures)
-
-
-def _free_port_pair() -> str:
-    """A port p with p + 1 free too (--master-port and the node link)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("", port + 1))
-                    return str(port)
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
 
 
 def _two_nodes(start_server):
     common = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", _free_port_pair())
+              "--master-port", str(free_port_pair()))
     head = start_server(*common, "--node-rank", "0")
     node1 = start_server(*common, "--node-rank", "1", "--headless")
     head.wait_ready()
@@ -56,7 +41,7 @@ def test_killed_headless_launcher_makes_the_server_exit_naming_the_node(start_se
 
 
 def test_headless_node_without_node_0_exits_naming_master_addr_and_port(start_server):
-    port = _free_port_pair()
+    port = str(free_port_pair())
     node1 = start_server("--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--headless",
                          "--master-addr", "127.0.0.1", "--master-port", port, "--distributed-timeout", "2")
     assert node1.wait_exit(timeout=60) == 1
@@ -65,7 +50,7 @@ def test_headless_node_without_node_0_exits_naming_master_addr_and_port(start_se
 
 
 def test_headless_node_with_other_parallel_flags_is_refused_by_both_sides(start_server):
-    port = _free_port_pair()
+    port = str(free_port_pair())
     common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
     head = start_server("--tensor-parallel-size", "2", *common, "--node-rank", "0")
     node1 = start_server("--tensor-parallel-size", "4", *common, "--node-rank", "1", "--headless")

@@ -10,7 +10,8 @@ import time
 
 import httpx
 
-from remote_server import free_port, server_model, start_server  # noqa: F401 (fixtures)
+from conftest import free_port_pair
+from remote_server import server_model, start_server  # noqa: F401 (fixtures)
 
 COMPLETION = {"model": None, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -26,7 +27,7 @@ def test_killed_worker_makes_the_server_exit_naming_the_rank(start_server):
 
 
 def test_two_node_launch_on_loopback_serves_a_request(start_server):
-    port = str(free_port())
+    port = str(free_port_pair())  # the node link takes --master-port + 1
     common = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
     head = start_server(*common, "--node-rank", "0")
     worker_node = start_server(*common, "--node-rank", "1", "--headless")
