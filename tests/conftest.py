@@ -48,11 +48,19 @@ def make_tiny_qwen3_5(arch: str = "qwen3_5", seed: int = 0, **overrides):
     else:
         config = transformers.Qwen3_5MoeTextConfig(**{**QWEN3_5_TEXT, **QWEN3_5_MOE, **overrides})
         model = transformers.Qwen3_5MoeForCausalLM(config)
-    with torch.no_grad():  # norms start at 0 (zero-centred) or 1: give them values so a wrong formula shows
+    return randomize_norms_and_routers(model).eval()
+
+
+def randomize_norms_and_routers(model):
+    """Norms start at 0 (zero-centred) or 1 and routers near 0: give them values so a wrong
+    formula shows."""
+    import torch
+
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.1)
-    return model.eval()
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -79,32 +79,42 @@ def _assert_matches(outputs, reference):
                 assert completion.logprobs[step][token].logprob == pytest.approx(value, abs=1e-4)
 
 
-def test_greedy_matches_hf_under_chunked_prefill_and_preemption(arch_checkpoint, caplog):
-    arch, folder = arch_checkpoint
-    prompts = _prompts(300)
-    reference = _hf_reference(_hf_text_model(arch), prompts, 12)
-    with caplog.at_level(logging.INFO, logger="tengyun.config"):
-        llm = LLM(str(folder), block_size=8, max_model_len=104,
-                  num_gpu_blocks_override=13,  # 104 slots for ~660 tokens of demand: preemption must happen
-                  max_num_batched_tokens=32, max_num_seqs=16, enable_prefix_caching=True)
-    assert "Prefix caching is off" in caplog.text
+def assert_batch_matches_under_preemption(hf_model, folder, **engine_args):
+    """12 prompts, 12 greedy tokens each, under chunked prefill and forced preemption: HF's tokens
+    and top-5 logprobs; afterwards no KV block or state slot is held. Returns the engine."""
+    reference = _hf_reference(hf_model, _prompts(300), 12)
+    llm = LLM(str(folder), block_size=8, max_model_len=104,
+              num_gpu_blocks_override=13,  # 104 slots for ~660 tokens of demand: preemption must happen
+              max_num_batched_tokens=32, max_num_seqs=16, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
-    _assert_matches(llm.generate(prompts, params), reference)
+    _assert_matches(llm.generate(_prompts(300), params), reference)
     engine = llm.llm_engine
     stats = engine.get_stats()
     assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hits == 0  # four prompts share 40 tokens, but the hybrid cache is off
     assert stats.kv_cache_usage == 0.0
     assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots == 16
+    return engine
+
+
+def assert_64_token_decode_matches(hf_model, folder):
+    prompt = _prompts(300)[1]
+    reference = _hf_reference(hf_model, [prompt], 64)
+    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=TOP_K)
+    _assert_matches(llm.generate([prompt], params), reference)
+
+
+def test_greedy_matches_hf_under_chunked_prefill_and_preemption(arch_checkpoint, caplog):
+    arch, folder = arch_checkpoint
+    with caplog.at_level(logging.INFO, logger="tengyun.config"):
+        engine = assert_batch_matches_under_preemption(_hf_text_model(arch), folder, enable_prefix_caching=True)
+    assert "Prefix caching is off" in caplog.text
+    assert engine.get_stats().prefix_cache_hits == 0  # four prompts share 40 tokens, but the hybrid cache is off
 
 
 def test_single_sequence_decode_of_64_tokens_matches_hf(arch_checkpoint):
     arch, folder = arch_checkpoint
-    prompt = _prompts(300)[1]
-    reference = _hf_reference(_hf_text_model(arch), [prompt], 64)
-    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=TOP_K)
-    _assert_matches(llm.generate([prompt], params), reference)
+    assert_64_token_decode_matches(_hf_text_model(arch), folder)
 
 
 def test_multimodal_layout_gives_the_text_only_tokens(text_checkpoint, multimodal_checkpoint, caplog):

@@ -17,18 +17,16 @@ import torch
 from tengyun import LLM, SamplingParams
 from tengyun.config import EngineConfig
 from tengyun.models.qwen3_next import split_ba, split_qkvz
+from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, randomize_norms_and_routers
 from test_hf_parity import TOP_K, _prompts
-from test_qwen3_5 import _assert_matches, _hf_reference
+from test_qwen3_5 import (
+    _assert_matches, _hf_reference, assert_64_token_decode_matches, assert_batch_matches_under_preemption,
+)
 
 # 4 layers: Gated DeltaNet, gated attention, twice (interval 2, not the default 4, so the
 # interval must be read); layer 0 a dense MLP, layers 1-3 MoE (8 experts, top-2, shared expert);
 # 2 key / 4 value linear heads, so the per-key-head interleaving of in_proj_qkvz / in_proj_ba matters.
-NEXT = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-            mlp_only_layers=[0], decoder_sparse_step=1, max_position_embeddings=256, rms_norm_eps=1e-6,
-            initializer_range=0.1, bos_token_id=0, eos_token_id=0)
+NEXT = dict(QWEN3_5_TEXT, **QWEN3_5_MOE, mlp_only_layers=[0], decoder_sparse_step=1)
 INTERVAL = 2
 
 
@@ -37,12 +35,7 @@ def _hf_model(norm_topk_prob: bool = True, seed: int = 0):
 
     torch.manual_seed(seed)
     config = transformers.Qwen3NextConfig(**NEXT, norm_topk_prob=norm_topk_prob, full_attention_interval=INTERVAL)
-    model = transformers.Qwen3NextForCausalLM(config)
-    with torch.no_grad():  # norms start at 0 (zero-centred) or 1: give them values so a wrong formula shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.1)
-    return model.eval()
+    return randomize_norms_and_routers(transformers.Qwen3NextForCausalLM(config)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -95,27 +88,12 @@ def test_config_without_layer_types_is_hybrid_from_full_attention_interval(check
 
 def test_greedy_matches_hf_under_chunked_prefill_and_preemption(checkpoint):
     norm_topk_prob, folder = checkpoint
-    prompts = _prompts(300)
-    reference = _hf_reference(_hf_model(norm_topk_prob), prompts, 12)
-    llm = LLM(str(folder), block_size=8, max_model_len=104,
-              num_gpu_blocks_override=13,  # 104 slots for ~660 tokens of demand: preemption must happen
-              max_num_batched_tokens=32, max_num_seqs=16)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
-    _assert_matches(llm.generate(prompts, params), reference)
-    engine = llm.llm_engine
-    stats = engine.get_stats()
-    assert stats.num_preemptions > 0
-    assert stats.kv_cache_usage == 0.0
-    assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots == 16
+    assert_batch_matches_under_preemption(_hf_model(norm_topk_prob), folder)
 
 
 def test_single_sequence_decode_of_64_tokens_matches_hf(checkpoint):
     norm_topk_prob, folder = checkpoint
-    prompt = _prompts(300)[1]
-    reference = _hf_reference(_hf_model(norm_topk_prob), [prompt], 64)
-    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=TOP_K)
-    _assert_matches(llm.generate([prompt], params), reference)
+    assert_64_token_decode_matches(_hf_model(norm_topk_prob), folder)
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],

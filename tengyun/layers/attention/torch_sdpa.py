@@ -37,11 +37,6 @@ class TorchSDPABackend(AttentionBackend):
         tokens = rows.view(*block_table.shape[:-1], -1, heads, dim)[..., :length, :, :]  # [..., L, H, D]
         return tokens.transpose(-3, -2)
 
-    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         n = meta.num_decode_tokens
