@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent / "openai"))
-from remote_server import RemoteServer, server_model  # noqa: E402,F401 (fixture)
+from remote_server import running_server, server_model  # noqa: E402,F401 (fixture)
 
 SERVED = "tiny-bench"
 
@@ -22,11 +22,7 @@ SERVED = "tiny-bench"
 @pytest.fixture(scope="module")
 def server(server_model, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("bench_server") / "server.log"
-    remote = RemoteServer(server_model, ["--served-model-name", SERVED, "--disable-log-stats"], log)
-    try:
-        yield remote.wait_ready()
-    finally:
-        remote.stop()
+    yield from running_server(server_model, ["--served-model-name", SERVED, "--disable-log-stats"], log)
 
 
 def token_counters(server) -> tuple[float, float]:

@@ -79,6 +79,15 @@ class RemoteServer:
 _models: dict[Path, Path] = {}  # tokenizer dir -> checkpoint, shared by the modules that import this
 
 
+def running_server(model, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    """A module fixture's body: ``yield from running_server(...)`` serves until the module ends."""
+    remote = RemoteServer(model, args, log_path, env=env)
+    try:
+        yield remote.wait_ready()
+    finally:
+        remote.stop()
+
+
 @pytest.fixture(scope="session")
 def server_model(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     from conftest import make_tiny_checkpoint  # tests/conftest.py

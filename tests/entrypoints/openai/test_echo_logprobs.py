@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from remote_server import API_KEY, MAX_MODEL_LEN, RemoteServer, server_model  # noqa: F401 (fixture)
+from remote_server import API_KEY, MAX_MODEL_LEN, running_server, server_model  # noqa: F401 (fixture)
 from tengyun import LLM, SamplingParams
 
 MODEL = "tiny-llama"
@@ -21,12 +21,8 @@ BUDGET = 16  # --max-num-batched-tokens: the prompt is prefilled in chunks
 @pytest.fixture(scope="module")
 def server(server_model, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("echo_logprobs_server") / "server.log"
-    remote = RemoteServer(server_model, ["--api-key", API_KEY, "--served-model-name", MODEL,
-                                         "--max-num-batched-tokens", str(BUDGET)], log)
-    try:
-        yield remote.wait_ready()
-    finally:
-        remote.stop()
+    yield from running_server(server_model, ["--api-key", API_KEY, "--served-model-name", MODEL,
+                                             "--max-num-batched-tokens", str(BUDGET)], log)
 
 
 @pytest.fixture(scope="module")

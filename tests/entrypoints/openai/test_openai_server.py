@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from remote_server import API_KEY, MAX_MODEL_LEN, RemoteServer, server_model  # noqa: F401 (fixture)
+from remote_server import API_KEY, MAX_MODEL_LEN, running_server, server_model  # noqa: F401 (fixture)
 
 MODEL = "tiny-llama"
 PROMPT = "The quick brown fox"
@@ -23,12 +23,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server(server_model, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("openai_server") / "server.log"
-    remote = RemoteServer(server_model, ["--api-key", API_KEY, "--served-model-name", MODEL,
-                                         "--allowed-origins", '["http://app.example"]'], log)
-    try:
-        yield remote.wait_ready()
-    finally:
-        remote.stop()
+    yield from running_server(server_model, ["--api-key", API_KEY, "--served-model-name", MODEL,
+                                             "--allowed-origins", '["http://app.example"]'], log)
 
 
 @pytest.fixture(scope="module")

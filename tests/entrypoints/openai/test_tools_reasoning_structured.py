@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from remote_server import RemoteServer
+from remote_server import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -54,14 +54,10 @@ ANSWER = r"[A-Z][a-z]+( [a-z]+){1,5}\."
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("tools_server") / "server.log"
-    remote = RemoteServer("HuggingFaceTB/SmolLM2-135M-Instruct", [
+    yield from running_server("HuggingFaceTB/SmolLM2-135M-Instruct", [
         "--served-model-name", MODEL, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
     ], log, env={"OMP_NUM_THREADS": "1"})
-    try:
-        yield remote.wait_ready()
-    finally:
-        remote.stop()
 
 
 @pytest.fixture(scope="module")
