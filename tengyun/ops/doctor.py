@@ -299,6 +299,26 @@ def check_numa(facts: HostFacts, topo: Topology | None = None) -> list[Finding]:
                        f"its device's node (--numa-bind auto)")]
 
 
+def check_cuda_kernels(facts: HostFacts) -> list[Finding]:
+    """flash-attn (paged attention, decode graphs) and fla (Qwen3.5 / Qwen3-Next's Gated DeltaNet):
+    optional, picked by the CUDA platform when they import (docs/parallelism.md)."""
+    flash, fla = facts.packages.get("flash_attn"), facts.packages.get("fla_core")
+    if flash:
+        found = [ok("flash-attn", f"flash-attn {flash}: paged attention over 256-token blocks (the CUDA "
+                                  f"default with it), decode graphs on unless --enforce-eager")]
+    else:
+        found = [warn("flash-attn", "flash-attn not installed: attention runs torch_sdpa (gathers the context) "
+                                    "and decode graphs stay off",
+                      "pip install flash-attn (a wheel matching your torch and CUDA)")]
+    if fla:
+        found.append(ok("fla", f"fla-core {fla}: Gated DeltaNet (Qwen3.5, Qwen3-Next) on its Triton kernels"))
+    else:
+        found.append(warn("fla", "fla-core not installed: Qwen3.5 / Qwen3-Next's Gated DeltaNet runs the "
+                                 "plain-PyTorch delta rule (slow); other models are unaffected",
+                          "pip install fla-core"))
+    return found
+
+
 def check_gcc(facts: HostFacts) -> list[Finding]:
     out = facts.commands.get("gcc --version")
     minimum = MIN_GCC.get(facts.machine, "9.3.1")
@@ -325,6 +345,7 @@ def run_checks(facts: HostFacts, tp_size: int | None = None) -> list[Finding]:
         gpus = parse_nvidia_query(query) if query else []
         if gpus:
             findings.append(ok("GPUs", ", ".join(f"GPU{g.index} {g.name} {g.memory_total_mib} MiB" for g in gpus)))
+        findings += check_cuda_kernels(facts)
     findings += check_topology(facts, tp_size)
     topo_text = _stdout(facts, "nvidia-smi topo -m")
     findings += check_numa(facts, parse_topology(topo_text) if topo_text else None)

@@ -24,7 +24,7 @@ ASCEND_ROOT = Path("/usr/local/Ascend")
 PCI_ACCELERATORS = {"npu": ("0x19e5", "0x12"), "cuda": ("0x10de", "0x03")}
 ENV_KEYS = ("LD_LIBRARY_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_OPP_PATH",
             "ASCEND_AICPU_PATH", "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
-PACKAGES = ("torch", "torch_npu", "transformers", "tengyun")
+PACKAGES = ("torch", "torch_npu", "transformers", "tengyun", "flash_attn", "fla_core")
 COMMANDS = {
     "npu-smi info": ["npu-smi", "info"],
     "npu-smi info -t topo": ["npu-smi", "info", "-t", "topo"],

@@ -197,6 +197,20 @@ def test_numa_findings():
     assert only(check_numa(ascend_host(pci_numa={})), "NUMA").status == Status.WARN
 
 
+def test_cuda_host_names_the_optional_kernels_and_how_to_get_them():
+    devices = [{"type": "cuda", "index": 0, "name": "NVIDIA H200", "total_memory": 140 * GiB}]
+    bare = cpu_host(torch_probe={"torch": "2.13.0", "torch_cuda": "12.8", "devices": devices, "platform": "cuda"})
+    findings = run_checks(bare)
+    assert only(findings, "flash-attn").status == Status.WARN and only(findings, "flash-attn").fix.startswith(
+        "pip install flash-attn")
+    assert only(findings, "fla").status == Status.WARN and "fla-core" in only(findings, "fla").fix
+    equipped = dataclasses.replace(bare, packages={**bare.packages, "flash_attn": "2.8.3", "fla_core": "0.6.0"})
+    findings = run_checks(equipped)
+    assert only(findings, "flash-attn").status == only(findings, "fla").status == Status.OK
+    assert "decode graphs on" in only(findings, "flash-attn").detail
+    assert not by_check(run_checks(cpu_host()), "flash-attn")  # CPU hosts: not a concern
+
+
 def test_gcc_findings():
     assert only(check_gcc(ascend_host()), "gcc").detail == "gcc 10.3.1"
     old = only(check_gcc(ascend_host(commands={"gcc --version": ran("gcc (GCC) 7.3.0\n")})), "gcc")
