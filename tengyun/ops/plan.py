@@ -246,12 +246,15 @@ def make_plan(hf_config: dict[str, Any], request: PlanRequest, checkpoint_bytes:
 
 def tp_candidates(cfg: dict[str, Any], limit: int) -> list[int]:
     """TP sizes the engine accepts: powers of two dividing the attention heads, with KV heads
-    split or replicated evenly."""
+    split or replicated evenly, and the linear-attention heads and experts split evenly."""
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
+    # Split evenly too (EngineConfig._check_tp_divides): Gated DeltaNet heads, experts, shared expert.
+    split = [cfg.get(f) for f in ("linear_num_key_heads", "linear_num_value_heads", "num_experts",
+                                  "shared_expert_intermediate_size") if cfg.get(f)]
     sizes, tp = [], 1
     while tp <= limit:
-        if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0):
+        if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0) and all(n % tp == 0 for n in split):
             sizes.append(tp)
         tp *= 2
     return sizes

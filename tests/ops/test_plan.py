@@ -174,3 +174,12 @@ def test_checkpoint_index_size_scales_weights_when_it_differs(tmp_path):
     assert plan.notes[0].startswith("The checkpoint holds 0.33 GiB but config.json's decoder is 1.11 GiB")
     same = make_plan(hf_config, PlanRequest(), 596_049_920 * 2 + 1000, name)  # within 2 %: counted, not scaled
     assert same.weight_scale == 1.0 and same.notes == []
+
+
+def test_tp_candidates_split_linear_heads_and_experts_evenly():
+    from tengyun.ops.plan import tp_candidates
+
+    dense = dict(num_attention_heads=32, num_key_value_heads=8)
+    assert tp_candidates(dense, 16) == [1, 2, 4, 8, 16]
+    hybrid = dict(dense, linear_num_key_heads=4, linear_num_value_heads=8, num_experts=64)
+    assert tp_candidates(hybrid, 16) == [1, 2, 4]  # 8 would split 4 key heads unevenly
