@@ -3,7 +3,7 @@
 NOT YET RUN ON A GPU: written against fla's documented API (fla-core 0.6.0; the same call fits
 flash-linear-attention 0.2.0 on, whose ops ship as fla-core from 0.3.2) and checked on CPU by
 pointing it at fla's own pure-PyTorch references in place of the Triton kernels
-(tests/layers/test_gated_delta_rule_fla.py).
+(tests/layers/fla_reference_checks.py).
 
 Mapping from ``GatedDeltaRuleKernel`` (tengyun/layers/gated_delta_rule.py) to fla:
 - layout: fla takes [B, T, H, D]; a prefill chunk is B = 1, T = L; a decode batch is B

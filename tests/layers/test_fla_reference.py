@@ -1,4 +1,4 @@
-"""Runs tests/layers/test_gated_delta_rule_fla.py in its own process with flash-linear-attention
+"""Runs tests/layers/fla_reference_checks.py in its own process with flash-linear-attention
 on the path (.venv/fla-site, installed by `make setup`), so fla never reaches transformers in
 this process; every test there must run, none skip."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 FLA_SITE = Path(sys.prefix) / "fla-site"
-TESTS = Path(__file__).with_name("test_gated_delta_rule_fla.py")
+TESTS = Path(__file__).with_name("fla_reference_checks.py")
 
 
 def test_gated_delta_rule_matches_fla_references_in_a_separate_process():

@@ -3,13 +3,13 @@
 fla ships pure-PyTorch references of its kernels (fla/ops/gated_delta_rule/naive.py), written
 by its authors, not here: our PyTorch kernel must match them, and FlaGatedDeltaRule's argument
 mapping (layout, scale, l2-norm, heads, state) is checked by giving it those references in
-place of the Triton kernels. Skipped when fla is not importable.
+place of the Triton kernels. Not collected by `make test` (the name does not start with test_).
 
 fla is not in the venv's site-packages: there, it makes transformers (5.x) run HF's Qwen3.5
 through fla's Triton kernels even on CPU, and the HF-parity tests fail. `make setup` puts it
 in .venv/fla-site, and tests/layers/test_fla_reference.py runs this file in a subprocess with
 that folder on PYTHONPATH; by hand:
-    PYTHONPATH=.venv/fla-site OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/layers/test_gated_delta_rule_fla.py
+    PYTHONPATH=.venv/fla-site OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/layers/fla_reference_checks.py
 """
 
 from __future__ import annotations
