@@ -75,6 +75,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     device: str = "auto"
     served_model_name: str | None = None
+    generation_config: str = "auto"  # default sampling params: auto (the model's file), vllm (none), or a folder
     # Parallelism (docs/parallelism.md). World size = tp * pp, split evenly over --nnodes.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -136,7 +137,22 @@ class EngineConfig:
                 raise ValueError(f"--kv-cache-memory must be positive (try 4GiB); got {self.kv_cache_memory}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"--num-gpu-blocks-override must be >= 1; got {self.num_gpu_blocks_override}.")
+        self._validate_generation_config()
         self._validate_parallel_values()
+
+    def _validate_generation_config(self) -> None:
+        """auto, vllm, or a folder holding generation_config.json."""
+        from tengyun.generation_config import GENERATION_CONFIG_FILE
+
+        if self.generation_config in ("auto", "vllm"):
+            return
+        folder = Path(str(self.generation_config)).expanduser()
+        if not (folder / GENERATION_CONFIG_FILE).is_file():
+            what = "has no" if folder.is_dir() else "is not a folder with a"
+            raise ValueError(
+                f"--generation-config {self.generation_config!r} {what} {GENERATION_CONFIG_FILE}: pass auto "
+                f"(the model's), vllm (no model defaults) or a folder that holds {GENERATION_CONFIG_FILE}."
+            )
 
     def _validate_parallel_values(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -13,6 +13,7 @@ from typing import Any, Sequence as Seq
 
 from tengyun.config import EngineConfig
 from tengyun.engine.llm_engine import LLMEngine
+from tengyun.generation_config import sampling_defaults
 from tengyun.outputs import RequestOutput
 from tengyun.sampling_params import SamplingParams
 
@@ -30,11 +31,17 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
+        self._sampling_defaults = sampling_defaults(config.finalize())  # a bad file fails before the weights load
         self.llm_engine = LLMEngine.from_config(config)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with --generation-config's defaults (the model's generation_config.json
+        unless generation_config="vllm"); what generate() and chat() use without sampling_params."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -42,9 +49,12 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order.
 
         prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]},
-        or a list of those.
+        or a list of those. sampling_params: one for all, one per prompt, or None for
+        get_default_sampling_params().
         """
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         request_ids = []
         try:
@@ -114,8 +124,6 @@ def _as_prompt_list(prompts) -> list[PromptType]:
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

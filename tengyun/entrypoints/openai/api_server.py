@@ -43,6 +43,7 @@ from tengyun.entrypoints.openai.protocol import (
 from tengyun.entrypoints.openai.serving_chat import OpenAIServingChat
 from tengyun.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tengyun.entrypoints.openai.serving_engine import SSE_HEADERS, error_status
+from tengyun.generation_config import sampling_defaults
 from tengyun.sampling_params import SamplingParams
 from tengyun.tokenizer import get_tokenizer
 
@@ -67,6 +68,7 @@ class ServerState:
         self.shutdown_timeout = shutdown_timeout
         self.base_url = base_url  # for the example curl line printed when ready
         self.chat_options = chat_options or {}  # enable_auto_tool_choice, tool_call_parser, reasoning_parser
+        self.sampling_defaults = sampling_defaults(config)  # --generation-config; logged once when any
         self.engine: AsyncLLMEngine | None = None
         self.completion: OpenAIServingCompletion | None = None
         self.chat: OpenAIServingChat | None = None
@@ -95,8 +97,10 @@ class ServerState:
                 self.stat_logger.start_from(engine.latest_stats)
                 engine.add_step_listener(self.stat_logger.on_step)
             name = self.config.served_model_name
-            self.completion = OpenAIServingCompletion(engine, tokenizer, name, self.chat_template)
-            self.chat = OpenAIServingChat(engine, tokenizer, name, self.chat_template, **self.chat_options)
+            self.completion = OpenAIServingCompletion(engine, tokenizer, name, self.chat_template,
+                                                      self.sampling_defaults)
+            self.chat = OpenAIServingChat(engine, tokenizer, name, self.chat_template, self.sampling_defaults,
+                                          **self.chat_options)
             self.ready = True
             logger.info("Ready in %.1f s: serving %r", time.perf_counter() - started, name)
             if self.base_url:

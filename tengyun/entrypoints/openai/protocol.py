@@ -189,17 +189,26 @@ class SamplingFields(OpenAIBaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          structured_outputs: StructuredOutputsParams | None = None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults` (--generation-config) fill temperature, top_p, top_k, min_p and
+        repetition_penalty where the request left them unset (null)."""
+        defaults = defaults or {}
+
+        def pick(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 seed=self.seed,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
@@ -252,14 +261,20 @@ class CompletionRequest(SamplingFields):
             raise RequestError("prompt must not be empty.", "prompt")
         return list(prompt)
 
+    @property
+    def max_tokens_set(self) -> bool:
+        """The client sent max_tokens (a number or null); unset, the server's default applies."""
+        return "max_tokens" in self.model_fields_set
+
     def to_sampling_params(self, max_tokens: int | None,
-                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                           structured_outputs: StructuredOutputsParams | None = None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         """echo with logprobs N scores the prompt with N alternatives too, unless prompt_logprobs says otherwise."""
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs
         return self._sampling_params(1 if self.echo_only else max_tokens, self.logprobs, structured_outputs,
-                                     prompt_logprobs)
+                                     prompt_logprobs, defaults)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -365,9 +380,10 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None,
-                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                           structured_outputs: StructuredOutputsParams | None = None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                                     structured_outputs, self.prompt_logprobs)
+                                     structured_outputs, self.prompt_logprobs, defaults)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

@@ -48,6 +48,8 @@ class OpenAIServingChat(OpenAIServing):
         # The template already holds BOS and friends: do not add special tokens twice.
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = request.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens(len(token_ids), None)
         self.check_length(len(token_ids), max_tokens, "messages")
         tool_parser, spec, source = self._tool_parser_and_constraint(request, tools)
         await self.check_structured_outputs(spec, source)
@@ -56,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         if spec is not None and in_reasoning:  # constrain the answer, not the thoughts
             spec = after_reasoning(spec, reasoning.end)
             await self.check_structured_outputs(spec, source)
-        params = request.to_sampling_params(max_tokens, spec)
+        params = request.to_sampling_params(max_tokens, spec, self.sampling_defaults)
         parsers = [ChoiceOutputParser(reasoning, tool_parser, in_reasoning) for _ in range(request.n)]
         request_id = random_id("chatcmpl")
         stream = self.engine.generate(request_id, token_ids, params)

@@ -24,15 +24,18 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         prompts = request.prompts()
         token_lists = [self.tokenize_prompt(p) for p in prompts]
-        for ids in token_lists:
-            self.check_length(len(ids), request.max_tokens)
+        max_tokens = [request.max_tokens if request.max_tokens_set else
+                      self.default_max_tokens(len(ids), request.max_tokens) for ids in token_lists]
+        for ids, limit in zip(token_lists, max_tokens):
+            self.check_length(len(ids), limit)
         spec, source = request.structured_outputs_params()
         await self.check_structured_outputs(spec, source)
-        params = request.to_sampling_params(request.max_tokens, spec)
+        params = [request.to_sampling_params(limit, spec, self.sampling_defaults) for limit in max_tokens]
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if request.echo else ""
                       for p in prompts]
         request_id = random_id("cmpl")
-        streams = [self.engine.generate(f"{request_id}-{i}", ids, params) for i, ids in enumerate(token_lists)]
+        streams = [self.engine.generate(f"{request_id}-{i}", ids, p)
+                   for i, (ids, p) in enumerate(zip(token_lists, params))]
         if request.stream:
             return self._stream(request, request_id, streams, echo_texts)
         return await self._full(request, request_id, streams, echo_texts)

@@ -17,13 +17,15 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, served_model_name: str,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None):
         self.engine = engine
         self.tokenizer = tokenizer  # the front end's own copy: the engine thread has another
         self.served_model_name = served_model_name
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.hf_config["vocab_size"]
         self.chat_template = chat_template
+        # --generation-config: {"temperature": 0.7, "max_tokens": 512, ...} for fields a request leaves unset
+        self.sampling_defaults = sampling_defaults or {}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -69,6 +71,16 @@ class OpenAIServing:
             )
         except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
             raise RequestError(f"The chat template failed on these messages: {e}", "messages") from None
+
+    def default_max_tokens(self, num_prompt_tokens: int, fallback: int | None) -> int | None:
+        """max_tokens for a request that left it unset: --generation-config's max_new_tokens, cut to
+        the room --max-model-len leaves (a default the client never sent must not fail its request);
+        without one, `fallback` (16 for completions, None = up to --max-model-len for chat)."""
+        default = self.sampling_defaults.get("max_tokens")
+        if default is None:
+            return fallback
+        room = self.max_model_len - num_prompt_tokens
+        return min(default, room) if room > 0 else None
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
         """Prompt + max_tokens must fit --max-model-len; the message carries both numbers."""
