@@ -21,6 +21,9 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json field -> SamplingParams field; everything else (do_sample, eos_token_id, ...) is ignored.
 SAMPLING_FIELDS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
                    "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+# transformers' GenerationConfig defaults: a file value equal to one is not a default of the model
+# (vLLM reads the file through GenerationConfig.to_diff_dict(), which drops them too).
+HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
 def generation_config_file(generation_config: str, model_path: Path | None) -> Path | None:
@@ -34,7 +37,8 @@ def generation_config_file(generation_config: str, model_path: Path | None) -> P
 def read_sampling_defaults(path: Path | None) -> dict[str, Any]:
     """{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 512, ...}
     -> {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 512}.
-    A missing file (a GGUF-converted folder has none) means no defaults; null values are skipped."""
+    A missing file (a GGUF-converted folder has none) means no defaults; null values and values
+    equal to transformers' own defaults (top_k 50, temperature 1.0, ...) are skipped."""
     if path is None or not path.is_file():
         return {}
     try:
@@ -43,7 +47,8 @@ def read_sampling_defaults(path: Path | None) -> dict[str, Any]:
         raise ValueError(f"{path} is not readable JSON ({e}): fix it or pass --generation-config vllm.") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object: fix it or pass --generation-config vllm.")
-    defaults = {ours: data[theirs] for theirs, ours in SAMPLING_FIELDS.items() if data.get(theirs) is not None}
+    defaults = {ours: data[theirs] for theirs, ours in SAMPLING_FIELDS.items()
+                if data.get(theirs) is not None and data[theirs] != HF_DEFAULTS.get(theirs)}
     _check(defaults, path)
     return defaults
 

@@ -34,6 +34,12 @@ def test_reads_the_supported_fields_and_renames_max_new_tokens(tmp_path):
                                             "top_p": 0.8, "max_tokens": 512}
 
 
+def test_values_equal_to_transformers_defaults_are_not_model_defaults(tmp_path):
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({"top_k": 50, "top_p": 1.0, "temperature": 0.6, "repetition_penalty": 1.0}))
+    assert read_sampling_defaults(path) == {"temperature": 0.6}  # as vLLM's to_diff_dict() reading
+
+
 def test_missing_file_or_vllm_means_no_defaults(tmp_path):
     assert read_sampling_defaults(tmp_path / "generation_config.json") == {}
     assert generation_config_file("vllm", tmp_path) is None
