@@ -60,7 +60,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    block_size: int | None = None  # None: the platform's (16; 128 on Ascend NPU)
+    block_size: int | None = None  # None: the platform's (16; 128 on Ascend NPU; 256 on CUDA with flash-attn)
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
