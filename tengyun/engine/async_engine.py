@@ -37,6 +37,7 @@ class AddRequest:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    first_turn: int = 0
 
 
 @dataclass
@@ -113,7 +114,7 @@ class AsyncLLMEngine:
 
     # ----- requests -----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, first_turn: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutput after every step that changed it, the last one
         finished. Raises add_request's ValueError for bad input, EngineDeadError if the loop
         died. Closing or cancelling the iterator early aborts the request (KV blocks freed)."""
@@ -123,7 +124,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(AddRequest(request_id, prompt, params, arrival_time or time.time()))
+        self._inbox.put(AddRequest(request_id, prompt, params, arrival_time or time.time(), first_turn))
         finished = False
         try:
             while not finished:
@@ -161,7 +162,7 @@ class AsyncLLMEngine:
                     else:
                         try:
                             engine.add_request(message.request_id, message.prompt, message.params,
-                                               message.arrival_time)
+                                               message.arrival_time, message.first_turn)
                         except Exception as e:  # bad input: that caller's error, nobody else's
                             rejected[message.request_id] = e
                 outputs = engine.step() if engine.has_unfinished_requests() else []

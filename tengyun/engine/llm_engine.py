@@ -73,9 +73,11 @@ class LLMEngine:
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, first_turn: int = 0) -> Request:
         """Validate and queue a request. Raises ValueError naming the bad field; then nothing
-        has been queued and other requests are untouched."""
+        has been queued and other requests are untouched. `first_turn`: where this request's
+        sequences start in the round-robin between API requests (prompt i of a request with n
+        copies starts at i * n; see Scheduler.add)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         text, token_ids = self._tokenize(prompt)
@@ -85,7 +87,8 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()))
         for index in range(params.n):
             child = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)
-            seq = Sequence(next(self._seq_ids), request_id, index, token_ids, child, arrival_order=0)
+            seq = Sequence(next(self._seq_ids), request_id, index, token_ids, child, arrival_order=0,
+                           turn=first_turn + index)
             seq.arrival_order = seq.seq_id
             request.seqs.append(seq)
             request.detokenizers.append(IncrementalDetokenizer(self.tokenizer, token_ids, child))

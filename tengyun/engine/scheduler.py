@@ -28,7 +28,18 @@ class Scheduler:
 
     # ----- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a sequence behind every waiting one whose turn is not later, so requests take
+        turns: with A's turns [0, 1, 2, 3] waiting, B's turn 0 goes in as [A0, B0, A1, A2, A3],
+        and one request with n=128 cannot hold back a later request with n=1. Preempted
+        sequences (put back in front) count as turn -1: nothing new passes them."""
+        i = len(self.waiting)
+        while i and self._waiting_turn(self.waiting[i - 1]) > seq.turn:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    @staticmethod
+    def _waiting_turn(seq: Sequence) -> int:
+        return -1 if seq.num_preemptions else seq.turn
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""

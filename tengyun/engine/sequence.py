@@ -30,6 +30,9 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_order: int
+    # Round-robin admission between API requests: 0 for a request's first sequence, k for its
+    # (k+1)-th (n copies and several prompts of one request count together). See Scheduler.add.
+    turn: int = 0
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
