@@ -52,6 +52,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    max_tokens: int | None = None  # as resolved: the request's, capped at max_model_len - prompt length
 
 
 @dataclass

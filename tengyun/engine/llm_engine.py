@@ -39,6 +39,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    num_kv_blocks: int = 0  # blocks the KV cache holds (fixed once the engine is built)
 
 
 class LLMEngine:
@@ -84,7 +85,8 @@ class LLMEngine:
         params = self._resolve_params(params, len(token_ids))
         if params.structured_outputs is not None and self.check_structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
-        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()))
+        metrics = RequestMetrics(arrival_time or time.time(), max_tokens=params.max_tokens)
+        request = Request(request_id, text, token_ids, params, metrics)
         for index in range(params.n):
             child = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)
             seq = Sequence(next(self._seq_ids), request_id, index, token_ids, child, arrival_order=0,
@@ -250,4 +252,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            num_kv_blocks=bm.num_blocks,
         )

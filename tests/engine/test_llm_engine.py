@@ -167,3 +167,13 @@ def test_prompt_logprobs_are_listed_once_per_request_with_n_2(llm):
         assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-5)
     assert llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
     _assert_idle(llm)
+
+
+def test_outputs_carry_the_resolved_max_tokens_and_stats_the_kv_block_count(llm):
+    # The server's request_params_max_tokens histogram reads metrics.max_tokens.
+    asked, unset = llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=5, ignore_eos=True),
+                                                          SamplingParams(max_tokens=None)])
+    assert asked.metrics.max_tokens == 5
+    assert unset.metrics.max_tokens == 128 - len(PROMPTS[1])  # the room left under max_model_len
+    engine = llm.llm_engine
+    assert engine.get_stats().num_kv_blocks == engine.scheduler.block_manager.num_blocks > 0
