@@ -61,7 +61,8 @@ class ServerState:
 
     def __init__(self, config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
                  log_stats_interval: float | None = 10.0, shutdown_timeout: float = 30.0,
-                 base_url: str | None = None, chat_options: dict[str, Any] | None = None):
+                 base_url: str | None = None, chat_options: dict[str, Any] | None = None,
+                 metrics_options: dict[str, Any] | None = None):
         self.config = config  # finalized: served_model_name and max_model_len are known
         self.api_key = api_key
         self.chat_template = chat_template
@@ -78,7 +79,7 @@ class ServerState:
         self.drain_deadline = 0.0
         self.aborted_in_flight = False
         self.in_flight = 0  # API requests between arrival and their last byte
-        self.metrics = EngineMetrics(config.served_model_name)
+        self.metrics = EngineMetrics(config, **(metrics_options or {}))  # vllm_aliases, show_hidden_for
         self.stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -403,6 +404,7 @@ def run_server(args: argparse.Namespace) -> int:
         base_url=f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}",
         chat_options=dict(enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser),
+        metrics_options=EngineMetrics.options_from_args(args),
     )
     app = build_app(state, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     uvicorn_config = uvicorn.Config(

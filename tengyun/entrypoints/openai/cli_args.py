@@ -10,6 +10,7 @@ import os
 from tengyun.entrypoints.cli.engine_args import add_engine_args
 from tengyun.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from tengyun.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from tengyun.entrypoints.openai.vllm_metrics import add_metrics_args
 
 API_KEY_ENV = "TENGYUN_API_KEY"
 
@@ -62,6 +63,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_engine_args(parser)
     add_server_args(parser)
+    add_metrics_args(parser)
     return parser
 
 

@@ -1,16 +1,30 @@
-"""Prometheus metrics (vLLM's names under `tengyun:`, label model_name) and the periodic stats
-log line. Both are step listeners of AsyncLLMEngine: they run on the event loop after each step.
+"""Prometheus metrics under `tengyun:` and, as twins, under vLLM's `vllm:` names (vllm_metrics.py),
+and the periodic stats log line. Both are step listeners of AsyncLLMEngine: they run on the
+event loop after each step that produced output. Names, types and buckets are vLLM 0.11's.
 
-    tengyun:num_requests_running / num_requests_waiting / kv_cache_usage_perc    gauges
-    tengyun:prefix_cache_queries_total / prefix_cache_hits_total (tokens),
-    tengyun:num_preemptions_total, prompt_tokens_total, generation_tokens_total,
-    tengyun:request_success_total{finished_reason}                               counters
-    tengyun:time_to_first_token_seconds, inter_token_latency_seconds,
-    tengyun:e2e_request_latency_seconds, request_queue_time_seconds             histograms
+    from engine stats     num_requests_running / num_requests_waiting / kv_cache_usage_perc (gauges);
+                          prefix_cache_queries / prefix_cache_hits (tokens), num_preemptions,
+                          prompt_tokens, generation_tokens (counters); cache_config_info (gauge, 1)
+    per step              iteration_tokens_total: prompt tokens of requests that got their first
+                          token in the step + tokens generated in it
+    per sequence          request_success{finished_reason} (counter)
+    per request           time_to_first_token_seconds, inter_token_latency_seconds (each new token
+                          step), and when it finishes: e2e_request_latency_seconds,
+                          request_queue_time_seconds (arrival -> first scheduled),
+                          request_prefill_time_seconds (first scheduled -> first token),
+                          request_decode_time_seconds (first token -> last token),
+                          request_inference_time_seconds (first scheduled -> last token),
+                          request_time_per_output_token_seconds (decode / (tokens - 1)),
+                          request_prompt_tokens, request_generation_tokens (all n sequences),
+                          request_max_num_generation_tokens (its longest sequence),
+                          request_params_n, request_params_max_tokens (as resolved)
+A request observes the phases it reached: one aborted while waiting has no queue or prefill time.
+vLLM counts its per-request histograms once per sequence when n > 1, and leaves client aborts out.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from dataclasses import dataclass
@@ -19,6 +33,7 @@ from prometheus_client import (
     CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
 )
 
+from tengyun.entrypoints.openai.vllm_metrics import VllmMetrics, metrics_options
 from tengyun.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger("tengyun.stats")
@@ -31,6 +46,35 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """Token-count buckets up to max_model_len: 100 -> (1, 2, 5, 10, 20, 50, 100)."""
+    buckets, scale = [], 1
+    while scale <= limit:
+        buckets += [m * scale for m in (1, 2, 5) if m * scale <= limit]
+        scale *= 10
+    return tuple(buckets)
+
+
+def cache_config_labels(config, num_kv_blocks: int) -> dict[str, str]:
+    """cache_config_info's labels: the fields of vLLM 0.11's CacheConfig, as str() writes them,
+    holding Tengyun's values (no swap, CPU offload, sliding window or Mamba page padding here)."""
+    on_cpu = config.device_type == "cpu"
+    return {
+        "block_size": str(config.block_size), "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "swap_space": "0", "cache_dtype": str(config.kv_cache_dtype), "is_attention_free": "False",
+        "num_gpu_blocks_override": str(config.num_gpu_blocks_override), "sliding_window": "None",
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "prefix_caching_hash_algo": "builtin",  # Python's hash() of (parent hash, token ids)
+        "cpu_offload_gb": "0", "calculate_kv_scales": "False",
+        "cpu_kvcache_space_bytes": str(config.kv_cache_memory if on_cpu else None),
+        "mamba_page_size_padded": "None", "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto",
+        "num_gpu_blocks": str(num_kv_blocks), "num_cpu_blocks": "None", "kv_sharing_fast_prefill": "False",
+        "kv_cache_memory_bytes": str(config.kv_cache_memory), "swap_space_bytes": "0",
+    }
 
 
 @dataclass
@@ -40,82 +84,157 @@ class _RequestTiming:
 
 
 class EngineMetrics:
-    """Owns its registry, so several servers (tests) can live in one process."""
+    """Owns its registry, so several servers (tests) can live in one process. `config`: the
+    finalized EngineConfig (served_model_name, max_model_len, the cache settings)."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, config, registry: CollectorRegistry | None = None, vllm_aliases: bool = True,
+                 show_hidden_for: tuple[int, int] | None = None):
+        self.config = config
         self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=self.registry)  # resident memory, CPU seconds, open fds
-        labels = {"model_name": model_name}
-        r = self.registry
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ["model_name"], registry=r).labels(**labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name"], registry=r).labels(**labels)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=r).labels(**labels)
-
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
-                          ["model_name", "finished_reason"], registry=r)
-        self.success = {reason.value: success.labels(model_name=model_name, finished_reason=reason.value)
-                        for reason in FinishReason}
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between tokens of a request.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.families: dict = {}  # short name -> metric family, read by the vllm: twins at scrape time
+        self._add_scheduler_metrics()
+        self._add_request_metrics(buckets_1_2_5(config.max_model_len))
+        if vllm_aliases:
+            self.registry.register(VllmMetrics(self.families, show_hidden_for))
+        elif show_hidden_for is not None:
+            logger.warning("--show-hidden-metrics-for-version has no effect with --disable-vllm-metric-aliases: "
+                           "the hidden metrics exist only under vllm: names.")
         self._last_stats = None
         self._timings: dict[str, _RequestTiming] = {}
 
+    @staticmethod
+    def options_from_args(args: argparse.Namespace) -> dict:
+        """Keyword arguments from --disable-vllm-metric-aliases and --show-hidden-metrics-for-version."""
+        return metrics_options(args)
+
+    def _family(self, kind, name: str, doc: str, labels=("model_name",), **kwargs):
+        family = kind(PREFIX + name, doc, list(labels), registry=self.registry, **kwargs)
+        self.families[name] = family
+        return family
+
+    def _one(self, kind, name: str, doc: str, **kwargs):
+        """The family's only series, {model_name}."""
+        return self._family(kind, name, doc, **kwargs).labels(model_name=self.config.served_model_name)
+
+    def _add_scheduler_metrics(self) -> None:
+        self.running = self._one(Gauge, "num_requests_running", "Requests in the running batch.")
+        self.waiting = self._one(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = self._one(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.cache_info = self._family(Gauge, "cache_config_info", "KV-cache settings as labels (value 1).",
+                                       labels=tuple(cache_config_labels(self.config, 0)))
+        self.prefix_queries = self._one(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = self._one(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = self._one(Counter, "num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.prompt_tokens = self._one(Counter, "prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = self._one(Counter, "generation_tokens", "Generated tokens.")
+        self.iteration_tokens = self._one(Histogram, "iteration_tokens_total", "Tokens per engine step: prompts "
+                                          "that got their first token plus generated tokens.",
+                                          buckets=ITERATION_TOKEN_BUCKETS)
+
+    def _add_request_metrics(self, token_buckets: tuple[int, ...]) -> None:
+        success = self._family(Counter, "request_success", "Finished sequences by finish reason.",
+                               labels=("model_name", "finished_reason"))
+        self.success = {reason.value: success.labels(self.config.served_model_name, reason.value)
+                        for reason in FinishReason}
+        h = self._histogram
+        self.prompt_len = h("request_prompt_tokens", "Prompt tokens of a finished request.", token_buckets)
+        self.generation_len = h("request_generation_tokens", "Tokens a finished request generated "
+                                "(all its sequences).", token_buckets)
+        self.max_generation_len = h("request_max_num_generation_tokens", "Tokens of a finished request's "
+                                    "longest sequence.", token_buckets)
+        self.n = h("request_params_n", "The n of a finished request.", N_BUCKETS)
+        self.max_tokens = h("request_params_max_tokens", "max_tokens of a finished request, as resolved.",
+                            token_buckets)
+        self.ttft = h("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Time between tokens of a request.", ITL_BUCKETS)
+        self.tpot = h("request_time_per_output_token_seconds", "Decode time / (generated tokens - 1) of a "
+                      "finished request (0 for one token).", ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = h("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.inference_time = h("request_inference_time_seconds", "First scheduled to last token.", LATENCY_BUCKETS)
+        self.prefill_time = h("request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS)
+        self.decode_time = h("request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS)
+
+    def _histogram(self, name: str, doc: str, buckets):
+        return self._one(Histogram, name, doc, buckets=buckets)
+
     def start_from(self, stats) -> None:
-        """Count from these engine totals on (the warm-up's tokens are not traffic)."""
+        """Count from these engine totals on (the warm-up's tokens are not traffic); the KV
+        cache is built by now, so its settings are known."""
         self._last_stats = stats
+        self.cache_info.labels(**cache_config_labels(self.config, stats.num_kv_blocks)).set(1)
 
     def on_step(self, outputs: list[RequestOutput], stats) -> None:
-        self._record_stats(stats)
-        for output in outputs:
-            self._record_output(output)
+        generated = self._record_stats(stats)
+        prefilled = sum(self._record_output(output) for output in outputs)
+        if generated or prefilled:
+            self.iteration_tokens.observe(prefilled + generated)
 
-    def _record_stats(self, stats) -> None:
+    def _record_stats(self, stats) -> int:
+        """Set gauges and counters; returns the tokens generated since the last step."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         last = self._last_stats
+        increases = {}
         for counter, name in ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
                               (self.preemptions, "num_preemptions"), (self.prompt_tokens, "prompt_tokens"),
                               (self.generation_tokens, "generation_tokens")):
             # The engine reports running totals; counters take the increase since the last step.
-            counter.inc(max(getattr(stats, name) - (getattr(last, name) if last else 0), 0))
+            increases[name] = max(getattr(stats, name) - (getattr(last, name) if last else 0), 0)
+            counter.inc(increases[name])
         self._last_stats = stats
+        return increases["generation_tokens"]
 
-    def _record_output(self, output: RequestOutput) -> None:
+    def _record_output(self, output: RequestOutput) -> int:
+        """Latencies of this step's tokens; returns the prompt's length if its first token came now."""
         metrics = output.metrics
         timing = self._timings.setdefault(output.request_id, _RequestTiming())
+        prefilled = 0
         if metrics is not None and metrics.first_token_time is not None:
             if not timing.first_token_seen:
                 timing.first_token_seen = True
+                prefilled = len(output.prompt_token_ids)
                 self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
             elif metrics.last_token_time != timing.last_token_time:
                 self.itl.observe(metrics.last_token_time - timing.last_token_time)
             timing.last_token_time = metrics.last_token_time
         if output.finished:
             del self._timings[output.request_id]
-            for c in output.outputs:
-                if c.finish_reason in self.success:
-                    self.success[c.finish_reason].inc()
-            if metrics is not None:
-                self.e2e.observe((metrics.finished_time or time.time()) - metrics.arrival_time)
-                if metrics.first_scheduled_time is not None:
-                    self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+            self._record_finished(output)
+        return prefilled
+
+    def _record_finished(self, output: RequestOutput) -> None:
+        for c in output.outputs:
+            if c.finish_reason in self.success:
+                self.success[c.finish_reason].inc()
+        lengths = [len(c.token_ids) for c in output.outputs]  # one per sequence, n in all
+        self.prompt_len.observe(len(output.prompt_token_ids))
+        self.generation_len.observe(sum(lengths))
+        self.max_generation_len.observe(max(lengths))
+        self.n.observe(len(lengths))
+        m = output.metrics
+        if m is None:
+            return
+        if m.max_tokens:
+            self.max_tokens.observe(m.max_tokens)
+        self.e2e.observe((m.finished_time or time.time()) - m.arrival_time)
+        self._record_phases(m, max(lengths))
+
+    def _record_phases(self, m, longest: int) -> None:
+        """arrival -queue-> first scheduled -prefill-> first token -decode-> last token; a phase
+        is observed once the request reached its end."""
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None:
+            return
+        decode = m.last_token_time - m.first_token_time
+        self.decode_time.observe(decode)
+        self.tpot.observe(decode / (longest - 1) if longest > 1 else 0.0)
+        if m.first_scheduled_time is not None:
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+            self.inference_time.observe(m.last_token_time - m.first_scheduled_time)
 
 
 class StatLogger:
