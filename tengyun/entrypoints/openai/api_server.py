@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import shlex
 import sys
 import threading
@@ -38,23 +37,20 @@ from tengyun.entrypoints.openai.cli_args import (
 from tengyun.entrypoints.openai.metrics import EngineMetrics, StatLogger
 from tengyun.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-    RequestError, TokenizeRequest, TokenizeResponse, error_body,
+    RequestError, TokenizeRequest, TokenizeResponse,
 )
 from tengyun.entrypoints.openai.serving_chat import OpenAIServingChat
 from tengyun.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tengyun.entrypoints.openai.serving_engine import SSE_HEADERS, error_status
+from tengyun.entrypoints.openai.middleware import GateMiddleware, RequestTooLarge, error_response
+from tengyun.entrypoints.openai.openapi_doc import install_openapi
+from tengyun.entrypoints.openai.request_limits import RequestLimits, default_max_request_bytes
+from tengyun.entrypoints.openai.serving_engine import SSE_HEADERS, error_status, public_message
+from tengyun.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from tengyun.generation_config import sampling_defaults
 from tengyun.sampling_params import SamplingParams
 from tengyun.tokenizer import get_tokenizer
 
 logger = logging.getLogger("tengyun.server")
-
-AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # --api-key guards these; /health, /metrics stay open
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
-
 
 class ServerState:
     """Everything the routes share; the engine appears once loading and warm-up are done."""
@@ -62,8 +58,10 @@ class ServerState:
     def __init__(self, config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
                  log_stats_interval: float | None = 10.0, shutdown_timeout: float = 30.0,
                  base_url: str | None = None, chat_options: dict[str, Any] | None = None,
-                 metrics_options: dict[str, Any] | None = None):
+                 limits: RequestLimits | None = None, metrics_options: dict[str, Any] | None = None):
         self.config = config  # finalized: served_model_name and max_model_len are known
+        self.limits = limits or RequestLimits(max_request_bytes=default_max_request_bytes(config.max_model_len),
+                                              max_seqs_per_request=config.max_num_seqs)
         self.api_key = api_key
         self.chat_template = chat_template
         self.shutdown_timeout = shutdown_timeout
@@ -71,6 +69,7 @@ class ServerState:
         self.chat_options = chat_options or {}  # enable_auto_tool_choice, tool_call_parser, reasoning_parser
         self.sampling_defaults = sampling_defaults(config)  # --generation-config; logged once when any
         self.engine: AsyncLLMEngine | None = None
+        self.worker: TokenizerWorker | None = None
         self.completion: OpenAIServingCompletion | None = None
         self.chat: OpenAIServingChat | None = None
         self.ready = False
@@ -98,10 +97,11 @@ class ServerState:
                 self.stat_logger.start_from(engine.latest_stats)
                 engine.add_step_listener(self.stat_logger.on_step)
             name = self.config.served_model_name
-            self.completion = OpenAIServingCompletion(engine, tokenizer, name, self.chat_template,
-                                                      self.sampling_defaults)
-            self.chat = OpenAIServingChat(engine, tokenizer, name, self.chat_template, self.sampling_defaults,
-                                          **self.chat_options)
+            self.worker = TokenizerWorker(tokenizer, self.limits.chat_template_timeout_s)
+            self.completion = OpenAIServingCompletion(engine, self.worker, name, self.chat_template,
+                                                      self.sampling_defaults, self.limits)
+            self.chat = OpenAIServingChat(engine, self.worker, name, self.chat_template, self.sampling_defaults,
+                                          self.limits, **self.chat_options)
             self.ready = True
             logger.info("Ready in %.1f s: serving %r", time.perf_counter() - started, name)
             if self.base_url:
@@ -186,38 +186,6 @@ async def _in_daemon_thread(fn: Callable, *args: Any) -> Any:
     return await future
 
 
-class GateMiddleware:
-    """API routes: bearer auth (401), then readiness / draining (503), then in-flight counting."""
-
-    def __init__(self, app: Any, state: ServerState):
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not (
-                path.startswith(AUTH_PREFIXES) or path == "/v1"):
-            return await self.app(scope, receive, send)
-        state = self.state
-        if state.api_key and not self._authorized(scope):
-            response = error_response(401, "Invalid or missing API key: send it as 'Authorization: Bearer KEY'.")
-            return await response(scope, receive, send)
-        reason = state.unavailable_reason()
-        if reason is not None:
-            return await error_response(503, reason)(scope, receive, send)
-        state.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            state.in_flight -= 1
-
-    def _authorized(self, scope) -> bool:
-        value = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        # Bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.state.api_key.encode())
-
-
 async def _until_disconnect(raw_request: Request, work: Any) -> Any:
     """Await `work`, cancelling it (which aborts its engine requests) if the client leaves first."""
     task = asyncio.ensure_future(work)
@@ -259,6 +227,8 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None, allo
                 task.cancel()
             if state.engine is not None:
                 state.engine.shutdown()
+            if state.worker is not None:
+                state.worker.shutdown()
 
     app = FastAPI(title="Tengyun OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.server = state
@@ -268,6 +238,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None, allo
                        allow_credentials=allow_credentials)  # outermost: preflights never need the key
     _add_error_handlers(app)
     _add_routes(app, state)
+    install_openapi(app, with_api_key=bool(state.api_key))
     return app
 
 
@@ -288,8 +259,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, RequestTooLarge):  # FastAPI wraps errors met while reading the body
+            return error_response(413, str(exc.__cause__))
         message = f"No route {request.method} {request.url.path}." if exc.status_code in (404, 405) else str(exc.detail)
         return error_response(exc.status_code, message)
+
+    @app.exception_handler(RequestTooLarge)
+    async def too_large(request: Request, exc: RequestTooLarge) -> JSONResponse:
+        return error_response(413, str(exc))
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
@@ -306,7 +283,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("Internal error on %s", request.url.path)
-        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")
+        return error_response(500, public_message(exc))  # never the exception's text
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -325,7 +302,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=state.config.served_model_name, root=str(state.config.model_path),
+        # root: the name the model is served under, never the folder it was loaded or converted into
+        card = ModelCard(id=state.config.served_model_name, root=state.config.served_model_name,
                          max_model_len=state.config.max_model_len)
         return ModelList(data=[card]).model_dump()
 
@@ -343,13 +321,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         serving.check_model(request.model)
         if request.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-            text = serving.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                       request.chat_template, request.chat_template_kwargs, tools)
+            text = await serving.render_chat(request.messages, request.add_generation_prompt,
+                                             request.continue_final_message, request.chat_template,
+                                             request.chat_template_kwargs, tools)
             add_special = bool(request.add_special_tokens)
         else:
             text = request.prompt
             add_special = request.add_special_tokens is not False
-        tokens = serving.tokenizer.encode(text, add_special_tokens=add_special)
+        tokens = await serving.worker.encode(text, add_special)
         token_strs = serving.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens,
                                 token_strs=token_strs).model_dump()
@@ -358,7 +337,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(request: DetokenizeRequest) -> dict:
         serving = state.completion
         serving.check_model(request.model)
-        serving.tokenize_prompt(request.tokens)  # range check: 400 naming the bad ids
+        serving.check_token_ids(request.tokens, "tokens")  # 400 naming the bad ids
         return DetokenizeResponse(prompt=serving.tokenizer.decode(request.tokens)).model_dump()
 
 
@@ -404,6 +383,7 @@ def run_server(args: argparse.Namespace) -> int:
         base_url=f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}",
         chat_options=dict(enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser),
+        limits=RequestLimits.from_args(args, config.max_model_len, config.max_num_seqs),
         metrics_options=EngineMetrics.options_from_args(args),
     )
     app = build_app(state, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)

@@ -24,6 +24,55 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class RequestModel(OpenAIBaseModel):
+    """A piece of a request body: values must have the declared JSON types ("stream": "yes",
+    "n": "2" or "max_tokens": 1.5 are refused, not coerced)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class RequestBody(RequestModel):
+    """A whole request body: also refused when any string in it is not Unicode text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            where = ".".join(path) or "the body"
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate (such as \\ud800), which is not text: "
+                             f"send valid Unicode.")
+        return data
+
+
+def lone_surrogate_path(data: Any) -> list[str] | None:
+    """The path (["messages", "0", "content"]) of the first string, key or value, that cannot be
+    UTF-8 encoded; None when all can. Iterative: a deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[Any, list[str]]] = [(data, [])]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
+                if isinstance(key, str) and not _is_unicode(key):
+                    return [*path, name]
+                stack.append((item, [*path, name]))
+        elif isinstance(value, list):
+            stack.extend((item, [*path, str(i)]) for i, item in enumerate(value))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class RequestError(ValueError):
     """Bad request input: becomes a 400 with `param` set to the offending field."""
 
@@ -45,7 +94,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -55,7 +104,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 # ----- shared pieces ---------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
@@ -98,19 +147,19 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class JsonSchemaFormat(OpenAIBaseModel):
+class JsonSchemaFormat(RequestModel):
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestBody):
     """Sampling fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -312,29 +361,29 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 # ----- /v1/chat/completions --------------------------------------------------------------
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ... reach the template
     role: str
     content: str | list[dict[str, Any]] | None = None
 
 
-class FunctionDefinition(OpenAIBaseModel):
+class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatCompletionToolParam(OpenAIBaseModel):
+class ChatCompletionToolParam(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class ToolChoiceFunction(OpenAIBaseModel):
+class ToolChoiceFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(OpenAIBaseModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: ToolChoiceFunction
 
@@ -479,7 +528,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 # ----- /tokenize, /detokenize ------------------------------------------------------------
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -505,7 +554,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

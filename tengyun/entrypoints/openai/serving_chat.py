@@ -23,6 +23,7 @@ from tengyun.entrypoints.openai.protocol import (
     NamedToolChoice, RequestError, ToolCall, UsageInfo, prompt_logprobs_json, random_id,
 )
 from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
 from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
 from tengyun.outputs import RequestOutput
@@ -43,10 +44,12 @@ class OpenAIServingChat(OpenAIServing):
         """Validates everything before the first engine call: bad input raises RequestError."""
         self.check_model(request.model)
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-        text = self.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                request.chat_template, request.chat_template_kwargs, tools)
+        check_sequence_counts(self.limits, request.n, 1)
+        text = await self.render_chat(request.messages, request.add_generation_prompt,
+                                      request.continue_final_message, request.chat_template,
+                                      request.chat_template_kwargs, tools)
         # The template already holds BOS and friends: do not add special tokens twice.
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = await self.worker.encode(text, add_special_tokens=False)
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens(len(token_ids), None)

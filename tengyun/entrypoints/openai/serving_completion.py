@@ -14,6 +14,7 @@ from tengyun.entrypoints.openai.protocol import (
     MIN_LOGPROB, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
     CompletionStreamResponse, UsageInfo, prompt_logprobs_json, random_id,
 )
+from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
 from tengyun.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -23,7 +24,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validates everything before the first engine call: bad input raises RequestError."""
         self.check_model(request.model)
         prompts = request.prompts()
-        token_lists = [self.tokenize_prompt(p) for p in prompts]
+        check_sequence_counts(self.limits, request.n, len(prompts))
+        token_lists = [await self.tokenize_prompt(p) for p in prompts]
         max_tokens = [request.max_tokens if request.max_tokens_set else
                       self.default_max_tokens(len(ids), request.max_tokens) for ids in token_lists]
         for ids, limit in zip(token_lists, max_tokens):
@@ -34,7 +36,8 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if request.echo else ""
                       for p in prompts]
         request_id = random_id("cmpl")
-        streams = [self.engine.generate(f"{request_id}-{i}", ids, p)
+        # Prompt i's n sequences take turns i * n ... i * n + n - 1 in the round-robin between requests.
+        streams = [self.engine.generate(f"{request_id}-{i}", ids, p, first_turn=i * request.n)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
         if request.stream:
             return self._stream(request, request_id, streams, echo_texts)

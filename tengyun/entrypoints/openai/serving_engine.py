@@ -5,27 +5,35 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, AsyncIterator
 
 from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from tengyun.entrypoints.openai.protocol import ChatMessage, RequestError, error_body
+from tengyun.entrypoints.openai.request_limits import RequestLimits
+from tengyun.entrypoints.openai.tokenizer_worker import RenderTimeout, TokenizerWorker
 from tengyun.outputs import RequestOutput
 from tengyun.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("tengyun.server")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, served_model_name: str,
-                 chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None):
+    def __init__(self, engine: AsyncLLMEngine, worker: TokenizerWorker | None, served_model_name: str,
+                 chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None,
+                 limits: RequestLimits | None = None):
         self.engine = engine
-        self.tokenizer = tokenizer  # the front end's own copy: the engine thread has another
+        self.worker = worker  # the front end's tokenizer, off the event loop (the engine thread has another)
+        self.tokenizer = worker.tokenizer if worker is not None else None  # for short decodes on the loop
         self.served_model_name = served_model_name
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.hf_config["vocab_size"]
         self.chat_template = chat_template
         # --generation-config: {"temperature": 0.7, "max_tokens": 512, ...} for fields a request leaves unset
         self.sampling_defaults = sampling_defaults or {}
+        self.limits = limits or RequestLimits()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -33,13 +41,16 @@ class OpenAIServing:
                                f"`{self.served_model_name}`.", "model")
 
     # ----- prompts ----------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt holds token ids outside [0, {self.vocab_size}): {bad[:5]}.", "prompt")
+            return await self.worker.encode(prompt, add_special_tokens)
+        self.check_token_ids(prompt, "prompt")
         return list(prompt)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"{param} holds token ids outside [0, {self.vocab_size}): {bad[:5]}.", param)
 
     async def check_structured_outputs(self, spec: StructuredOutputsParams | None, param: str | None) -> None:
         """Compile the request's grammar off the event loop (cached for the worker): a bad schema,
@@ -53,24 +64,39 @@ class OpenAIServing:
         except ValueError as e:
             raise RequestError(f"{param}: {e}" if param else str(e), param) from None
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool = False, chat_template: str | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-        """The tokenizer's chat template (or --chat-template / the request's) over the messages."""
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool = False, chat_template: str | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None,
+                          tools: list[dict[str, Any]] | None = None) -> str:
+        """The tokenizer's chat template (or --chat-template / the request's) over the messages,
+        rendered in the tokenizer thread under --chat-template-timeout."""
+        self.check_request_template(chat_template, chat_template_kwargs)
         template = chat_template or self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("The model has no chat template: start the server with --chat-template "
                                "or use /v1/completions.", "messages")
         conversation = [_message_dict(m) for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            return await self.worker.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=template, tools=tools,
                 **(chat_template_kwargs or {}),
             )
+        except RenderTimeout as e:
+            raise RequestError(f"The chat template did not finish: {e} (--chat-template-timeout).",
+                               "chat_template" if chat_template else "messages") from None
         except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
             raise RequestError(f"The chat template failed on these messages: {e}", "messages") from None
+
+    def check_request_template(self, chat_template: str | None, kwargs: dict[str, Any] | None) -> None:
+        """A template is code: a request may bring one only where the operator allowed it (as vLLM)."""
+        if self.limits.trust_request_chat_template:
+            return
+        field = "chat_template" if chat_template is not None else (
+            "chat_template_kwargs.chat_template" if kwargs and "chat_template" in kwargs else None)
+        if field is not None:
+            raise RequestError(f"{field}: this server does not accept chat templates in requests; drop the "
+                               f"field, or start the server with --trust-request-chat-template.", field.split(".")[0])
 
     def default_max_tokens(self, num_prompt_tokens: int, fallback: int | None) -> int | None:
         """max_tokens for a request that left it unset: --generation-config's max_new_tokens, cut to
@@ -177,6 +203,17 @@ def error_status(e: Exception) -> int:
     return 400 if isinstance(e, ValueError) else 500
 
 
+INTERNAL_ERROR_MESSAGE = "Internal server error; the server log has the details."
+
+
+def public_message(e: Exception) -> str:
+    """What a client may read of an exception: bad input and a dead engine say why; anything
+    else is our bug, and its text (paths, types, internals) stays in the server log."""
+    return INTERNAL_ERROR_MESSAGE if error_status(e) == 500 else str(e)
+
+
 def sse_error(e: Exception) -> str:
     """An error after the stream started: headers are gone, so it travels in-band."""
-    return sse(error_body(error_status(e), str(e), getattr(e, "param", None)))
+    if error_status(e) == 500:
+        logger.error("Internal error in a stream", exc_info=e)
+    return sse(error_body(error_status(e), public_message(e), getattr(e, "param", None)))

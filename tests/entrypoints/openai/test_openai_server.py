@@ -24,7 +24,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def server(server_model, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("openai_server") / "server.log"
     yield from running_server(server_model, ["--api-key", API_KEY, "--served-model-name", MODEL,
-                                             "--allowed-origins", '["http://app.example"]'], log)
+                                             "--allowed-origins", '["http://app.example"]',
+                                             "--trust-request-chat-template"], log)
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,7 @@ def server(tmp_path_factory):
     yield from running_server("HuggingFaceTB/SmolLM2-135M-Instruct", [
         "--served-model-name", MODEL, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        "--trust-request-chat-template",  # the tests bring their own templates
     ], log, env={"OMP_NUM_THREADS": "1"})
 
 
