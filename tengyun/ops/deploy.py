@@ -103,7 +103,7 @@ class NginxSite:
     fail_timeout_s: int = 10
     read_timeout_s: int = 3600  # a long generation streams for minutes
     keepalive: int = 64
-    client_max_body_size: str = "64m"
+    client_max_body_size: str = "1m"  # as the servers' --max-request-bytes: nginx answers 413 for larger bodies
 
 
 def nginx_site(site: NginxSite) -> str:

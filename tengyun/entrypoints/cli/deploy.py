@@ -9,6 +9,7 @@ import shutil
 import sys
 
 from tengyun.entrypoints.cli.supervise import parse_serve_args, serve_command
+from tengyun.entrypoints.openai.request_limits import default_max_request_bytes
 from tengyun.ops.deploy import NginxSite, SystemdUnit, nginx_main_config, nginx_site, systemd_unit
 
 # Carried into the unit from the shell it is generated in (after `source set_env.sh`).
@@ -66,6 +67,11 @@ def add_parser(subparsers) -> None:
     nginx.add_argument("--max-fails", type=int, default=1)
     nginx.add_argument("--fail-timeout", type=int, default=10, help="seconds a failed instance is skipped")
     nginx.add_argument("--read-timeout", type=int, default=3600, help="seconds (long generations stream for minutes)")
+    nginx.add_argument("--max-model-len", type=int, default=32768,
+                       help="the servers' --max-model-len, to size client_max_body_size as they size "
+                            "--max-request-bytes (default 32768)")
+    nginx.add_argument("--max-request-bytes", type=int, default=None,
+                       help="client_max_body_size in bytes: the servers' --max-request-bytes when they set one")
     nginx.add_argument("--full-config", metavar="PREFIX", default=None,
                        help="a complete nginx.conf with pid, logs and temp paths under PREFIX "
                             "(default: a conf.d snippet)")
@@ -73,8 +79,10 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.deploy_kind == "nginx":
+        body_bytes = args.max_request_bytes or default_max_request_bytes(args.max_model_len)
         text = nginx_site(NginxSite(args.upstream, args.listen, args.server_name, max_fails=args.max_fails,
-                                    fail_timeout_s=args.fail_timeout, read_timeout_s=args.read_timeout))
+                                    fail_timeout_s=args.fail_timeout, read_timeout_s=args.read_timeout,
+                                    client_max_body_size=str(body_bytes)))
         print(nginx_main_config(text, os.path.abspath(args.full_config)) if args.full_config else text, end="")
         return 0
     serve_args = serve_command(args.serve_args)
