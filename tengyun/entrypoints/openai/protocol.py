@@ -106,6 +106,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 # ----- shared pieces ---------------------------------------------------------------------
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
 
 
 class PromptLogprob(OpenAIBaseModel):
@@ -210,6 +211,10 @@ class SamplingFields(RequestBody):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        return self.include_usage_in_stream and bool(self.stream_options.continuous_usage_stats)
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """(the request's output constraint, the field it came from); at most one field may set one."""

@@ -123,54 +123,63 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream,
                       parsers: list[ChoiceOutputParser]) -> AsyncIterator[str]:
+        """One choice per chunk, as OpenAI and vLLM send them. A choice's role chunk goes out with
+        its first token, not before prefill: a client's first chunk times the first token.
+        stream_options: include_usage adds a last chunk with usage; continuous_usage_stats puts
+        the usage so far on every chunk too."""
         created, n = int(time.time()), request.n
-        sent_tokens, done, num_calls = [0] * n, [False] * n, [0] * n
+        sent_tokens, done, num_calls, started = [0] * n, [False] * n, [0] * n, [False] * n
+        usage = UsageInfo()
         exclude = None if request.include_usage_in_stream else {"usage"}
-        prompt_tokens = 0
 
-        def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> str:
-            response = ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
-                                                    choices=choices)
+        def chunk(choice: ChatCompletionResponseStreamChoice | None) -> str:
+            on_chunk = choice is None or request.usage_on_every_chunk
+            response = ChatCompletionStreamResponse(
+                id=request_id, created=created, model=self.served_model_name, choices=[choice] if choice else [],
+                usage=usage.model_copy() if on_chunk else None)
             return sse(response.model_dump(exclude=exclude))
 
         try:
-            # The role first, as OpenAI does, before the engine produced anything.
-            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                         for i in range(n)])
             async for _, output in self.merged([stream]):
-                prompt_tokens = len(output.prompt_token_ids)
-                choices = []
+                usage.prompt_tokens = len(output.prompt_token_ids)
+                usage.completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 for c in output.outputs:
                     if done[c.index]:
                         continue
-                    parsed = parsers[c.index].delta(c.text, finished=c.finish_reason is not None)
-                    delta = _delta(parsed, num_calls[c.index], request.include_reasoning)
-                    num_calls[c.index] += len(parsed.tool_calls)
-                    new_tokens = c.token_ids[sent_tokens[c.index]:]
-                    if delta is None and c.finish_reason is None and not (request.logprobs and new_tokens):
-                        continue
-                    logprobs = None
-                    if request.logprobs:
-                        logprobs = chat_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[c.index]:],
-                                                 request.top_logprobs or 0)
-                    sent_tokens[c.index] = len(c.token_ids)
-                    done[c.index] = c.finish_reason is not None
-                    choices.append(ChatCompletionResponseStreamChoice(
-                        index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
-                        finish_reason=_finish_reason(c.finish_reason, num_calls[c.index] > 0),
-                        stop_reason=c.stop_reason))
-                if choices:
-                    yield chunk(choices)
+                    if not started[c.index]:
+                        started[c.index] = True
+                        yield chunk(ChatCompletionResponseStreamChoice(
+                            index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                    choice = self._stream_choice(request, c, parsers[c.index], sent_tokens, num_calls)
+                    if choice is not None:
+                        done[c.index] = choice.finish_reason is not None
+                        yield chunk(choice)
             if request.include_usage_in_stream:
-                completion = sum(sent_tokens)
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                                  total_tokens=prompt_tokens + completion)
-                response = ChatCompletionStreamResponse(id=request_id, created=created,
-                                                        model=self.served_model_name, choices=[], usage=usage)
-                yield sse(response.model_dump())
+                usage.completion_tokens = sum(sent_tokens)
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield chunk(None)
         except Exception as e:
             yield sse_error(e)
         yield SSE_DONE
+
+    @staticmethod
+    def _stream_choice(request: ChatCompletionRequest, c, parser: ChoiceOutputParser, sent_tokens: list[int],
+                       num_calls: list[int]) -> ChatCompletionResponseStreamChoice | None:
+        """The delta of choice c since its last chunk; None while there is nothing to send."""
+        parsed = parser.delta(c.text, finished=c.finish_reason is not None)
+        delta = _delta(parsed, num_calls[c.index], request.include_reasoning)
+        num_calls[c.index] += len(parsed.tool_calls)
+        new_tokens = c.token_ids[sent_tokens[c.index]:]
+        if delta is None and c.finish_reason is None and not (request.logprobs and new_tokens):
+            return None
+        logprobs = None
+        if request.logprobs:
+            logprobs = chat_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[c.index]:], request.top_logprobs or 0)
+        sent_tokens[c.index] = len(c.token_ids)
+        return ChatCompletionResponseStreamChoice(
+            index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
+            finish_reason=_finish_reason(c.finish_reason, num_calls[c.index] > 0), stop_reason=c.stop_reason)
 
 
 def _message(parsed: ParsedOutput, include_reasoning: bool) -> ChatResponseMessage:

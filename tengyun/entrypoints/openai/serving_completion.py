@@ -70,21 +70,33 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, request: CompletionRequest, request_id: str, streams,
                       echo_texts: list[str]) -> AsyncIterator[str]:
+        """One choice per chunk, as OpenAI and vLLM send them; stream_options as in chat."""
         created, n = int(time.time()), request.n
         num_choices = len(streams) * n
         sent_chars, sent_tokens = [0] * num_choices, [0] * num_choices
         echoed, done = [False] * num_choices, [False] * num_choices
         prompt_tokens: dict[int, int] = {}
+        generated = [0] * num_choices  # tokens out so far, for continuous_usage_stats
         exclude = None if request.include_usage_in_stream else {"usage"}
+
+        def chunk(choice: CompletionResponseChoice | None, completion_tokens: list[int]) -> str:
+            usage = None
+            if choice is None or request.usage_on_every_chunk:
+                prompt, completion = sum(prompt_tokens.values()), sum(completion_tokens)
+                usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            response = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                choices=[choice] if choice else [], usage=usage)
+            return sse(response.model_dump(exclude=exclude))
+
         try:
             async for i, output in self.merged(streams):
                 prompt_tokens[i] = len(output.prompt_token_ids)
-                choices = []
                 for c in output.outputs:
                     k = i * n + c.index
                     if done[k]:
                         continue
                     c = _visible(request, c)
+                    generated[k] = len(c.token_ids)
                     choice = self._delta_choice(request, c, k, sent_chars, sent_tokens, len(echo_texts[i]))
                     if not echoed[k] and request.echo:
                         choice = choice or CompletionResponseChoice(index=k, text="")
@@ -94,19 +106,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     echoed[k] = True
                     if choice is not None:
                         done[k] = choice.finish_reason is not None
-                        choices.append(choice)
-                if choices:
-                    chunk = CompletionStreamResponse(id=request_id, created=created,
-                                                     model=self.served_model_name, choices=choices)
-                    yield sse(chunk.model_dump(exclude=exclude))
+                        yield chunk(choice, generated)
             if request.include_usage_in_stream:
-                prompt = sum(prompt_tokens.values())
-                completion = sum(sent_tokens)
-                usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                                  total_tokens=prompt + completion)
-                chunk = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
-                                                 choices=[], usage=usage)
-                yield sse(chunk.model_dump())
+                yield chunk(None, sent_tokens)
         except Exception as e:
             yield sse_error(e)
         yield SSE_DONE
