@@ -12,7 +12,9 @@ import subprocess
 import sys
 import time
 
-from tengyun.entrypoints.cli.supervise import parse_serve_args, serve_command, server_argv, start_child, stop_child
+from tengyun.entrypoints.cli.supervise import (
+    key_env, parse_serve_args, pop_api_key, serve_command, server_argv, start_child, stop_child, warn_key_in_argv,
+)
 from tengyun.ops.deploy import NginxSite, nginx_main_config, nginx_site
 from tengyun.ops.launch import InstancePlan, plan_instances
 
@@ -64,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     serve_args = serve_command(args.serve_args)
     serve = parse_serve_args(serve_args)
+    serve_args, api_key = pop_api_key(serve_args)  # the instances get the key in their environment
+    if api_key:
+        warn_key_in_argv("launch")
     platform = get_platform(serve.device)
     ids = device_ids(platform, args.devices) if platform.visible_devices_env else []
     plans = plan_instances(args.instances, args.devices_per_instance, args.base_port, ids,
@@ -80,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     procs: list[subprocess.Popen] = []
     for plan in plans:
-        proc = start_child(instance_argv(plan, serve_args, args.supervise), {**os.environ, **plan.env},
-                           set(plan.cpus))
+        proc = start_child(instance_argv(plan, serve_args, args.supervise),
+                           {**os.environ, **plan.env, **key_env(api_key)}, set(plan.cpus))
         procs.append(proc)
         logger.info("Instance %d: pid %d on 127.0.0.1:%d, devices %s, cpus %s", plan.index, proc.pid, plan.port,
                     ",".join(map(str, plan.devices)) or "-", ",".join(map(str, plan.cpus)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -41,6 +42,40 @@ def server_argv(serve_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "tengyun.entrypoints.cli.main", "serve", *serve_args]
 
 
+def pop_api_key(serve_args: list[str]) -> tuple[list[str], str | None]:
+    """The serve flags without --api-key, and its value, so that a child's command line (ps)
+    never holds the key: ['M', '--api-key', 'K', '--port', '1'] -> (['M', '--port', '1'], 'K');
+    '--api-key=K' likewise; the last one wins, as in argparse."""
+    rest, key, i = [], None, 0
+    while i < len(serve_args):
+        arg = serve_args[i]
+        if arg == "--api-key" and i + 1 < len(serve_args):
+            key, i = serve_args[i + 1], i + 2
+            continue
+        if arg.startswith("--api-key="):
+            key = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if parse_serve_args(rest).api_key is not None:  # an argv shape this missed: refuse, never leak
+        raise ValueError("could not take --api-key out of the serve flags: set TENGYUN_API_KEY in the "
+                         "environment or pass --api-key-file PATH instead.")
+    return rest, key
+
+
+def key_env(api_key: str | None) -> dict[str, str]:
+    """The environment entry that hands a key taken off the command line to the server."""
+    from tengyun.entrypoints.openai.cli_args import API_KEY_ENV
+
+    return {API_KEY_ENV: api_key} if api_key else {}
+
+
+def warn_key_in_argv(command: str) -> None:
+    logger.warning("--api-key is on the command line of `tengyun %s`, where ps shows it; its servers get it as "
+                   "$TENGYUN_API_KEY instead. Set TENGYUN_API_KEY (or pass --api-key-file PATH) before starting "
+                   "`tengyun %s` to keep the key out of ps altogether.", command, command)
+
+
 def _die_with_parent() -> None:
     """In the child: SIGTERM it if the supervisor dies (Linux), so no server is left orphaned."""
     try:
@@ -55,8 +90,6 @@ def start_child(argv: list[str], env: dict[str, str] | None = None, cpus: set[in
     def preexec() -> None:
         _die_with_parent()
         if cpus:
-            import os
-
             os.sched_setaffinity(0, cpus)
 
     return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec)
@@ -103,26 +136,33 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tengyun.entrypoints.openai.cli_args import check_server_args
+
     serve_args = serve_command(args.serve_args)
     serve = parse_serve_args(serve_args)  # bad serve flags fail here, before anything starts
+    check_server_args(serve)
+    serve_args, api_key = pop_api_key(serve_args)
+    if api_key:
+        warn_key_in_argv("supervise")
     if not 0 < args.memory_threshold <= 1:
         raise ValueError(f"--memory-threshold {args.memory_threshold}: a fraction in (0, 1], e.g. 0.95.")
     if args.check_interval <= 0:
         raise ValueError(f"--check-interval {args.check_interval}: must be positive, e.g. 5.")
     policy = WatchdogPolicy(args.memory_threshold, args.check_interval, args.health_failures, args.start_timeout,
                             args.backoff_initial, args.backoff_max)
-    return Supervisor(policy, serve_args, serve, args.metrics_port).run()
+    return Supervisor(policy, serve_args, serve, args.metrics_port, key_env(api_key)).run()
 
 
 class Supervisor:
     def __init__(self, policy: WatchdogPolicy, serve_args: list[str], serve: argparse.Namespace,
-                 metrics_port: int | None):
+                 metrics_port: int | None, env: dict[str, str] | None = None):
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         from tengyun.platforms import get_platform
 
         self.policy = policy
-        self.serve_args = serve_args
+        self.serve_args = serve_args  # holds no --api-key (pop_api_key): the key travels in env
+        self.env = {**os.environ, **env} if env else None
         self.drain_s = serve.shutdown_timeout
         host = "127.0.0.1" if serve.host in ("0.0.0.0", "::", "") else serve.host
         self.health_url = f"http://{host}:{serve.port}/health"
@@ -154,7 +194,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         while True:
-            proc = start_child(server_argv(self.serve_args))
+            proc = start_child(server_argv(self.serve_args), self.env)
             logger.info("Started the server: pid %d, watching %s", proc.pid, self.health_url)
             self.watchdog.started(time.monotonic())
             decision = self._watch(proc)

@@ -1,0 +1,135 @@
+"""`tengyun supervise` and `tengyun launch` with real servers on loopback (no nginx needed):
+the key given as --api-key never reaches a server's command line, only its environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from remote_server import MAX_MODEL_LEN, free_port, server_model  # noqa: F401 (fixture)
+
+KEY = "sk-supervised-secret"
+SERVE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN), "--disable-uvicorn-access-log",
+               "--disable-log-stats"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TENGYUN_API_KEY": "", "VLLM_API_KEY": ""}
+
+
+class Tengyun:
+    """`python -m tengyun.entrypoints.cli.main ARGS` in the background, output in a log file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tengyun.entrypoints.cli.main", *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=ENV)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, count: int = 1, timeout: float = 240.0) -> list[re.Match]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = list(re.finditer(pattern, self.log()))
+            if len(found) >= count:
+                return found
+            assert self.proc.poll() is None, f"exited with {self.proc.returncode}:\n{self.log()}"
+            time.sleep(0.1)
+        pytest.fail(f"{pattern!r} x{count} not logged within {timeout} s:\n{self.log()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def tengyun(tmp_path):
+    started: list[Tengyun] = []
+
+    def start(*args: str) -> Tengyun:
+        t = Tengyun(list(args), tmp_path / f"tengyun{len(started)}.log")
+        started.append(t)
+        return t
+
+    yield start
+    for t in started:
+        t.stop()
+
+
+def wait_health(url: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{url}/health did not turn 200 within {timeout} s")
+
+
+def status_with_key(url: str, key: str) -> int:
+    return httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+
+@pytest.mark.parametrize("serve_args, rest, key", [
+    (["M", "--api-key", "K", "--port", "1"], ["M", "--port", "1"], "K"),
+    (["M", "--api-key=K"], ["M"], "K"),
+    (["M", "--api-key", "A", "--api-key=B"], ["M"], "B"),  # the last one wins, as in argparse
+    (["M", "--api-key-file", "/etc/k"], ["M", "--api-key-file", "/etc/k"], None),  # a path is no secret
+    (["M", "--chat-template={{x}} --api-key=K"], ["M", "--chat-template={{x}} --api-key=K"], None),  # a value
+])
+def test_pop_api_key_takes_only_the_key_off_the_serve_flags(serve_args, rest, key):
+    from tengyun.entrypoints.cli.supervise import pop_api_key
+
+    assert pop_api_key(serve_args) == (rest, key)
+
+
+def cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def environ(pid: int) -> bytes:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("command", ["supervise", "launch"])
+def test_key_given_as_flag_reaches_the_server_in_its_environment_not_its_command_line(
+        command, server_model, tengyun, tmp_path):  # noqa: F811
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = ["serve", str(server_model), *SERVE_FLAGS, "--api-key", KEY]
+    if command == "supervise":
+        t = tengyun("supervise", "--check-interval", "1", "--", *serve, "--host", "127.0.0.1", "--port", str(port))
+        pid_line = r"Started the server: pid (\d+)"
+    else:
+        t = tengyun("launch", "--instances", "1", "--base-port", str(port), "--no-nginx",
+                    "--nginx-dir", str(tmp_path / "nginx"), "--", *serve)
+        pid_line = r"Instance 0: pid (\d+)"
+    wait_health(url)
+    pid = int(t.wait_log(pid_line)[-1].group(1))
+    assert KEY.encode() not in cmdline(pid) and b"--api-key" not in cmdline(pid), cmdline(pid)
+    assert f"TENGYUN_API_KEY={KEY}".encode() in environ(pid).split(b"\0")  # readable by its owner only
+    assert status_with_key(url, KEY) == 200
+    assert status_with_key(url, "sk-wrong") == 401
+    log = t.log()
+    assert f"--api-key is on the command line of `tengyun {command}`" in log
+    assert "--api-key puts the key on the command line" not in log  # the server did not get it as a flag
+    assert KEY not in log
+    assert t.stop() == 0, t.log()
