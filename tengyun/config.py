@@ -76,6 +76,8 @@ class EngineConfig:
     device: str = "auto"
     served_model_name: str | None = None
     generation_config: str = "auto"  # default sampling params: auto (the model's file), vllm (none), or a folder
+    # Most logprobs / prompt_logprobs a request may ask for (vLLM's default 20); -1: the whole vocabulary.
+    max_logprobs: int = 20
     # Parallelism (docs/parallelism.md). World size = tp * pp, split evenly over --nnodes.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -137,6 +139,9 @@ class EngineConfig:
                 raise ValueError(f"--kv-cache-memory must be positive (try 4GiB); got {self.kv_cache_memory}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"--num-gpu-blocks-override must be >= 1; got {self.num_gpu_blocks_override}.")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be an integer >= 0, or -1 for the whole vocabulary (try 20); "
+                             f"got {self.max_logprobs!r}.")
         self._validate_generation_config()
         self._validate_parallel_values()
 

@@ -60,14 +60,17 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None  # number of top logprobs per output token
-    # Per prompt token after the first: its logprob, rank and the top-N (raw logits, as vLLM).
+    logprobs: int | None = None  # number of top logprobs per output token; -1: the whole vocabulary
+    # Per prompt token after the first: its logprob, rank and the top-N (raw logits, as vLLM); -1: all.
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
+    # {token id: bias} added to the logits before penalties and filters (OpenAI's field; the
+    # server clamps values to [-100, 100] as vLLM does). {"42": 1} becomes {42: 1}; {} becomes None.
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine, never by users: EOS ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -78,6 +81,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _token_id_keys(self.logit_bias) or None
         self._validate()
 
     def _validate(self) -> None:
@@ -114,17 +118,26 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}."
             )
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", self.logprobs, "an integer >= 0")
-        if self.prompt_logprobs is not None and (
-                not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < -1):
+                raise bad(name, value, "an integer >= 0, or -1 for the whole vocabulary")
+        if self.logit_bias and not all(isinstance(b, (int, float)) and math.isfinite(b)
+                                       for b in self.logit_bias.values()):
+            raise bad("logit_bias", self.logit_bias, "a map of token ids to finite numbers")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
+
+    def check_against_model(self, max_logprobs: int, vocab_size: int) -> None:
+        """What needs the engine's settings: logprob counts within --max-logprobs, logit_bias ids
+        within the vocabulary. Raises ValueError naming the field."""
+        check_num_logprobs("logprobs", self.logprobs, max_logprobs, vocab_size)
+        check_num_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs, vocab_size)
+        check_logit_bias(self.logit_bias, vocab_size)
 
     @property
     def is_greedy(self) -> bool:
@@ -137,3 +150,40 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _token_id_keys(logit_bias: dict | None) -> dict[int, float]:
+    """{"42": 1, 7: -2} -> {42: 1, 7: -2}; a key that is no integer is a ValueError naming logit_bias."""
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a map of token ids to biases, got {logit_bias!r}.")
+    result = {}
+    for key, bias in (logit_bias or {}).items():
+        try:
+            if isinstance(key, (bool, float)):
+                raise ValueError
+            result[int(key)] = bias
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids (integers, or their decimal strings "
+                             f"such as \"42\"), got {key!r}.") from None
+    return result
+
+
+def check_num_logprobs(name: str, count: int | None, max_logprobs: int, vocab_size: int) -> None:
+    """As vLLM: -1 means the whole vocabulary, on either side.
+
+    max_logprobs 20: count 20 passes, 21 or -1 fails; max_logprobs -1: any count, -1 included.
+    """
+    if count is None:
+        return
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    asked = vocab_size if count == -1 else count
+    if asked > limit:
+        whole = f" (-1: the whole vocabulary of {vocab_size})" if count == -1 else ""
+        raise ValueError(f"{name} asks for {count}{whole} but --max-logprobs is {max_logprobs}: ask for at most "
+                         f"{limit}, or raise --max-logprobs to {asked} (-1 allows the whole vocabulary).")
+
+
+def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:
+    bad = sorted(t for t in (logit_bias or {}) if not 0 <= t < vocab_size)
+    if bad:
+        raise ValueError(f"logit_bias holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}.")

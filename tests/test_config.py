@@ -21,6 +21,7 @@ from tengyun.config import EngineConfig, parse_size
     (dict(kv_cache_memory="lots"), "--kv-cache-memory"),
     (dict(load_format="pt"), "--load-format"),
     (dict(device="tpu"), "--device"),
+    (dict(max_logprobs=-2), "--max-logprobs"),
 ])
 def test_bad_values_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
@@ -85,3 +86,15 @@ def test_unsupported_architecture_lists_the_supported(tmp_path, tiny_checkpoints
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         LLM(str(folder))
+
+
+def test_max_logprobs_flag_reaches_the_config():
+    import argparse
+
+    from tengyun.entrypoints.cli.engine_args import add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args([])).max_logprobs == 20  # vLLM's default
+    assert config_from_args(parser.parse_args(["--max-logprobs", "-1"])).max_logprobs == -1
+    assert EngineConfig(max_logprobs=30).max_logprobs == 30  # LLM(max_logprobs=30)

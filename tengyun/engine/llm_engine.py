@@ -135,11 +135,15 @@ class LLMEngine:
         return text, token_ids
 
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """Checked against --max-logprobs and the vocabulary; logprobs -1 becomes the vocabulary
+        size, so the worker reads counts only."""
+        params.check_against_model(self.config.max_logprobs, self.vocab_size)
         room = self.config.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
         return dataclasses.replace(params, max_tokens=max_tokens,
-                                   all_stop_token_ids=eos | set(params.stop_token_ids))
+                                   all_stop_token_ids=eos | set(params.stop_token_ids), **whole)
 
     # ----- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,8 +1,9 @@
 """Sampler: logits [B, V] -> one token per row, with vLLM's penalties, filters, seeds and logprobs.
 
-Order of a step (as vLLM): raw logprobs -> penalties -> min_tokens mask -> grammar bitmask of
-constrained rows -> greedy argmax, or temperature -> top_k -> top_p -> min_p -> inverse-CDF
-sampling with one uniform per row.
+Order of a step (as vLLM): raw logprobs -> logit_bias -> penalties -> min_tokens mask -> grammar
+bitmask of constrained rows -> greedy argmax, or temperature -> top_k -> top_p -> min_p ->
+inverse-CDF sampling with one uniform per row. (vLLM masks min_tokens before the bias and the
+penalties; a -inf logit stays -inf through both, so the order of those three does not matter.)
 Every stage that no row uses is skipped; an all-greedy batch is one argmax.
 """
 
@@ -66,6 +67,10 @@ class SamplingMetadata:
     # min_tokens: logits[min_tokens_rows[i], min_tokens_token_ids[i]] = -inf
     min_tokens_rows: torch.Tensor | None  # [N] int64
     min_tokens_token_ids: torch.Tensor | None  # [N] int64
+    # logit_bias: logits[logit_bias_rows[i], logit_bias_token_ids[i]] += logit_bias_values[i]
+    logit_bias_rows: torch.Tensor | None  # [M] int64
+    logit_bias_token_ids: torch.Tensor | None  # [M] int64
+    logit_bias_values: torch.Tensor | None  # [M] float32
     # Seeded random rows and their generator seeds for this step (step_seed).
     seeded_rows: list[int]
     step_seeds: list[int]
@@ -111,6 +116,15 @@ class SamplingMetadata:
                 mt_rows += [i] * len(ids)
                 mt_ids += ids
 
+        lb_rows: list[int] = []
+        lb_ids: list[int] = []
+        lb_values: list[float] = []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                lb_rows += [i] * len(p.logit_bias)
+                lb_ids += p.logit_bias.keys()
+                lb_values += p.logit_bias.values()
+
         temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is not None]
         wants_logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -131,6 +145,9 @@ class SamplingMetadata:
             frequency_penalty=floats([p.frequency_penalty for p in params]) if penalised else None,
             min_tokens_rows=longs(mt_rows) if mt_rows else None,
             min_tokens_token_ids=longs(mt_ids) if mt_rows else None,
+            logit_bias_rows=longs(lb_rows) if lb_rows else None,
+            logit_bias_token_ids=longs(lb_ids) if lb_rows else None,
+            logit_bias_values=floats(lb_values) if lb_rows else None,
             seeded_rows=seeded,
             step_seeds=[step_seed(params[i].seed, len(output_token_ids[i])) for i in seeded],
             max_num_logprobs=min(max(wants_logprobs), vocab_size) if wants_logprobs else None,
@@ -165,6 +182,15 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     logits = torch.where(logits > 0, logits / rep, logits * rep)
     logits = logits - md.frequency_penalty.unsqueeze(1) * counts
     return logits - md.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                     values: torch.Tensor) -> torch.Tensor:
+    """Out of place: logits[rows[i], token_ids[i]] += values[i]; other entries untouched.
+
+    [[1, 2, 3], [1, 2, 3]], rows [0, 0], ids [0, 2], values [5, -1] -> [[6, 2, 2], [1, 2, 3]]
+    """
+    return logits.index_put((rows, token_ids), values, accumulate=True)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -267,6 +293,8 @@ class Sampler(nn.Module):
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
 
+        if md.logit_bias_rows is not None:
+            logits = apply_logit_bias(logits, md.logit_bias_rows, md.logit_bias_token_ids, md.logit_bias_values)
         if md.output_token_ids is not None:
             logits = apply_penalties(logits, md)
         if md.min_tokens_rows is not None:

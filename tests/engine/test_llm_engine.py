@@ -30,7 +30,11 @@ def _assert_idle(llm):
     ("top_p", dict(top_p=0.0), [1, 2]),
     ("top_p", dict(top_p=1.5), [1, 2]),
     ("n", dict(n=0), [1, 2]),
-    ("prompt_logprobs", dict(prompt_logprobs=-1), [1, 2]),
+    ("prompt_logprobs", dict(prompt_logprobs=-2), [1, 2]),
+    ("prompt_logprobs .* --max-logprobs is 20", dict(prompt_logprobs=-1), [1, 2]),  # the whole vocabulary
+    ("logprobs asks for 21 but --max-logprobs is 20", dict(logprobs=21), [1, 2]),
+    ("logit_bias .* 384", dict(logit_bias={384: 1.0}), [1, 2]),
+    ("logit_bias", dict(logit_bias={"x": 1.0}), [1, 2]),
     ("prompt_token_ids", dict(), [1, 10_000]),
 ])
 def test_bad_input_names_the_field_and_keeps_serving(llm, field, params, prompt):
@@ -177,3 +181,26 @@ def test_outputs_carry_the_resolved_max_tokens_and_stats_the_kv_block_count(llm)
     assert unset.metrics.max_tokens == 128 - len(PROMPTS[1])  # the room left under max_model_len
     engine = llm.llm_engine
     assert engine.get_stats().num_kv_blocks == engine.scheduler.block_manager.num_blocks > 0
+
+
+def test_max_logprobs_minus_one_gives_the_whole_vocabulary_as_transformers_scores_it(tiny_checkpoints):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_checkpoints["llama"]
+    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="2MiB", max_logprobs=-1)
+    prompt = PROMPTS[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=-1,
+                                                prompt_logprobs=-1))[0]
+    generated = out.outputs[0].token_ids
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt + generated[:1]])).logits[0].log_softmax(-1)  # [P + 1, V]
+    vocab = reference.shape[1]  # 384: the model's vocabulary, larger than the tokenizer's 300
+    # Row r predicts token r + 1: the prompt's tokens 1.., then the two generated tokens.
+    entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    assert len(entries) == len(reference) == len(prompt) + 1
+    for entry, row in zip(entries, reference):
+        assert sorted(entry) == list(range(vocab))
+        assert [entry[t].logprob for t in range(vocab)] == pytest.approx(row.tolist(), abs=1e-4)
+        assert sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))

@@ -6,6 +6,7 @@ import torch
 from tengyun.layers.sampler import (
     Sampler,
     SamplingMetadata,
+    apply_logit_bias,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -72,7 +73,7 @@ def test_input_logits_not_modified():
     params = [
         SamplingParams(temperature=0.0, repetition_penalty=1.5, min_tokens=2),
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, presence_penalty=1.0),
-        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=1.0, seed=3, logit_bias={4: 2.0}),
     ]
     for p in params:
         p.all_stop_token_ids = {0}
@@ -84,7 +85,7 @@ def test_unused_stages_are_absent_from_metadata():
     md = SamplingMetadata.build([SamplingParams(temperature=0.8)] * 2, [[1], [2]], [[], []], 10, CPU)
     assert md.top_k is None and md.top_p is None and md.min_p is None
     assert md.output_token_ids is None and md.min_tokens_rows is None
-    assert md.max_num_logprobs is None and md.seeded_rows == []
+    assert md.max_num_logprobs is None and md.seeded_rows == [] and md.logit_bias_rows is None
     # Filters on greedy rows are irrelevant and dropped too.
     md = SamplingMetadata.build([SamplingParams(temperature=0, top_k=2, top_p=0.5, min_p=0.2)], [[]], [[]], 10, CPU)
     assert md.all_greedy and md.top_k is None and md.top_p is None and md.min_p is None
@@ -193,6 +194,60 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
 
     assert greedy(2) == 1
     assert greedy(3) == 2
+
+
+# ---- logit_bias ---------------------------------------------------------------------------
+
+
+def test_logit_bias_adds_to_its_own_row_as_transformers_sequence_bias_does():
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 12)
+    biases = [{3: 5.0, 7: -100.0}, None, {0: 0.25, 11: 100.0}]  # a batch mixes biased and unbiased rows
+    md = SamplingMetadata.build([SamplingParams(logit_bias=b) for b in biases], [[]] * 3, [[]] * 3, 12, CPU)
+    got = apply_logit_bias(logits, md.logit_bias_rows, md.logit_bias_token_ids, md.logit_bias_values)
+    for row, bias in enumerate(biases):
+        want = logits[row:row + 1]
+        if bias:
+            hf = SequenceBiasLogitsProcessor([[[token], value] for token, value in bias.items()])
+            want = hf(torch.zeros(1, 1, dtype=torch.long), want.clone())
+        assert torch.equal(got[row], want[0])
+    assert apply_logit_bias(torch.tensor([[1.0, 2.0, 3.0]] * 2), torch.tensor([0, 0]), torch.tensor([0, 2]),
+                            torch.tensor([5.0, -1.0])).tolist() == [[6.0, 2.0, 2.0], [1.0, 2.0, 3.0]]
+
+
+def test_logit_bias_steers_greedy_rows_and_leaves_raw_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
+    params = [SamplingParams(temperature=0, logprobs=1, logit_bias={"2": 2.5}), SamplingParams(temperature=0)]
+    out = run(logits, params)
+    assert out.sampled_token_ids.tolist() == [2, 1]
+    # logprobs are the model's, before any bias (vLLM's default raw_logprobs)
+    assert torch.allclose(out.logprobs[0], torch.log_softmax(logits[0], -1)[[2, 1]])
+    assert out.sampled_ranks.tolist()[0] == 2
+
+
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_vllm():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    logits = torch.tensor([[2.0, 1.8]])
+    # bias then penalty: (2 + 1) / 2 = 1.5 < 1.8 -> token 1; the other way round, 2 / 2 + 1 = 2.0 -> token 0
+    prompt = torch.tensor([[0]])
+    biased = SequenceBiasLogitsProcessor([[[0], 1.0]])(prompt, logits.clone())
+    want = RepetitionPenaltyLogitsProcessor(2.0)(prompt, biased)
+    assert want.argmax(-1).item() == 1
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 1.0})]
+    assert run(logits, params, prompts=[[0]]).sampled_token_ids.tolist() == [1]
+
+
+def test_logit_bias_comes_before_temperature_and_top_p():
+    # bias ln 3 on token 1: probs [.25, .75]; at temperature .5 they become [.1, .9], and top_p .8
+    # drops token 0 (ascending cumsum .1 <= .2). Biasing after the temperature would keep both.
+    logits = torch.zeros(2000, 2)
+    params = [SamplingParams(temperature=0.5, top_p=0.8, logit_bias={1: math.log(3)})] * 2000
+    assert set(run(logits, params).sampled_token_ids.tolist()) == {1}
+    params = [SamplingParams(temperature=1.0, top_p=0.8, logit_bias={1: math.log(3)})] * 2000
+    assert set(run(logits, params).sampled_token_ids.tolist()) == {0, 1}
 
 
 # ---- logprobs -----------------------------------------------------------------------------

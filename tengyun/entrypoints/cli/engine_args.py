@@ -38,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "max_new_tokens as max_tokens) for fields a request leaves unset: auto = the model "
                              "folder's generation_config.json, vllm = none (the engine's own defaults), or a "
                              "folder holding a generation_config.json")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs / top_logprobs / prompt_logprobs a request may ask for; -1 allows "
+                             "the whole vocabulary (and a request's -1)")
     parser.add_argument("--numa-bind", default="auto", choices=("auto", "off"),
                         help="pin each worker's CPUs and memory to its device's NUMA node (auto: when the host "
                              "has more than one node)")
@@ -68,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed, load_format=args.load_format,
         enforce_eager=args.enforce_eager, trust_remote_code=args.trust_remote_code, device=args.device,
         served_model_name=args.served_model_name, generation_config=args.generation_config,
+        max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,

@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_valid
 from tengyun.outputs import PromptLogprobs
 from tengyun.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MIN_LOGPROB = -9999.0  # -inf becomes this, as vLLM and OpenAI send it (JSON has no infinity)
 
 
@@ -173,7 +172,7 @@ class SamplingFields(RequestBody):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {"42": 5.0}: token id -> bias, clamped to [-100, 100]
     user: str | None = None
     # vLLM extras
     top_k: int | None = None
@@ -198,11 +197,10 @@ class SamplingFields(RequestBody):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true.")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; remove it.")
-        if self.prompt_logprobs is not None:
-            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}.")
+        if self.prompt_logprobs is not None:  # the most allowed is --max-logprobs, checked by OpenAIServing
+            if self.prompt_logprobs < -1:
+                raise ValueError(f"prompt_logprobs must be >= 0, or -1 for the whole vocabulary, "
+                                 f"got {self.prompt_logprobs}.")
             if self.stream:
                 raise ValueError("prompt_logprobs are not sent when streaming (as in vLLM): drop prompt_logprobs "
                                  "or stream.")
@@ -275,6 +273,7 @@ class SamplingFields(RequestBody):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 structured_outputs=structured_outputs,
+                logit_bias={token: min(100.0, max(-100.0, bias)) for token, bias in (self.logit_bias or {}).items()},
             )
         except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
             field_name = str(e).split(" ", 1)[0]
@@ -296,8 +295,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported by this server; remove it.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported by this server; set it equal to n or remove it.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+        if self.logprobs is not None and self.logprobs < 0:  # no -1 here, as vLLM
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}.")
         return self
 
     @property
@@ -413,10 +412,11 @@ class ChatCompletionRequest(SamplingFields):
     def _check(self):
         if not self.messages:
             raise ValueError("messages must hold at least one message.")
-        if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}.")
-            if not self.logprobs:
+        if self.top_logprobs is not None:  # as vLLM: -1 is the whole vocabulary, 0 needs no logprobs
+            if self.top_logprobs < -1:
+                raise ValueError(f"top_logprobs must be >= 0, or -1 for the whole vocabulary, "
+                                 f"got {self.top_logprobs}.")
+            if self.top_logprobs != 0 and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice needs tools: add the functions to tools or drop tool_choice.")

@@ -62,6 +62,7 @@ class OpenAIServingChat(OpenAIServing):
             spec = after_reasoning(spec, reasoning.end)
             await self.check_structured_outputs(spec, source)
         params = request.to_sampling_params(max_tokens, spec, self.sampling_defaults)
+        self.check_against_model(params, "top_logprobs")
         parsers = [ChoiceOutputParser(reasoning, tool_parser, in_reasoning) for _ in range(request.n)]
         request_id = random_id("chatcmpl")
         stream = self.engine.generate(request_id, token_ids, params)
@@ -207,15 +208,16 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> ChatCompletionLogProbs:
-    """Per sampled token: its logprob and the k most likely tokens, by rank."""
+    """Per sampled token: its logprob and the k most likely tokens, by rank (k -1: every token)."""
     content = []
     for token_id, entry in zip(token_ids, logprobs):
         sampled = entry[token_id]
-        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+        most = len(entry) if k == -1 else k
+        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= most), key=lambda lp: lp.rank)
         content.append(ChatCompletionLogProbsContent(
             token=sampled.decoded_token or "", logprob=sampled.logprob,
             bytes=list((sampled.decoded_token or "").encode("utf-8")),
             top_logprobs=[ChatCompletionLogProb(token=lp.decoded_token or "", logprob=lp.logprob,
                                                 bytes=list((lp.decoded_token or "").encode("utf-8")))
-                          for lp in top[:k]]))
+                          for lp in top[:most]]))
     return ChatCompletionLogProbs(content=content)

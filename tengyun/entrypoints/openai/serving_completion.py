@@ -33,6 +33,7 @@ class OpenAIServingCompletion(OpenAIServing):
         spec, source = request.structured_outputs_params()
         await self.check_structured_outputs(spec, source)
         params = [request.to_sampling_params(limit, spec, self.sampling_defaults) for limit in max_tokens]
+        self.check_against_model(params[0], "logprobs")
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if request.echo else ""
                       for p in prompts]
         request_id = random_id("cmpl")

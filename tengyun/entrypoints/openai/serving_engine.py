@@ -13,7 +13,7 @@ from tengyun.entrypoints.openai.protocol import ChatMessage, RequestError, error
 from tengyun.entrypoints.openai.request_limits import RequestLimits
 from tengyun.entrypoints.openai.tokenizer_worker import RenderTimeout, TokenizerWorker
 from tengyun.outputs import RequestOutput
-from tengyun.sampling_params import StructuredOutputsParams
+from tengyun.sampling_params import SamplingParams, StructuredOutputsParams, check_logit_bias, check_num_logprobs
 
 logger = logging.getLogger("tengyun.server")
 
@@ -30,6 +30,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.hf_config["vocab_size"]
+        self.max_logprobs = engine.config.max_logprobs
         self.chat_template = chat_template
         # --generation-config: {"temperature": 0.7, "max_tokens": 512, ...} for fields a request leaves unset
         self.sampling_defaults = sampling_defaults or {}
@@ -51,6 +52,20 @@ class OpenAIServing:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"{param} holds token ids outside [0, {self.vocab_size}): {bad[:5]}.", param)
+
+    def check_against_model(self, params: SamplingParams, logprobs_field: str) -> None:
+        """The engine's checks (logprob counts within --max-logprobs, logit_bias ids within the
+        vocabulary), made here so the 400 names the request's field: `logprobs_field` is what
+        the request called SamplingParams.logprobs (chat: top_logprobs)."""
+        for name, count in ((logprobs_field, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            try:
+                check_num_logprobs(name, count, self.max_logprobs, self.vocab_size)
+            except ValueError as e:
+                raise RequestError(str(e), name) from None
+        try:
+            check_logit_bias(params.logit_bias, self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), "logit_bias") from None
 
     async def check_structured_outputs(self, spec: StructuredOutputsParams | None, param: str | None) -> None:
         """Compile the request's grammar off the event loop (cached for the worker): a bad schema,
