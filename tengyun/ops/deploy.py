@@ -10,6 +10,9 @@ import re
 from dataclasses import dataclass, field
 
 STOP_MARGIN_S = 30  # TimeoutStopSec = drain timeout + this: systemd never SIGKILLs a draining server
+# Variables `tengyun serve` reads its API key from: never written into a (world-readable) unit.
+SECRET_ENV = ("TENGYUN_API_KEY", "VLLM_API_KEY")
+_ENV_FILE_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./~-]+$")
 _SYSTEMD_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 _UPSTREAM = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
@@ -41,12 +44,35 @@ class SystemdUnit:
     numa_node: int | None = None  # bind CPUs and memory with numactl when the host has several nodes
     numactl: str = "/usr/bin/numactl"
     restart_sec: int = 5
+    secrets_file: str | None = None  # a mode 0600 file holding TENGYUN_API_KEY=... (secrets_env_file_text)
+
+
+def secrets_env_file_text(api_key: str) -> str:
+    """An EnvironmentFile= holding the key: 'sk-1/a=' -> "TENGYUN_API_KEY=sk-1/a=\\n"; other
+    characters single-quoted, which systemd (and a shell) read literally: 'a b' -> "...='a b'\\n"."""
+    if _ENV_FILE_SAFE.match(api_key):
+        return f"{SECRET_ENV[0]}={api_key}\n"
+    if "'" in api_key or not api_key.isprintable():
+        raise ValueError("the API key holds a quote or a control character, which an EnvironmentFile= cannot "
+                         "carry: use a key of letters, digits and -_.+/=")
+    return f"{SECRET_ENV[0]}='{api_key}'\n"
+
+
+def _refuse_secrets(unit: SystemdUnit) -> None:
+    """A unit file is world-readable and ExecStart shows in ps: the key goes in secrets_file only."""
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in unit.exec_args):
+        raise ValueError("--api-key in ExecStart= would be world-readable: pass the key through --secrets-file.")
+    for key in SECRET_ENV:
+        if key in unit.env:
+            raise ValueError(f"{key} in Environment= would be world-readable: pass the key through --secrets-file.")
 
 
 def systemd_unit(unit: SystemdUnit) -> str:
     """A service that always comes back: Restart=always with no start-rate limit
     (StartLimitIntervalSec=0), SIGTERM to the main process only (it drains), and a stop
-    timeout longer than the drain so systemd never kills a request mid-answer."""
+    timeout longer than the drain so systemd never kills a request mid-answer. The API key,
+    if any, is read from secrets_file (systemd reads it as root, so it can stay mode 0600)."""
+    _refuse_secrets(unit)
     argv = list(unit.exec_args)
     if unit.numa_node is not None:
         argv = [unit.numactl, f"--cpunodebind={unit.numa_node}", f"--membind={unit.numa_node}", *argv]
@@ -66,8 +92,7 @@ def systemd_unit(unit: SystemdUnit) -> str:
         lines.append(f"User={unit.user}")
     if unit.working_directory:
         lines.append(f"WorkingDirectory={unit.working_directory}")
-    if unit.env_file:
-        lines.append(f"EnvironmentFile={unit.env_file}")
+    lines += [f"EnvironmentFile={path}" for path in (unit.env_file, unit.secrets_file) if path]
     lines += [_env_line(k, v) for k, v in unit.env.items()]
     lines += [
         "ExecStart=" + " ".join(systemd_quote(a) for a in argv),

@@ -177,3 +177,26 @@ def test_deploy_cli_prints_a_verified_unit_and_a_valid_nginx_config(tmp_path, ca
         main(["deploy", "systemd", "--", "serve", str(tmp_path), "--port", "eighty"])
     assert main(["deploy", "nginx", "--upstream", "localhost"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+
+
+def test_systemd_unit_reads_the_key_from_its_secrets_file_and_refuses_it_anywhere_else():
+    text = systemd_unit(SystemdUnit([TENGYUN, "serve", "/m"], env_file="/etc/ascend.env",
+                                    secrets_file="/etc/tengyun/tengyun.env"))
+    assert [v for k, v in unit_sections(text)["Service"] if k == "EnvironmentFile"] == [
+        "/etc/ascend.env", "/etc/tengyun/tengyun.env"]  # the secrets file last: its key wins
+    for unit in (SystemdUnit([TENGYUN, "serve", "/m", "--api-key", "sk-x"]),
+                 SystemdUnit([TENGYUN, "serve", "/m", "--api-key=sk-x"]),
+                 SystemdUnit([TENGYUN, "serve", "/m"], env={"TENGYUN_API_KEY": "sk-x"}),
+                 SystemdUnit([TENGYUN, "serve", "/m"], env={"VLLM_API_KEY": "sk-x"})):
+        with pytest.raises(ValueError, match="world-readable: pass the key through --secrets-file"):
+            systemd_unit(unit)
+
+
+def test_secrets_env_file_text_keeps_keys_literal():
+    from tengyun.ops.deploy import secrets_env_file_text
+
+    assert secrets_env_file_text("sk-AZ09_.+/=") == "TENGYUN_API_KEY=sk-AZ09_.+/=\n"
+    assert secrets_env_file_text("a b$c\\d\"e") == "TENGYUN_API_KEY='a b$c\\d\"e'\n"  # single quotes: literal
+    for bad in ("it's", "a\nb"):
+        with pytest.raises(ValueError, match="quote or a control character"):
+            secrets_env_file_text(bad)

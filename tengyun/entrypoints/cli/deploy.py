@@ -8,14 +8,16 @@ import shlex
 import shutil
 import sys
 
-from tengyun.entrypoints.cli.supervise import parse_serve_args, serve_command
+from tengyun.entrypoints.cli.supervise import parse_serve_args, pop_api_key, serve_command
 from tengyun.entrypoints.openai.request_limits import default_max_request_bytes
-from tengyun.ops.deploy import NginxSite, SystemdUnit, nginx_main_config, nginx_site, systemd_unit
+from tengyun.ops.deploy import (
+    SECRET_ENV, NginxSite, SystemdUnit, nginx_main_config, nginx_site, secrets_env_file_text, systemd_unit,
+)
 
 # Carried into the unit from the shell it is generated in (after `source set_env.sh`).
 ENV_PREFIXES = ("ASCEND_", "HCCL_", "TENGYUN_", "OMP_")
 ENV_KEYS = ("LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HF_HOME")
-SECRET_KEYS = ("TENGYUN_API_KEY",)  # never written into a world-readable unit: use --env-file
+SECRET_KEYS = SECRET_ENV  # never written into a world-readable unit: they go to --secrets-file
 
 
 def tengyun_executable() -> list[str]:
@@ -50,7 +52,12 @@ def add_parser(subparsers) -> None:
     unit.add_argument("--working-directory", default=None)
     unit.add_argument("--env", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                       help="an Environment= line (repeatable)")
-    unit.add_argument("--env-file", default=None, help="EnvironmentFile= (secrets such as TENGYUN_API_KEY)")
+    unit.add_argument("--env-file", default=None, help="EnvironmentFile= of your own (e.g. Ascend's set_env.sh "
+                                                        "output), read before --secrets-file")
+    unit.add_argument("--secrets-file", default=None, metavar="PATH",
+                      help="write the API key (the serve flags' --api-key, else $TENGYUN_API_KEY / $VLLM_API_KEY "
+                           "of this shell) to PATH as TENGYUN_API_KEY=..., mode 0600, and point EnvironmentFile= "
+                           "at it; the unit and its command line never hold the key")
     unit.add_argument("--no-capture-env", action="store_true",
                       help="do not copy ASCEND_*, HCCL_*, LD_LIBRARY_PATH, ... from this shell into the unit")
     unit.add_argument("--numa-node", type=int, default=None,
@@ -85,8 +92,22 @@ def run(args: argparse.Namespace) -> int:
                                     client_max_body_size=str(body_bytes)))
         print(nginx_main_config(text, os.path.abspath(args.full_config)) if args.full_config else text, end="")
         return 0
+    return run_systemd(args)
+
+
+def run_systemd(args: argparse.Namespace) -> int:
+    from tengyun.entrypoints.openai.cli_args import check_server_args
+
     serve_args = serve_command(args.serve_args)
     serve = parse_serve_args(serve_args)
+    check_server_args(serve)  # a unit that cannot start is refused here, not at every restart
+    serve_args, api_key = pop_api_key(serve_args)
+    secrets = secrets_for_unit(args.secrets_file, api_key, serve) if args.secrets_file or api_key else None
+    if secrets is None and not (serve.api_key_file or args.env_file):
+        shell_keys = [k for k in SECRET_ENV if os.environ.get(k)]
+        if shell_keys:
+            print(f"# note: {shell_keys[0]} is set in this shell but not written into the unit, which will run "
+                  f"without a key: pass --secrets-file PATH to carry it", file=sys.stderr)
     exe = tengyun_executable()
     if args.supervise:
         extra = [] if args.memory_threshold is None else ["--memory-threshold", str(args.memory_threshold)]
@@ -103,6 +124,41 @@ def run(args: argparse.Namespace) -> int:
             print(f"# note: this host has {len(nodes)} NUMA nodes; tengyun binds each worker to its device's node "
                   f"itself; pass --numa-node N to bind the whole service with numactl", file=sys.stderr)
     description = args.description or f"Tengyun LLM server: {shlex.join(serve_args)}"[:200]
-    print(systemd_unit(SystemdUnit(argv, description, serve.shutdown_timeout, env, args.env_file, args.user,
-                                   args.working_directory, args.numa_node)), end="")
+    text = systemd_unit(SystemdUnit(argv, description, serve.shutdown_timeout, env, args.env_file, args.user,
+                                    args.working_directory, args.numa_node,
+                                    secrets_file=secrets[0] if secrets else None))
+    if secrets:
+        write_secrets(*secrets)
+    print(text, end="")
     return 0
+
+
+def secrets_for_unit(path: str | None, flag_key: str | None, serve: argparse.Namespace) -> tuple[str, str]:
+    """(--secrets-file as an absolute path for EnvironmentFile=, the text to write there)."""
+    if path is None:
+        raise ValueError("--api-key would be written into the unit in plain text (world-readable, and in ps): add "
+                         "--secrets-file /etc/tengyun/tengyun.env to write it there with mode 0600 instead.")
+    if serve.api_key_file:
+        raise ValueError("--secrets-file and the serve flag --api-key-file both give the key: keep one.")
+    key = flag_key or next((os.environ[k] for k in SECRET_ENV if os.environ.get(k)), None)
+    if not key:
+        raise ValueError("--secrets-file needs a key: add --api-key KEY to the serve flags or set TENGYUN_API_KEY "
+                         "in this shell.")
+    return os.path.abspath(path), secrets_env_file_text(key)  # EnvironmentFile= takes absolute paths only
+
+
+def write_secrets(path: str, text: str) -> None:
+    try:
+        write_private_file(path, text)
+    except OSError as e:
+        raise ValueError(f"--secrets-file {path}: cannot write it ({e.strerror}); pick a writable path.") from None
+    print(f"# wrote the API key to {path} (mode 0600); the unit reads it with EnvironmentFile=", file=sys.stderr)
+
+
+def write_private_file(path: str, text: str) -> None:
+    """Create or replace ``path`` as mode 0600 before the first byte goes in (an existing file
+    keeps its old mode through O_TRUNC, hence the fchmod); a symlink there is refused."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)
