@@ -238,3 +238,51 @@ def nvidia_smi_memory() -> CommandOutput | None:
 
 def npu_smi_info() -> CommandOutput | None:
     return run_command(COMMANDS["npu-smi info"], timeout=10)
+
+
+# ----- CPU time of a starting server (`tengyun supervise --start-stall-timeout`) ----------------
+def stat_cpu_ticks(stat: str) -> int:
+    """utime + stime + cutime + cstime (fields 14-17) of one /proc/PID/stat line, in clock ticks.
+    Field 2, the command name in parentheses, may hold spaces and ')', so fields are counted from
+    the last ')': '7 (a) b) S 1 1 1 0 -1 0 0 0 0 0 30 5 2 1 ...' -> 30 + 5 + 2 + 1 = 38."""
+    fields = stat[stat.rindex(")") + 2:].split()  # fields[0] is field 3, the state
+    return sum(int(f) for f in fields[11:15])
+
+
+def process_tree(pid: int, proc: str = "/proc") -> list[int] | None:
+    """``pid`` and its live descendants (each thread's children list), None when pid is gone."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in found:
+            continue
+        try:
+            tasks = os.listdir(f"{proc}/{p}/task")
+        except OSError:
+            if p == pid:
+                return None
+            continue
+        found.append(p)
+        for task in tasks:
+            try:
+                with open(f"{proc}/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+    return found
+
+
+def process_tree_cpu_s(pid: int, proc: str = "/proc") -> float | None:
+    """CPU seconds used so far by ``pid`` and its descendants (live ones, and through cutime /
+    cstime the reaped ones), None when pid is gone."""
+    pids = process_tree(pid, proc)
+    if pids is None:
+        return None
+    ticks = 0
+    for p in pids:
+        try:
+            with open(f"{proc}/{p}/stat") as f:
+                ticks += stat_cpu_ticks(f.read())
+        except (OSError, ValueError):  # exited since it was listed
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -1,7 +1,8 @@
 """`tengyun supervise`: when to restart the server, and how long to wait before starting it again.
 
 Pure logic, driven by the CLI loop (entrypoints/cli/supervise.py), which owns the process,
-polls /health and reads memory through the platform layer, then asks `Watchdog.check`.
+polls /health, reads memory through the platform layer and, until the server is ready, its CPU
+time (ops/probe.py), then asks `Watchdog.check`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class Reason(str, Enum):
     MEMORY = "memory"  # memory use past --memory-threshold
     HEALTH = "health"  # /health failed --health-failures times in a row after being ready
     START_TIMEOUT = "start_timeout"  # /health not 200 within --start-timeout
+    START_STALL = "start_stall"  # not ready, and (almost) no CPU used for --start-stall-timeout
     EXIT = "exit"  # the server exited on its own
 
 
@@ -28,6 +30,8 @@ class WatchdogPolicy:
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 300.0
     backoff_reset_s: float = 600.0  # healthy this long: the next restart starts the back-off over
+    start_stall_timeout_s: float = 120.0  # 0: off
+    stall_cpu_fraction: float = 0.01  # of one core: an idle server's event loop uses ~0.15%
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Observation:
     healthy: bool  # /health answered 200
     memory_used: int | None = None  # bytes, None when unreadable
     memory_total: int | None = None
+    cpu_s: float | None = None  # CPU seconds used so far by the server and its children, None when unread
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,11 @@ class Watchdog:
         self.started_at = 0.0
         self.ready_at: float | None = None
         self.failed_checks = 0
+        self.progress_at, self.progress_cpu_s = 0.0, None  # the last start-up check that saw progress
 
     def started(self, now: float) -> None:
         self.started_at, self.ready_at, self.failed_checks = now, None, 0
+        self.progress_at, self.progress_cpu_s = now, None
 
     def check(self, obs: Observation) -> Decision | None:
         p = self.policy
@@ -90,10 +97,11 @@ class Watchdog:
         if self.ready_at is None:
             if obs.healthy:
                 self.ready_at = obs.now
-            elif obs.now - self.started_at > p.start_timeout_s:
+                return None
+            if obs.now - self.started_at > p.start_timeout_s:
                 return Decision(Reason.START_TIMEOUT, f"/health not 200 within --start-timeout "
                                 f"{p.start_timeout_s:g} s", graceful=True)
-            return None
+            return self._stall(obs)
         self.backoff.stable_for(obs.now - self.ready_at)
         self.failed_checks = 0 if obs.healthy else self.failed_checks + 1
         if self.failed_checks >= p.health_failures:
@@ -105,6 +113,26 @@ class Watchdog:
                                 f"{obs.memory_total / 2**20:.0f} MiB) >= --memory-threshold "
                                 f"{p.memory_threshold:g}", graceful=True)
         return None
+
+    def _stall(self, obs: Observation) -> Decision | None:
+        """While starting: a Decision when the server used under stall_cpu_fraction of a core
+        over more than start_stall_timeout_s since it last progressed. Progress: CPU time grew
+        by fraction x timeout. 120 s, 1%: 0.8 s of CPU from t=0 to t=121 -> stalled at 121;
+        1.2 s by t=100 -> progress at 100, stalled only if under 1.2 s more by t=221."""
+        p = self.policy
+        if not p.start_stall_timeout_s or obs.cpu_s is None:
+            return None
+        progress_s = p.stall_cpu_fraction * p.start_stall_timeout_s
+        if self.progress_cpu_s is None or obs.cpu_s - self.progress_cpu_s >= progress_s:
+            self.progress_at, self.progress_cpu_s = obs.now, obs.cpu_s
+            return None
+        idle_s = obs.now - self.progress_at
+        if idle_s <= p.start_stall_timeout_s:
+            return None
+        return Decision(Reason.START_STALL, f"start-up stalled: not ready, and {obs.cpu_s - self.progress_cpu_s:.2f} "
+                        f"s of CPU in the last {idle_s:.0f} s (under {p.stall_cpu_fraction:.0%} of a core) "
+                        f"> --start-stall-timeout {p.start_stall_timeout_s:g} s (raise it, or 0 turns this off, "
+                        f"if start-up waits on other nodes)", graceful=True)
 
     def restarted(self) -> float:
         self.restarts += 1

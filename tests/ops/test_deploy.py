@@ -1,11 +1,14 @@
 """Generated systemd units and nginx configs (checked by systemd-analyze / nginx -t), instance
-plans, and the supervisor's restart policy."""
+plans, the supervisor's restart policy and the CPU time it reads from /proc."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +203,63 @@ def test_secrets_env_file_text_keeps_keys_literal():
     for bad in ("it's", "a\nb"):
         with pytest.raises(ValueError, match="quote or a control character"):
             secrets_env_file_text(bad)
+
+
+def test_watchdog_restarts_a_start_up_that_uses_no_cpu_for_the_stall_timeout():
+    w = Watchdog(WatchdogPolicy(start_timeout_s=900, start_stall_timeout_s=120))  # progress: 1.2 s of CPU
+    w.started(0.0)
+    assert w.check(Observation(1.0, None, False, cpu_s=5.0)) is None  # the first reading: the baseline
+    assert w.check(Observation(60.0, None, False, cpu_s=6.0)) is None  # +1.0 s: no progress, 59 s idle
+    assert w.check(Observation(121.0, None, False, cpu_s=6.1)) is None  # 120 s idle: not over yet
+    d = w.check(Observation(122.0, None, False, cpu_s=6.1))
+    assert d.reason is Reason.START_STALL and d.graceful
+    assert "1.10 s of CPU in the last 121 s (under 1% of a core) > --start-stall-timeout 120 s" in d.detail
+
+
+def test_watchdog_stall_clock_restarts_at_each_progress_and_stops_at_ready():
+    w = Watchdog(WatchdogPolicy(start_timeout_s=900, start_stall_timeout_s=120))
+    w.started(0.0)
+    w.check(Observation(1.0, None, False, cpu_s=0.0))
+    assert w.check(Observation(100.0, None, False, cpu_s=1.2)) is None  # progress at 100
+    assert w.check(Observation(220.0, None, False, cpu_s=2.3)) is None  # 120 s idle
+    assert w.check(Observation(221.0, None, False, cpu_s=2.3)).reason is Reason.START_STALL
+    w.started(300.0)  # a new process: a new baseline
+    assert w.check(Observation(301.0, None, False, cpu_s=50.0)) is None
+    assert w.check(Observation(350.0, None, True, cpu_s=50.0)) is None  # ready: CPU no longer judged
+    assert w.check(Observation(600.0, None, True, cpu_s=50.0)) is None
+
+
+def test_watchdog_stall_check_is_off_at_0_and_without_cpu_readings():
+    for policy, cpu in ((WatchdogPolicy(start_timeout_s=900, start_stall_timeout_s=0), 1.0),
+                        (WatchdogPolicy(start_timeout_s=900), None)):
+        w = Watchdog(policy)
+        w.started(0.0)
+        assert all(w.check(Observation(t, None, False, cpu_s=cpu)) is None for t in (1.0, 500.0, 900.0))
+        assert w.check(Observation(901.0, None, False, cpu_s=cpu)).reason is Reason.START_TIMEOUT
+
+
+def test_stat_cpu_ticks_counts_from_the_last_parenthesis():
+    from tengyun.ops.probe import stat_cpu_ticks
+
+    # A real /proc/PID/stat line whose command name holds ") (" and spaces.
+    line = "4242 (py ) (x) S 1 4242 4242 0 -1 4194560 2573 0 0 0 30 5 2 1 20 0 3 0 98765 123 45 18446744073709551615"
+    assert stat_cpu_ticks(line) == 38
+
+
+def test_process_tree_cpu_counts_a_busy_child_and_none_once_gone():
+    from tengyun.ops.probe import process_tree, process_tree_cpu_s
+
+    burn = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
+    parent = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {burn!r}]).wait()\n"
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        deadline = time.monotonic() + 60
+        while (process_tree_cpu_s(proc.pid) or 0) < 1.0:  # the child's second of CPU counts for the parent
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert len(process_tree(proc.pid)) == 2
+    finally:
+        for pid in reversed(process_tree(proc.pid) or []):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    assert process_tree_cpu_s(proc.pid) is None

@@ -1,5 +1,6 @@
 """`tengyun supervise [options] -- serve [MODEL] [flags]`: run the server and restart it
-gracefully when its memory passes a threshold, /health fails, or it exits; see ops/supervise.py."""
+gracefully when its memory passes a threshold, /health fails, it exits, or its start-up stalls;
+see ops/supervise.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
+from tengyun.ops import probe
 from tengyun.ops.supervise import Decision, Observation, Reason, Watchdog, WatchdogPolicy
 
 logger = logging.getLogger("tengyun.supervise")
@@ -127,6 +129,9 @@ def add_parser(subparsers) -> None:
                         help="restart after this many failed /health checks in a row (default 3)")
     parser.add_argument("--start-timeout", type=float, default=900.0,
                         help="restart when /health is not 200 this many seconds after a start (default 900)")
+    parser.add_argument("--start-stall-timeout", type=float, default=120.0,
+                        help="restart a server that is not ready and used under 1%% of a core (with its workers) "
+                             "for this many seconds: hung in start-up (default 120; 0: off)")
     parser.add_argument("--backoff-initial", type=float, default=1.0,
                         help="seconds before the 2nd of a run of restarts; doubles each time (default 1)")
     parser.add_argument("--backoff-max", type=float, default=300.0, help="longest back-off (default 300 s)")
@@ -148,8 +153,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--memory-threshold {args.memory_threshold}: a fraction in (0, 1], e.g. 0.95.")
     if args.check_interval <= 0:
         raise ValueError(f"--check-interval {args.check_interval}: must be positive, e.g. 5.")
+    if args.start_stall_timeout < 0:
+        raise ValueError(f"--start-stall-timeout {args.start_stall_timeout}: seconds >= 0, e.g. 120 (0: off).")
     policy = WatchdogPolicy(args.memory_threshold, args.check_interval, args.health_failures, args.start_timeout,
-                            args.backoff_initial, args.backoff_max)
+                            args.backoff_initial, args.backoff_max, start_stall_timeout_s=args.start_stall_timeout)
     return Supervisor(policy, serve_args, serve, args.metrics_port, key_env(api_key)).run()
 
 
@@ -187,7 +194,7 @@ class Supervisor:
 
     def _on_signal(self, sig: int, frame) -> None:
         if not self.stopping:
-            logger.info("Received signal %d: stopping the server (drain up to %.0f s)", sig, self.drain_s)
+            logger.info("Received signal %d: stopping the server (drain up to %.0f s)", sig, self._drain_s())
         self.stopping = True
 
     def run(self) -> int:
@@ -199,21 +206,26 @@ class Supervisor:
             self.watchdog.started(time.monotonic())
             decision = self._watch(proc)
             if decision is None:  # stopping
-                code = stop_child(proc, self.drain_s)
+                code = stop_child(proc, self._drain_s())
                 logger.info("The server exited with code %d", code)
                 return code
             self.restarts.labels(decision.reason.value).inc()
             logger.warning("Restart %d (%s): %s", self.watchdog.restarts + 1, decision.reason.value, decision.detail)
             if decision.graceful:
-                logger.info("Stopping pid %d gracefully (SIGTERM; in-flight requests finish within %.0f s)",
-                            proc.pid, self.drain_s)
-                code = stop_child(proc, self.drain_s)
+                drain_s = self._drain_s()
+                logger.info("Stopping pid %d gracefully (SIGTERM; in-flight requests finish within %.0f s, "
+                            "SIGKILL %.0f s later)", proc.pid, drain_s, drain_s + KILL_GRACE_S)
+                code = stop_child(proc, drain_s)
                 logger.info("pid %d exited with code %d", proc.pid, code)
             self.up.set(0)
             delay = self.watchdog.restarted()
             logger.info("Starting the server again in %.1f s (back-off)", delay)
             if self._sleep(delay):
                 return 0
+
+    def _drain_s(self) -> float:
+        """Never ready means nothing in flight (requests got 503): a hung start-up is not waited for."""
+        return self.drain_s if self.watchdog.ready_at is not None else 0.0
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep, returning True early if a stop signal came."""
@@ -233,10 +245,11 @@ class Supervisor:
             ready = self.watchdog.ready_at is not None
             healthy = exited is None and health_ok(self.health_url, timeout=min(10.0, self.policy.check_interval_s * 2))
             usage = self.platform.memory_usage(proc.pid) if ready and exited is None else None
+            cpu_s = probe.process_tree_cpu_s(proc.pid) if not ready and exited is None else None
             if usage is not None:
                 self.memory.set(usage[0] / usage[1])
             self.up.set(1 if healthy else 0)
-            decision = self.watchdog.check(Observation(now, exited, healthy, *(usage or (None, None))))
+            decision = self.watchdog.check(Observation(now, exited, healthy, *(usage or (None, None)), cpu_s=cpu_s))
             if not ready and self.watchdog.ready_at is not None:
                 logger.info("The server is healthy (pid %d)", proc.pid)
             interval = self.policy.check_interval_s

@@ -1,5 +1,6 @@
 """`tengyun supervise` and `tengyun launch` with real servers on loopback (no nginx needed):
-the key given as --api-key never reaches a server's command line, only its environment."""
+the key given as --api-key never reaches a server's command line, only its environment; a
+server that hangs in start-up is restarted after --start-stall-timeout."""
 
 from __future__ import annotations
 
@@ -133,3 +134,32 @@ def test_key_given_as_flag_reaches_the_server_in_its_environment_not_its_command
     assert "--api-key puts the key on the command line" not in log  # the server did not get it as a flag
     assert KEY not in log
     assert t.stop() == 0, t.log()
+
+
+def hanging_model(server_model: Path, folder: Path) -> Path:  # noqa: F811
+    """The test model with its weights file replaced by a FIFO nobody writes to: the loader's
+    open() blocks forever, as on a hung network mount; the process holds the GIL there, so it
+    uses no CPU, its /health never answers and it ignores SIGTERM."""
+    folder.mkdir()
+    for f in server_model.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    os.mkfifo(folder / "model.safetensors")
+    return folder
+
+
+def test_start_up_that_hangs_is_restarted_after_the_stall_timeout_not_the_start_timeout(
+        server_model, tengyun, tmp_path):  # noqa: F811
+    model = hanging_model(server_model, tmp_path / "hangs")
+    t = tengyun("supervise", "--check-interval", "0.5", "--start-timeout", "600", "--start-stall-timeout", "4", "--",
+                "serve", str(model), *SERVE_FLAGS, "--host", "127.0.0.1", "--port", str(free_port()))
+    first = int(t.wait_log(r"Started the server: pid (\d+)")[0].group(1))
+    started = time.monotonic()
+    t.wait_log(r"Restart 1 \(start_stall\): start-up stalled: not ready, and \d+\.\d\d s of CPU in the last \d+ s "
+               r"\(under 1% of a core\) > --start-stall-timeout 4 s", timeout=120)
+    assert time.monotonic() - started < 120  # not the 600 s --start-timeout
+    assert re.search(rf"Stopping pid {first} gracefully \(SIGTERM; in-flight requests finish within 0 s, "
+                     r"SIGKILL 15 s later\)", t.log())  # never ready: nothing to drain
+    t.wait_log(rf"pid {first} exited with code -9", timeout=60)  # it ignored SIGTERM
+    second = int(t.wait_log(r"Started the server: pid (\d+)", 2)[1].group(1))
+    assert second != first and not os.path.exists(f"/proc/{first}")
