@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 from typing import Any, Sequence as Seq
 
 from tengyun.config import EngineConfig
@@ -31,6 +32,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
+        _check_not_bootstrapping()
         self._sampling_defaults = sampling_defaults(config.finalize())  # a bad file fails before the weights load
         self.llm_engine = LLMEngine.from_config(config)
         self._request_ids = itertools.count()
@@ -112,6 +114,22 @@ class LLM:
         while request_ids and self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
                 request_ids.discard(output.request_id)
+
+
+def _check_not_bootstrapping() -> None:
+    """Refuse to build an LLM while multiprocessing starts this process: its "spawn" and
+    "forkserver" re-run the main script's top level in each child they start (the user's own
+    Pool or Process; forkserver is Python 3.14's default), and each would load the model again.
+    Tengyun's own ranks never re-run the script (executor/rank_process.py)."""
+    # multiprocessing's own "bootstrapping phase" flag (spawn._main, forkserver), which its
+    # _check_not_importing_main reads; True only while the child imports the main module.
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "LLM(...) was called while multiprocessing was starting this process: its spawn and "
+            "forkserver methods re-run your script's top level in every child process they start, "
+            "and each would load the model again. Put the code that builds the LLM under "
+            "`if __name__ == \"__main__\":` (or start your own processes with fork)."
+        )
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -1,9 +1,10 @@
 """MultiprocExecutor: one process per rank (``--distributed-executor-backend mp``).
 
-Every rank, rank 0 included, runs in its own spawned process; the engine process holds no
-model and imports no torch. The engine talks to rank 0 over a pipe (worker_process.py
-says what crosses it). Each local rank also has its own pipe for start-up and error
-reports, and its process sentinel is watched, so a rank that dies is named at once:
+Every rank, rank 0 included, runs in its own process (rank_process.py says how it starts);
+the engine process holds no model and imports no torch. The engine talks to rank 0 over a
+pipe (worker_process.py says what crosses it). Each local rank also has its own pipe for
+start-up and error reports, and its process sentinel is watched, so a rank that dies is
+named at once:
 
     WorkerDiedError: worker rank 1 (pid 4242) exited with code -9 ...
 
@@ -31,7 +32,9 @@ from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.executor.node_link import (
     NodeLinkClient, NodeLinkServer, NodeLost, RankExit, describe_ranks, link_port,
 )
-from tengyun.executor.worker_process import EXECUTE, SHUTDOWN, worker_main
+from tengyun.executor.rank_process import SpawnedRank, start_method, start_rank
+from tengyun.executor.worker_process import EXECUTE, SHUTDOWN
+from tengyun.platforms import platform_class
 
 logger = logging.getLogger(__name__)
 
@@ -48,26 +51,24 @@ class WorkerDiedError(RuntimeError):
 @dataclass
 class _Rank:
     rank: int
-    process: multiprocessing.Process
+    process: SpawnedRank | multiprocessing.Process
     pipe: Connection  # engine side
 
 
 def launch_node(config: EngineConfig, master_port: int) -> list[_Rank]:
-    """Start this node's ranks (config.node_rank), each in a spawned process."""
-    ctx = multiprocessing.get_context("spawn")
+    """Start this node's ranks (config.node_rank), each in its own process (rank_process.py:
+    a fresh interpreter that never re-runs the user's script, or fork when asked for)."""
+    method = start_method(platform_class(config.device_type).fork_safe)
     ranks = node_ranks(config.world_size, config.nnodes, config.node_rank)
     threads = _threads_per_rank(config, len(ranks))
+    logger.info("Starting ranks %s with %s", list(ranks), method)
     started = []
     for local_rank, rank in enumerate(ranks):
         info = RankInfo(rank, local_rank, config.world_size, config.tensor_parallel_size,
                         config.pipeline_parallel_size, f"tcp://{config.master_addr}:{master_port}",
                         max(config.distributed_timeout, COLLECTIVE_TIMEOUT_S))
-        ours, theirs = ctx.Pipe()
-        process = ctx.Process(target=worker_main, args=(config, info, theirs, threads),
-                              name=f"tengyun-rank{rank}", daemon=True)
-        process.start()
-        theirs.close()
-        started.append(_Rank(rank, process, ours))
+        process, pipe = start_rank(method, config, info, threads, name=f"tengyun-rank{rank}")
+        started.append(_Rank(rank, process, pipe))
     return started
 
 

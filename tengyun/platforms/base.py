@@ -9,6 +9,10 @@ class Platform:
     visible_devices_env: str = ""
     default_block_size: int = 16  # tokens per KV block when --block-size is not given
     supports_graphs: bool = False  # decode steps can be captured and replayed (capture_graph)
+    # A rank forked from the engine process can still use the device. False where detecting the
+    # device (is_available, run by EngineConfig.finalize) already initialises a runtime that does
+    # not survive fork: CUDA's cudaGetDeviceCount calls cuInit; Ascend's ACL is treated the same.
+    fork_safe: bool = False
 
     @classmethod
     def is_available(cls) -> bool:

@@ -19,6 +19,9 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     visible_devices_env = ""
+    # torch's CPU runtime survives fork, except OpenMP's thread pool: once this process has run
+    # multi-threaded torch work, a forked rank hangs in its first parallel op (docs/parallelism.md).
+    fork_safe = True
 
     @classmethod
     def is_available(cls) -> bool:
