@@ -91,4 +91,4 @@ def test_unknown_model_name_fails_every_request_with_the_servers_message(server,
                  "--input-len", "4", "--output-len", "2", "--num-prompts", "2")
     assert proc.returncode == 1
     assert "Failed requests:                        2" in proc.stdout
-    assert "HTTP 400" in proc.stdout and "does not exist" in proc.stdout
+    assert "HTTP 404" in proc.stdout and "does not exist" in proc.stdout

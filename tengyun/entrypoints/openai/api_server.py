@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -44,8 +44,11 @@ from tengyun.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from tengyun.entrypoints.openai.middleware import GateMiddleware, RequestTooLarge, error_response
 from tengyun.entrypoints.openai.openapi_doc import install_openapi
 from tengyun.entrypoints.openai.request_limits import RequestLimits, default_max_request_bytes
-from tengyun.entrypoints.openai.serving_engine import SSE_HEADERS, error_status, public_message
+from tengyun.entrypoints.openai.responses import respond, until_disconnect
+from tengyun.entrypoints.openai.serving_engine import error_status, public_message
 from tengyun.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from tengyun.entrypoints.openai.vllm_args import FrontendOptions, check_vllm_server_args
+from tengyun.entrypoints.openai.vllm_routes import add_vllm_routes
 from tengyun.generation_config import sampling_defaults
 from tengyun.sampling_params import SamplingParams
 from tengyun.tokenizer import get_tokenizer
@@ -58,7 +61,8 @@ class ServerState:
     def __init__(self, config: EngineConfig, api_key: str | None = None, chat_template: str | None = None,
                  log_stats_interval: float | None = 10.0, shutdown_timeout: float = 30.0,
                  base_url: str | None = None, chat_options: dict[str, Any] | None = None,
-                 limits: RequestLimits | None = None, metrics_options: dict[str, Any] | None = None):
+                 limits: RequestLimits | None = None, metrics_options: dict[str, Any] | None = None,
+                 frontend: FrontendOptions | None = None):
         self.config = config  # finalized: served_model_name and max_model_len are known
         self.limits = limits or RequestLimits(max_request_bytes=default_max_request_bytes(config.max_model_len),
                                               max_seqs_per_request=config.max_num_seqs)
@@ -70,6 +74,8 @@ class ServerState:
         self.sampling_defaults = sampling_defaults(config)  # --generation-config; logged once when any
         self.engine: AsyncLLMEngine | None = None
         self.worker: TokenizerWorker | None = None
+        self.frontend = frontend or FrontendOptions()
+        self.generating = 0  # generation requests in flight: GET /load with --enable-server-load-tracking
         self.completion: OpenAIServingCompletion | None = None
         self.chat: OpenAIServingChat | None = None
         self.ready = False
@@ -99,9 +105,9 @@ class ServerState:
             name = self.config.served_model_name
             self.worker = TokenizerWorker(tokenizer, self.limits.chat_template_timeout_s)
             self.completion = OpenAIServingCompletion(engine, self.worker, name, self.chat_template,
-                                                      self.sampling_defaults, self.limits)
+                                                      self.sampling_defaults, self.limits, self.frontend)
             self.chat = OpenAIServingChat(engine, self.worker, name, self.chat_template, self.sampling_defaults,
-                                          self.limits, **self.chat_options)
+                                          self.limits, self.frontend, **self.chat_options)
             self.ready = True
             logger.info("Ready in %.1f s: serving %r", time.perf_counter() - started, name)
             if self.base_url:
@@ -186,37 +192,9 @@ async def _in_daemon_thread(fn: Callable, *args: Any) -> Any:
     return await future
 
 
-async def _until_disconnect(raw_request: Request, work: Any) -> Any:
-    """Await `work`, cancelling it (which aborts its engine requests) if the client leaves first."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await raw_request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return Response(status_code=499)  # client closed the request; nobody reads this
-    return task.result()
-
-
-def _respond(result: Any) -> Response:
-    if hasattr(result, "__aiter__"):
-        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
-    if isinstance(result, Response):
-        return result
-    return JSONResponse(result.model_dump())
-
-
 def build_app(state: ServerState, allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
-              allowed_headers: list[str] | None = None, allow_credentials: bool = False) -> FastAPI:
+              allowed_headers: list[str] | None = None, allow_credentials: bool = False,
+              root_path: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         tasks = [asyncio.create_task(state.start_engine()), asyncio.create_task(state.log_stats_forever())]
@@ -230,7 +208,9 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None, allo
             if state.worker is not None:
                 state.worker.shutdown()
 
-    app = FastAPI(title="Tengyun OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    no_docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if state.frontend.disable_fastapi_docs else {}
+    app = FastAPI(title="Tengyun OpenAI-compatible server", version=__version__, lifespan=lifespan, **no_docs)
+    app.root_path = root_path or ""  # --root-path, as vLLM sets it: routes answer with and without the prefix
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
     app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
@@ -238,6 +218,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None, allo
                        allow_credentials=allow_credentials)  # outermost: preflights never need the key
     _add_error_handlers(app)
     _add_routes(app, state)
+    add_vllm_routes(app, state)
     install_openapi(app, with_api_key=bool(state.api_key))
     return app
 
@@ -270,7 +251,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(400, str(exc), exc.param)
+        return error_response(exc.status, str(exc), exc.param)
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, exc: ValueError) -> JSONResponse:
@@ -309,11 +290,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return _respond(await _until_disconnect(raw_request, state.completion.create_completion(request)))
+        return respond(await until_disconnect(raw_request, state.completion.create_completion(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return _respond(await _until_disconnect(raw_request, state.chat.create_chat_completion(request)))
+        return respond(await until_disconnect(raw_request, state.chat.create_chat_completion(request)))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:
@@ -371,6 +352,7 @@ def run_server(args: argparse.Namespace) -> int:
     from tengyun.entrypoints.cli.engine_args import config_from_args
 
     check_server_args(args)
+    check_vllm_server_args(args)
     config = config_from_args(args).finalize()  # fast checks first: bad flags never bind a port
     if config.headless:  # nodes 1..N-1 of a multi-node launch: this node's ranks, no engine, no port
         from tengyun.executor.multiproc_executor import run_headless
@@ -380,20 +362,22 @@ def run_server(args: argparse.Namespace) -> int:
         config, api_key=resolve_api_key(args), chat_template=load_chat_template(args.chat_template),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout,
-        base_url=f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}",
+        base_url=_base_url(args),
         chat_options=dict(enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser),
         limits=RequestLimits.from_args(args, config.max_model_len, config.max_num_seqs),
         metrics_options=EngineMetrics.options_from_args(args),
+        frontend=FrontendOptions.from_args(args),
     )
-    app = build_app(state, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+    app = build_app(state, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials,
+                    args.root_path)
     uvicorn_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        app, host=args.host, port=args.port, uds=args.uds, log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5, lifespan="on",
     )
     server = TengyunServer(uvicorn_config, state)
-    logger.info("Tengyun %s starting on http://%s:%d (/health turns 200 when the model is ready)",
-                __version__, args.host, args.port)
+    logger.info("Tengyun %s starting on %s (/health turns 200 when the model is ready)", __version__,
+                f"unix socket {args.uds}" if args.uds else f"http://{args.host}:{args.port}")
     asyncio.run(server.serve())
     if state.load_error is not None:
         print(f"error: {state.load_error}", file=sys.stderr)
@@ -402,6 +386,14 @@ def run_server(args: argparse.Namespace) -> int:
     elif not server.started:
         return 1  # the port could not be bound; uvicorn logged why
     return server.exit_code
+
+
+def _base_url(args: argparse.Namespace) -> str:
+    """For the example curl line: where a client on this host reaches the server."""
+    if args.uds:
+        return f"--unix-socket {shlex.quote(args.uds)} http://localhost{args.root_path or ''}"
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    return f"http://{host}:{args.port}{args.root_path or ''}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from tengyun.entrypoints.cli.engine_args import add_engine_args
 from tengyun.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from tengyun.entrypoints.openai.request_limits import add_request_limit_args
 from tengyun.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from tengyun.entrypoints.openai.vllm_args import add_vllm_server_args
 from tengyun.entrypoints.openai.vllm_metrics import add_metrics_args
 
 API_KEY_ENV = "TENGYUN_API_KEY"
@@ -75,6 +76,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_server_args(parser)
     add_metrics_args(parser)
     add_request_limit_args(parser)
+    add_vllm_server_args(parser)
     return parser
 
 

@@ -2,23 +2,28 @@
 bearer auth (401), body size (413), readiness / draining (503), then in-flight counting.
 
 Route classes:
-    /v1/*, /tokenize, /detokenize     all of it
+    /v1/*, /tokenize, /detokenize,    all of it
+    /invocations, /tokenizer_info
     /docs, /redoc, /openapi.json      the key, when --api-key is set (they describe the API)
-    /health, /metrics, /version       open: probes and scrapers carry no key
+    /health, /metrics, /version,      open: probes and scrapers carry no key
+    /load
 """
 
 from __future__ import annotations
 
 import secrets
+import uuid
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette._utils import get_route_path
 
 from tengyun.entrypoints.openai.protocol import error_body
 
-API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info")
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 BODY_METHODS = ("POST", "PUT", "PATCH")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")  # what GET /load counts
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -41,14 +46,16 @@ def too_large_message(size: int | None, limit: int) -> str:
 class GateMiddleware:
     def __init__(self, app: Any, state: Any):
         self.app = app
-        self.state = state  # ServerState: api_key, limits, unavailable_reason(), in_flight
+        self.state = state  # ServerState: api_key, limits, frontend, unavailable_reason(), in_flight, generating
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
-        is_api = path.startswith(API_PREFIXES) or path == "/v1"
         state = self.state
+        if state.frontend.enable_request_id_headers:
+            send = _with_request_id(scope, send)
+        path = route_path(scope)
+        is_api = path.startswith(API_PREFIXES) or path == "/v1"
         if (is_api or path in DOC_PATHS) and state.api_key and not self._authorized(scope):
             response = error_response(401, "Invalid or missing API key: send it as 'Authorization: Bearer KEY'.")
             return await response(scope, receive, send)
@@ -62,17 +69,41 @@ class GateMiddleware:
         reason = state.unavailable_reason()
         if reason is not None:
             return await error_response(503, reason)(scope, receive, send)
+        generating = path in GENERATION_PATHS
         state.in_flight += 1
+        state.generating += generating
         try:
             await self.app(scope, _counting(receive, limit) if size is None else receive, send)
         finally:
             state.in_flight -= 1
+            state.generating -= generating
 
     def _authorized(self, scope) -> bool:
         value = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = value.partition(b" ")
         # Bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.state.api_key.encode())
+
+
+def route_path(scope) -> str:
+    """The path the routes match: under --root-path, /prefix/v1/models and /v1/models (a proxy
+    that strips the prefix) both reach /v1/models. Starlette's own function, so auth judges
+    exactly the path routing does."""
+    return get_route_path(scope)
+
+
+def _with_request_id(scope, send):
+    """--enable-request-id-headers: every answer carries X-Request-Id, the client's own or a new one."""
+    given = dict(scope.get("headers") or []).get(b"x-request-id")
+    request_id = given if given else uuid.uuid4().hex.encode()
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+            message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+        await send(message)
+
+    return sending
 
 
 def _content_length(scope) -> int | None:

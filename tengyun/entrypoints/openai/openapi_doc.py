@@ -18,7 +18,8 @@ API_ERRORS = {
     "401": "Missing or wrong API key (only when the server runs with --api-key)",
     "503": "The server is starting, draining for shutdown, or its engine stopped",
 }
-BODY_ERRORS = {"413": "The body is larger than --max-request-bytes"}
+BODY_ERRORS = {"404": "`model` names a model this server does not serve",
+               "413": "The body is larger than --max-request-bytes"}
 NOT_JSON = {  # routes whose 200 is not JSON
     "/health": {"description": "Ready: an empty body"},
     "/metrics": {"description": "Prometheus text format",

@@ -73,11 +73,12 @@ def _is_unicode(text: str) -> bool:
 
 
 class RequestError(ValueError):
-    """Bad request input: becomes a 400 with `param` set to the offending field."""
+    """Bad request input: becomes a 400 (or `status`) with `param` set to the offending field."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 # ----- errors ----------------------------------------------------------------------------
@@ -126,10 +127,15 @@ def prompt_logprobs_json(entries: PromptLogprobs | None) -> list[dict[int, Promp
             for entry in entries]
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # --enable-prompt-tokens-details
 
 
 class ModelCard(OpenAIBaseModel):

@@ -116,9 +116,8 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatCompletionResponseChoice(
                 index=c.index, message=_message(parsed, request.include_reasoning), logprobs=logprobs,
                 finish_reason=_finish_reason(c.finish_reason, bool(parsed.tool_calls)), stop_reason=c.stop_reason))
-        prompt = len(final.prompt_token_ids)
-        completion = sum(len(c.token_ids) for c in final.outputs)
-        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        usage = self.usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
+                           final.num_cached_tokens)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage,
                                       prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
 
@@ -130,21 +129,20 @@ class OpenAIServingChat(OpenAIServing):
         the usage so far on every chunk too."""
         created, n = int(time.time()), request.n
         sent_tokens, done, num_calls, started = [0] * n, [False] * n, [0] * n, [False] * n
-        usage = UsageInfo()
+        usage, cached = UsageInfo(), 0  # so far; replaced at every engine output
         exclude = None if request.include_usage_in_stream else {"usage"}
 
         def chunk(choice: ChatCompletionResponseStreamChoice | None) -> str:
             on_chunk = choice is None or request.usage_on_every_chunk
             response = ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.served_model_name, choices=[choice] if choice else [],
-                usage=usage.model_copy() if on_chunk else None)
+                usage=usage if on_chunk else None)
             return sse(response.model_dump(exclude=exclude))
 
         try:
             async for _, output in self.merged([stream]):
-                usage.prompt_tokens = len(output.prompt_token_ids)
-                usage.completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                cached = output.num_cached_tokens
+                usage = self.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs), cached)
                 for c in output.outputs:
                     if done[c.index]:
                         continue
@@ -157,8 +155,7 @@ class OpenAIServingChat(OpenAIServing):
                         done[c.index] = choice.finish_reason is not None
                         yield chunk(choice)
             if request.include_usage_in_stream:
-                usage.completion_tokens = sum(sent_tokens)
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                usage = self.usage(usage.prompt_tokens, sum(sent_tokens), cached)
                 yield chunk(None)
         except Exception as e:
             yield sse_error(e)

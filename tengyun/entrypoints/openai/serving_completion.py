@@ -12,7 +12,7 @@ from typing import AsyncIterator, Callable
 
 from tengyun.entrypoints.openai.protocol import (
     MIN_LOGPROB, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, UsageInfo, prompt_logprobs_json, random_id,
+    CompletionStreamResponse, prompt_logprobs_json, random_id,
 )
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
@@ -49,14 +49,14 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: dict[int, RequestOutput] = {}
         async for i, output in self.merged(streams):
             finals[i] = output
-        choices, usage = [], UsageInfo()
+        choices, prompt_tokens, completion_tokens = [], 0, 0
         for i in sorted(finals):
             output = finals[i]
-            usage.prompt_tokens += len(output.prompt_token_ids)
+            prompt_tokens += len(output.prompt_token_ids)
             prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
             for c in output.outputs:
                 c = _visible(request, c)
-                usage.completion_tokens += len(c.token_ids)
+                completion_tokens += len(c.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
@@ -66,7 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + c.index, text=echo_texts[i] + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs))
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage = self.usage(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in finals.values()))
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, request_id: str, streams,
@@ -77,21 +77,21 @@ class OpenAIServingCompletion(OpenAIServing):
         sent_chars, sent_tokens = [0] * num_choices, [0] * num_choices
         echoed, done = [False] * num_choices, [False] * num_choices
         prompt_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}
         generated = [0] * num_choices  # tokens out so far, for continuous_usage_stats
         exclude = None if request.include_usage_in_stream else {"usage"}
 
         def chunk(choice: CompletionResponseChoice | None, completion_tokens: list[int]) -> str:
             usage = None
             if choice is None or request.usage_on_every_chunk:
-                prompt, completion = sum(prompt_tokens.values()), sum(completion_tokens)
-                usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+                usage = self.usage(sum(prompt_tokens.values()), sum(completion_tokens), sum(cached_tokens.values()))
             response = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                 choices=[choice] if choice else [], usage=usage)
             return sse(response.model_dump(exclude=exclude))
 
         try:
             async for i, output in self.merged(streams):
-                prompt_tokens[i] = len(output.prompt_token_ids)
+                prompt_tokens[i], cached_tokens[i] = len(output.prompt_token_ids), output.num_cached_tokens
                 for c in output.outputs:
                     k = i * n + c.index
                     if done[k]:

@@ -9,9 +9,12 @@ import logging
 from typing import Any, AsyncIterator
 
 from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from tengyun.entrypoints.openai.protocol import ChatMessage, RequestError, error_body
+from tengyun.entrypoints.openai.protocol import (
+    ChatMessage, PromptTokenUsageInfo, RequestError, UsageInfo, error_body,
+)
 from tengyun.entrypoints.openai.request_limits import RequestLimits
 from tengyun.entrypoints.openai.tokenizer_worker import RenderTimeout, TokenizerWorker
+from tengyun.entrypoints.openai.vllm_args import FrontendOptions
 from tengyun.outputs import RequestOutput
 from tengyun.sampling_params import SamplingParams, StructuredOutputsParams, check_logit_bias, check_num_logprobs
 
@@ -23,7 +26,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, worker: TokenizerWorker | None, served_model_name: str,
                  chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None,
-                 limits: RequestLimits | None = None):
+                 limits: RequestLimits | None = None, frontend: FrontendOptions | None = None):
         self.engine = engine
         self.worker = worker  # the front end's tokenizer, off the event loop (the engine thread has another)
         self.tokenizer = worker.tokenizer if worker is not None else None  # for short decodes on the loop
@@ -35,11 +38,19 @@ class OpenAIServing:
         # --generation-config: {"temperature": 0.7, "max_tokens": 512, ...} for fields a request leaves unset
         self.sampling_defaults = sampling_defaults or {}
         self.limits = limits or RequestLimits()
+        self.frontend = frontend or FrontendOptions()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        """Token counts of an answer; prompt_tokens_details with --enable-prompt-tokens-details."""
+        details = PromptTokenUsageInfo(cached_tokens=cached_tokens) if self.frontend.enable_prompt_tokens_details \
+            else None
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise RequestError(f"The model `{model}` does not exist; this server serves "
-                               f"`{self.served_model_name}`.", "model")
+                               f"`{self.served_model_name}`.", "model", status=404)  # as vLLM answers
 
     # ----- prompts ----------------------------------------------------------------------
     async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

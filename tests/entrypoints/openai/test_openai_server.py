@@ -304,7 +304,6 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 BAD_REQUESTS = [
     # (id, path, body, param, words in the message)
-    ("unknown-model", CHAT, {"model": "gpt-4", "messages": MESSAGES}, "model", ["gpt-4", MODEL]),
     ("too-long", COMPLETIONS, {"model": MODEL, "prompt": [5] * 2000, "max_tokens": 100}, "max_tokens",
      [str(MAX_MODEL_LEN), "2100", "2000", "100", "max_tokens"]),
     ("prompt-fills-context", COMPLETIONS, {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": None}, "prompt",
@@ -370,10 +369,18 @@ def test_unknown_route_is_404_and_wrong_method_405(server):
     assert_error(httpx.get(server.url + COMPLETIONS, headers=AUTH), 405)
 
 
+def test_unknown_model_is_404_as_in_vllm(server, client):
+    error = assert_error(post(server, CHAT, {"model": "gpt-4", "messages": MESSAGES}), 404, "model", ["gpt-4", MODEL])
+    assert error["type"] == "NotFoundError"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert info.value.status_code == 404 and "no-such-model" in info.value.message
+
+
 def test_sdk_raises_bad_request_with_the_message(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
-    assert info.value.status_code == 400 and "no-such-model" in info.value.message
+        client.completions.create(model=MODEL, prompt="x", top_p=1.5)
+    assert info.value.status_code == 400 and "top_p" in info.value.message
 
 
 def test_bad_requests_do_not_disturb_a_running_stream(server, client):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import httpx
 import openai
@@ -14,12 +15,17 @@ from remote_server import running_server, server_model, start_server  # noqa: F4
 
 MODEL = "dropin"
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
+NO_EFFECT = ["--disable-frontend-multiprocessing", "--enable-log-requests", "--max-log-len", "100",
+             "--swap-space", "4", "--disable-custom-all-reduce"]
+FEATURES = ["--enable-request-id-headers", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+            "--enable-prompt-tokens-details", "--runner", "generate", "--root-path", "/llm",
+            "--limit-mm-per-prompt", '{"image": 0}']
 
 
 @pytest.fixture(scope="module")
 def server(server_model, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("dropin") / "server.log"
-    yield from running_server(server_model, ["--served-model-name", MODEL], log)
+    yield from running_server(server_model, ["--served-model-name", MODEL, *NO_EFFECT, *FEATURES], log)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +94,8 @@ def test_chat_stream_sends_nothing_while_its_request_waits_for_prefill(start_ser
         http = stack.enter_context(httpx.Client(timeout=120))
         ahead = [stack.enter_context(http.stream("POST", server.url + "/v1/completions", json=long_body))
                  for _ in range(6)]
-        next(ahead[0].iter_lines())  # the first is running, five wait
+        first_lines = ahead[0].iter_lines()  # kept: a dropped line iterator closes the stream
+        next(first_lines)  # the first is running, five wait
         b = stack.enter_context(httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
                                              timeout=httpx.Timeout(120, read=1.5)))
         with pytest.raises(httpx.ReadTimeout):
@@ -96,3 +103,99 @@ def test_chat_stream_sends_nothing_while_its_request_waits_for_prefill(start_ser
     # Their streams closed (a disconnect aborts): a fresh B runs at once, role chunk first.
     events = sse_events(server, "/v1/chat/completions", body)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+# ----- vLLM's flags ------------------------------------------------------------------------
+def test_flags_without_effect_start_the_server_with_one_log_line_each(server):
+    log = server.log()
+    for flag in (f for f in NO_EFFECT if f.startswith("--")):
+        assert log.count(f"{flag} accepted for vLLM compatibility; it has no effect here") == 1
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--enable-lora"], ["--enable-lora", "LoRA adapters are not supported"]),
+    (["--lora-modules", "sql=/adapters/sql"], ["--lora-modules", "LoRA"]),
+    (["--limit-mm-per-prompt", '{"image": 2}'], ["--limit-mm-per-prompt", "multimodal inputs are not supported"]),
+    (["--runner", "pooling"], ["--runner pooling", "generative models only"]),
+])
+def test_unsupported_vllm_features_stop_start_up_naming_the_flag(start_server, flags, words):  # noqa: F811
+    server = start_server(*flags)
+    assert server.wait_exit(60) == 2
+    for word in words:
+        assert word in server.log()
+
+
+def test_request_id_header_is_echoed_or_made(server):
+    given = httpx.get(server.url + "/v1/models", headers={"X-Request-Id": "trace-42"}, timeout=30)
+    assert given.headers["x-request-id"] == "trace-42"
+    made = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=30)
+    assert len(made.headers["x-request-id"]) == 32
+
+
+def test_root_path_serves_with_and_without_the_prefix(server):
+    for path in ("/llm/v1/models", "/v1/models"):
+        assert httpx.get(server.url + path, timeout=30).json()["data"][0]["id"] == MODEL
+
+
+def test_load_counts_generation_requests_in_flight(server):
+    assert httpx.get(server.url + "/load", timeout=30).json() == {"server_load": 0}
+    body = {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True}  # seconds of work
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as running:
+        lines = running.iter_lines()  # kept: a dropped line iterator closes the stream (a disconnect)
+        next(lines)
+        assert httpx.get(server.url + "/load", timeout=30).json() == {"server_load": 1}
+    wait_for_load(server, 0)  # the disconnect aborted it
+
+
+def wait_for_load(server, expected: int) -> None:
+    deadline = time.monotonic() + 60
+    while httpx.get(server.url + "/load", timeout=30).json()["server_load"] != expected:
+        assert time.monotonic() < deadline, f"/load never returned {expected}"
+        time.sleep(0.1)
+
+
+def test_tokenizer_info_names_the_template_not_a_folder(server, server_model):  # noqa: F811
+    response = httpx.get(server.url + "/tokenizer_info", timeout=30)
+    info = response.json()
+    assert info["tokenizer_class"] and "add_generation_prompt" in info["chat_template"]
+    assert info["eos_token"] == "<|endoftext|>" and str(server_model) not in response.text
+
+
+def test_prompt_tokens_details_count_prefix_cache_hits(client):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0  # whole blocks of --block-size 16
+
+
+@pytest.mark.parametrize("body, kind", [
+    ({"messages": MESSAGES, "max_tokens": 2}, "chat.completion"),
+    ({"prompt": "The quick", "max_tokens": 2}, "text_completion"),
+])
+def test_invocations_route_by_body_shape(server, body, kind):
+    assert httpx.post(server.url + "/invocations", json=body, timeout=60).json()["object"] == kind
+
+
+def test_invocations_refuse_a_body_of_neither_shape(server):
+    error = httpx.post(server.url + "/invocations", json={"input": "x"}, timeout=60).json()["error"]
+    assert error["code"] == 400 and "messages" in error["message"]
+    error = httpx.post(server.url + "/invocations", json={"prompt": "x", "n": "2"}, timeout=60).json()["error"]
+    assert error["code"] == 400 and error["param"] == "n"
+
+
+def test_unix_socket(start_server, tmp_path):  # noqa: F811
+    socket_path = str(tmp_path / "tengyun.sock")
+    server = start_server("--uds", socket_path)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), base_url="http://localhost") as http:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if http.get("/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        answer = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+    assert answer.json()["usage"]["completion_tokens"] == 2, server.log()

@@ -1,0 +1,75 @@
+"""Routes vLLM serves beside the OpenAI ones: GET /load, GET /tokenizer_info (with
+--enable-tokenizer-info-endpoint) and POST /invocations (SageMaker's single entry point: the
+body's shape picks chat or completions)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from tengyun.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from tengyun.entrypoints.openai.responses import respond, until_disconnect
+
+TOKENIZER_INFO_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "add_bos_token", "add_eos_token",
+                       "clean_up_tokenization_spaces", "padding_side", "truncation_side")
+
+
+def add_vllm_routes(app: FastAPI, state: Any) -> None:
+    @app.get("/load")
+    async def load() -> dict:
+        """Generation requests in flight, counted with --enable-server-load-tracking (else 0, as vLLM)."""
+        return {"server_load": state.generating if state.frontend.enable_server_load_tracking else 0}
+
+    if state.frontend.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict:
+            return tokenizer_info_of(state.worker.tokenizer, state.chat_template, state.config.max_model_len)
+
+    @app.post("/invocations")
+    async def invocations(raw_request: Request):
+        body = await _json_object(raw_request)
+        if "messages" in body:
+            request = _validated(ChatCompletionRequest, body)
+            work = state.chat.create_chat_completion(request)
+        elif "prompt" in body:
+            request = _validated(CompletionRequest, body)
+            work = state.completion.create_completion(request)
+        else:
+            raise RequestError("/invocations takes a chat body (with messages) or a completions body (with "
+                               "prompt).", "messages")
+        return respond(await until_disconnect(raw_request, work))
+
+
+def tokenizer_info_of(tokenizer: Any, chat_template: str | None, max_model_len: int) -> dict:
+    """The tokenizer's class, special tokens and chat template; never a file path."""
+    info = {"tokenizer_class": type(tokenizer).__name__,
+            "chat_template": chat_template or getattr(tokenizer, "chat_template", None),
+            "model_max_length": max_model_len}
+    for key in TOKENIZER_INFO_KEYS:
+        value = tokenizer.init_kwargs.get(key, getattr(tokenizer, key, None))
+        if isinstance(value, (str, int, float, bool)):
+            info[key] = value
+        elif value is not None and hasattr(value, "content"):  # AddedToken
+            info[key] = value.content
+    return info
+
+
+async def _json_object(raw_request: Request) -> dict:
+    try:
+        body = json.loads(await raw_request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    return body
+
+
+def _validated(model: type, body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:  # the same 400 as the other routes' bodies
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
