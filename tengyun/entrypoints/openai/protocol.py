@@ -190,6 +190,7 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"; default the server flag
     prompt_logprobs: int | None = None  # answered as `prompt_logprobs`, vLLM's shape; not when streaming
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_*.
     response_format: ResponseFormat | None = None

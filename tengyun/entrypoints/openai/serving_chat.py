@@ -24,7 +24,7 @@ from tengyun.entrypoints.openai.protocol import (
 )
 from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
-from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
+from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error, token_text
 from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
 from tengyun.outputs import RequestOutput
 from tengyun.sampling_params import StructuredOutputsParams
@@ -111,7 +111,8 @@ class OpenAIServingChat(OpenAIServing):
         for c in final.outputs:
             logprobs = None
             if request.logprobs:
-                logprobs = chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
+                logprobs = chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0,
+                                         self.tokens_as_ids(request))
             parsed = parsers[c.index].parse(c.text)
             choices.append(ChatCompletionResponseChoice(
                 index=c.index, message=_message(parsed, request.include_reasoning), logprobs=logprobs,
@@ -161,8 +162,7 @@ class OpenAIServingChat(OpenAIServing):
             yield sse_error(e)
         yield SSE_DONE
 
-    @staticmethod
-    def _stream_choice(request: ChatCompletionRequest, c, parser: ChoiceOutputParser, sent_tokens: list[int],
+    def _stream_choice(self, request: ChatCompletionRequest, c, parser: ChoiceOutputParser, sent_tokens: list[int],
                        num_calls: list[int]) -> ChatCompletionResponseStreamChoice | None:
         """The delta of choice c since its last chunk; None while there is nothing to send."""
         parsed = parser.delta(c.text, finished=c.finish_reason is not None)
@@ -173,7 +173,8 @@ class OpenAIServingChat(OpenAIServing):
             return None
         logprobs = None
         if request.logprobs:
-            logprobs = chat_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[c.index]:], request.top_logprobs or 0)
+            logprobs = chat_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[c.index]:], request.top_logprobs or 0,
+                                     self.tokens_as_ids(request))
         sent_tokens[c.index] = len(c.token_ids)
         return ChatCompletionResponseStreamChoice(
             index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
@@ -204,17 +205,18 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if reason == "stop" and called else reason
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> ChatCompletionLogProbs:
+def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, as_ids: bool = False) -> ChatCompletionLogProbs:
     """Per sampled token: its logprob and the k most likely tokens, by rank (k -1: every token)."""
+    def entry_of(token_id: int, lp, cls=ChatCompletionLogProb):
+        text = token_text(token_id, lp.decoded_token, as_ids)
+        return cls(token=text, logprob=lp.logprob, bytes=list(text.encode("utf-8")))
+
     content = []
     for token_id, entry in zip(token_ids, logprobs):
-        sampled = entry[token_id]
         most = len(entry) if k == -1 else k
-        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= most), key=lambda lp: lp.rank)
-        content.append(ChatCompletionLogProbsContent(
-            token=sampled.decoded_token or "", logprob=sampled.logprob,
-            bytes=list((sampled.decoded_token or "").encode("utf-8")),
-            top_logprobs=[ChatCompletionLogProb(token=lp.decoded_token or "", logprob=lp.logprob,
-                                                bytes=list((lp.decoded_token or "").encode("utf-8")))
-                          for lp in top[:most]]))
+        top = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= most),
+                     key=lambda item: item[1].rank)
+        sampled = entry_of(token_id, entry[token_id], ChatCompletionLogProbsContent)
+        sampled.top_logprobs = [entry_of(tid, lp) for tid, lp in top[:most]]
+        content.append(sampled)
     return ChatCompletionLogProbs(content=content)

@@ -15,7 +15,7 @@ from tengyun.entrypoints.openai.protocol import (
     CompletionStreamResponse, prompt_logprobs_json, random_id,
 )
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
-from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error
+from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error, token_text
 from tengyun.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -60,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
-                                                   len(echo_texts[i]))
+                                                   len(echo_texts[i]), as_ids=self.tokens_as_ids(request))
                     if request.echo:
                         logprobs = self._echo_logprobs(request, output, logprobs)
                 choices.append(CompletionResponseChoice(
@@ -118,14 +118,14 @@ class OpenAIServingCompletion(OpenAIServing):
                        completion: CompletionLogProbs | None) -> CompletionLogProbs:
         """The prompt's logprobs (offsets from 0), then the completion's."""
         prompt = completion_logprobs(output.prompt_token_ids, output.prompt_logprobs or [], request.logprobs, 0,
-                                     decode=lambda token: self.tokenizer.decode([token]))
+                                     decode=lambda token: self.tokenizer.decode([token]),
+                                     as_ids=self.tokens_as_ids(request))
         if completion is not None:
             for name in CompletionLogProbs.model_fields:
                 getattr(prompt, name).extend(getattr(completion, name))
         return prompt
 
-    @staticmethod
-    def _delta_choice(request: CompletionRequest, c: CompletionOutput, k: int, sent_chars: list[int],
+    def _delta_choice(self, request: CompletionRequest, c: CompletionOutput, k: int, sent_chars: list[int],
                       sent_tokens: list[int], echo_len: int = 0) -> CompletionResponseChoice | None:
         """The text and tokens of choice k not yet sent; None when nothing changed. Text offsets
         count from the start of the answer, which holds ``echo_len`` characters of echoed prompt."""
@@ -136,7 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if request.logprobs is not None:
             logprobs = completion_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[k]:], request.logprobs,
-                                           echo_len + sent_chars[k])
+                                           echo_len + sent_chars[k], as_ids=self.tokens_as_ids(request))
         sent_chars[k] = len(c.text)
         sent_tokens[k] = len(c.token_ids)
         return CompletionResponseChoice(index=k, text=delta, logprobs=logprobs,
@@ -151,29 +151,29 @@ def _visible(request: CompletionRequest, c: CompletionOutput) -> CompletionOutpu
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int, offset: int,
-                        decode: Callable[[int], str] | None = None) -> CompletionLogProbs:
+                        decode: Callable[[int], str] | None = None, as_ids: bool = False) -> CompletionLogProbs:
     """OpenAI's legacy shape: per token its string, logprob, offset, and {token: logprob} of the
     top-k plus the token itself. An entry None (the first prompt token) has null logprobs and
-    its string from ``decode``."""
+    its string from ``decode``. Offsets count characters of text even when tokens are named
+    "token_id:N" (as_ids)."""
     result = CompletionLogProbs()
     for token_id, entry in zip(token_ids, logprobs):
         if entry is None:
-            token = decode(token_id) if decode else ""
-            result.tokens.append(token)
+            text = decode(token_id) if decode else ""
+            result.tokens.append(token_text(token_id, text, as_ids))
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             result.text_offset.append(offset)
-            offset += len(token)
+            offset += len(text)
             continue
         sampled = entry[token_id]
-        token = sampled.decoded_token or ""
-        result.tokens.append(token)
+        result.tokens.append(token_text(token_id, sampled.decoded_token, as_ids))
         result.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB))
         result.text_offset.append(offset)
-        offset += len(token)
+        offset += len(sampled.decoded_token or "")
         top = {}
         for tid, lp in sorted(entry.items(), key=lambda item: item[1].rank or 0):
             if tid == token_id or (lp.rank is not None and lp.rank <= k):
-                top.setdefault(lp.decoded_token or "", max(lp.logprob, MIN_LOGPROB))
+                top.setdefault(token_text(tid, lp.decoded_token, as_ids), max(lp.logprob, MIN_LOGPROB))
         result.top_logprobs.append(top)
     return result

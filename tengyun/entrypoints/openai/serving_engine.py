@@ -47,6 +47,11 @@ class OpenAIServing:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
+    def tokens_as_ids(self, request: Any) -> bool:
+        """return_tokens_as_token_ids: the request's own value, else --return-tokens-as-token-ids."""
+        own = request.return_tokens_as_token_ids
+        return self.frontend.return_tokens_as_token_ids if own is None else own
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise RequestError(f"The model `{model}` does not exist; this server serves "
@@ -211,6 +216,12 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
             except json.JSONDecodeError:
                 pass
     return data
+
+
+def token_text(token_id: int, decoded: str | None, as_ids: bool) -> str:
+    """A logprob entry's token: its text, or "token_id:42" with return_tokens_as_token_ids (vLLM's
+    form, for tokens that are not whole characters on their own)."""
+    return f"token_id:{token_id}" if as_ids else decoded or ""
 
 
 def sse(payload: Any) -> str:

@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 NO_EFFECT = ["--disable-frontend-multiprocessing", "--enable-log-requests", "--max-log-len", "100",
              "--swap-space", "4", "--disable-custom-all-reduce"]
 FEATURES = ["--enable-request-id-headers", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
-            "--enable-prompt-tokens-details", "--runner", "generate", "--root-path", "/llm",
+            "--enable-prompt-tokens-details", "--return-tokens-as-token-ids", "--runner", "generate", "--root-path", "/llm",
             "--limit-mm-per-prompt", '{"image": 0}']
 
 
@@ -199,3 +199,20 @@ def test_unix_socket(start_server, tmp_path):  # noqa: F811
             time.sleep(0.2)
         answer = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
     assert answer.json()["usage"]["completion_tokens"] == 2, server.log()
+
+
+def test_tokens_as_token_ids_from_the_flag_unless_the_request_says_no(client):
+    kw = dict(model=MODEL, prompt="The quick", max_tokens=3, logprobs=2, temperature=0)
+    as_ids = client.completions.create(**kw).choices[0]
+    as_text = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": False}).choices[0]
+    ids = [int(t.removeprefix("token_id:")) for t in as_ids.logprobs.tokens]
+    assert len(ids) == 3 and all(t.startswith("token_id:") for t in as_ids.logprobs.tokens)
+    assert all(key.startswith("token_id:") for top in as_ids.logprobs.top_logprobs for key in top)
+    assert "".join(as_text.logprobs.tokens) == as_text.text == as_ids.text
+    assert as_ids.logprobs.text_offset == as_text.logprobs.text_offset  # offsets still count text
+
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert all(c.token.startswith("token_id:") and c.bytes == list(c.token.encode()) for c in content)
+    assert all(top.token.startswith("token_id:") for c in content for top in c.top_logprobs)
