@@ -1,84 +1,21 @@
-"""OpenAI API request / response models (pydantic), with vLLM's extra sampling fields."""
+"""OpenAI API request / response models (pydantic), with vLLM's extra fields. The shared pieces
+live in request_model.py (the strict, Unicode-only base) and sampling_fields.py."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import ConfigDict, Field, field_serializer, model_validator
 
+from tengyun.entrypoints.openai.request_model import (  # noqa: F401 (random_id re-exported for the handlers)
+    OpenAIBaseModel, RequestBody, RequestError, RequestModel, random_id,
+)
+from tengyun.entrypoints.openai.sampling_fields import SamplingFields
 from tengyun.outputs import PromptLogprobs
 from tengyun.sampling_params import SamplingParams, StructuredOutputsParams
 
 MIN_LOGPROB = -9999.0  # -inf becomes this, as vLLM and OpenAI send it (JSON has no infinity)
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored, as vLLM and OpenAI do; NaN / Infinity numbers are refused.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class RequestModel(OpenAIBaseModel):
-    """A piece of a request body: values must have the declared JSON types ("stream": "yes",
-    "n": "2" or "max_tokens": 1.5 are refused, not coerced)."""
-
-    model_config = ConfigDict(strict=True)
-
-
-class RequestBody(RequestModel):
-    """A whole request body: also refused when any string in it is not Unicode text."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data: Any) -> Any:
-        path = lone_surrogate_path(data)
-        if path is not None:
-            where = ".".join(path) or "the body"
-            raise ValueError(f"{where} holds a lone UTF-16 surrogate (such as \\ud800), which is not text: "
-                             f"send valid Unicode.")
-        return data
-
-
-def lone_surrogate_path(data: Any) -> list[str] | None:
-    """The path (["messages", "0", "content"]) of the first string, key or value, that cannot be
-    UTF-8 encoded; None when all can. Iterative: a deeply nested body cannot exhaust the stack."""
-    stack: list[tuple[Any, list[str]]] = [(data, [])]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            if not _is_unicode(value):
-                return path
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
-                if isinstance(key, str) and not _is_unicode(key):
-                    return [*path, name]
-                stack.append((item, [*path, name]))
-        elif isinstance(value, list):
-            stack.extend((item, [*path, str(i)]) for i, item in enumerate(value))
-    return None
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-class RequestError(ValueError):
-    """Bad request input: becomes a 400 (or `status`) with `param` set to the offending field."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param = param
-        self.status = status
 
 
 # ----- errors ----------------------------------------------------------------------------
@@ -104,11 +41,6 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 # ----- shared pieces ---------------------------------------------------------------------
-class StreamOptions(RequestModel):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
-
-
 class PromptLogprob(OpenAIBaseModel):
     """vLLM's Logprob as JSON: {"logprob": -1.2, "rank": 3, "decoded_token": " fox"}."""
 
@@ -151,140 +83,6 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class JsonSchemaFormat(RequestModel):
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class SamplingFields(RequestBody):
-    """Sampling fields shared by both endpoints: OpenAI's, then vLLM's extras."""
-
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # {"42": 5.0}: token id -> bias, clamped to [-100, 100]
-    user: str | None = None
-    # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"; default the server flag
-    prompt_logprobs: int | None = None  # answered as `prompt_logprobs`, vLLM's shape; not when streaming
-    # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_*.
-    response_format: ResponseFormat | None = None
-    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
-    guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-
-    @model_validator(mode="after")
-    def _check_common(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true.")
-        if self.prompt_logprobs is not None:  # the most allowed is --max-logprobs, checked by OpenAIServing
-            if self.prompt_logprobs < -1:
-                raise ValueError(f"prompt_logprobs must be >= 0, or -1 for the whole vocabulary, "
-                                 f"got {self.prompt_logprobs}.")
-            if self.stream:
-                raise ValueError("prompt_logprobs are not sent when streaming (as in vLLM): drop prompt_logprobs "
-                                 "or stream.")
-        return self
-
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def usage_on_every_chunk(self) -> bool:
-        return self.include_usage_in_stream and bool(self.stream_options.continuous_usage_stats)
-
-    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
-        """(the request's output constraint, the field it came from); at most one field may set one."""
-        given = {name: getattr(self, name) for name in
-                 ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                 if getattr(self, name) is not None}
-        if self.response_format is not None and self.response_format.type != "text":
-            given["response_format"] = self.response_format
-        if len(given) > 1:
-            raise RequestError(f"Set at most one output constraint, got {sorted(given)}.", sorted(given)[1])
-        if not given:
-            return None, None
-        (source, value), = given.items()
-        try:
-            if source == "response_format":
-                if value.type == "json_object":
-                    return StructuredOutputsParams(json_object=True), source
-                if value.json_schema is None or value.json_schema.json_schema is None:
-                    raise ValueError("response_format json_schema needs json_schema.schema.")
-                return StructuredOutputsParams(json=value.json_schema.json_schema), source
-            if source == "structured_outputs":
-                return StructuredOutputsParams(**value), source
-            return StructuredOutputsParams(**{source.removeprefix("guided_"): value}), source
-        except (TypeError, ValueError) as e:
-            raise RequestError(f"{source}: {e}", source) from None
-
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         structured_outputs: StructuredOutputsParams | None = None,
-                         prompt_logprobs: int | None = None,
-                         defaults: dict[str, Any] | None = None) -> SamplingParams:
-        """`defaults` (--generation-config) fill temperature, top_p, top_k, min_p and
-        repetition_penalty where the request left them unset (null)."""
-        defaults = defaults or {}
-
-        def pick(name: str, neutral: float) -> Any:
-            value = getattr(self, name)
-            return defaults.get(name, neutral) if value is None else value
-
-        try:
-            return SamplingParams(
-                n=self.n,
-                temperature=pick("temperature", 1.0),
-                top_p=pick("top_p", 1.0),
-                top_k=pick("top_k", 0),
-                min_p=pick("min_p", 0.0),
-                presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=pick("repetition_penalty", 1.0),
-                seed=self.seed,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=self.min_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens,
-                spaces_between_special_tokens=self.spaces_between_special_tokens,
-                structured_outputs=structured_outputs,
-                logit_bias={token: min(100.0, max(-100.0, bias)) for token, bias in (self.logit_bias or {}).items()},
-            )
-        except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
-            field_name = str(e).split(" ", 1)[0]
-            raise RequestError(str(e), field_name if field_name in type(self).model_fields else None) from None
 
 
 # ----- /v1/completions -------------------------------------------------------------------

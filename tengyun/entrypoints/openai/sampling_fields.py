@@ -1,0 +1,150 @@
+"""SamplingFields: what the completion and chat requests share (OpenAI's sampling fields, then
+vLLM's extras) and how they become SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from tengyun.entrypoints.openai.request_model import RequestBody, RequestError, RequestModel
+from tengyun.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
+
+
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(RequestBody):
+    """Sampling fields shared by both endpoints: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # {"42": 5.0}: token id -> bias, clamped to [-100, 100]
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"; default the server flag
+    prompt_logprobs: int | None = None  # answered as `prompt_logprobs`, vLLM's shape; not when streaming
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_*.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true.")
+        if self.prompt_logprobs is not None:  # the most allowed is --max-logprobs, checked by OpenAIServing
+            if self.prompt_logprobs < -1:
+                raise ValueError(f"prompt_logprobs must be >= 0, or -1 for the whole vocabulary, "
+                                 f"got {self.prompt_logprobs}.")
+            if self.stream:
+                raise ValueError("prompt_logprobs are not sent when streaming (as in vLLM): drop prompt_logprobs "
+                                 "or stream.")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        return self.include_usage_in_stream and bool(self.stream_options.continuous_usage_stats)
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the request's output constraint, the field it came from); at most one field may set one."""
+        given = {name: getattr(self, name) for name in
+                 ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format
+        if len(given) > 1:
+            raise RequestError(f"Set at most one output constraint, got {sorted(given)}.", sorted(given)[1])
+        if not given:
+            return None, None
+        (source, value), = given.items()
+        try:
+            if source == "response_format":
+                if value.type == "json_object":
+                    return StructuredOutputsParams(json_object=True), source
+                if value.json_schema is None or value.json_schema.json_schema is None:
+                    raise ValueError("response_format json_schema needs json_schema.schema.")
+                return StructuredOutputsParams(json=value.json_schema.json_schema), source
+            if source == "structured_outputs":
+                return StructuredOutputsParams(**value), source
+            return StructuredOutputsParams(**{source.removeprefix("guided_"): value}), source
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"{source}: {e}", source) from None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         prompt_logprobs: int | None = None,
+                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults` (--generation-config) fill temperature, top_p, top_k, min_p and
+        repetition_penalty where the request left them unset (null)."""
+        defaults = defaults or {}
+
+        def pick(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                structured_outputs=structured_outputs,
+                logit_bias={token: min(100.0, max(-100.0, bias)) for token, bias in (self.logit_bias or {}).items()},
+            )
+        except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
+            field_name = str(e).split(" ", 1)[0]
+            raise RequestError(str(e), field_name if field_name in type(self).model_fields else None) from None
