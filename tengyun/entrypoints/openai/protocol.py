@@ -8,9 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_serializer, model_validator
 
-from tengyun.entrypoints.openai.request_model import (  # noqa: F401 (random_id re-exported for the handlers)
-    OpenAIBaseModel, RequestBody, RequestError, RequestModel, random_id,
-)
+from tengyun.entrypoints.openai.request_model import OpenAIBaseModel, RequestBody, RequestError, RequestModel
 from tengyun.entrypoints.openai.sampling_fields import SamplingFields
 from tengyun.outputs import PromptLogprobs
 from tengyun.sampling_params import SamplingParams, StructuredOutputsParams
@@ -91,6 +89,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: BOS and friends around the prompt text, as the tokenizer adds them
     suffix: str | None = None
     best_of: int | None = None
 
@@ -149,6 +148,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
+    token_ids: list[int] | None = None  # return_token_ids: this choice's tokens (streamed: the new ones)
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: on a choice's first chunk)
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -212,6 +213,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # False: drop reasoning_content from the answer
+    echo: bool = False  # the last message's content first in the answer, when it is the assistant's
+    add_special_tokens: bool = False  # on top of the template's own (which already holds BOS)
 
     @model_validator(mode="after")
     def _check(self):
@@ -233,6 +236,12 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true; "
                              "set add_generation_prompt to false.")
         return self
+
+    @property
+    def echo_text(self) -> str:
+        """echo: the final assistant message (being continued) starts the answer, as vLLM answers."""
+        last = self.messages[-1]
+        return last.content if self.echo and last.role == "assistant" and isinstance(last.content, str) else ""
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -284,6 +293,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -294,6 +304,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
@@ -322,6 +333,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens this chunk adds
 
     @field_serializer("delta")
     def _delta_without_nulls(self, delta: DeltaMessage) -> dict:
@@ -335,6 +347,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 # ----- /tokenize, /detokenize ------------------------------------------------------------

@@ -3,10 +3,13 @@ Unicode, and RequestError, the 400 that names the field."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
+
+logger = logging.getLogger("tengyun.server")
 
 
 def random_id(prefix: str) -> str:
@@ -36,6 +39,10 @@ class RequestBody(RequestModel):
             where = ".".join(path) or "the body"
             raise ValueError(f"{where} holds a lone UTF-16 surrogate (such as \\ud800), which is not text: "
                              f"send valid Unicode.")
+        if isinstance(data, dict):
+            ignored = sorted(str(key) for key in data if key not in cls.model_fields)
+            if ignored:  # as OpenAI and vLLM: unknown fields do not fail a request, but they are not silent
+                logger.warning("%s: ignored the unknown field(s) %s", cls.__name__, ", ".join(ignored)[:300])
         return data
 
 

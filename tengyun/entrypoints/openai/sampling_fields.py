@@ -5,10 +5,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tengyun.entrypoints.openai.request_model import RequestBody, RequestError, RequestModel
 from tengyun.sampling_params import SamplingParams, StructuredOutputsParams
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+UNSUPPORTED = {  # field -> why it is refused
+    "use_beam_search": "beam search is not supported by this server; sample several answers with n instead.",
+    "length_penalty": "length_penalty applies to beam search, which this server does not do; drop it.",
+    "allowed_token_ids": "allowed_token_ids is not supported; use logit_bias or a guided_choice / guided_regex "
+                         "constraint instead.",
+    "bad_words": "bad_words is not supported; use logit_bias with -100 on the words' tokens instead.",
+    "priority": "priority scheduling is not supported: requests take turns in arrival order; drop priority.",
+    "cache_salt": "cache_salt (per-tenant prefix cache isolation) is not supported; drop it.",
+    "logits_processors": "custom logits processors are not supported; drop logits_processors.",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported; drop it.",
+    "kv_transfer_params": "disaggregated prefill (KV transfer) is not supported; drop kv_transfer_params.",
+    "vllm_xargs": "vllm_xargs (arguments for vLLM plugins) is not supported; drop it.",
+}
 
 
 class StreamOptions(RequestModel):
@@ -62,6 +77,51 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM extras that work here
+    return_token_ids: bool | None = False  # token_ids per choice and prompt_token_ids in the answer
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: --max-model-len)
+    request_id: str | None = None  # the answer's id is built from it (else from a random one)
+    # vLLM extras Tengyun does not do: refused (400) when set to anything but their default
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    logits_processors: list[Any] | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        """Field validators, so the 400's `param` names the field."""
+        if value != cls.model_fields[info.field_name].default:
+            raise ValueError(UNSUPPORTED[info.field_name])
+        return value
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _xgrammar_only(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "xgrammar"):
+            raise ValueError(f'this server decodes with xgrammar: send "xgrammar", "auto" or nothing, not {value!r}.')
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_is_int64(cls, value: int | None) -> int | None:
+        if value is not None and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"seed must be a 64-bit integer, between {INT64_MIN} and {INT64_MAX}; got {value}.")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation_size(cls, value: int | None) -> int | None:
+        if value is not None and (value == 0 or value < -1):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for --max-model-len; got {value}.")
+        return value
 
     @model_validator(mode="after")
     def _check_common(self):

@@ -20,7 +20,7 @@ from tengyun.entrypoints.openai.protocol import (
     ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse, ChatResponseMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-    NamedToolChoice, RequestError, ToolCall, UsageInfo, prompt_logprobs_json, random_id,
+    NamedToolChoice, RequestError, ToolCall, UsageInfo, prompt_logprobs_json,
 )
 from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
@@ -48,8 +48,9 @@ class OpenAIServingChat(OpenAIServing):
         text = await self.render_chat(request.messages, request.add_generation_prompt,
                                       request.continue_final_message, request.chat_template,
                                       request.chat_template_kwargs, tools)
-        # The template already holds BOS and friends: do not add special tokens twice.
-        token_ids = await self.worker.encode(text, add_special_tokens=False)
+        # The template already holds BOS and friends: special tokens only when asked (vLLM's default: no).
+        token_ids = self.truncate_prompt(await self.worker.encode(text, request.add_special_tokens),
+                                         request.truncate_prompt_tokens)
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens(len(token_ids), None)
@@ -64,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params(max_tokens, spec, self.sampling_defaults)
         self.check_against_model(params, "top_logprobs")
         parsers = [ChoiceOutputParser(reasoning, tool_parser, in_reasoning) for _ in range(request.n)]
-        request_id = random_id("chatcmpl")
+        request_id = self.response_id("chatcmpl", request)
         stream = self.engine.generate(request_id, token_ids, params)
         if request.stream:
             return self._stream(request, request_id, stream, parsers)
@@ -114,13 +115,18 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0,
                                          self.tokens_as_ids(request))
             parsed = parsers[c.index].parse(c.text)
+            message = _message(parsed, request.include_reasoning)
+            if request.echo_text and message.content is not None:
+                message.content = request.echo_text + message.content
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=_message(parsed, request.include_reasoning), logprobs=logprobs,
-                finish_reason=_finish_reason(c.finish_reason, bool(parsed.tool_calls)), stop_reason=c.stop_reason))
+                index=c.index, message=message, logprobs=logprobs,
+                finish_reason=_finish_reason(c.finish_reason, bool(parsed.tool_calls)), stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if request.return_token_ids else None))
         usage = self.usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
                            final.num_cached_tokens)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage,
-                                      prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
+                                      prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
+                                      prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream,
                       parsers: list[ChoiceOutputParser]) -> AsyncIterator[str]:
@@ -133,11 +139,11 @@ class OpenAIServingChat(OpenAIServing):
         usage, cached = UsageInfo(), 0  # so far; replaced at every engine output
         exclude = None if request.include_usage_in_stream else {"usage"}
 
-        def chunk(choice: ChatCompletionResponseStreamChoice | None) -> str:
+        def chunk(choice: ChatCompletionResponseStreamChoice | None, prompt_ids: list[int] | None = None) -> str:
             on_chunk = choice is None or request.usage_on_every_chunk
             response = ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.served_model_name, choices=[choice] if choice else [],
-                usage=usage if on_chunk else None)
+                usage=usage if on_chunk else None, prompt_token_ids=prompt_ids)
             return sse(response.model_dump(exclude=exclude))
 
         try:
@@ -148,9 +154,11 @@ class OpenAIServingChat(OpenAIServing):
                     if done[c.index]:
                         continue
                     if not started[c.index]:
+                        first = not any(started)
                         started[c.index] = True
                         yield chunk(ChatCompletionResponseStreamChoice(
-                            index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                            index=c.index, delta=DeltaMessage(role="assistant", content=request.echo_text)),
+                            list(output.prompt_token_ids) if first and request.return_token_ids else None)
                     choice = self._stream_choice(request, c, parsers[c.index], sent_tokens, num_calls)
                     if choice is not None:
                         done[c.index] = choice.finish_reason is not None
@@ -178,7 +186,8 @@ class OpenAIServingChat(OpenAIServing):
         sent_tokens[c.index] = len(c.token_ids)
         return ChatCompletionResponseStreamChoice(
             index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
-            finish_reason=_finish_reason(c.finish_reason, num_calls[c.index] > 0), stop_reason=c.stop_reason)
+            finish_reason=_finish_reason(c.finish_reason, num_calls[c.index] > 0), stop_reason=c.stop_reason,
+            token_ids=list(new_tokens) if request.return_token_ids else None)
 
 
 def _message(parsed: ParsedOutput, include_reasoning: bool) -> ChatResponseMessage:

@@ -12,7 +12,7 @@ from typing import AsyncIterator, Callable
 
 from tengyun.entrypoints.openai.protocol import (
     MIN_LOGPROB, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, prompt_logprobs_json, random_id,
+    CompletionStreamResponse, prompt_logprobs_json,
 )
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error, token_text
@@ -25,7 +25,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         prompts = request.prompts()
         check_sequence_counts(self.limits, request.n, len(prompts))
-        token_lists = [await self.tokenize_prompt(p) for p in prompts]
+        token_lists = [self.truncate_prompt(await self.tokenize_prompt(p, request.add_special_tokens),
+                                            request.truncate_prompt_tokens) for p in prompts]
         max_tokens = [request.max_tokens if request.max_tokens_set else
                       self.default_max_tokens(len(ids), request.max_tokens) for ids in token_lists]
         for ids, limit in zip(token_lists, max_tokens):
@@ -36,7 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_against_model(params[0], "logprobs")
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if request.echo else ""
                       for p in prompts]
-        request_id = random_id("cmpl")
+        request_id = self.response_id("cmpl", request)
         # Prompt i's n sequences take turns i * n ... i * n + n - 1 in the round-robin between requests.
         streams = [self.engine.generate(f"{request_id}-{i}", ids, p, first_turn=i * request.n)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
@@ -63,9 +64,12 @@ class OpenAIServingCompletion(OpenAIServing):
                                                    len(echo_texts[i]), as_ids=self.tokens_as_ids(request))
                     if request.echo:
                         logprobs = self._echo_logprobs(request, output, logprobs)
+                ids = request.return_token_ids
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + c.index, text=echo_texts[i] + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs))
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs,
+                    token_ids=list(c.token_ids) if ids else None,
+                    prompt_token_ids=list(output.prompt_token_ids) if ids else None))
         usage = self.usage(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in finals.values()))
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
 
@@ -75,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created, n = int(time.time()), request.n
         num_choices = len(streams) * n
         sent_chars, sent_tokens = [0] * num_choices, [0] * num_choices
-        echoed, done = [False] * num_choices, [False] * num_choices
+        echoed, done, started = [False] * num_choices, [False] * num_choices, [False] * num_choices
         prompt_tokens: dict[int, int] = {}
         cached_tokens: dict[int, int] = {}
         generated = [0] * num_choices  # tokens out so far, for continuous_usage_stats
@@ -107,6 +111,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     echoed[k] = True
                     if choice is not None:
                         done[k] = choice.finish_reason is not None
+                        if request.return_token_ids and not started[k]:
+                            choice.prompt_token_ids = list(output.prompt_token_ids)
+                        started[k] = True
                         yield chunk(choice, generated)
             if request.include_usage_in_stream:
                 yield chunk(None, sent_tokens)
@@ -140,7 +147,8 @@ class OpenAIServingCompletion(OpenAIServing):
         sent_chars[k] = len(c.text)
         sent_tokens[k] = len(c.token_ids)
         return CompletionResponseChoice(index=k, text=delta, logprobs=logprobs,
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                        token_ids=list(new_tokens) if request.return_token_ids else None)
 
 
 def _visible(request: CompletionRequest, c: CompletionOutput) -> CompletionOutput:

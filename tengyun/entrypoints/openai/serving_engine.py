@@ -12,6 +12,7 @@ from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from tengyun.entrypoints.openai.protocol import (
     ChatMessage, PromptTokenUsageInfo, RequestError, UsageInfo, error_body,
 )
+from tengyun.entrypoints.openai.request_model import random_id
 from tengyun.entrypoints.openai.request_limits import RequestLimits
 from tengyun.entrypoints.openai.tokenizer_worker import RenderTimeout, TokenizerWorker
 from tengyun.entrypoints.openai.vllm_args import FrontendOptions
@@ -51,6 +52,20 @@ class OpenAIServing:
         """return_tokens_as_token_ids: the request's own value, else --return-tokens-as-token-ids."""
         own = request.return_tokens_as_token_ids
         return self.frontend.return_tokens_as_token_ids if own is None else own
+
+    def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: --max-model-len of them), as vLLM."""
+        if keep is None:
+            return token_ids
+        if keep > self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens is {keep} but --max-model-len is {self.max_model_len}: "
+                               f"keep at most {self.max_model_len} tokens.", "truncate_prompt_tokens")
+        return token_ids[-(self.max_model_len if keep == -1 else keep):]
+
+    @staticmethod
+    def response_id(prefix: str, request: Any) -> str:
+        """"cmpl-<request_id>" when the request names itself (vLLM's request_id field), else random."""
+        return f"{prefix}-{request.request_id}" if request.request_id else random_id(prefix)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

@@ -216,3 +216,73 @@ def test_tokens_as_token_ids_from_the_flag_unless_the_request_says_no(client):
     content = chat.choices[0].logprobs.content
     assert all(c.token.startswith("token_id:") and c.bytes == list(c.token.encode()) for c in content)
     assert all(top.token.startswith("token_id:") for c in content for top in c.top_logprobs)
+
+
+# ----- vLLM's request fields -----------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [
+    ("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1), ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["fox"]), ("cache_salt", "tenant-a"), ("logits_processors", ["x"]),
+    ("guided_whitespace_pattern", " "), ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1}),
+    ("guided_decoding_backend", "outlines"), ("seed", 2 ** 64), ("truncate_prompt_tokens", 0),
+])
+def test_fields_this_server_does_not_do_are_400_naming_them(server, field, value):
+    for path, body in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        error = httpx.post(server.url + path, json={**body, "max_tokens": 1, field: value}, timeout=60).json()["error"]
+        assert error["code"] == 400 and error["param"] == field, error
+
+
+def test_their_defaults_and_xgrammar_are_accepted(client):
+    extra = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "guided_decoding_backend": "xgrammar"}
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body=extra).choices
+
+
+def test_unknown_fields_are_ignored_with_a_log_line(server, client):
+    client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"frobnicate": 1})
+    assert "CompletionRequest: ignored the unknown field(s) frobnicate" in server.log()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client):
+    prompt = list(range(10, 110))  # 100 token ids
+    kept = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=0,
+                                     extra_body={"truncate_prompt_tokens": 10, "return_token_ids": True})
+    assert kept.usage.prompt_tokens == 10 and kept.choices[0].prompt_token_ids == prompt[-10:]
+    too_many = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 4096}
+    error = httpx.post(server.url + "/v1/completions", json=too_many, timeout=60).json()["error"]
+    assert error["param"] == "truncate_prompt_tokens" and "--max-model-len" in error["message"]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+
+
+def test_return_token_ids_whole_and_streamed(server, client):
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    full = client.completions.create(prompt="The quick brown", **kw).choices[0]
+    tokenized = httpx.post(server.url + "/tokenize", json={"prompt": "The quick brown"}, timeout=60).json()
+    assert full.prompt_token_ids == tokenized["tokens"] and len(full.token_ids) == 5
+    chunks = list(client.completions.create(prompt="The quick brown", stream=True, **kw))
+    assert sum((c.choices[0].token_ids for c in chunks), []) == full.token_ids
+    assert chunks[0].choices[0].prompt_token_ids == full.prompt_token_ids
+
+    chat = client.chat.completions.create(messages=MESSAGES, **kw)
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}, timeout=60).json()
+    assert chat.prompt_token_ids == rendered["tokens"] and len(chat.choices[0].token_ids) == 5
+    streamed = list(client.chat.completions.create(messages=MESSAGES, stream=True, **kw))
+    assert streamed[0].prompt_token_ids == rendered["tokens"]
+    assert sum((c.choices[0].token_ids or [] for c in streamed if c.choices), []) == chat.choices[0].token_ids
+
+
+def test_chat_echo_starts_the_answer_with_the_continued_message(client):
+    messages = [*MESSAGES, {"role": "assistant", "content": "It jumps"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+              extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True})
+    plain_kw = {**kw, "extra_body": {**kw["extra_body"], "echo": False}}
+    plain = client.chat.completions.create(**plain_kw).choices[0].message.content
+    echoed = client.chat.completions.create(**kw).choices[0].message.content
+    assert echoed == "It jumps" + plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
+    assert streamed == echoed
+
+
+def test_request_id_names_the_answer(client):
+    answer = client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"request_id": "job-7"})
+    assert answer.id == "cmpl-job-7"
