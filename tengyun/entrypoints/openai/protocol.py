@@ -244,6 +244,10 @@ class ChatCompletionRequest(SamplingFields):
         return last.content if self.echo and last.role == "assistant" and isinstance(last.content, str) else ""
 
     @property
+    def tool_choice_forces_calls(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 

@@ -115,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0,
                                          self.tokens_as_ids(request))
             parsed = parsers[c.index].parse(c.text)
-            message = _message(parsed, request.include_reasoning)
+            message = _message(parsed, request.include_reasoning, forced_calls=request.tool_choice_forces_calls)
             if request.echo_text and message.content is not None:
                 message.content = request.echo_text + message.content
             choices.append(ChatCompletionResponseChoice(
@@ -190,10 +190,11 @@ class OpenAIServingChat(OpenAIServing):
             token_ids=list(new_tokens) if request.return_token_ids else None)
 
 
-def _message(parsed: ParsedOutput, include_reasoning: bool) -> ChatResponseMessage:
-    """Content is None only beside tool calls (as OpenAI); otherwise a string, maybe empty."""
+def _message(parsed: ParsedOutput, include_reasoning: bool, forced_calls: bool = False) -> ChatResponseMessage:
+    """Content is None only beside tool calls the model chose to make (as OpenAI); beside calls a
+    required / named tool_choice forced, "" (as vLLM); otherwise a string, maybe empty."""
     reasoning = parsed.reasoning if include_reasoning else None
-    content = parsed.content if parsed.content or not parsed.tool_calls else None
+    content = parsed.content if parsed.content or not parsed.tool_calls or forced_calls else None
     calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.tool_calls]
     return ChatResponseMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls)
 

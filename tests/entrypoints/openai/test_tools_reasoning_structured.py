@@ -146,7 +146,7 @@ def test_named_tool_choice_returns_a_valid_call_and_the_stream_gives_the_same(cl
                   temperature=0, max_tokens=80)
     choice = chat(client, **forced).choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content is None
+    assert choice.message.content == ""  # as vLLM answers a forced call (null only beside calls the model chose)
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
@@ -162,9 +162,22 @@ def test_required_tool_choice_calls_one_of_the_tools(client):
     choice = chat(client, messages=[{"role": "user", "content": "What time is it in Berlin?"}], tools=TOOLS,
                   tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=7,
                   max_tokens=80).choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""
     [call] = choice.message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_off_by_max_tokens_leaks_no_markup(client, stream):
+    forced = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  temperature=0, max_tokens=6)
+    if stream:
+        answer = streamed(client, **forced)
+        content, calls, finish = answer["content"], answer["calls"], answer["finish"]
+    else:
+        choice = chat(client, **forced).choices[0]
+        content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+    assert finish == "length" and not calls and "<tool" not in content and "{" not in content
 
 
 HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "days": [1-7]\}\}\n</tool_call>'

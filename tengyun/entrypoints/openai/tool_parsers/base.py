@@ -6,7 +6,9 @@ block's body (JSON for hermes, XML for qwen3_coder) and say how to force one wit
 Streaming parses the text so far with final=False: a block still open (and a partial
 "<tool_call>" or trailing whitespace at the end) is held back, so each result's content extends
 the previous one and its calls list only grows; a call is sent whole once its block closes. A
-block whose body does not parse stays in the content as text (logged once, on the final parse).
+closed block whose body does not parse stays in the content as text (logged once, on the final
+parse). A block cut off by max_tokens (still open at the end, body not parseable) and a start
+tag cut off ("<tool_c") are markup, never content: they are dropped.
 """
 
 from __future__ import annotations
@@ -50,14 +52,19 @@ class ToolParser:
         """xgrammar structural-tag format of one call to `name`, arguments per `parameters`."""
         raise NotImplementedError
 
+    def body_complete(self, body: str) -> bool:
+        """Whether a block missing its end tag still holds a whole call (JSON that parses does)."""
+        return True
+
     def parse(self, text: str, final: bool = True) -> ToolParseResult:
-        content, calls, pos = [], [], 0
+        content, calls, pos, dropped = [], [], 0, False
         while True:
             i = text.find(self.start, pos)
             if i == -1:
                 tail = text[pos:]
-                if not final or calls:  # after calls, a partial "<tool_c" is a call cut off by max_tokens
-                    tail = tail[:len(tail) - partial_suffix_len(tail, self.start)]
+                cut = partial_suffix_len(tail, self.start)
+                if not final or calls or cut >= 2:  # "<t", "<tool_c": a call cut off by max_tokens
+                    tail, dropped = tail[:len(tail) - cut], dropped or cut > 0
                 content.append(tail)
                 break
             content.append(text[pos:i])
@@ -66,8 +73,12 @@ class ToolParser:
                 break  # the block is still being written
             stop = len(text) if j == -1 else j  # an unclosed block at the very end is read as is
             after = len(text) if j == -1 else j + len(self.end)
-            call = self.parse_call(text[i + len(self.start):stop])
-            if call is None:
+            body = text[i + len(self.start):stop]
+            call = self.parse_call(body) if j != -1 or self.body_complete(body) else None
+            if call is None and j == -1:
+                logger.info("Dropped a tool call cut off before its end: %r", text[i:][:200])
+                dropped = True
+            elif call is None:
                 if final:
                     logger.warning("A tool call does not parse; returning it as content: %r", text[i:after][:200])
                 content.append(text[i:after])
@@ -76,4 +87,4 @@ class ToolParser:
             pos = after
         joined = "".join(content)
         # Trailing whitespace waits for what follows; around calls it is only layout.
-        return ToolParseResult(joined.rstrip() if calls or not final else joined, calls)
+        return ToolParseResult(joined.rstrip() if calls or dropped or not final else joined, calls)

@@ -27,6 +27,9 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<paramete
 
 
 class Qwen3CoderToolParser(ToolParser):
+    def body_complete(self, body: str) -> bool:
+        return "</function>" in body  # the lenient parse below would read a cut-off call as a whole one
+
     def parse_call(self, body: str) -> ParsedToolCall | None:
         match = _FUNCTION.search(body)
         if match is None:
