@@ -108,23 +108,8 @@ class SamplingMetadata:
             prompts = [ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_token_ids)]
             outputs = [ids if p.uses_penalties else [] for p, ids in zip(params, output_token_ids)]
 
-        mt_rows: list[int] = []
-        mt_ids: list[int] = []
-        for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) < p.min_tokens:
-                ids = sorted(t for t in p.all_stop_token_ids | set(p.stop_token_ids) if t < vocab_size)
-                mt_rows += [i] * len(ids)
-                mt_ids += ids
-
-        lb_rows: list[int] = []
-        lb_ids: list[int] = []
-        lb_values: list[float] = []
-        for i, p in enumerate(params):
-            if p.logit_bias:
-                lb_rows += [i] * len(p.logit_bias)
-                lb_ids += p.logit_bias.keys()
-                lb_values += p.logit_bias.values()
-
+        mt_rows, mt_ids = _min_tokens_entries(params, output_token_ids, vocab_size)
+        lb_rows, lb_ids, lb_values = _logit_bias_entries(params)
         temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is not None]
         wants_logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -154,6 +139,33 @@ class SamplingMetadata:
             bitmask_rows=longs(token_bitmask[0]) if token_bitmask else None,
             token_bitmask=token_bitmask[1].to(device) if token_bitmask else None,
         )
+
+
+def _min_tokens_entries(params: list[SamplingParams], output_token_ids: list[list[int]],
+                        vocab_size: int) -> tuple[list[int], list[int]]:
+    """(rows, token ids) masked while a row has fewer than min_tokens outputs: its stop tokens.
+    Rows 0 and 2 below min_tokens with stops {2} and {2, 5} -> ([0, 2, 2], [2, 2, 5])."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for i, (p, out) in enumerate(zip(params, output_token_ids)):
+        if len(out) < p.min_tokens:
+            stops = sorted(t for t in p.all_stop_token_ids | set(p.stop_token_ids) if t < vocab_size)
+            rows += [i] * len(stops)
+            ids += stops
+    return rows, ids
+
+
+def _logit_bias_entries(params: list[SamplingParams]) -> tuple[list[int], list[int], list[float]]:
+    """(rows, token ids, biases), one entry per biased token: row 1 {7: 5.0} -> ([1], [7], [5.0])."""
+    rows: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            ids += p.logit_bias.keys()
+            values += p.logit_bias.values()
+    return rows, ids, values
 
 
 @dataclass
