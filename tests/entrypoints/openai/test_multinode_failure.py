@@ -54,8 +54,8 @@ def test_headless_node_with_other_parallel_flags_is_refused_by_both_sides(start_
     common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
     head = start_server("--tensor-parallel-size", "2", *common, "--node-rank", "0")
     node1 = start_server("--tensor-parallel-size", "4", *common, "--node-rank", "1", "--headless")
-    assert node1.wait_exit(timeout=60) == 2
-    assert head.wait_exit(timeout=60) == 2
+    assert node1.wait_exit(timeout=180) == 2
+    assert head.wait_exit(timeout=180) == 2
     expected = "node 1 at 127.0.0.1 announced ranks [2, 3], but node 0 expects node 1: [1]: give every node the same"
     assert expected in head.log(), head.log()
     assert "node 0 refused this node: " + expected in node1.log(), node1.log()
