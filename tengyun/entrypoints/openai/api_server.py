@@ -318,8 +318,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(request: DetokenizeRequest) -> dict:
         serving = state.completion
         serving.check_model(request.model)
-        serving.check_token_ids(request.tokens, "tokens")  # 400 naming the bad ids
-        return DetokenizeResponse(prompt=serving.tokenizer.decode(request.tokens)).model_dump()
+        text = await serving.worker.run(serving.detokenize, request.tokens)  # a long list: off the event loop
+        return DetokenizeResponse(prompt=text).model_dump()
 
 
 class TengyunServer(uvicorn.Server):

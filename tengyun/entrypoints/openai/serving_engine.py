@@ -76,8 +76,14 @@ class OpenAIServing:
     async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             return await self.worker.encode(prompt, add_special_tokens)
-        self.check_token_ids(prompt, "prompt")
+        if len(prompt) < self.max_model_len:  # a longer one is refused by check_length, ids unread
+            self.check_token_ids(prompt, "prompt")
         return list(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """/detokenize, in the tokenizer thread: the ids' text; a 400 naming the ids out of range."""
+        self.check_token_ids(token_ids, "tokens")
+        return self.tokenizer.decode(token_ids)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
