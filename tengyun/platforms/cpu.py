@@ -5,6 +5,7 @@ import ctypes.util
 import logging
 import os
 
+from tengyun.ops.probe import process_tree
 from tengyun.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
@@ -58,27 +59,17 @@ class CpuPlatform(Platform):
 
 def process_tree_rss(pid: int, proc: str = "/proc") -> int | None:
     """Resident bytes of ``pid`` and all its descendants (VmRSS of each), None when pid is gone."""
-    total, todo, seen = 0, [pid], set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
+    pids = process_tree(pid, proc)
+    if pids is None:
+        return None
+    total = 0
+    for p in pids:
         try:
             with open(f"{proc}/{p}/status") as f:
                 status = f.read()
-            tasks = os.listdir(f"{proc}/{p}/task")
-        except OSError:
-            if p == pid:
-                return None
+        except OSError:  # exited since it was listed
             continue
         for line in status.splitlines():
             if line.startswith("VmRSS:"):  # "VmRSS:   123456 kB"
                 total += int(line.split()[1]) * 1024
-        for task in tasks:
-            try:
-                with open(f"{proc}/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                pass
     return total
