@@ -40,7 +40,7 @@ class RequestBody(RequestModel):
             raise ValueError(f"{where} holds a lone UTF-16 surrogate (such as \\ud800), which is not text: "
                              f"send valid Unicode.")
         if isinstance(data, dict):
-            ignored = sorted(str(key) for key in data if key not in cls.model_fields)
+            ignored = sorted(repr(key) for key in data if key not in cls.model_fields)  # repr: one log line
             if ignored:  # as OpenAI and vLLM: unknown fields do not fail a request, but they are not silent
                 logger.warning("%s: ignored the unknown field(s) %s", cls.__name__, ", ".join(ignored)[:300])
         return data

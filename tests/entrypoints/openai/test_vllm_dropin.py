@@ -238,7 +238,7 @@ def test_their_defaults_and_xgrammar_are_accepted(client):
 
 def test_unknown_fields_are_ignored_with_a_log_line(server, client):
     client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"frobnicate": 1})
-    assert "CompletionRequest: ignored the unknown field(s) frobnicate" in server.log()
+    assert "CompletionRequest: ignored the unknown field(s) 'frobnicate'" in server.log()
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client):
