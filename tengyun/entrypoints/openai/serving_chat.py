@@ -17,14 +17,16 @@ from typing import AsyncIterator
 
 from tengyun.entrypoints.openai.chat_output import ChoiceOutputParser, ParsedOutput
 from tengyun.entrypoints.openai.protocol import (
-    ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest,
+    MIN_LOGPROB, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse, ChatResponseMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
     NamedToolChoice, RequestError, ToolCall, UsageInfo, prompt_logprobs_json,
 )
 from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
-from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error, token_text
+from tengyun.entrypoints.openai.serving_engine import (
+    SSE_DONE, OpenAIServing, sampled_then_ranked, sse, sse_error, token_text,
+)
 from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
 from tengyun.outputs import RequestOutput
 from tengyun.sampling_params import StructuredOutputsParams
@@ -216,17 +218,16 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, as_ids: bool = False) -> ChatCompletionLogProbs:
-    """Per sampled token: its logprob and the k most likely tokens, by rank (k -1: every token)."""
+    """Per sampled token: its logprob and k top_logprobs (k -1: every token) in vLLM's order and
+    choice: the sampled token first, then the most likely others by rank."""
     def entry_of(token_id: int, lp, cls=ChatCompletionLogProb):
         text = token_text(token_id, lp.decoded_token, as_ids)
-        return cls(token=text, logprob=lp.logprob, bytes=list(text.encode("utf-8")))
+        return cls(token=text, logprob=max(lp.logprob, MIN_LOGPROB), bytes=list(text.encode("utf-8")))
 
     content = []
     for token_id, entry in zip(token_ids, logprobs):
         most = len(entry) if k == -1 else k
-        top = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= most),
-                     key=lambda item: item[1].rank)
         sampled = entry_of(token_id, entry[token_id], ChatCompletionLogProbsContent)
-        sampled.top_logprobs = [entry_of(tid, lp) for tid, lp in top[:most]]
+        sampled.top_logprobs = [entry_of(tid, lp) for tid, lp in sampled_then_ranked(entry, token_id)[:most]]
         content.append(sampled)
     return ChatCompletionLogProbs(content=content)

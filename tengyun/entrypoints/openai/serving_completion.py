@@ -15,7 +15,9 @@ from tengyun.entrypoints.openai.protocol import (
     CompletionStreamResponse, prompt_logprobs_json,
 )
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
-from tengyun.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, sse_error, token_text
+from tengyun.entrypoints.openai.serving_engine import (
+    SSE_DONE, OpenAIServing, sampled_then_ranked, sse, sse_error, token_text,
+)
 from tengyun.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -179,8 +181,8 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] 
         result.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB))
         result.text_offset.append(offset)
         offset += len(sampled.decoded_token or "")
-        top = {}
-        for tid, lp in sorted(entry.items(), key=lambda item: item[1].rank or 0):
+        top = {}  # vLLM's order: the sampled token, then the top k by rank
+        for tid, lp in sampled_then_ranked(entry, token_id):
             if tid == token_id or (lp.rank is not None and lp.rank <= k):
                 top.setdefault(token_text(tid, lp.decoded_token, as_ids), max(lp.logprob, MIN_LOGPROB))
         result.top_logprobs.append(top)

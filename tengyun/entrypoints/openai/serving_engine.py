@@ -245,6 +245,13 @@ def token_text(token_id: int, decoded: str | None, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else decoded or ""
 
 
+def sampled_then_ranked(entry: dict[int, Any], token_id: int) -> list[tuple[int, Any]]:
+    """A step's logprobs in vLLM's order: the sampled token first, then the others by rank.
+    {9: rank 3 (sampled), 4: rank 1, 7: rank 2} -> [9, 4, 7]."""
+    others = sorted((item for item in entry.items() if item[0] != token_id), key=lambda item: item[1].rank or 0)
+    return [(token_id, entry[token_id]), *others]
+
+
 def sse(payload: Any) -> str:
     """One server-sent event: `data: {...}\\n\\n`."""
     body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)

@@ -286,3 +286,17 @@ def test_chat_echo_starts_the_answer_with_the_continued_message(client):
 def test_request_id_names_the_answer(client):
     answer = client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"request_id": "job-7"})
     assert answer.id == "cmpl-job-7"
+
+
+def test_top_logprobs_in_vllms_order_sampled_token_first():
+    """vLLM 0.11 lists a step's logprobs with the sampled token first, then by rank: chat's k
+    top_logprobs are the first k of that list, completions' the sampled token plus the top k."""
+    from tengyun.entrypoints.openai.serving_chat import chat_logprobs
+    from tengyun.entrypoints.openai.serving_completion import completion_logprobs
+    from tengyun.outputs import Logprob
+
+    entry = {4: Logprob(-0.5, 1, "a"), 7: Logprob(-1.0, 2, "b"), 9: Logprob(-2.0, 3, "c")}  # 9 was sampled
+    assert [t.token for t in chat_logprobs([9], [entry], 2).content[0].top_logprobs] == ["c", "a"]
+    assert list(completion_logprobs([9], [entry], 2, 0).top_logprobs[0]) == ["c", "a", "b"]
+    greedy = chat_logprobs([4], [entry], 2).content[0].top_logprobs
+    assert [t.token for t in greedy] == ["a", "b"]
