@@ -252,9 +252,14 @@ def sampled_then_ranked(entry: dict[int, Any], token_id: int) -> list[tuple[int,
     return [(token_id, entry[token_id]), *others]
 
 
+# Characters str.splitlines() breaks lines at (as httpx's iter_lines does), escaped inside the JSON
+# so a client splitting that way still gets whole events; SSE itself splits only at \r and \n.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: Any) -> str:
-    """One server-sent event: `data: {...}\\n\\n`."""
-    body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    """One server-sent event: `data: {...}\\n\\n`, the JSON on one line for any line splitter."""
+    body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
     return f"data: {body}\n\n"
 
 

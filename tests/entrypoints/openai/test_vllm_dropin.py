@@ -300,3 +300,13 @@ def test_top_logprobs_in_vllms_order_sampled_token_first():
     assert list(completion_logprobs([9], [entry], 2, 0).top_logprobs[0]) == ["c", "a", "b"]
     greedy = chat_logprobs([4], [entry], 2).content[0].top_logprobs
     assert [t.token for t in greedy] == ["a", "b"]
+
+
+def test_sse_events_stay_one_line_for_any_line_splitter():
+    """U+2028, U+2029 and U+0085 in generated text are JSON-escaped: clients that split lines as
+    str.splitlines() does (httpx's iter_lines) still read whole events."""
+    from tengyun.entrypoints.openai.serving_engine import sse
+
+    event = sse({"text": "a\u2028b\x85c\u2029d 中文"})
+    assert event.splitlines() == [event.removesuffix("\n\n"), ""]
+    assert json.loads(event.removeprefix("data: "))["text"] == "a\u2028b\x85c\u2029d 中文"
