@@ -88,7 +88,8 @@ class OpenAIServing:
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"{param} holds token ids outside [0, {self.vocab_size}): {bad[:5]}.", param)
+            raise RequestError(f"{param} holds token ids out of vocabulary (outside [0, {self.vocab_size})): "
+                               f"{bad[:5]}.", param)
 
     def check_against_model(self, params: SamplingParams, logprobs_field: str) -> None:
         """The engine's checks (logprob counts within --max-logprobs, logit_bias ids within the
