@@ -151,16 +151,19 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for _, output in self.merged([stream]):
                 cached = output.num_cached_tokens
-                usage = self.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs), cached)
+                so_far = self.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs), cached)
                 for c in output.outputs:
                     if done[c.index]:
                         continue
                     if not started[c.index]:
                         first = not any(started)
                         started[c.index] = True
+                        if first:  # as vLLM: the role chunk counts the prompt, no completion tokens yet
+                            usage = self.usage(len(output.prompt_token_ids), 0, cached)
                         yield chunk(ChatCompletionResponseStreamChoice(
                             index=c.index, delta=DeltaMessage(role="assistant", content=request.echo_text)),
                             list(output.prompt_token_ids) if first and request.return_token_ids else None)
+                    usage = so_far
                     choice = self._stream_choice(request, c, parsers[c.index], sent_tokens, num_calls)
                     if choice is not None:
                         done[c.index] = choice.finish_reason is not None

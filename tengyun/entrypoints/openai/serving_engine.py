@@ -42,9 +42,10 @@ class OpenAIServing:
         self.frontend = frontend or FrontendOptions()
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
-        """Token counts of an answer; prompt_tokens_details with --enable-prompt-tokens-details."""
-        details = PromptTokenUsageInfo(cached_tokens=cached_tokens) if self.frontend.enable_prompt_tokens_details \
-            else None
+        """Token counts of an answer; prompt_tokens_details with --enable-prompt-tokens-details when
+        the prefix cache served some of the prompt (vLLM leaves it out otherwise)."""
+        details = PromptTokenUsageInfo(cached_tokens=cached_tokens) \
+            if self.frontend.enable_prompt_tokens_details and cached_tokens else None
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
