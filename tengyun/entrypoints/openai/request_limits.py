@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tengyun.entrypoints.openai.protocol import RequestError
 
-BYTES_PER_TOKEN = 32  # JSON of a token's text, with room: \\uXXXX escapes take 6 bytes a character
+BYTES_PER_TOKEN = 32  # JSON of a token's text, with room: a \uXXXX escape takes 6 bytes per character
 MIN_REQUEST_BYTES = 1 << 20  # tool definitions and chat framing fit even with a tiny --max-model-len
 
 
