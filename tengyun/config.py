@@ -11,20 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tengyun.ops.model_size import decoder_config
+from tengyun.model_spec import ModelSpec, canonical_dtype
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "npu")
 SUPPORTED_EXECUTOR_BACKENDS = ("mp", "uni")
-DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 logger = logging.getLogger(__name__)
-
-MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 KVCACHE_SPACE_ENV = "TENGYUN_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 DEFAULT_CPU_KVCACHE_GIB = 4
@@ -34,14 +29,6 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECA
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "t": 1e12, "tb": 1e12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
                "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
-
-
-def text_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's fields at the top level, as `tengyun plan` reads them (a multimodal
-    wrapper's "text_config" lifted out; Qwen3-Next's layer_types from full_attention_interval),
-    keeping the wrapper's architectures."""
-    archs = {"architectures": hf_config["architectures"]} if "architectures" in hf_config else {}
-    return {**decoder_config(hf_config), **archs}
 
 
 def parse_size(value: int | str, name: str) -> int:
@@ -93,7 +80,7 @@ class EngineConfig:
     # Resolved by finalize(); read-only afterwards.
     model_path: Path | None = field(default=None, init=False)
     tokenizer_path: Path | None = field(default=None, init=False)
-    hf_config: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    model_spec: ModelSpec | None = field(default=None, init=False, repr=False)  # the one description of the model
     device_type: str = field(default="", init=False)
     _frozen: bool = field(default=False, init=False, repr=False)
 
@@ -103,8 +90,8 @@ class EngineConfig:
         object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
-        self.dtype = DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
-        self.kv_cache_dtype = DTYPE_ALIASES.get(str(self.kv_cache_dtype), str(self.kv_cache_dtype))
+        self.dtype = canonical_dtype(self.dtype)
+        self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
         self._validate_values()
 
     # ----- validation of values the user typed ------------------------------------------
@@ -203,7 +190,7 @@ class EngineConfig:
         if self.load_format in ("auto", "gguf"):
             self.load_format = source.load_format
         self.tokenizer_path = source.tokenizer_folder
-        self.hf_config = text_model_config(json.loads((source.folder / "config.json").read_text()))
+        self.model_spec = ModelSpec.from_hf_config(json.loads((source.folder / "config.json").read_text()))
         platform = get_platform(self.device)
         self.device_type = platform.device_type
         if self.block_size is None:
@@ -219,16 +206,14 @@ class EngineConfig:
 
     def _resolve_dtypes(self) -> None:
         if self.dtype == "auto":
-            config_dtype = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
-            # fp32 on CPU: these cores lack AVX-512-BF16 and run bf16 matmuls ~6x slower.
-            self.dtype = "float32" if self.device_type == "cpu" else config_dtype
-            if self.dtype not in DTYPE_BYTES:
-                self.dtype = "float32"
+            self.dtype = self.model_spec.resolve_dtype("auto", self.device_type)
+            logger.info("--dtype auto: %s on %s (config.json says %s)", self.dtype, self.device_type,
+                        self.model_spec.checkpoint_dtype or "nothing")
         if self.kv_cache_dtype == "auto":
             self.kv_cache_dtype = self.dtype
 
     def _resolve_lengths(self) -> None:
-        model_max = int(self.hf_config.get("max_position_embeddings") or 2048)
+        model_max = self.model_spec.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = model_max
         elif self.max_model_len > model_max:
@@ -256,46 +241,19 @@ class EngineConfig:
             )
 
     def _check_parallel_fits_model(self) -> None:
-        cfg, tp, pp = self.hf_config, self.tensor_parallel_size, self.pipeline_parallel_size
-        heads = cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        if heads % tp:
-            works = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
-            raise ValueError(
-                f"--tensor-parallel-size {tp} does not divide num_attention_heads {heads}: "
-                f"use one of {works}."
-            )
-        if kv_heads % tp and tp % kv_heads:
-            raise ValueError(
-                f"--tensor-parallel-size {tp} and num_key_value_heads {kv_heads}: one must divide the other "
-                f"(KV heads are split, or replicated when tp > num_key_value_heads): try {kv_heads}."
-            )
-        if cfg.get("intermediate_size", 0) % tp:
-            raise ValueError(f"--tensor-parallel-size {tp} does not divide intermediate_size "
-                             f"{cfg['intermediate_size']}: try a power of two such as 2.")
-        self._check_tp_divides({"linear_num_key_heads": "key heads", "linear_num_value_heads": "value heads",
-                                "num_experts": "experts", "shared_expert_intermediate_size": "shared expert"})
-        layers = cfg["num_hidden_layers"]
-        if pp > layers:
-            raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers {layers}: "
-                             f"use at most {layers}.")
-
-    def _check_tp_divides(self, fields: dict[str, str]) -> None:
-        """Gated DeltaNet heads, MoE experts and the shared expert are split evenly over TP ranks."""
-        tp = self.tensor_parallel_size
-        for field, what in fields.items():
-            value = self.hf_config.get(field)
-            if value and value % tp:
-                works = [n for n in (1, 2, 4, 8, 16) if value % n == 0]
-                raise ValueError(f"--tensor-parallel-size {tp} does not divide {field} {value} (the {what} are "
-                                 f"split over the ranks): use one of {works}.")
+        spec, tp, pp = self.model_spec, self.tensor_parallel_size, self.pipeline_parallel_size
+        problem = spec.tp_problem(tp)
+        if problem:
+            works = [n for n in range(1, spec.num_attention_heads + 1) if spec.tp_problem(n) is None]
+            raise ValueError(f"--tensor-parallel-size {tp} {problem}: use one of {works}.")
+        if pp > spec.num_layers:
+            raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers {spec.num_layers}: "
+                             f"use at most {spec.num_layers}.")
 
     def _check_hybrid(self) -> None:
         """Models with linear-attention layers (Qwen3.5) keep recurrent state per sequence, which a
         prefix-cache hit cannot restore (docs/hybrid_cache.md)."""
-        from tengyun.kv_sizing import is_hybrid
-
-        if not is_hybrid(self.hf_config):
+        if not self.model_spec.is_hybrid:
             return
         if self.enable_prefix_caching:
             logger.info("Prefix caching is off for %s: its linear-attention layers keep recurrent state "
@@ -331,11 +289,7 @@ class EngineConfig:
 
     @property
     def architecture(self) -> str:
-        archs = self.hf_config.get("architectures") or []
-        if archs:
-            return archs[0]
-        # Configs converted from GGUF carry model_type only.
-        return MODEL_TYPE_ARCHITECTURES.get(self.hf_config.get("model_type", ""), "")
+        return self.model_spec.architecture
 
     def replace(self, **changes: Any) -> "EngineConfig":
         """A new, unfinalized config with the user-facing fields changed."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from tengyun.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -22,37 +23,39 @@ class KVCacheShape:
         return self.bytes_per_token * block_size
 
 
-def kv_cache_shape(hf_config: dict[str, Any], dtype_bytes: int, tp_size: int = 1,
-                   num_layers: int | None = None) -> KVCacheShape:
-    """Per rank: KV heads split over TP ranks (1 each, replicated, when tp > num_key_value_heads);
-    ``num_layers``: this pipeline stage's layers (default all)."""
-    num_heads = hf_config["num_attention_heads"]
-    num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads
-    return KVCacheShape(
-        num_layers=hf_config["num_hidden_layers"] if num_layers is None else num_layers,
-        num_kv_heads=max(1, num_kv_heads // tp_size),
-        head_dim=head_dim,
-        dtype_bytes=dtype_bytes,
-    )
+def kv_cache_shape(spec: ModelSpec, dtype_bytes: int, tp_size: int = 1, start: int = 0,
+                   end: int | None = None) -> KVCacheShape:
+    """Per rank, for the attention layers in [start, end) (a pipeline stage; default all): KV heads
+    split over TP ranks (1 each, replicated, when tp > num_key_value_heads)."""
+    return KVCacheShape(num_layers=spec.attention_layers(start, end), num_kv_heads=spec.kv_heads_per_rank(tp_size),
+                        head_dim=spec.head_dim, dtype_bytes=dtype_bytes)
 
 
-def num_blocks_for_budget(budget_bytes: int, block_size: int, shape: KVCacheShape) -> int:
-    return budget_bytes // shape.bytes_per_block(block_size)
+def activation_estimate(spec: ModelSpec, tp: int, tokens: int, max_num_seqs: int,
+                        act_bytes: int) -> tuple[int, str]:
+    """Peak transient memory of one step, per rank: what an accelerator keeps free besides weights
+    and KV (`tengyun plan` subtracts it; --activation-reserve there overrides):
+    tokens x (4 x hidden [residual, hidden, normed, attention out] + widest per-rank projection
+    output [qkv, gate_up, routed experts' gate_up or linear attention's qkvz]) x dtype bytes,
+    plus fp32 logits of every sequence that samples: max_num_seqs x vocab x 4."""
+    h, d = spec.hidden_size, spec.head_dim
+    q_heads = spec.num_attention_heads * (2 if spec.gated_attention else 1)
+    widest = q_heads * d // tp + 2 * spec.kv_heads_per_rank(tp) * d
+    if not all(spec.sparse_layers):
+        widest = max(widest, 2 * spec.intermediate_size // tp)
+    if any(spec.sparse_layers):
+        routed = spec.moe.top_k * 2 * spec.moe.intermediate_size
+        widest = max(widest, (routed + 2 * spec.moe.shared_intermediate_size) // tp)
+    if spec.linear_attention:
+        widest = max(widest, 2 * (spec.linear_attention.key_dim + spec.linear_attention.value_dim) // tp)
+    step = tokens * (4 * h + widest) * act_bytes
+    logits = max_num_seqs * spec.vocab_size * 4
+    formula = (f"{tokens} tokens x (4 x {h} + {widest}) x {act_bytes} B + "
+               f"{max_num_seqs} seqs x {spec.vocab_size} vocab x 4 B")
+    return step + logits, formula
 
 
 # ----- hybrid models (Qwen3.5): linear-attention layers keep per-sequence state, not KV -------
-def is_hybrid(hf_config: dict[str, Any]) -> bool:
-    return "linear_attention" in (hf_config.get("layer_types") or [])
-
-
-def attention_layer_count(hf_config: dict[str, Any], start: int = 0, end: int | None = None) -> int:
-    """Layers in [start, end) that keep KV: all of them, or the "full_attention" ones of a hybrid."""
-    end = hf_config["num_hidden_layers"] if end is None else end
-    types = hf_config.get("layer_types") or ["full_attention"] * hf_config["num_hidden_layers"]
-    return sum(t == "full_attention" for t in types[start:end])
-
-
 @dataclass(frozen=True)
 class StateShape:
     """Per sequence slot, per Gated DeltaNet layer: conv state [conv_dim, kernel - 1] in the model
@@ -73,21 +76,23 @@ class StateShape:
         return self.num_layers * (conv + ssm)
 
 
-def state_shape(hf_config: dict[str, Any], dtype_bytes: int, start: int = 0, end: int | None = None,
+def state_shape(spec: ModelSpec, dtype_bytes: int, start: int = 0, end: int | None = None,
                 tp_size: int = 1) -> StateShape:
-    """Per tensor-parallel rank (its 1/tp of the key and value heads). Qwen3.5-27B (48 linear
-    layers, 16 key / 48 value heads of 128, kernel 4, bf16), tp 1:
-    48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4) bytes = 147.4 MiB per sequence."""
-    end = hf_config["num_hidden_layers"] if end is None else end
-    key_dim = hf_config.get("linear_num_key_heads", 0) * hf_config.get("linear_key_head_dim", 0)
-    value_heads, value_dim = hf_config.get("linear_num_value_heads", 0), hf_config.get("linear_value_head_dim", 0)
+    """Per tensor-parallel rank (its 1/tp of the key and value heads), for the linear-attention
+    layers in [start, end). Qwen3.5-27B (48 linear layers, 16 key / 48 value heads of 128,
+    kernel 4, bf16), tp 1: 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4) bytes = 147.4 MiB per sequence.
+    A model without linear attention: 0 layers, 0 bytes per slot."""
+    end = spec.num_layers if end is None else end
+    linear = spec.linear_attention
+    if linear is None:
+        return StateShape(0, 0, 0, 0, 0, 0, dtype_bytes)
     return StateShape(
-        num_layers=(end - start) - attention_layer_count(hf_config, start, end),
-        conv_dim=(2 * key_dim + value_heads * value_dim) // tp_size,
-        conv_width=hf_config.get("linear_conv_kernel_dim", 4) - 1,
-        num_v_heads=value_heads // tp_size,
-        k_head_dim=hf_config.get("linear_key_head_dim", 0),
-        v_head_dim=value_dim,
+        num_layers=(end - start) - spec.attention_layers(start, end),
+        conv_dim=linear.conv_dim // tp_size,
+        conv_width=linear.conv_kernel - 1,
+        num_v_heads=linear.num_value_heads // tp_size,
+        k_head_dim=linear.key_head_dim,
+        v_head_dim=linear.value_head_dim,
         dtype_bytes=dtype_bytes,
     )
 

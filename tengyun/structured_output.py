@@ -115,7 +115,7 @@ def grammar_compiler(tokenizer: Any, tokenizer_key: str, vocab_size: int, stop_t
 
 def grammar_compiler_for_config(config: Any) -> GrammarCompiler:
     """grammar_compiler() for an EngineConfig, loading its tokenizer and EOS ids when first needed."""
-    key = (str(config.tokenizer_path), config.hf_config["vocab_size"])
+    key = (str(config.tokenizer_path), config.model_spec.vocab_size)
     with _compilers_lock:
         if key in _compilers:
             return _compilers[key]

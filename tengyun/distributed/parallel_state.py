@@ -94,14 +94,6 @@ def sampler_rank(tp_size: int, pp_size: int) -> int:
     return (pp_size - 1) * tp_size
 
 
-def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """[start, end) of the decoder layers stage ``pp_rank`` holds; earlier stages take the remainder.
-    10 layers, 4 stages -> (0, 3) (3, 6) (6, 8) (8, 10)."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return start, start + base + (1 if pp_rank < extra else 0)
-
-
 # ----- tensor-parallel collectives --------------------------------------------------------
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _STATE.tp_size == 1:

@@ -51,7 +51,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = executor
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = config.hf_config["vocab_size"]
+        self.vocab_size = config.model_spec.vocab_size
         self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}

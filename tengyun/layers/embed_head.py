@@ -47,11 +47,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, dtype)
         self.kernel = DenseLinearKernel()
         self.kernel_weight = None
+        self.tied_to_embedding = False  # set by the model when weight is the embedding's (it still needs it)
 
     def process_weights_after_loading(self, kernel: DenseLinearKernel) -> None:
-        # The weight may be tied to the embedding, which still needs it: never freed here.
+        """Hand the weight to ``kernel``; a repacking kernel frees the original unless the embedding
+        shares it (an untied head would otherwise hold its weight twice)."""
         self.kernel = kernel
         self.kernel_weight = kernel.prepare(self.weight.data)
+        if kernel.frees_original and not self.tied_to_embedding:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight if self.kernel_weight is None else self.kernel_weight

@@ -11,8 +11,6 @@ chunk runs the chunked form from its sequence's state, so a prompt may span seve
 from __future__ import annotations
 
 import functools
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +21,7 @@ from tengyun.layers.gated_delta_rule import get_gated_delta_rule_kernel
 from tengyun.layers.layernorm import GatedRMSNorm
 from tengyun.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tengyun.layers.weight_loading import check_shape, rank_slice_of_segments, set_weight_loader
+from tengyun.model_spec import ModelSpec
 
 
 class GatedDeltaNet(nn.Module):
@@ -30,15 +29,15 @@ class GatedDeltaNet(nn.Module):
     rank's value heads share only its own key heads), so the conv channels, the state and the
     in/out projections split with them; out_proj all-reduces."""
 
-    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
         super().__init__()
-        hidden, tp = cfg["hidden_size"], get_tp_size()
-        total_k_heads, total_v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-        self.k_dim, self.v_dim = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        hidden, tp, linear = spec.hidden_size, get_tp_size(), spec.linear_attention
+        total_k_heads, total_v_heads = linear.num_key_heads, linear.num_value_heads
+        self.k_dim, self.v_dim = linear.key_head_dim, linear.value_head_dim
         self.num_k_heads, self.num_v_heads = total_k_heads // tp, total_v_heads // tp  # this rank's
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
-        self.kernel_size = cfg.get("linear_conv_kernel_dim", 4)
+        self.kernel_size = linear.conv_kernel
         # The checkpoint's q | k | v channels, full size; each rank keeps its slice of each.
         channels = [total_k_heads * self.k_dim] * 2 + [total_v_heads * self.v_dim]
         self.in_proj_qkv = MergedColumnParallelLinear(hidden, channels, False, dtype)
@@ -54,7 +53,7 @@ class GatedDeltaNet(nn.Module):
         for param, sizes in ((self.conv1d.weight, channels), (self.dt_bias, [total_v_heads]),
                              (self.A_log, [total_v_heads])):
             set_weight_loader(param, functools.partial(_load_rank_slice, sizes=sizes, tp_rank=rank, tp_size=tp))
-        self.norm = GatedRMSNorm(self.v_dim, cfg["rms_norm_eps"], dtype)  # per head: replicated
+        self.norm = GatedRMSNorm(self.v_dim, spec.rms_norm_eps, dtype)  # per head: replicated
         self.out_proj = RowParallelLinear(total_v_heads * self.v_dim, hidden, False, dtype)
         self.kernel = get_gated_delta_rule_kernel(self.A_log.device)
         # Bound by the worker: [num_slots, conv_dim, K - 1] (model dtype), [num_slots, Hv, Dk, Dv] float32.

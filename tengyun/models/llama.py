@@ -6,8 +6,6 @@ HF parameter names are kept, except that q/k/v and gate/up are packed
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -18,6 +16,7 @@ from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tengyun.layers.layernorm import RMSNorm
 from tengyun.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from tengyun.model_spec import ModelSpec
 from tengyun.models.pipeline import IntermediateTensors, PPMissingLayer, make_layers
 
 
@@ -33,23 +32,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
-                 qkv_bias: bool, qk_norm: bool):
+    def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         super().__init__()
-        hidden = cfg["hidden_size"]
-        num_heads = cfg["num_attention_heads"]
-        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // num_heads
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, cfg.get("attention_bias", False), dtype)
+        hidden, num_heads, self.head_dim = spec.hidden_size, spec.num_attention_heads, spec.head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, spec.num_kv_heads, spec.qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, spec.o_bias, dtype)
         self.q_size = self.qkv_proj.num_heads * self.head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
-        rotary_dim = int(self.head_dim * cfg.get("partial_rotary_factor", 1.0))
-        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, max_position, rope_parameters(cfg))
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
-            self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+        rotary_dim = int(self.head_dim * spec.hf.get("partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, max_position, rope_parameters(spec.hf))
+        self.qk_norm = spec.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
         self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads,
                               self.head_dim ** -0.5)
 
@@ -63,18 +58,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-def make_dense_mlp(cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype) -> nn.Module:
-    return LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], dtype, cfg.get("mlp_bias", False))
+def make_dense_mlp(spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    return LlamaMLP(spec.hidden_size, spec.intermediate_size, dtype, spec.hf.get("mlp_bias", False))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype,
-                 qkv_bias: bool, qk_norm: bool, mlp: nn.Module):
+    def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype, mlp: nn.Module):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, max_position, dtype, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(spec, max_position, dtype)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     def forward(self, positions, hidden, residual):
         if residual is None:
@@ -93,13 +87,13 @@ class LlamaModel(nn.Module):
     (hidden, residual). Shared by every model family here (Qwen3.5 passes its own layers/norm).
     """
 
-    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype, make_layer, norm_cls=RMSNorm):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, make_layer, norm_cls=RMSNorm):
         super().__init__()
-        hidden = cfg["hidden_size"]
-        self.embed_tokens = (VocabParallelEmbedding(cfg["vocab_size"], hidden, dtype)
+        hidden = spec.hidden_size
+        self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, hidden, dtype)
                              if is_first_pp_rank() else PPMissingLayer())
-        self.start_layer, self.end_layer, self.layers = make_layers(cfg["num_hidden_layers"], make_layer)
-        self.norm = norm_cls(hidden, cfg["rms_norm_eps"], dtype) if is_last_pp_rank() else PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(spec.num_layers, make_layer)
+        self.norm = norm_cls(hidden, spec.rms_norm_eps, dtype) if is_last_pp_rank() else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
@@ -118,27 +112,24 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    qkv_bias = False
-    qk_norm = False
-    make_mlp = staticmethod(make_dense_mlp)  # (cfg, layer_idx, dtype) -> the layer's MLP
+    make_mlp = staticmethod(make_dense_mlp)  # (spec, layer_idx, dtype) -> the layer's MLP
     norm_cls = RMSNorm
 
-    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         super().__init__()
-        self.model = LlamaModel(cfg, dtype, self.layer_factory(cfg, max_position, dtype), self.norm_cls)
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.model = LlamaModel(spec, dtype, self.layer_factory(spec, max_position, dtype), self.norm_cls)
+        self.tie_word_embeddings = spec.tie_word_embeddings
         if is_last_pp_rank():
-            self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype)
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype)
             if self.tie_word_embeddings and is_first_pp_rank():
                 self.lm_head.weight = self.model.embed_tokens.weight
+                self.lm_head.tied_to_embedding = True
         else:
             self.lm_head = PPMissingLayer()
 
-    def layer_factory(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+    def layer_factory(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         """index -> decoder layer ``index`` of this family."""
-        qkv_bias = cfg.get("attention_bias", False) or self.qkv_bias
-        return lambda i: LlamaDecoderLayer(cfg, max_position, dtype, qkv_bias, self.qk_norm,
-                                           self.make_mlp(cfg, i, dtype))
+        return lambda i: LlamaDecoderLayer(spec, max_position, dtype, self.make_mlp(spec, i, dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tengyun.distributed.parallel_state import get_pp_rank, get_pp_size, pp_layer_range
+from tengyun.distributed.parallel_state import get_pp_rank, get_pp_size
+from tengyun.model_spec import stage_layer_range
 
 
 class PPMissingLayer(nn.Identity):
@@ -21,7 +22,7 @@ class PPMissingLayer(nn.Identity):
 
 def make_layers(num_layers: int, factory: Callable[[int], nn.Module]) -> tuple[int, int, nn.ModuleList]:
     """(start, end, layers): layers[start:end] built by ``factory(index)``, the rest placeholders."""
-    start, end = pp_layer_range(num_layers, get_pp_rank(), get_pp_size())
+    start, end = stage_layer_range(num_layers, get_pp_rank(), get_pp_size())
     layers = nn.ModuleList(factory(i) if start <= i < end else PPMissingLayer() for i in range(num_layers))
     return start, end, layers
 

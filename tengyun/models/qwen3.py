@@ -1,4 +1,5 @@
-"""Qwen3ForCausalLM: Llama with RMSNorm over each head of q and k before RoPE (no qkv bias)."""
+"""Qwen3ForCausalLM: Llama with RMSNorm over each head of q and k before RoPE (ModelSpec.qk_norm;
+no qkv bias)."""
 
 from __future__ import annotations
 
@@ -6,4 +7,4 @@ from tengyun.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    """The attention variant comes from config.json's model_type through the ModelSpec."""

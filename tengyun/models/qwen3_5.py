@@ -11,8 +11,6 @@ multimodal one (``model.language_model.layers...``; vision and MTP tensors are s
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -21,6 +19,7 @@ from tengyun.layers.gated_delta_net import GatedDeltaNet
 from tengyun.layers.layernorm import ZeroCenteredRMSNorm
 from tengyun.layers.linear import QKVParallelLinear, RowParallelLinear
 from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from tengyun.model_spec import ModelSpec
 from tengyun.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -30,21 +29,19 @@ _SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # vision tower, multi-token-predi
 
 
 class Qwen3_5Attention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         super().__init__()
-        hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // num_heads
-        bias = cfg.get("attention_bias", False)
+        hidden, num_heads, self.head_dim = spec.hidden_size, spec.num_attention_heads, spec.head_dim
         # The q shard holds 2 * heads "heads": per head its query then its gate.
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, 2 * num_heads, num_kv_heads, bias, dtype)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, 2 * num_heads, spec.num_kv_heads, spec.qkv_bias,
+                                          dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias, dtype)
-        rope = rope_parameters(cfg)
-        rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, max_position, rope)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, spec.o_bias, dtype)
+        rope = rope_parameters(spec.hf)
+        partial = rope.get("partial_rotary_factor", spec.hf.get("partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, int(self.head_dim * partial), max_position, rope)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -60,16 +57,16 @@ class Qwen3_5Attention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, max_position: int, dtype: torch.dtype, mlp: nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, max_position: int, dtype: torch.dtype, mlp: nn.Module):
         super().__init__()
-        self.is_linear = cfg["layer_types"][layer_idx] == "linear_attention"
+        self.is_linear = not spec.layer_is_attention(layer_idx)
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg, dtype)
+            self.linear_attn = GatedDeltaNet(spec, dtype)
         else:
-            self.self_attn = Qwen3_5Attention(cfg, max_position, dtype)
+            self.self_attn = Qwen3_5Attention(spec, max_position, dtype)
         self.mlp = mlp
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+        self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     def forward(self, positions, hidden, residual):
         if residual is None:
@@ -81,24 +78,17 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-def layer_types(cfg: dict[str, Any]) -> list[str]:
-    """config.json's layer_types, else every full_attention_interval-th layer (default 4) is full."""
-    interval = cfg.get("full_attention_interval", 4)
-    return cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                      for i in range(cfg["num_hidden_layers"])]
-
-
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     """Also Qwen3_5ForConditionalGeneration: the text model of the multimodal checkpoint."""
 
     norm_cls = ZeroCenteredRMSNorm
 
-    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
-        super().__init__({**cfg, "layer_types": layer_types(cfg)}, max_position, dtype)
+    def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
+        super().__init__(spec, max_position, dtype)
         self._logged_skips: set[str] = set()
 
-    def layer_factory(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
-        return lambda i: Qwen3_5DecoderLayer(cfg, i, max_position, dtype, self.make_mlp(cfg, i, dtype))
+    def layer_factory(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
+        return lambda i: Qwen3_5DecoderLayer(spec, i, max_position, dtype, self.make_mlp(spec, i, dtype))
 
     def checkpoint_rename(self, name: str) -> str | None:
         """'model.language_model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj.weight';

@@ -3,25 +3,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from tengyun.layers.fused_moe import FusedMoE
 from tengyun.layers.linear import ReplicatedLinear
+from tengyun.model_spec import ModelSpec
 from tengyun.models.llama import LlamaMLP
 from tengyun.models.qwen3_5 import Qwen3_5ForCausalLM
 
 
 class Qwen3_5MoeSparseMoeBlock(nn.Module):
-    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
         super().__init__()
-        hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
-        self.gate = ReplicatedLinear(hidden, num_experts, False, dtype)  # router
-        self.experts = FusedMoE(num_experts, cfg["num_experts_per_tok"], hidden, cfg["moe_intermediate_size"],
-                                True, dtype)
-        self.shared_expert = LlamaMLP(hidden, cfg["shared_expert_intermediate_size"], dtype)
+        hidden, moe = spec.hidden_size, spec.moe
+        self.gate = ReplicatedLinear(hidden, moe.num_experts, False, dtype)  # router
+        self.experts = FusedMoE(moe.num_experts, moe.top_k, hidden, moe.intermediate_size, True, dtype)
+        self.shared_expert = LlamaMLP(hidden, moe.shared_intermediate_size, dtype)
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -30,8 +28,8 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         return self.experts(x, self.gate(x)) + shared
 
 
-def make_moe_mlp(cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype) -> nn.Module:
-    return Qwen3_5MoeSparseMoeBlock(cfg, dtype)
+def make_moe_mlp(spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    return Qwen3_5MoeSparseMoeBlock(spec, dtype)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

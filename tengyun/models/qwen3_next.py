@@ -10,30 +10,28 @@ Qwen3.5's tensors (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), so the layers 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from tengyun.layers.fused_moe import FusedMoE
+from tengyun.model_spec import ModelSpec
 from tengyun.models.llama import make_dense_mlp
 from tengyun.models.qwen3_5 import Qwen3_5ForCausalLM
 from tengyun.models.qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-from tengyun.models.qwen3_moe import is_sparse_layer
 
 
 class Qwen3NextSparseMoeBlock(Qwen3_5MoeSparseMoeBlock):
     """Qwen3.5-MoE's block; the top-k routing weights sum to 1 only with norm_topk_prob (default true)."""
 
-    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype):
-        super().__init__(cfg, dtype)
-        self.experts.renormalize = bool(cfg.get("norm_topk_prob", True))
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__(spec, dtype)
+        self.experts.renormalize = bool(spec.hf.get("norm_topk_prob", True))
 
 
-def make_next_mlp(cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype) -> nn.Module:
-    if is_sparse_layer(cfg, layer_idx):
-        return Qwen3NextSparseMoeBlock(cfg, dtype)
-    return make_dense_mlp(cfg, layer_idx, dtype)
+def make_next_mlp(spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    if spec.sparse_layers[layer_idx]:
+        return Qwen3NextSparseMoeBlock(spec, dtype)
+    return make_dense_mlp(spec, layer_idx, dtype)
 
 
 def split_qkvz(w: torch.Tensor, num_k_heads: int, k_dim: int, group_v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,11 +54,11 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     make_mlp = staticmethod(make_next_mlp)
     checkpoint_name_to_param = staticmethod(FusedMoE.checkpoint_name_to_param)
 
-    def __init__(self, cfg: dict[str, Any], max_position: int, dtype: torch.dtype):
-        super().__init__(cfg, max_position, dtype)
-        self.num_k_heads, self.num_v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-        self.k_dim = cfg["linear_key_head_dim"]
-        self.group_v = self.num_v_heads // self.num_k_heads * cfg["linear_value_head_dim"]  # v channels per key head
+    def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
+        super().__init__(spec, max_position, dtype)
+        linear = spec.linear_attention
+        self.num_k_heads, self.num_v_heads, self.k_dim = linear.num_key_heads, linear.num_value_heads, linear.key_head_dim
+        self.group_v = self.num_v_heads // self.num_k_heads * linear.value_head_dim  # v channels per key head
 
     def checkpoint_transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
         """'...linear_attn.in_proj_qkvz.weight' -> in_proj_qkv and in_proj_z; '...linear_attn.in_proj_ba.weight'

@@ -18,12 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tengyun.config import DTYPE_BYTES
-from tengyun.kv_sizing import attention_layer_count, kv_cache_shape, split_budget, state_shape
-from tengyun.ops.model_size import (
-    GATED_ATTENTION_TYPES, StageParams, decoder_config, head_dim, layer_is_sparse, stage_layer_range,
-    stage_params, total_params,
-)
+from tengyun.kv_sizing import activation_estimate, kv_cache_shape, split_budget, state_shape
+from tengyun.model_spec import DTYPE_BYTES, ModelSpec, as_spec, canonical_dtype
+from tengyun.ops.model_size import StageParams, stage_params, total_params
 
 GiB, MiB = 2**30, 2**20
 MAX_CARDS = 128  # the search for the smallest TP x PP stops here
@@ -40,8 +37,9 @@ class PlanRequest:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    dtype: str = "auto"  # weights and activations; auto = the checkpoint's
+    dtype: str = "auto"  # weights and activations; auto = what the engine serves on `device` (ModelSpec.resolve_dtype)
     kv_cache_dtype: str = "auto"  # auto = dtype
+    device: str = "npu"  # the platform planned for: cpu, cuda or npu
     activation_reserve: int | None = None  # None: estimated (activation_estimate)
     devices_per_node: int = 8  # TP stays inside a node when searching the smallest fit
 
@@ -139,136 +137,98 @@ def safetensors_bytes(path: Path) -> int:
                for start, end in [meta["data_offsets"]])
 
 
-def resolve_dtype(cfg: dict[str, Any], requested: str) -> str:
-    if requested != "auto":
-        return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                "float": "float32"}.get(requested, requested)
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    return dtype if dtype in DTYPE_BYTES else "bfloat16"
-
-
 # ----- the arithmetic ---------------------------------------------------------------------
-def activation_estimate(cfg: dict[str, Any], tp: int, tokens: int, max_num_seqs: int,
-                        act_bytes: int) -> tuple[int, str]:
-    """Peak transient memory of one step, per rank (an estimate; --activation-reserve overrides):
-    tokens x (4 x hidden [residual, hidden, normed, attention out] + widest per-rank projection
-    output [qkv, gate_up, routed experts' gate_up or linear attention's qkvz]) x dtype bytes,
-    plus fp32 logits of every sequence that samples: max_num_seqs x vocab x 4."""
-    h, d = cfg["hidden_size"], head_dim(cfg)
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    gated = cfg.get("model_type") in GATED_ATTENTION_TYPES
-    widest = heads * d * (2 if gated else 1) // tp + 2 * max(1, kv // tp) * d
-    layers = range(cfg["num_hidden_layers"])
-    if any(not layer_is_sparse(cfg, i) for i in layers):
-        widest = max(widest, 2 * cfg["intermediate_size"] // tp)
-    if any(layer_is_sparse(cfg, i) for i in layers):
-        routed = cfg.get("num_experts_per_tok", 1) * 2 * cfg["moe_intermediate_size"]
-        widest = max(widest, (routed + 2 * (cfg.get("shared_expert_intermediate_size") or 0)) // tp)
-    if cfg.get("linear_num_value_heads"):
-        qkvz = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] \
-            + 2 * cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
-        widest = max(widest, qkvz // tp)
-    step = tokens * (4 * h + widest) * act_bytes
-    logits = max_num_seqs * cfg["vocab_size"] * 4
-    formula = (f"{tokens} tokens x (4 x {h} + {widest}) x {act_bytes} B + "
-               f"{max_num_seqs} seqs x {cfg['vocab_size']} vocab x 4 B")
-    return step + logits, formula
-
-
-def _stage_state_bytes(cfg: dict[str, Any], dtype_bytes: int, tp: int, start: int, end: int) -> int:
-    """Per-sequence recurrent state of the stage's linear-attention layers on one TP rank
-    (kv_sizing.state_shape)."""
-    if not cfg.get("linear_num_value_heads"):
-        return 0
-    return state_shape(cfg, dtype_bytes, start, end, tp).bytes_per_slot
-
-
-def make_plan(hf_config: dict[str, Any], request: PlanRequest, checkpoint_bytes: int | None = None,
+def make_plan(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoint_bytes: int | None = None,
               name: str = "model") -> Plan:
-    cfg = decoder_config(hf_config)
-    tp, pp, bs = request.tp, request.pp, request.block_size
+    spec = as_spec(config)
+    tp, pp = request.tp, request.pp
     if tp < 1 or pp < 1:
         raise ValueError(f"--tensor-parallel-size and --pipeline-parallel-size must be >= 1; got {tp} x {pp}.")
-    if pp > cfg["num_hidden_layers"]:
+    if pp > spec.num_layers:
         raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers "
-                         f"{cfg['num_hidden_layers']}: use at most {cfg['num_hidden_layers']}.")
-    dtype = resolve_dtype(cfg, request.dtype)
-    kv_dtype = dtype if request.kv_cache_dtype == "auto" else resolve_dtype(cfg, request.kv_cache_dtype)
-    model_max = int(cfg.get("max_position_embeddings") or 2048)
-    max_len = request.max_model_len or model_max
-    total = total_params(cfg)
-    notes: list[str] = []
-    scale = 1.0
-    estimate = total * DTYPE_BYTES[dtype]
-    if checkpoint_bytes and abs(checkpoint_bytes / estimate - 1) > 0.02:
-        scale = checkpoint_bytes / estimate
-        notes.append(f"The checkpoint holds {checkpoint_bytes / GiB:.2f} GiB but config.json's decoder is "
-                     f"{estimate / GiB:.2f} GiB in {dtype} (quantized weights, or vision / MTP tensors): "
-                     f"weights per card scaled by {scale:.3f}.")
-    if cfg.get("quantization_config") and not checkpoint_bytes:
-        notes.append(f"config.json has a quantization_config but no checkpoint files are here: weights are "
-                     f"counted as {dtype}; plan the folder with its *.safetensors (or index) for real sizes.")
-    if max_len > model_max:
-        notes.append(f"--max-model-len {max_len} is longer than max_position_embeddings {model_max}: "
-                     f"the engine refuses it; lower it to {model_max}.")
+                         f"{spec.num_layers}: use at most {spec.num_layers}.")
+    dtype = spec.resolve_dtype(request.dtype, request.device)
+    kv_dtype = dtype if request.kv_cache_dtype == "auto" else canonical_dtype(request.kv_cache_dtype)
+    max_len = request.max_model_len or spec.max_position_embeddings
+    total = total_params(spec)
+    scale, notes = _weight_scale(spec, total, dtype, checkpoint_bytes)
+    if max_len > spec.max_position_embeddings:
+        notes.append(f"--max-model-len {max_len} is longer than max_position_embeddings "
+                     f"{spec.max_position_embeddings}: the engine refuses it; lower it to "
+                     f"{spec.max_position_embeddings}.")
     if request.kv_cache_memory is not None:
         activation, formula = 0, "not taken: --kv-cache-memory is the KV budget itself"
     elif request.activation_reserve is not None:
         activation, formula = request.activation_reserve, "--activation-reserve"
     else:
-        activation, formula = activation_estimate(cfg, tp, request.max_num_batched_tokens, request.max_num_seqs,
+        activation, formula = activation_estimate(spec, tp, request.max_num_batched_tokens, request.max_num_seqs,
                                                   DTYPE_BYTES[dtype])
-    stages = []
-    for stage in range(pp):
-        start, end = stage_layer_range(cfg["num_hidden_layers"], stage, pp)
-        params = stage_params(cfg, tp, pp, stage, (start, end))
-        weights = int(params.total * DTYPE_BYTES[dtype] * scale)
-        if request.kv_cache_memory is not None:
-            budget = request.kv_cache_memory
-        else:
-            if request.device_memory is None:
-                raise ValueError("--device-memory is needed (e.g. 64GiB for an Ascend 910B), "
-                                 "or --kv-cache-memory to give the KV budget directly.")
-            budget = int(request.device_memory * request.gpu_memory_utilization) - weights - activation
-        attention = attention_layer_count(cfg, start, end)
-        shape = dataclasses.replace(kv_cache_shape(cfg, DTYPE_BYTES[kv_dtype], tp), num_layers=attention)
-        state = _stage_state_bytes(cfg, DTYPE_BYTES[dtype], tp, start, end)
-        if attention == 0:  # no KV on this stage: it never limits the block count
-            blocks, slots = (2**62, max(1, min(request.max_num_seqs, max(budget, 0) // state)) if state else 0)
-        else:
-            blocks, slots = split_budget(max(budget, 0), bs, shape, state, request.max_num_seqs, max_len)
-        stages.append(StagePlan(stage, (start, end), params, weights, budget, attention, shape.num_kv_heads,
-                                shape.head_dim, shape.bytes_per_token, state, blocks, slots))
-    architecture = (hf_config.get("architectures") or [cfg.get("model_type", "?")])[0]
-    return Plan(request, name, dtype, kv_dtype, max_len, model_max, total, activation, formula, scale,
-                stages, architecture, notes)
+    stages = [_stage_plan(spec, request, stage, dtype, kv_dtype, scale, activation, max_len) for stage in range(pp)]
+    return Plan(request, name, dtype, kv_dtype, max_len, spec.max_position_embeddings, total, activation, formula,
+                scale, stages, spec.architecture or spec.model_type or "?", notes)
 
 
-def tp_candidates(cfg: dict[str, Any], limit: int) -> list[int]:
+def _weight_scale(spec: ModelSpec, params: int, dtype: str, checkpoint_bytes: int | None) -> tuple[float, list[str]]:
+    """(checkpoint bytes / config estimate, notes): weights follow the checkpoint's own size when it
+    differs by more than 2 % from ``params`` in the checkpoint's dtype (quantized weights, or vision
+    / MTP tensors); a float32 checkpoint served in bfloat16 is not scaled."""
+    notes: list[str] = []
+    scale = 1.0
+    stored = spec.checkpoint_dtype if spec.checkpoint_dtype in DTYPE_BYTES else dtype
+    estimate = params * DTYPE_BYTES[stored]
+    if checkpoint_bytes and abs(checkpoint_bytes / estimate - 1) > 0.02:
+        scale = checkpoint_bytes / estimate
+        notes.append(f"The checkpoint holds {checkpoint_bytes / GiB:.2f} GiB but config.json's decoder is "
+                     f"{estimate / GiB:.2f} GiB in {stored} (quantized weights, or vision / MTP tensors): "
+                     f"weights per card scaled by {scale:.3f}.")
+    if spec.quantization and not checkpoint_bytes:
+        notes.append(f"config.json has a quantization_config but no checkpoint files are here: weights are "
+                     f"counted as {dtype}; plan the folder with its *.safetensors (or index) for real sizes.")
+    return scale, notes
+
+
+def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, kv_dtype: str, scale: float,
+                activation: int, max_len: int) -> StagePlan:
+    """One pipeline stage on one TP rank: its weights, budget, KV blocks and state slots, with the
+    functions the engine's worker sizes its caches by (kv_sizing)."""
+    tp, pp = request.tp, request.pp
+    from tengyun.platforms import platform_class
+
+    params = stage_params(spec, tp, pp, stage, platform_class(request.device).repacks_linear_weights)
+    start, end = params.layers
+    weights = int(params.total * DTYPE_BYTES[dtype] * scale)
+    if request.kv_cache_memory is not None:
+        budget = request.kv_cache_memory
+    else:
+        if request.device_memory is None:
+            raise ValueError("--device-memory is needed (e.g. 64GiB for an Ascend 910B), "
+                             "or --kv-cache-memory to give the KV budget directly.")
+        budget = int(request.device_memory * request.gpu_memory_utilization) - weights - activation
+    shape = kv_cache_shape(spec, DTYPE_BYTES[kv_dtype], tp, start, end)
+    state = state_shape(spec, DTYPE_BYTES[dtype], start, end, tp).bytes_per_slot
+    if shape.num_layers == 0:  # no KV on this stage: it never limits the block count
+        blocks, slots = (2**62, max(1, min(request.max_num_seqs, max(budget, 0) // state)) if state else 0)
+    else:
+        blocks, slots = split_budget(max(budget, 0), request.block_size, shape, state, request.max_num_seqs, max_len)
+    return StagePlan(stage, (start, end), params, weights, budget, shape.num_layers, shape.num_kv_heads,
+                     shape.head_dim, shape.bytes_per_token, state, blocks, slots)
+
+
+def tp_candidates(config: ModelSpec | dict[str, Any], limit: int) -> list[int]:
     """TP sizes the engine accepts: powers of two dividing the attention heads, with KV heads
     split or replicated evenly, and the linear-attention heads and experts split evenly."""
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    # Split evenly too (EngineConfig._check_tp_divides): Gated DeltaNet heads, experts, shared expert.
-    split = [cfg.get(f) for f in ("linear_num_key_heads", "linear_num_value_heads", "num_experts",
-                                  "shared_expert_intermediate_size") if cfg.get(f)]
-    sizes, tp = [], 1
-    while tp <= limit:
-        if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0) and all(n % tp == 0 for n in split):
-            sizes.append(tp)
-        tp *= 2
-    return sizes
+    return as_spec(config).tp_sizes(limit)
 
 
-def smallest_fit(hf_config: dict[str, Any], request: PlanRequest, checkpoint_bytes: int | None = None
+def smallest_fit(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoint_bytes: int | None = None
                  ) -> tuple[int, int] | None:
     """The (tp, pp) with the fewest cards that fits max_model_len (ties: fewer pipeline stages);
     TP stays within --devices-per-node."""
-    cfg = decoder_config(hf_config)
-    candidates = [(tp, pp) for tp in tp_candidates(cfg, request.devices_per_node)
-                  for pp in range(1, cfg["num_hidden_layers"] + 1) if tp * pp <= MAX_CARDS]
+    spec = as_spec(config)
+    candidates = [(tp, pp) for tp in spec.tp_sizes(request.devices_per_node)
+                  for pp in range(1, spec.num_layers + 1) if tp * pp <= MAX_CARDS]
     for tp, pp in sorted(candidates, key=lambda c: (c[0] * c[1], c[1])):
-        if make_plan(hf_config, dataclasses.replace(request, tp=tp, pp=pp), checkpoint_bytes).fits:
+        if make_plan(spec, dataclasses.replace(request, tp=tp, pp=pp), checkpoint_bytes).fits:
             return tp, pp
     return None
 

@@ -13,6 +13,16 @@ class Platform:
     # device (is_available, run by EngineConfig.finalize) already initialises a runtime that does
     # not survive fork: CUDA's cudaGetDeviceCount calls cuInit; Ascend's ACL is treated the same.
     fork_safe: bool = False
+    # The linear kernel keeps weights in its own layout (a copy): a tied LM head then holds the
+    # embedding matrix twice, once for lookups and once packed. `tengyun plan` counts it.
+    repacks_linear_weights: bool = False
+
+    @classmethod
+    def auto_dtype(cls, checkpoint_dtype: str | None) -> str:
+        """What --dtype auto serves a checkpoint stored in ``checkpoint_dtype`` (None: config.json
+        says nothing) as; the engine and `tengyun plan` both ask here. Accelerators, as vLLM: the
+        checkpoint's 16-bit dtype, and bfloat16 for float32 or unknown checkpoints."""
+        return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
 
     @classmethod
     def is_available(cls) -> bool:

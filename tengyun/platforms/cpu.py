@@ -23,6 +23,13 @@ class CpuPlatform(Platform):
     # torch's CPU runtime survives fork, except OpenMP's thread pool: once this process has run
     # multi-threaded torch work, a forked rank hangs in its first parallel op (docs/parallelism.md).
     fork_safe = True
+    repacks_linear_weights = True  # oneDNN's blocked layout (OneDNNPackedLinearKernel), where available
+
+    @classmethod
+    def auto_dtype(cls, checkpoint_dtype: str | None) -> str:
+        """float32 whatever the checkpoint holds: the HF-parity tests and every benchmark so far
+        ran fp32 on CPU (choosing bf16 from the CPU's features is issue 15's)."""
+        return "float32"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -7,17 +7,16 @@ import time
 
 import torch
 
-from tengyun.config import DTYPE_BYTES, EngineConfig
+from tengyun.config import EngineConfig
 from tengyun.distributed.parallel_state import (
-    RankInfo, all_reduce_min, get_pp_rank, get_pp_size, get_rank, init_distributed, pp_layer_range,
+    RankInfo, all_reduce_min, get_pp_rank, get_pp_size, get_rank, init_distributed,
 )
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
-from tengyun.kv_sizing import (
-    KVCacheShape, attention_layer_count, is_hybrid, kv_cache_shape, split_budget, state_shape,
-)
+from tengyun.kv_sizing import KVCacheShape, kv_cache_shape, split_budget, state_shape
 from tengyun.layers.attention.backend import get_attention_backend
 from tengyun.layers.layer_ops import bind_layer_ops
+from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
 from tengyun.ops.numa import bind_to_device_numa
@@ -51,7 +50,7 @@ class Worker:
         started = time.perf_counter()
         model_cls = get_model_class(config.architecture)
         with torch.device(self.device):
-            self.model = model_cls(config.hf_config, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
+            self.model = model_cls(config.model_spec, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
         load_weights(self.model, config.model_path, config.load_format, seed=config.seed)
         kernel = self.platform.linear_kernel(TORCH_DTYPES[config.dtype])
         for module in self.model.modules():
@@ -63,11 +62,10 @@ class Worker:
                     config.dtype, config.load_format, time.perf_counter() - started,
                     self.weight_bytes / 2**20, get_rank())
         tp = config.tensor_parallel_size
-        start, end = pp_layer_range(config.hf_config["num_hidden_layers"], get_pp_rank(), get_pp_size())
-        self.kv_shape = kv_cache_shape(config.hf_config, DTYPE_BYTES[config.kv_cache_dtype], tp,
-                                       attention_layer_count(config.hf_config, start, end))
+        start, end = config.model_spec.stage_layers(get_pp_rank(), get_pp_size())
+        self.kv_shape = kv_cache_shape(config.model_spec, DTYPE_BYTES[config.kv_cache_dtype], tp, start, end)
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
-        self.state_shape = state_shape(config.hf_config, DTYPE_BYTES[config.dtype], start, end, tp)
+        self.state_shape = state_shape(config.model_spec, DTYPE_BYTES[config.dtype], start, end, tp)
         self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
         backend = get_attention_backend(self.platform.attention_backend(config.block_size, config.kv_cache_dtype))
         # Decode graphs pad batches into one extra KV block and state slot that no sequence gets.
@@ -82,8 +80,8 @@ class Worker:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
-        stage = PipelineStage(config.hf_config["hidden_size"], TORCH_DTYPES[config.dtype], self.device)
-        self.runner = ModelRunner(self.model, config.block_size, config.hf_config["vocab_size"], self.device,
+        stage = PipelineStage(config.model_spec.hidden_size, TORCH_DTYPES[config.dtype], self.device)
+        self.runner = ModelRunner(self.model, config.block_size, config.model_spec.vocab_size, self.device,
                                   grammar_compiler_factory=lambda: grammar_compiler_for_config(config),
                                   stage=stage)
         if graphs:
@@ -125,7 +123,7 @@ class Worker:
             num_blocks, num_slots = split(int(total * config.gpu_memory_utilization) - (total - free))
             source = "--gpu-memory-utilization"
         if not slot_bytes:  # no linear-attention layers on this stage: it never limits the slots
-            num_slots = config.max_num_seqs if is_hybrid(config.hf_config) else 0
+            num_slots = config.max_num_seqs if config.model_spec.is_hybrid else 0
         num_blocks, num_slots = all_reduce_min(num_blocks), all_reduce_min(num_slots)
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tengyun.config import EngineConfig
-from tengyun.distributed.parallel_state import pp_layer_range
+from tengyun.model_spec import stage_layer_range
 from tengyun.distributed.rank_info import RankInfo, node_ranks
 
 
 def test_pp_layer_range_gives_earlier_stages_the_remainder():
-    assert [pp_layer_range(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
-    assert [pp_layer_range(2, r, 2) for r in range(2)] == [(0, 1), (1, 2)]
+    assert [stage_layer_range(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [stage_layer_range(2, r, 2) for r in range(2)] == [(0, 1), (1, 2)]
 
 
 def test_rank_layout_keeps_tp_groups_inside_a_node():

@@ -12,6 +12,7 @@ import torch
 
 from tengyun import LLM, SamplingParams
 from tengyun.kv_sizing import KVCacheShape, split_budget, state_shape
+from tengyun.model_spec import ModelSpec
 from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, make_tiny_qwen3_5
 from test_hf_parity import TOP_K, _prompts
 
@@ -130,11 +131,15 @@ def test_multimodal_layout_gives_the_text_only_tokens(text_checkpoint, multimoda
     assert [o.outputs[0].token_ids for o in mm.generate(prompts, params)] == expected
 
 
+# The full-attention sizes a ModelSpec needs besides the linear-attention ones under test.
+_ATTENTION = dict(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, vocab_size=248_320)
+
+
 def test_state_bytes_per_slot_of_qwen3_5_27b():
     cfg = dict(num_hidden_layers=64, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-               linear_value_head_dim=128, linear_conv_kernel_dim=4)
-    shape = state_shape(cfg, dtype_bytes=2)
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, **_ATTENTION)
+    shape = state_shape(ModelSpec.from_hf_config(cfg), dtype_bytes=2)
     assert (shape.num_layers, shape.conv_dim, shape.conv_width) == (48, 10240, 3)
     assert shape.bytes_per_slot == 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4)
 
@@ -160,9 +165,10 @@ def test_tp_that_does_not_divide_the_linear_heads_names_the_field(tmp_path, tiny
 
 
 def test_state_shape_per_tp_rank_holds_its_share_of_the_heads():
-    cfg = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-               linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-               linear_value_head_dim=128, linear_conv_kernel_dim=4)
-    whole, quarter = state_shape(cfg, 2), state_shape(cfg, 2, tp_size=4)
+    spec = ModelSpec.from_hf_config(dict(
+        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        **_ATTENTION))
+    whole, quarter = state_shape(spec, 2), state_shape(spec, 2, tp_size=4)
     assert (quarter.conv_dim, quarter.num_v_heads) == (whole.conv_dim // 4, 12)
     assert quarter.bytes_per_slot * 4 == whole.bytes_per_slot

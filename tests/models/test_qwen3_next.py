@@ -81,7 +81,7 @@ def test_unpacked_projections_give_hf_query_key_value_z_b_a():
 def test_config_without_layer_types_is_hybrid_from_full_attention_interval(checkpoints, caplog):
     with caplog.at_level(logging.INFO, logger="tengyun.config"):
         config = EngineConfig(str(checkpoints[True]), enable_prefix_caching=True).finalize()
-    assert config.hf_config["layer_types"] == ["linear_attention", "full_attention"] * 2
+    assert config.model_spec.layer_types == ("linear_attention", "full_attention") * 2
     assert config.architecture == "Qwen3NextForCausalLM"
     assert not config.enable_prefix_caching and "Prefix caching is off" in caplog.text
 

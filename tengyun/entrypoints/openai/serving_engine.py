@@ -33,7 +33,7 @@ class OpenAIServing:
         self.tokenizer = worker.tokenizer if worker is not None else None  # for short decodes on the loop
         self.served_model_name = served_model_name
         self.max_model_len = engine.config.max_model_len
-        self.vocab_size = engine.config.hf_config["vocab_size"]
+        self.vocab_size = engine.config.model_spec.vocab_size
         self.max_logprobs = engine.config.max_logprobs
         self.chat_template = chat_template
         # --generation-config: {"temperature": 0.7, "max_tokens": 512, ...} for fields a request leaves unset

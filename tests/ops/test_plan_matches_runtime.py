@@ -1,0 +1,67 @@
+"""`tengyun plan` and the engine give one answer: the same dtype, KV bytes per token, recurrent
+state per sequence, weights per rank and KV blocks, for every model family, with the engine's
+real Worker (random-weight tiny checkpoints) on this CPU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, randomize_norms_and_routers
+from tengyun.config import EngineConfig
+from tengyun.ops.plan import Plan, PlanRequest, make_plan, read_model
+from tengyun.worker.worker import Worker
+
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_checkpoints, tiny_hybrid_checkpoints, tmp_path_factory, tiny_tokenizer_dir) -> dict:
+    return {**tiny_checkpoints, **tiny_hybrid_checkpoints,
+            "qwen3_next": _qwen3_next_folder(tmp_path_factory.mktemp("plan_qwen3_next"), tiny_tokenizer_dir)}
+
+
+def _qwen3_next_folder(folder, tokenizer_dir):
+    """Qwen3-Next as released: no layer_types in config.json (every 2nd layer full attention here),
+    layer 0 dense, the rest MoE with a shared expert."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(**QWEN3_5_TEXT, **QWEN3_5_MOE, mlp_only_layers=[0], full_attention_interval=2)
+    randomize_norms_and_routers(transformers.Qwen3NextForCausalLM(config)).save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["layer_types"]  # as Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
+    cfg["full_attention_interval"] = 2
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+def _plan_for(folder, config: EngineConfig, **request) -> Plan:
+    """The plan `tengyun plan FOLDER` makes for the engine's settings."""
+    hf_config, checkpoint_bytes, name = read_model(folder)
+    return make_plan(hf_config, PlanRequest(
+        device=config.device_type, dtype=request.pop("dtype", "auto"), block_size=config.block_size,
+        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, **request), checkpoint_bytes, name)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_matches_the_engine_on_cpu(folders, family, dtype):
+    config = EngineConfig(str(folders[family]), dtype=dtype, kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN,
+                          max_num_seqs=4, block_size=16).finalize()
+    worker = Worker(config)
+    plan = _plan_for(folders[family], config, dtype=dtype, kv_cache_memory=config.kv_cache_budget_bytes())
+    [stage] = plan.stages
+    assert (plan.dtype, plan.kv_cache_dtype) == (config.dtype, config.kv_cache_dtype)
+    assert stage.kv_bytes_per_token == worker.kv_shape.bytes_per_token
+    assert stage.state_bytes_per_seq == worker.state_shape.bytes_per_slot
+    assert stage.weight_bytes == worker.weight_bytes
+    assert (plan.blocks, stage.state_slots) == (worker.num_blocks, worker.num_state_slots)
+    assert plan.weight_scale == 1.0 and plan.notes == []  # a float32 checkpoint served as bfloat16 is not "scaled"
