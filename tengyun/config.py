@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tengyun.model_spec import ModelSpec, canonical_dtype
 
@@ -41,41 +41,99 @@ def parse_size(value: int | str, name: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+PARALLELISM = "parallelism (docs/parallelism.md)"  # the --help group of the parallel settings
+
+
+def setting(default: Any, help: str | Callable[[], str], *, choices: tuple[str, ...] | None = None,
+            aliases: tuple[str, ...] = (), group: str | None = None) -> Any:
+    """A user-facing EngineConfig field and how its flag reads; the flag itself (--field-name,
+    its type and default) is generated from the field by tengyun/entrypoints/cli/engine_args.py.
+    help: text, or a function that builds it when the flags are made; aliases: extra spellings
+    such as "-tp"; group: the --help section."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases, "group": group})
+
+
+def block_size_help() -> str:
+    """--block-size's help, with each platform's default_block_size (a CUDA-style property is
+    described by its docstring's first sentence, read without importing torch)."""
+    from tengyun.platforms import platform_class
+
+    defaults = []
+    for device in (d for d in SUPPORTED_DEVICES if d != "auto"):
+        default = platform_class(device).default_block_size
+        if isinstance(default, property):
+            default = " ".join((default.__doc__ or "").split()).split(". ")[0].rstrip(".")
+        defaults.append(f"{device} {default}")
+    return f"tokens per KV block (default: the platform's: {'; '.join(defaults)})"
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    block_size: int | None = None  # None: the platform's (16; 128 on Ascend NPU; 256 on CUDA with flash-attn)
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | str | None = None  # bytes of KV cache on CPU; env TENGYUN_CPU_KVCACHE_SPACE (GiB)
-    num_gpu_blocks_override: int | None = None
-    seed: int = 0
-    load_format: str = "auto"
-    enforce_eager: bool = False
-    trust_remote_code: bool = False
-    device: str = "auto"
-    served_model_name: str | None = None
-    generation_config: str = "auto"  # default sampling params: auto (the model's file), vllm (none), or a folder
-    # Most logprobs / prompt_logprobs a request may ask for (vLLM's default 20); -1: the whole vocabulary.
-    max_logprobs: int = 20
+    model: str | None = setting(
+        None, help="HF folder, .gguf file, or one of the embedded models (default: SmolLM2-135M-Instruct)")
+    tokenizer: str | None = setting(None, help="folder of the tokenizer files (default: the model's)")
+    dtype: str = setting("auto", choices=SUPPORTED_DTYPES + tuple(DTYPE_ALIASES),
+                         help="weight and activation dtype (auto: chosen from the model's config.json and the "
+                              "device); half/fp16, bf16 and float/fp32 are aliases")
+    kv_cache_dtype: str = setting("auto", choices=SUPPORTED_KV_DTYPES,
+                                  help="KV-cache dtype (auto: the same as --dtype)")
+    block_size: int | None = setting(None, help=block_size_help)
+    max_model_len: int | None = setting(
+        None, help="context length in tokens, prompt plus output (default: from the model's config.json)")
+    max_num_seqs: int = setting(256, help="most sequences one scheduler step runs")
+    max_num_batched_tokens: int | None = setting(
+        None, help="most tokens one scheduler step runs (default: from --max-model-len and --enable-chunked-prefill)")
+    enable_prefix_caching: bool = setting(
+        True, help="reuse the KV blocks of a prompt prefix an earlier request computed")
+    enable_chunked_prefill: bool = setting(
+        True, help="split a long prompt over several steps, batched with other requests' decodes")
+    gpu_memory_utilization: float = setting(
+        0.9, help="fraction of the device's memory the engine may fill; the KV cache gets what the model and "
+                  "other processes leave of it (CUDA, NPU)")
+    kv_cache_memory: int | str | None = setting(  # bytes, or a size such as 4GiB; parse_size reads it
+        None, help=f"KV-cache bytes on CPU, e.g. 4GiB (default: ${KVCACHE_SPACE_ENV} GiB, else "
+                   f"{DEFAULT_CPU_KVCACHE_GIB}GiB)")
+    num_gpu_blocks_override: int | None = setting(
+        None, help="this many KV blocks, instead of as many as --gpu-memory-utilization / --kv-cache-memory allow")
+    seed: int = setting(0, help="random seed (sampling without a request seed; --load-format dummy weights)")
+    load_format: str = setting(
+        "auto", choices=SUPPORTED_LOAD_FORMATS,
+        help="weights: auto (safetensors, or the .gguf file given as MODEL), safetensors, gguf, or dummy "
+             "(random weights of config.json's shapes)")
+    enforce_eager: bool = setting(False, help="never capture decode steps as device graphs (CUDA); run each eagerly")
+    trust_remote_code: bool = setting(False, help="let the tokenizer run Python code from the model folder")
+    device: str = setting("auto", choices=SUPPORTED_DEVICES,
+                          help="auto: the first of npu, cuda, cpu that works here")
+    served_model_name: str | None = setting(
+        None, help="the model name in API answers and metrics (default: MODEL as given)")
+    generation_config: str = setting(
+        "auto", help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
+                     "max_new_tokens as max_tokens) for fields a request leaves unset: auto = the model "
+                     "folder's generation_config.json, vllm = none (the engine's own defaults), or a "
+                     "folder holding a generation_config.json")
+    max_logprobs: int = setting(  # vLLM's default 20
+        20, help="most logprobs / top_logprobs / prompt_logprobs a request may ask for; -1 allows "
+                 "the whole vocabulary (and a request's -1)")
     # Parallelism (docs/parallelism.md). World size = tp * pp, split evenly over --nnodes.
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # "mp" (one process per rank) or "uni"; None = mp if world > 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port (single node only)
-    headless: bool = False  # run this node's workers only, no engine or API server
-    distributed_timeout: float = 300.0  # seconds the engine waits for a step result before failing
-    numa_bind: str = "auto"  # pin each worker to its device's NUMA node: auto (when > 1 node) or off
+    tensor_parallel_size: int = setting(
+        1, aliases=("-tp",), group=PARALLELISM, help="tensor-parallel ranks: each layer's weights split over them")
+    pipeline_parallel_size: int = setting(
+        1, aliases=("-pp",), group=PARALLELISM, help="pipeline stages: the layers split into consecutive groups")
+    distributed_executor_backend: str | None = setting(
+        None, choices=SUPPORTED_EXECUTOR_BACKENDS, group=PARALLELISM,
+        help="mp: one process per rank (default when tp x pp > 1); uni: this process")
+    nnodes: int = setting(1, group=PARALLELISM, help="nodes the tp x pp ranks are spread over")
+    node_rank: int = setting(0, group=PARALLELISM, help="this node's index; node 0 runs the engine")
+    master_addr: str = setting("127.0.0.1", group=PARALLELISM, help="node 0's address, reachable from every node")
+    master_port: int | None = setting(  # None: a free port (single node only)
+        None, group=PARALLELISM, help="rendezvous port on node 0 (default: a free one)")
+    headless: bool = setting(False, group=PARALLELISM, help="run this node's workers only (nodes 1..N-1)")
+    distributed_timeout: float = setting(
+        300.0, group=PARALLELISM, help="seconds the engine waits for a step's result before it fails (a dead local "
+                                       "rank is named at once)")
+    numa_bind: str = setting("auto", choices=("auto", "off"),
+                             help="pin each worker's CPUs and memory to its device's NUMA node (auto: when the host "
+                                  "has more than one node)")
 
     # Resolved by finalize(); read-only afterwards.
     model_path: Path | None = field(default=None, init=False)
