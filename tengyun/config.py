@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tengyun.model_spec import ModelSpec, canonical_dtype
+from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -73,8 +73,9 @@ class EngineConfig:
         None, help="HF folder, .gguf file, or one of the embedded models (default: SmolLM2-135M-Instruct)")
     tokenizer: str | None = setting(None, help="folder of the tokenizer files (default: the model's)")
     dtype: str = setting("auto", choices=SUPPORTED_DTYPES + tuple(DTYPE_ALIASES),
-                         help="weight and activation dtype (auto: chosen from the model's config.json and the "
-                              "device); half/fp16, bf16 and float/fp32 are aliases")
+                         help="weight and activation dtype (auto: float32 on CPU; on CUDA and NPU the checkpoint's "
+                              "16-bit dtype, bfloat16 for a float32 one); half/fp16, bf16 and float/fp32 are "
+                              "aliases")
     kv_cache_dtype: str = setting("auto", choices=SUPPORTED_KV_DTYPES,
                                   help="KV-cache dtype (auto: the same as --dtype)")
     block_size: int | None = setting(None, help=block_size_help)
