@@ -9,6 +9,7 @@ from torch import nn
 from tengyun.distributed.parallel_state import (
     get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce, tensor_model_parallel_gather,
 )
+from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.weight_loading import check_shape, set_weight_loader
 
@@ -48,10 +49,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.kernel = DenseLinearKernel()
         self.kernel_weight = None
 
-    def process_weights_after_loading(self, kernel: DenseLinearKernel) -> None:
+    def bind_kernels(self, kernels: KernelBundle) -> None:
         # The weight may be tied to the embedding, which still needs it: never freed here.
-        self.kernel = kernel
-        self.kernel_weight = kernel.prepare(self.weight.data)
+        self.kernel = kernels.linear
+        self.kernel_weight = self.kernel.prepare(self.weight.data)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight if self.kernel_weight is None else self.kernel_weight

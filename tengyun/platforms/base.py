@@ -52,8 +52,24 @@ class Platform:
         same output tensor (its values updated). Only where supports_graphs."""
         raise NotImplementedError(f"{self.device_type} has no graph capture")
 
+    def kernels(self, dtype, block_size: int | None = None, kv_cache_dtype: str | None = None,
+                linear_attention: bool = False):
+        """Everything the model's layers compute through here, chosen once per worker and bound
+        in one pass (``tengyun.layers.kernels.bind_kernels``): the attention backend for KV blocks
+        of ``block_size`` tokens in ``kv_cache_dtype``, the linear kernel for weights of ``dtype``
+        (torch.dtype), the norm/rotary ops and, where the model has Gated DeltaNet layers
+        (``linear_attention``), the gated-delta-rule kernel. -> KernelBundle"""
+        from tengyun.layers.attention.registry import get_attention_backend
+        from tengyun.layers.kernels import KernelBundle
+
+        return KernelBundle(
+            attention=get_attention_backend(self.attention_backend(block_size, kv_cache_dtype)),
+            linear=self.linear_kernel(dtype), layer_ops=self.layer_ops(),
+            gated_delta_rule=self.gated_delta_rule_kernel() if linear_attention else None)
+
+    # The four choices ``kernels`` bundles; a platform overrides the ones it does differently.
     def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
-        """The attention backend's name (tengyun/layers/attention/backend.py) for KV blocks of
+        """The attention backend's name (tengyun/layers/attention/registry.py) for KV blocks of
         ``block_size`` tokens in ``kv_cache_dtype`` ("bfloat16", ...)."""
         return "torch_sdpa"
 

@@ -122,7 +122,7 @@ def _why_not_flash_attn(block_size: int | None, kv_cache_dtype: str | None) -> s
 
 @functools.cache
 def _fla_import_error() -> str | None:
-    """Checked and logged once per process (every Gated DeltaNet layer asks)."""
+    """Checked and logged once per process (every worker in it asks)."""
     from tengyun.layers.gated_delta_rule_fla import fla_import_error
 
     error = fla_import_error()
