@@ -13,6 +13,11 @@ class Platform:
     # device (is_available, run by EngineConfig.finalize) already initialises a runtime that does
     # not survive fork: CUDA's cudaGetDeviceCount calls cuInit; Ascend's ACL is treated the same.
     fork_safe: bool = False
+    # The KV cache lives in host RAM, sized in bytes by --kv-cache-memory (TENGYUN_CPU_KVCACHE_SPACE);
+    # otherwise it takes a fraction of device memory (--gpu-memory-utilization).
+    kv_cache_in_host_memory: bool = False
+    # Ranks compute on host cores (OpenMP threads): a node's ranks split its cores between them.
+    ranks_share_host_cores: bool = False
 
     @classmethod
     def is_available(cls) -> bool:
@@ -40,6 +45,11 @@ class Platform:
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device."""
         raise NotImplementedError
+
+    def smi_device_ids(self) -> list[int]:
+        """Ids of every device this host's smi tool lists (nvidia-smi, npu-smi), for `tengyun
+        launch`; [] when there is none or it fails. Never initialises a device."""
+        return []
 
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         """(used, total) bytes of the memory server process ``pid`` fills, for `tengyun supervise`:

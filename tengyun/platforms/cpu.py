@@ -23,6 +23,8 @@ class CpuPlatform(Platform):
     # torch's CPU runtime survives fork, except OpenMP's thread pool: once this process has run
     # multi-threaded torch work, a forked rank hangs in its first parallel op (docs/parallelism.md).
     fork_safe = True
+    kv_cache_in_host_memory = True
+    ranks_share_host_cores = True
 
     @classmethod
     def is_available(cls) -> bool:

@@ -96,6 +96,12 @@ class CudaPlatform(Platform):
 
         return torch.cuda.mem_get_info()
 
+    def smi_device_ids(self) -> list[int]:
+        from tengyun.ops import probe, smi
+
+        out = probe.nvidia_smi_memory()
+        return sorted(smi.parse_nvidia_memory(out.stdout)) if out and out.returncode == 0 else []
+
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         from tengyun.ops import probe, smi
 

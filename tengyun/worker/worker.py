@@ -145,7 +145,7 @@ class Worker:
         if config.num_gpu_blocks_override is not None:
             num_blocks, num_slots = config.num_gpu_blocks_override, config.max_num_seqs
             source = "--num-gpu-blocks-override"
-        elif self.device.type == "cpu":
+        elif self.platform.kv_cache_in_host_memory:
             num_blocks, num_slots = split(config.kv_cache_budget_bytes())
             source = "--kv-cache-memory / TENGYUN_CPU_KVCACHE_SPACE"
         else:

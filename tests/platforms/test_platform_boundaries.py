@@ -1,5 +1,6 @@
-"""STYLE boundaries around platforms/: layers and models never reach for a platform (kernels
-come to them in one bundle, tengyun/layers/kernels.py)."""
+"""STYLE boundaries around platforms/: only platforms/ (and ops/, which probes devices by name)
+knows device names, and layers and models never reach for a platform (kernels come to them in
+one bundle, tengyun/layers/kernels.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,67 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 PACKAGE = ROOT / "tengyun"
+DEVICE_NAMES = {"cpu", "cuda", "npu"}
+KNOWS_DEVICE_NAMES = ("platforms", "ops")  # folders of tengyun/ allowed to branch on them
+# "path: stripped source line" of a branch allowed to stay for now -> why.
+ALLOWED = {
+    'tengyun/config.py: self.dtype = "float32" if self.device_type == "cpu" else config_dtype':
+        "lead moves this (issue 14)",
+}
+
+
+def _names_a_device(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in DEVICE_NAMES
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(_names_a_device(e) for e in node.elts)
+
+
+def device_branches(source: str) -> list[int]:
+    """Lines comparing something with a device name: ``x == "cpu"``, ``x != "cuda"``, ``x in
+    ("cuda", "npu")``, ``x.startswith("npu")``. Device names inside other strings (messages,
+    help) and other names ("meta") are not branches."""
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            if any(_names_a_device(operand) for operand in [node.left, *node.comparators]):
+                lines.add(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith") and any(map(_names_a_device, node.args))):
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_the_scan_finds_each_form_of_device_branch():
+    source = ("a = device_type == 'cpu'\n"
+              "b = 'cuda' != device.type\n"
+              "c = device.type in ('cuda', 'npu')\n"
+              "d = name.startswith('npu')\n"
+              "e = device.type == 'meta'\n"
+              "raise ValueError(f'--device cpu was requested but {x} == cuda')\n"
+              "f = {'cpu': 1}[device_type]\n")
+    assert device_branches(source) == [1, 2, 3, 4]
+
+
+def test_only_platforms_branch_on_device_names():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(ROOT)
+        if relative.parts[1] in KNOWS_DEVICE_NAMES:
+            continue
+        lines = path.read_text().splitlines()
+        for line in device_branches(path.read_text()):
+            if f"{relative}: {lines[line - 1].strip()}" not in ALLOWED:
+                found.append(f"{relative}:{line}: {lines[line - 1].strip()}")
+    assert not found, ("device-name branches outside tengyun/platforms/ (make them a Platform attribute "
+                       "or method):\n" + "\n".join(found))
+
+
+def test_allowed_branches_still_exist():
+    """An entry whose line is gone (moved onto the platform) is removed from ALLOWED."""
+    for entry in ALLOWED:
+        path, line = entry.split(": ", 1)
+        assert line in (ROOT / path).read_text(), f"{entry!r} is gone: remove it from ALLOWED"
 
 
 def test_layers_and_models_never_import_platforms():
