@@ -34,7 +34,7 @@ from tengyun.executor.node_link import (
 )
 from tengyun.executor.rank_process import SpawnedRank, start_method, start_rank
 from tengyun.executor.worker_process import EXECUTE, SHUTDOWN
-from tengyun.platforms import platform_class
+from tengyun.platforms import Platform, platform_class
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,10 @@ class _Rank:
 def launch_node(config: EngineConfig, master_port: int) -> list[_Rank]:
     """Start this node's ranks (config.node_rank), each in its own process (rank_process.py:
     a fresh interpreter that never re-runs the user's script, or fork when asked for)."""
-    method = start_method(platform_class(config.device_type).fork_safe)
+    platform = platform_class(config.device_type)
+    method = start_method(platform.fork_safe)
     ranks = node_ranks(config.world_size, config.nnodes, config.node_rank)
-    threads = _threads_per_rank(config, len(ranks))
+    threads = _threads_per_rank(platform, len(ranks))
     logger.info("Starting ranks %s with %s", list(ranks), method)
     started = []
     for local_rank, rank in enumerate(ranks):
@@ -277,10 +278,10 @@ def run_headless(config: EngineConfig) -> int:
     return code
 
 
-def _threads_per_rank(config: EngineConfig, local_ranks: int) -> int:
+def _threads_per_rank(platform: type[Platform], local_ranks: int) -> int:
     """CPU: split the cores between this node's ranks unless OMP_NUM_THREADS says otherwise
     (0 = leave torch's default). 4 ranks on 16 cores -> 4 threads each."""
-    if config.device_type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+    if not platform.ranks_share_host_cores or os.environ.get("OMP_NUM_THREADS"):
         return 0
     return max(1, (os.cpu_count() or 1) // local_ranks)
 

@@ -9,6 +9,7 @@ from torch import nn
 from tengyun.distributed.parallel_state import (
     get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce, tensor_model_parallel_gather,
 )
+from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.weight_loading import check_shape, set_weight_loader
 
@@ -49,12 +50,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.kernel_weight = None
         self.tied_to_embedding = False  # set by the model when weight is the embedding's (it still needs it)
 
-    def process_weights_after_loading(self, kernel: DenseLinearKernel) -> None:
-        """Hand the weight to ``kernel``; a repacking kernel frees the original unless the embedding
-        shares it (an untied head would otherwise hold its weight twice)."""
-        self.kernel = kernel
-        self.kernel_weight = kernel.prepare(self.weight.data)
-        if kernel.frees_original and not self.tied_to_embedding:
+    def bind_kernels(self, kernels: KernelBundle) -> None:
+        """Hand the weight to the linear kernel; a repacking kernel frees the original unless the
+        embedding shares it (an untied head would otherwise hold its weight twice)."""
+        self.kernel = kernels.linear
+        self.kernel_weight = self.kernel.prepare(self.weight.data)
+        if self.kernel.frees_original and not self.tied_to_embedding:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

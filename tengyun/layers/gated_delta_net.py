@@ -17,7 +17,8 @@ from torch import nn
 
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, get_attention_metadata
-from tengyun.layers.gated_delta_rule import get_gated_delta_rule_kernel
+from tengyun.layers.gated_delta_rule import GatedDeltaRuleKernel, TorchGatedDeltaRule
+from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.layernorm import GatedRMSNorm
 from tengyun.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tengyun.layers.weight_loading import check_shape, rank_slice_of_segments, set_weight_loader
@@ -55,10 +56,14 @@ class GatedDeltaNet(nn.Module):
             set_weight_loader(param, functools.partial(_load_rank_slice, sizes=sizes, tp_rank=rank, tp_size=tp))
         self.norm = GatedRMSNorm(self.v_dim, spec.rms_norm_eps, dtype)  # per head: replicated
         self.out_proj = RowParallelLinear(total_v_heads * self.v_dim, hidden, False, dtype)
-        self.kernel = get_gated_delta_rule_kernel(self.A_log.device)
+        self.kernel: GatedDeltaRuleKernel = TorchGatedDeltaRule()  # the platform's once bound (bind_kernels)
         # Bound by the worker: [num_slots, conv_dim, K - 1] (model dtype), [num_slots, Hv, Dk, Dv] float32.
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
+
+    def bind_kernels(self, kernels: KernelBundle) -> None:
+        assert kernels.gated_delta_rule is not None, "Platform.kernels(..., linear_attention=False) for Gated DeltaNet"
+        self.kernel = kernels.gated_delta_rule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""

@@ -85,13 +85,3 @@ class TorchGatedDeltaRule:
         out = out.flatten(1, 2)[:, :length].transpose(0, 1)  # [L, H, Dv]
         return out.to(out_dtype), state
 
-
-def get_gated_delta_rule_kernel(device: torch.device | None = None) -> GatedDeltaRuleKernel:
-    """The kernel the platform of ``device`` picks (``Platform.gated_delta_rule_kernel``: fla on
-    CUDA when it imports); the plain-PyTorch one with no device, or on meta (a model built for
-    its shapes only)."""
-    if device is None or device.type == "meta":
-        return TorchGatedDeltaRule()
-    from tengyun.platforms import get_platform
-
-    return get_platform(device.type).gated_delta_rule_kernel()

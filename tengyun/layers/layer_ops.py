@@ -1,14 +1,14 @@
 """How RMSNorm and rotary embedding compute: plain PyTorch, or a platform's fused ops.
 
-The platform picks the ops (``Platform.layer_ops``), the worker hands them to every layer once
-weights are loaded (``bind_layer_ops``), and layers only call the methods below. Until bound,
-layers use ``TORCH_LAYER_OPS``, so a model built outside the worker computes as before.
+The platform picks the ops (``Platform.layer_ops``, one part of ``Platform.kernels``), the
+worker hands them to every layer once weights are loaded (``bind_kernels``, kernels.py), and
+layers only call the methods below. Until bound, layers use ``TORCH_LAYER_OPS``, so a model
+built outside the worker computes as before.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 class TorchLayerOps:
@@ -52,9 +52,3 @@ def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 TORCH_LAYER_OPS = TorchLayerOps()
 
-
-def bind_layer_ops(model: nn.Module, ops: TorchLayerOps) -> None:
-    """Hand ``ops`` to every layer that computes through them (after weights are loaded)."""
-    for module in model.modules():
-        if hasattr(module, "bind_ops"):
-            module.bind_ops(ops)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.weight_loading import check_shape, rank_slice_of_segments, set_weight_loader
 
@@ -31,16 +32,16 @@ class LinearBase(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
-        self.kernel = DenseLinearKernel()
+        self.kernel = DenseLinearKernel()  # the platform's once bound (bind_kernels)
         self.kernel_weight: torch.Tensor | None = None  # the kernel's form of weight, once loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         check_shape(param.data, loaded)
         param.data.copy_(loaded)
 
-    def process_weights_after_loading(self, kernel: DenseLinearKernel) -> None:
-        """Hand the loaded weight to ``kernel``; a repacking kernel frees the original."""
-        self.kernel = kernel
+    def bind_kernels(self, kernels: KernelBundle) -> None:
+        """Hand the loaded weight to the linear kernel; a repacking kernel frees the original."""
+        kernel = self.kernel = kernels.linear
         self.kernel_weight = kernel.prepare(self.weight.data)
         if kernel.frees_original:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -77,7 +78,7 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_position: int) 
 
 class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` channels of each head (all of them unless partial, as
-    Qwen3.5's 64 of 256) through the bound ops (``layer_ops.py``); the rest pass through."""
+    Qwen3.5's 64 of 256) through the bound layer ops (``layer_ops.py``); the rest pass through."""
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]):
         super().__init__()
@@ -97,8 +98,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * self.scale, persistent=False)
         self.ops: TorchLayerOps = TORCH_LAYER_OPS
 
-    def bind_ops(self, ops: TorchLayerOps) -> None:
-        """Use ``ops`` from now on, or stay on PyTorch where they do not take this rotary."""
+    def bind_kernels(self, kernels: KernelBundle) -> None:
+        """Use the layer ops from now on, or stay on PyTorch where they do not take this rotary."""
+        ops = kernels.layer_ops
         self.ops = ops if ops.rotary_fits(self.rotary_dim, self.scale) else TORCH_LAYER_OPS
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

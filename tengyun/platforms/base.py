@@ -16,6 +16,11 @@ class Platform:
     # The linear kernel keeps weights in its own layout (a copy): a tied LM head then holds the
     # embedding matrix twice, once for lookups and once packed. `tengyun plan` counts it.
     repacks_linear_weights: bool = False
+    # The KV cache lives in host RAM, sized in bytes by --kv-cache-memory (TENGYUN_CPU_KVCACHE_SPACE);
+    # otherwise it takes a fraction of device memory (--gpu-memory-utilization).
+    kv_cache_in_host_memory: bool = False
+    # Ranks compute on host cores (OpenMP threads): a node's ranks split its cores between them.
+    ranks_share_host_cores: bool = False
 
     @classmethod
     def auto_dtype(cls, checkpoint_dtype: str | None) -> str:
@@ -51,6 +56,11 @@ class Platform:
         """(free bytes, total bytes) of the device."""
         raise NotImplementedError
 
+    def smi_device_ids(self) -> list[int]:
+        """Ids of every device this host's smi tool lists (nvidia-smi, npu-smi), for `tengyun
+        launch`; [] when there is none or it fails. Never initialises a device."""
+        return []
+
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         """(used, total) bytes of the memory server process ``pid`` fills, for `tengyun supervise`:
         the fullest of its visible devices, or on CPU its process tree's RSS against host RAM;
@@ -62,8 +72,24 @@ class Platform:
         same output tensor (its values updated). Only where supports_graphs."""
         raise NotImplementedError(f"{self.device_type} has no graph capture")
 
+    def kernels(self, dtype, block_size: int | None = None, kv_cache_dtype: str | None = None,
+                linear_attention: bool = False):
+        """Everything the model's layers compute through here, chosen once per worker and bound
+        in one pass (``tengyun.layers.kernels.bind_kernels``): the attention backend for KV blocks
+        of ``block_size`` tokens in ``kv_cache_dtype``, the linear kernel for weights of ``dtype``
+        (torch.dtype), the norm/rotary ops and, where the model has Gated DeltaNet layers
+        (``linear_attention``), the gated-delta-rule kernel. -> KernelBundle"""
+        from tengyun.layers.attention.registry import get_attention_backend
+        from tengyun.layers.kernels import KernelBundle
+
+        return KernelBundle(
+            attention=get_attention_backend(self.attention_backend(block_size, kv_cache_dtype)),
+            linear=self.linear_kernel(dtype), layer_ops=self.layer_ops(),
+            gated_delta_rule=self.gated_delta_rule_kernel() if linear_attention else None)
+
+    # The four choices ``kernels`` bundles; a platform overrides the ones it does differently.
     def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
-        """The attention backend's name (tengyun/layers/attention/backend.py) for KV blocks of
+        """The attention backend's name (tengyun/layers/attention/registry.py) for KV blocks of
         ``block_size`` tokens in ``kv_cache_dtype`` ("bfloat16", ...)."""
         return "torch_sdpa"
 

@@ -24,6 +24,8 @@ class CpuPlatform(Platform):
     # multi-threaded torch work, a forked rank hangs in its first parallel op (docs/parallelism.md).
     fork_safe = True
     repacks_linear_weights = True  # oneDNN's blocked layout (OneDNNPackedLinearKernel), where available
+    kv_cache_in_host_memory = True
+    ranks_share_host_cores = True
 
     @classmethod
     def auto_dtype(cls, checkpoint_dtype: str | None) -> str:

@@ -96,6 +96,12 @@ class CudaPlatform(Platform):
 
         return torch.cuda.mem_get_info()
 
+    def smi_device_ids(self) -> list[int]:
+        from tengyun.ops import probe, smi
+
+        out = probe.nvidia_smi_memory()
+        return sorted(smi.parse_nvidia_memory(out.stdout)) if out and out.returncode == 0 else []
+
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         from tengyun.ops import probe, smi
 
@@ -122,7 +128,7 @@ def _why_not_flash_attn(block_size: int | None, kv_cache_dtype: str | None) -> s
 
 @functools.cache
 def _fla_import_error() -> str | None:
-    """Checked and logged once per process (every Gated DeltaNet layer asks)."""
+    """Checked and logged once per process (every worker in it asks)."""
     from tengyun.layers.gated_delta_rule_fla import fla_import_error
 
     error = fla_import_error()

@@ -61,6 +61,14 @@ class NpuPlatform(Platform):
 
         return torch.npu.mem_get_info()
 
+    def smi_device_ids(self) -> list[int]:
+        from tengyun.ops import probe, smi
+
+        out = probe.npu_smi_info()
+        if out is None or out.returncode != 0:
+            return []
+        return sorted({d.npu_id for d in smi.parse_npu_smi_info(out.stdout).devices})
+
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         from tengyun.ops import probe, smi
 

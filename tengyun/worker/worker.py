@@ -13,14 +13,13 @@ from tengyun.distributed.parallel_state import (
 )
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
-from tengyun.kv_sizing import KVCacheShape, kv_cache_shape, split_budget, state_shape
-from tengyun.layers.attention.backend import get_attention_backend
-from tengyun.layers.layer_ops import bind_layer_ops
+from tengyun.kv_sizing import KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape
+from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
 from tengyun.ops.numa import bind_to_device_numa
-from tengyun.platforms import get_platform
+from tengyun.platforms import Platform, get_platform
 from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
 from tengyun.worker.decode_graphs import DecodeGraphs
@@ -39,63 +38,92 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: RankInfo | None = None):
         self.config = config
         self.rank = rank
-        self.platform = get_platform(config.device)
-        self.device = self.platform.torch_device(rank.local_rank if rank else 0)
-        self.platform.set_device(self.device)
-        bind_to_device_numa(self.device.index or 0, config.numa_bind, self.platform.device_type)
-        self.platform.init_process()
-        if rank is not None and rank.world_size > 1:
-            init_distributed(rank, self.platform.dist_backend)
-        torch.manual_seed(config.seed)
+        self.platform, self.device = self._init_device()
         started = time.perf_counter()
-        model_cls = get_model_class(config.architecture)
-        with torch.device(self.device):
-            self.model = model_cls(config.model_spec, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
-        load_weights(self.model, config.model_path, config.load_format, seed=config.seed)
-        kernel = self.platform.linear_kernel(TORCH_DTYPES[config.dtype])
-        for module in self.model.modules():
-            if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading(kernel)
-        bind_layer_ops(self.model, self.platform.layer_ops())
-        self.weight_bytes = weight_bytes(self.model)
+        self.model = self._load_model()
+        self.kernels = self._bind_kernels()
+        self.weight_bytes = weight_bytes(self.model)  # after binding: repacked weights count, freed ones not
         logger.info("Loaded %s (%s, %s) in %.1f s: %.1f MiB of weights on rank %d", config.architecture,
                     config.dtype, config.load_format, time.perf_counter() - started,
                     self.weight_bytes / 2**20, get_rank())
+        self._size_caches()
+        # Decode graphs pad batches into one extra KV block and state slot that no sequence gets.
+        graphs = self._use_decode_graphs()
+        self.state_cache, self.kv_cache = self._allocate_caches(extra=int(graphs))
+        self.runner = self._build_runner(graphs)
+
+    def _init_device(self) -> tuple[Platform, torch.device]:
+        """This process's device made current, pinned near it (NUMA), tuned, joined to the other ranks."""
+        config, rank = self.config, self.rank
+        platform = get_platform(config.device)
+        device = platform.torch_device(rank.local_rank if rank else 0)
+        platform.set_device(device)
+        bind_to_device_numa(device.index or 0, config.numa_bind, platform.device_type)
+        platform.init_process()
+        if rank is not None and rank.world_size > 1:
+            init_distributed(rank, platform.dist_backend)
+        torch.manual_seed(config.seed)
+        return platform, device
+
+    def _load_model(self) -> torch.nn.Module:
+        config = self.config
+        model_cls = get_model_class(config.architecture)
+        with torch.device(self.device):
+            model = model_cls(config.model_spec, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
+        load_weights(model, config.model_path, config.load_format, seed=config.seed)
+        return model
+
+    def _bind_kernels(self) -> KernelBundle:
+        """The platform's kernels, handed to every layer once its weights are loaded."""
+        config = self.config
+        kernels = self.platform.kernels(TORCH_DTYPES[config.dtype], config.block_size, config.kv_cache_dtype,
+                                        linear_attention=config.model_spec.is_hybrid)
+        bind_kernels(self.model, kernels)
+        return kernels
+
+    def _size_caches(self) -> None:
+        """kv_shape, state_shape, and how many KV blocks and state slots fit (num_blocks, num_state_slots)."""
+        config = self.config
         tp = config.tensor_parallel_size
         start, end = config.model_spec.stage_layers(get_pp_rank(), get_pp_size())
         self.kv_shape = kv_cache_shape(config.model_spec, DTYPE_BYTES[config.kv_cache_dtype], tp, start, end)
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
         self.state_shape = state_shape(config.model_spec, DTYPE_BYTES[config.dtype], start, end, tp)
         self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
-        backend = get_attention_backend(self.platform.attention_backend(config.block_size, config.kv_cache_dtype))
-        # Decode graphs pad batches into one extra KV block and state slot that no sequence gets.
-        graphs = self._use_decode_graphs(backend)
-        self.state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots + graphs,
-                                                TORCH_DTYPES[config.dtype], self.device)
+
+    def _allocate_caches(self, extra: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(state cache, KV cache) with ``extra`` blocks and slots beyond those the scheduler hands out."""
+        config = self.config
+        state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots + extra,
+                                           TORCH_DTYPES[config.dtype], self.device)
         if self.num_state_slots:
             logger.info("Recurrent state: %d slots x %.1f MiB", self.num_state_slots,
                         self.state_shape.bytes_per_slot / 2**20)
-        self.kv_cache = allocate_kv_cache(self.model, self.kv_shape, self.num_blocks + graphs, config.block_size,
-                                          TORCH_DTYPES[config.kv_cache_dtype], self.device, backend)
+        kv_cache = allocate_kv_cache(self.model, self.kv_shape, self.num_blocks + extra, config.block_size,
+                                     TORCH_DTYPES[config.kv_cache_dtype], self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+                    kv_cache.numel() * kv_cache.element_size() / 2**30)
+        return state_cache, kv_cache
+
+    def _build_runner(self, graphs: bool) -> ModelRunner:
+        config = self.config
         stage = PipelineStage(config.model_spec.hidden_size, TORCH_DTYPES[config.dtype], self.device)
-        self.runner = ModelRunner(self.model, config.block_size, config.model_spec.vocab_size, self.device,
-                                  grammar_compiler_factory=lambda: grammar_compiler_for_config(config),
-                                  stage=stage)
+        runner = ModelRunner(self.model, config.block_size, config.model_spec.vocab_size, self.device,
+                             grammar_compiler_factory=lambda: grammar_compiler_for_config(config), stage=stage)
         if graphs:
-            self.runner.decode_graphs = DecodeGraphs(
+            runner.decode_graphs = DecodeGraphs(
                 self.model, self.platform.capture_graph, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                 -(-config.max_model_len // config.block_size), config.block_size, pad_block=self.num_blocks,
                 pad_slot=self.num_state_slots, device=self.device)
+        return runner
 
-    def _use_decode_graphs(self, backend) -> bool:
+    def _use_decode_graphs(self) -> bool:
         """Graphs where the platform captures them, unless --enforce-eager or something in the
         model cannot be captured (then one log line says what)."""
         if not self.platform.supports_graphs or self.config.enforce_eager:
             return False
-        reason = None
+        reason, backend = None, self.kernels.attention
         if get_pp_size() > 1:
             reason = "pipeline parallelism (activations cross ranks between stages)"
         elif not backend.supports_decode_graphs:
@@ -115,12 +143,11 @@ class Worker:
         if config.num_gpu_blocks_override is not None:
             num_blocks, num_slots = config.num_gpu_blocks_override, config.max_num_seqs
             source = "--num-gpu-blocks-override"
-        elif self.device.type == "cpu":
+        elif self.platform.kv_cache_in_host_memory:
             num_blocks, num_slots = split(config.kv_cache_budget_bytes())
             source = "--kv-cache-memory / TENGYUN_CPU_KVCACHE_SPACE"
         else:
-            free, total = self.platform.memory_info()
-            num_blocks, num_slots = split(int(total * config.gpu_memory_utilization) - (total - free))
+            num_blocks, num_slots = split(self._device_kv_budget())
             source = "--gpu-memory-utilization"
         if not slot_bytes:  # no linear-attention layers on this stage: it never limits the slots
             num_slots = config.max_num_seqs if config.model_spec.is_hybrid else 0
@@ -135,6 +162,19 @@ class Worker:
                 f"{need / 2**20:.1f} MiB)."
             )
         return num_blocks, num_slots
+
+    def _device_kv_budget(self) -> int:
+        """Bytes for KV and state on an accelerator: its memory x --gpu-memory-utilization, less what
+        is in use now (weights, runtime) and the activation reserve of one step, the same estimate
+        `tengyun plan` subtracts (kv_sizing.activation_estimate; no profiling run here)."""
+        config = self.config
+        free, total = self.platform.memory_info()
+        activation, formula = activation_estimate(config.model_spec, config.tensor_parallel_size,
+                                                  config.max_num_batched_tokens, config.max_num_seqs,
+                                                  DTYPE_BYTES[config.dtype])
+        logger.info("KV budget: %.2f GiB x %s - %.2f GiB in use - %.2f GiB activations (%s)", total / 2**30,
+                    config.gpu_memory_utilization, (total - free) / 2**30, activation / 2**30, formula)
+        return int(total * config.gpu_memory_utilization) - (total - free) - activation
 
     def execute_model(self, sched: SchedulerOutput,
                       sampled_elsewhere: dict[int, int] | None = None) -> ModelRunnerOutput | None:

@@ -23,11 +23,13 @@ import torch.nn.functional as F
 
 from tengyun import LLM, SamplingParams
 from tengyun.layers.gated_delta_net import GatedDeltaNet
-from tengyun.layers.gated_delta_rule import TorchGatedDeltaRule, get_gated_delta_rule_kernel
+from tengyun.layers.gated_delta_rule import TorchGatedDeltaRule
 from tengyun.layers.gated_delta_rule_fla import FlaGatedDeltaRule
+from tengyun.layers.kernels import bind_kernels
 from tengyun.platforms import cuda
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.cuda import CudaPlatform
+from tengyun.model_spec import ModelSpec
 
 HK, HV, DK, DV = 2, 4, 16, 8  # two value heads per key head
 
@@ -171,13 +173,25 @@ def test_qwen3_5_generates_the_same_tokens_through_the_fla_mapping(tiny_hybrid_c
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
 
 
-def test_the_device_a_layer_is_built_on_picks_the_kernel(monkeypatch):
-    assert isinstance(get_gated_delta_rule_kernel(), TorchGatedDeltaRule)
-    assert isinstance(get_gated_delta_rule_kernel(torch.device("cpu")), TorchGatedDeltaRule)
-    assert isinstance(get_gated_delta_rule_kernel(torch.device("meta")), TorchGatedDeltaRule)
-    monkeypatch.setattr(CudaPlatform, "is_available", classmethod(lambda cls: True))
-    monkeypatch.setattr(CudaPlatform, "gated_delta_rule_kernel", lambda self: "cuda's choice")
-    assert get_gated_delta_rule_kernel(torch.device("cuda", 0)) == "cuda's choice"
+def test_cuda_kernels_bind_fla_only_for_gated_deltanet_models(caplog):
+    """A layer built on any device runs the PyTorch kernel until bound; CUDA's bundle carries fla
+    when the model has linear attention, and without it neither imports fla nor logs about it."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    cfg = ModelSpec.from_hf_config(dict(
+        hidden_size=32, linear_num_key_heads=HK, linear_num_value_heads=HV, linear_key_head_dim=DK,
+        linear_value_head_dim=DV, rms_norm_eps=1e-6, num_attention_heads=2, num_hidden_layers=1, vocab_size=64))
+    with torch.device("meta"):
+        layer = GatedDeltaNet(cfg, torch.bfloat16)
+    assert isinstance(layer.kernel, TorchGatedDeltaRule)
+    cuda._fla_import_error.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="tengyun.platforms.cuda"):
+            assert CudaPlatform().kernels(torch.bfloat16, 256, "bfloat16").gated_delta_rule is None
+            assert not [r for r in caplog.records if r.getMessage().startswith("Gated delta rule")]
+            bind_kernels(layer, CudaPlatform().kernels(torch.bfloat16, 256, "bfloat16", linear_attention=True))
+        assert isinstance(layer.kernel, FlaGatedDeltaRule)
+    finally:
+        cuda._fla_import_error.cache_clear()
 
 
 def test_cuda_picks_fla_only_when_it_imports(monkeypatch, caplog):

@@ -13,7 +13,7 @@ import torch
 
 from tengyun import LLM, SamplingParams
 from tengyun.config import EngineConfig
-from tengyun.layers.attention.backend import get_attention_backend
+from tengyun.layers.attention.registry import get_attention_backend
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend

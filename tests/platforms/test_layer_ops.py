@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tengyun.layers.layer_ops import TORCH_LAYER_OPS
+from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
+from tengyun.layers.kernels import KernelBundle
+from tengyun.layers.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 from tengyun.layers.layernorm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
+from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.rotary_embedding import RotaryEmbedding
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.cuda import CudaPlatform
@@ -30,6 +33,12 @@ def fake_npu(monkeypatch):
     return fake
 
 
+def _kernels(layer_ops: TorchLayerOps) -> KernelBundle:
+    """What the worker binds, with these norm/rotary ops."""
+    return KernelBundle(attention=TorchSDPABackend(), linear=DenseLinearKernel(), layer_ops=layer_ops,
+                        gated_delta_rule=None)
+
+
 def _norm(cls, hidden, dtype, seed=0):
     torch.manual_seed(seed)
     norm = cls(hidden, 1e-6, dtype)
@@ -46,8 +55,8 @@ def test_default_ops_reproduce_hf_rounding_in_bf16(bind):
     x, residual = torch.randn(5, 64).bfloat16() * 3, torch.randn(5, 64).bfloat16()
     plain, zero = _norm(RMSNorm, 64, torch.bfloat16), _norm(ZeroCenteredRMSNorm, 64, torch.bfloat16)
     if bind:
-        plain.bind_ops(TORCH_LAYER_OPS)
-        zero.bind_ops(TORCH_LAYER_OPS)
+        plain.bind_kernels(_kernels(TORCH_LAYER_OPS))
+        zero.bind_kernels(_kernels(TORCH_LAYER_OPS))
 
     def normed(h):
         h32 = h.float()
@@ -89,7 +98,7 @@ def test_npu_norms_call_the_fused_ops_and_match_pytorch(fake_npu, cls):
 
     x, residual = torch.randn(7, 3, 32), torch.randn(7, 3, 32)
     reference, npu = _norm(cls, 32, torch.float32), _norm(cls, 32, torch.float32)
-    npu.bind_ops(NpuLayerOps())
+    npu.bind_kernels(_kernels(NpuLayerOps()))
     torch.testing.assert_close(npu(x), reference(x))
     assert fake_npu.calls == {"npu_rms_norm": 1}
     y, summed = npu(x, residual)
@@ -103,7 +112,7 @@ def test_npu_norm_takes_one_plus_w_in_the_model_dtype(fake_npu):
     from tengyun.platforms.npu_ops import NpuLayerOps
 
     norm = _norm(ZeroCenteredRMSNorm, 32, torch.bfloat16)
-    norm.bind_ops(NpuLayerOps())  # npu_rms_norm asserts gamma has x's dtype
+    norm.bind_kernels(_kernels(NpuLayerOps()))  # npu_rms_norm asserts gamma has x's dtype
     assert norm.gamma.dtype == torch.bfloat16
     assert torch.equal(norm.gamma, (1.0 + norm.weight.float()).bfloat16())
     x = torch.randn(4, 32).bfloat16()
@@ -116,7 +125,7 @@ def test_npu_gated_norm_fuses_the_norm_and_keeps_the_gate_in_pytorch(fake_npu):
 
     x, gate = torch.randn(5, 4, 8), torch.randn(5, 4, 8)
     reference, npu = _norm(GatedRMSNorm, 8, torch.float32), _norm(GatedRMSNorm, 8, torch.float32)
-    npu.bind_ops(NpuLayerOps())
+    npu.bind_kernels(_kernels(NpuLayerOps()))
     torch.testing.assert_close(npu(x, gate), reference(x, gate))
     assert fake_npu.calls == {"npu_rms_norm": 1}
 
@@ -126,7 +135,7 @@ def test_npu_rotary_rotates_only_the_rotary_channels(fake_npu, head_dim, rotary_
     from tengyun.platforms.npu_ops import NpuLayerOps
 
     reference, npu = RotaryEmbedding(head_dim, rotary_dim, 128, ROPE), RotaryEmbedding(head_dim, rotary_dim, 128, ROPE)
-    npu.bind_ops(NpuLayerOps())
+    npu.bind_kernels(_kernels(NpuLayerOps()))
     positions = torch.tensor([0, 1, 5, 127, 64])
     q, k = torch.randn(5, 4 * head_dim), torch.randn(5, 2 * head_dim)
     q_npu, k_npu = npu(positions, q, k)
@@ -143,7 +152,7 @@ def test_npu_rotary_leaves_yarn_on_pytorch(fake_npu):
     yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
     rope = RotaryEmbedding(16, 16, 128, yarn)
     assert rope.scale > 1  # cos, sin past 1: outside npu_rotary_mul's documented [-1, 1]
-    rope.bind_ops(NpuLayerOps())
+    rope.bind_kernels(_kernels(NpuLayerOps()))
     assert rope.ops is TORCH_LAYER_OPS
     rope(torch.tensor([100]), torch.randn(1, 16), torch.randn(1, 16))
     assert fake_npu.calls == {}

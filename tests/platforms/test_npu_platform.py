@@ -12,7 +12,7 @@ import pytest
 
 from tengyun import LLM, SamplingParams
 from tengyun.config import EngineConfig
-from tengyun.layers.attention.backend import get_attention_backend
+from tengyun.layers.attention.registry import get_attention_backend
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.layer_ops import TORCH_LAYER_OPS
 from tengyun.layers.layernorm import RMSNorm

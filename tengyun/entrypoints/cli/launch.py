@@ -45,13 +45,7 @@ def device_ids(platform, requested: str | None) -> list[int]:
     value = requested or os.environ.get(platform.visible_devices_env or "_", "")
     if value:
         return [int(v) for v in value.split(",") if v.strip()]
-    from tengyun.ops import probe, smi
-
-    if platform.device_type == "cuda":
-        out = probe.nvidia_smi_memory()
-        return sorted(smi.parse_nvidia_memory(out.stdout)) if out and out.returncode == 0 else []
-    out = probe.npu_smi_info()
-    return sorted({d.npu_id for d in smi.parse_npu_smi_info(out.stdout).devices}) if out and out.returncode == 0 else []
+    return platform.smi_device_ids()
 
 
 def instance_argv(plan: InstancePlan, serve_args: list[str], supervise: bool) -> list[str]:

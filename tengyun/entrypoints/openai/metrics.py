@@ -35,6 +35,7 @@ from prometheus_client import (
 
 from tengyun.entrypoints.openai.vllm_metrics import VllmMetrics, metrics_options
 from tengyun.outputs import FinishReason, RequestOutput
+from tengyun.platforms import platform_class
 
 logger = logging.getLogger("tengyun.stats")
 
@@ -62,7 +63,8 @@ def buckets_1_2_5(limit: int) -> tuple[int, ...]:
 def cache_config_labels(config, num_kv_blocks: int) -> dict[str, str]:
     """cache_config_info's labels: the fields of vLLM 0.11's CacheConfig, as str() writes them,
     holding Tengyun's values (no swap, CPU offload, sliding window or Mamba page padding here)."""
-    on_cpu = config.device_type == "cpu"
+    # device_type is "" until EngineConfig.finalize()
+    host_kv = bool(config.device_type) and platform_class(config.device_type).kv_cache_in_host_memory
     return {
         "block_size": str(config.block_size), "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "swap_space": "0", "cache_dtype": str(config.kv_cache_dtype), "is_attention_free": "False",
@@ -70,7 +72,7 @@ def cache_config_labels(config, num_kv_blocks: int) -> dict[str, str]:
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "prefix_caching_hash_algo": "builtin",  # Python's hash() of (parent hash, token ids)
         "cpu_offload_gb": "0", "calculate_kv_scales": "False",
-        "cpu_kvcache_space_bytes": str(config.kv_cache_memory if on_cpu else None),
+        "cpu_kvcache_space_bytes": str(config.kv_cache_memory if host_kv else None),
         "mamba_page_size_padded": "None", "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto",
         "num_gpu_blocks": str(num_kv_blocks), "num_cpu_blocks": "None", "kv_sharing_fast_prefill": "False",
         "kv_cache_memory_bytes": str(config.kv_cache_memory), "swap_space_bytes": "0",

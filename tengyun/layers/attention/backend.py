@@ -1,4 +1,5 @@
-"""The attention-backend interface: CUDA and Ascend kernels replace the torch one here."""
+"""The attention-backend interface: CUDA and Ascend kernels replace the torch one here (the
+backends by name: registry.py)."""
 
 from __future__ import annotations
 
@@ -31,18 +32,3 @@ class AttentionBackend:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens, already in the cache) -> [T, Hq, D]."""
         raise NotImplementedError
 
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name == "torch_sdpa":
-        from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
-
-        return TorchSDPABackend()
-    if name == "npu":
-        from tengyun.layers.attention.npu_attention import NpuAttentionBackend
-
-        return NpuAttentionBackend()
-    if name == "flash_attn":
-        from tengyun.layers.attention.flash_attn import FlashAttnBackend
-
-        return FlashAttnBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch_sdpa, npu, flash_attn")

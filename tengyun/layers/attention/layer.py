@@ -7,16 +7,21 @@ from torch import nn
 
 from tengyun.layers.attention.backend import AttentionBackend
 from tengyun.layers.attention.metadata import get_attention_metadata
+from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
+from tengyun.layers.kernels import KernelBundle
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
-        # Bound by the model runner once the cache is allocated.
-        self.backend: AttentionBackend | None = None
+        self.backend: AttentionBackend = TorchSDPABackend()  # the platform's once bound (bind_kernels)
+        # Bound by the worker once the cache is allocated (worker/kv_cache.py).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    def bind_kernels(self, kernels: KernelBundle) -> None:
+        self.backend = kernels.attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq * D], k/v [T, Hkv * D] -> [T, Hq * D]."""

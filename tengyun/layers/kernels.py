@@ -1,0 +1,37 @@
+"""The kernels a platform computes with, handed to the model's layers in one pass.
+
+``Platform.kernels`` (tengyun/platforms/base.py) picks them once per worker; ``bind_kernels``
+gives every layer that computes through a kernel its part, once the weights are loaded. Layers
+never ask for a platform: until bound they compute with the PyTorch defaults (``F.linear``,
+``TORCH_LAYER_OPS``, torch_sdpa, ``TorchGatedDeltaRule``), so a model built outside the worker
+runs as HF's arithmetic does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tengyun.layers.attention.backend import AttentionBackend
+from tengyun.layers.gated_delta_rule import GatedDeltaRuleKernel
+from tengyun.layers.layer_ops import TorchLayerOps
+from tengyun.layers.linear_kernel import DenseLinearKernel
+
+
+@dataclass(frozen=True)
+class KernelBundle:
+    attention: AttentionBackend  # paged attention of every Attention layer (layers/attention/)
+    linear: DenseLinearKernel  # matmul of every linear layer and the LM head (linear_kernel.py)
+    layer_ops: TorchLayerOps  # RMSNorm and rotary embedding (layer_ops.py)
+    # Gated DeltaNet's recurrence (gated_delta_rule.py); None for a model without those layers.
+    gated_delta_rule: GatedDeltaRuleKernel | None
+
+
+def bind_kernels(model: nn.Module, kernels: KernelBundle) -> None:
+    """Each layer with a ``bind_kernels`` method takes its part of ``kernels``. Call once, after
+    loading: a linear kernel may repack the loaded weight and free the original."""
+    for module in model.modules():
+        bind = getattr(module, "bind_kernels", None)
+        if bind is not None:
+            bind(kernels)
