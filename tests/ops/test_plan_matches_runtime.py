@@ -1,6 +1,8 @@
 """`tengyun plan` and the engine give one answer: the same dtype, KV bytes per token, recurrent
 state per sequence, weights per rank and KV blocks, for every model family, with the engine's
-real Worker (random-weight tiny checkpoints) on this CPU."""
+real Worker (random-weight tiny checkpoints) on this CPU: with the CPU's --kv-cache-memory budget,
+and with a simulated accelerator's (device memory x --gpu-memory-utilization - weights -
+activation reserve)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, randomize_norms_and_routers
 from tengyun.config import EngineConfig
 from tengyun.ops.plan import Plan, PlanRequest, make_plan, read_model
+from tengyun.platforms.cpu import CpuPlatform
 from tengyun.worker.worker import Worker
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -65,3 +68,31 @@ def test_plan_matches_the_engine_on_cpu(folders, family, dtype):
     assert stage.weight_bytes == worker.weight_bytes
     assert (plan.blocks, stage.state_slots) == (worker.num_blocks, worker.num_state_slots)
     assert plan.weight_scale == 1.0 and plan.notes == []  # a float32 checkpoint served as bfloat16 is not "scaled"
+
+
+class SimulatedAccelerator(CpuPlatform):
+    """This CPU sizing its KV cache as an accelerator does: from memory_info() x
+    --gpu-memory-utilization, with ``used`` bytes already taken (the weights) out of ``total``."""
+
+    kv_cache_in_host_memory = False
+
+    def __init__(self, total: int, used: int):
+        self.total, self.used = total, used
+
+    def memory_info(self) -> tuple[int, int]:
+        return self.total - self.used, self.total
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_matches_the_engine_on_a_simulated_device_budget(folders, family, monkeypatch):
+    settings = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=4, block_size=16, gpu_memory_utilization=0.5)
+    config = EngineConfig(str(folders[family]), **settings).finalize()
+    weights = Worker(config).weight_bytes
+    device = SimulatedAccelerator(total=64 * 2**20, used=weights)
+    monkeypatch.setattr("tengyun.worker.worker.get_platform", lambda requested: device)
+    worker = Worker(config)
+    plan = _plan_for(folders[family], config, device_memory=device.total, gpu_memory_utilization=0.5)
+    [stage] = plan.stages
+    assert stage.weight_bytes == worker.weight_bytes == weights
+    assert stage.budget_bytes == int(device.total * 0.5) - weights - plan.activation_bytes
+    assert (plan.blocks, stage.state_slots) == (worker.num_blocks, worker.num_state_slots)

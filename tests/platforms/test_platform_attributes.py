@@ -15,6 +15,7 @@ from tengyun.entrypoints.cli.launch import device_ids
 from tengyun.entrypoints.openai.metrics import cache_config_labels
 from tengyun.executor.multiproc_executor import _threads_per_rank
 from tengyun.ops import probe
+from tengyun.kv_sizing import activation_estimate
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.cuda import CudaPlatform
 from tengyun.platforms.npu import NpuPlatform
@@ -30,13 +31,17 @@ def test_only_the_cpu_keeps_its_kv_cache_in_host_memory_on_host_cores():
 
 
 def test_kv_cache_takes_a_fraction_of_device_memory_where_it_is_not_in_host_memory(tiny_checkpoints, monkeypatch):
-    folder, args = str(tiny_checkpoints["llama"]), dict(block_size=8, max_model_len=64)
-    two_mib = LLM(folder, kv_cache_memory="2MiB", **args).llm_engine.executor.num_blocks
+    folder = str(tiny_checkpoints["llama"])
+    args = dict(block_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
+    spec = EngineConfig(model=folder, **args).finalize().model_spec
+    activation, _ = activation_estimate(spec, 1, 64, 4, 4)  # the step's reserve, as `tengyun plan` takes it
+    expected = LLM(folder, kv_cache_memory=2 * MIB - activation, **args).llm_engine.executor.num_blocks
     monkeypatch.setattr(CpuPlatform, "kv_cache_in_host_memory", False)
-    # 16 MiB device, 6 MiB in use: 0.5 x 16 - 6 = 2 MiB for the KV cache; --kv-cache-memory is ignored.
+    # 16 MiB device, 6 MiB in use: 0.5 x 16 - 6 = 2 MiB less activations for the KV cache;
+    # --kv-cache-memory is ignored.
     monkeypatch.setattr(CpuPlatform, "memory_info", lambda self: (10 * MIB, 16 * MIB))
     device = LLM(folder, kv_cache_memory="1MiB", gpu_memory_utilization=0.5, **args).llm_engine.executor
-    assert device.num_blocks == two_mib
+    assert device.num_blocks == expected
     with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
         LLM(folder, gpu_memory_utilization=0.3, **args)  # 4.8 MiB is less than the 6 MiB in use
 
