@@ -245,7 +245,7 @@ def worst_stage(plan: Plan) -> StagePlan:
 def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
     r, s = plan.request, worst_stage(plan)
     cfg_line = (f"Model {plan.model} ({plan.architecture}): {plan.total_params:,} decoder parameters, "
-                f"weights {plan.dtype}, KV cache {plan.kv_cache_dtype}")
+                f"weights {plan.dtype}, KV cache {plan.kv_cache_dtype}, on {r.device}")
     lines = [cfg_line, f"Plan: TP {r.tp} x PP {r.pp} = {r.tp * r.pp} card(s); showing stage {s.stage} "
                        f"(layers {s.layers[0]}-{s.layers[1] - 1}), the one that holds the fewest KV blocks", ""]
     p = s.params
@@ -293,7 +293,7 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
     r = plan.request
     return {
         "model": plan.model, "architecture": plan.architecture, "total_params": plan.total_params, "dtype": plan.dtype,
-        "kv_cache_dtype": plan.kv_cache_dtype, "tensor_parallel_size": r.tp, "pipeline_parallel_size": r.pp,
+        "kv_cache_dtype": plan.kv_cache_dtype, "device": r.device, "tensor_parallel_size": r.tp, "pipeline_parallel_size": r.pp,
         "device_memory": r.device_memory, "gpu_memory_utilization": r.gpu_memory_utilization,
         "kv_cache_memory": r.kv_cache_memory, "block_size": r.block_size, "max_model_len": plan.max_model_len,
         "activation_bytes": plan.activation_bytes, "weight_scale": plan.weight_scale,

@@ -132,15 +132,15 @@ def test_plan_command_prints_the_arithmetic_and_json():
                               capture_output=True, text=True, timeout=120)
 
     config = str(FIXTURES / "qwen3_0_6b" / "config.json")
-    proc = tengyun(config)
+    proc = tengyun(config, "--block-size", "16")
     assert proc.returncode == 0, proc.stderr
     assert ("KV bytes per token per card: 2 (K, V) x 28 attention layers x 8 KV heads x 128 head dim x 2 B "
             "= 114,688 B") in proc.stdout
     assert "Max concurrent sequences at 40,960 tokens: min(--max-num-seqs 256, 32,946 // 2,560 blocks) = 12" \
         in proc.stdout
-    report = json.loads(tengyun(config, "-tp", "2", "--json").stdout)
+    report = json.loads(tengyun(config, "-tp", "2", "--json", "--block-size", "16").stdout)
     assert (report["tensor_parallel_size"], report["fits"], report["smallest_fit"]) == (2, True, [1, 1])
-    too_long = tengyun(config, "--device-memory", "2GiB")
+    too_long = tengyun(config, "--device-memory", "2GiB", "--block-size", "16")
     assert too_long.returncode == 1
     assert "--max-model-len 40,960 does NOT fit: the cache holds 4,720 tokens; lower --max-model-len to 4,720" \
         in too_long.stdout
@@ -148,6 +148,24 @@ def test_plan_command_prints_the_arithmetic_and_json():
     assert missing.returncode == 2
     assert missing.stderr.strip().endswith("nowhere not found: MODEL must be a Hugging Face folder with config.json, "
                                            "or a config.json file.")
+
+
+def test_plan_command_defaults_are_the_engines_on_the_planned_device():
+    """--block-size and --dtype auto as `tengyun serve` resolves them on --device (npu by default:
+    128-token blocks, the checkpoint's bfloat16; cpu: 16-token blocks, float32), and the engine's
+    flags with the engine's checks."""
+    def report(*args):
+        proc = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "plan",
+                               str(FIXTURES / "qwen3_0_6b"), "--json", *args], capture_output=True, text=True, timeout=120)
+        return json.loads(proc.stdout) if proc.stdout else proc
+
+    npu, cpu = report(), report("--device", "cpu", "--kv-cache-memory", "4GiB")
+    assert (npu["device"], npu["block_size"], npu["dtype"]) == ("npu", 128, "bfloat16")
+    assert (cpu["device"], cpu["block_size"], cpu["dtype"]) == ("cpu", 16, "float32")
+    assert report("--kv-cache-memory", "4GiB")["device"] == "cpu"
+    assert report("--dtype", "bf16", "--device", "cpu")["dtype"] == "bfloat16"
+    bad = report("--block-size", "12")
+    assert bad.returncode == 2 and "--block-size must be a power of two" in bad.stderr
 
 
 def test_checkpoint_index_size_scales_weights_when_it_differs(tmp_path):

@@ -14,16 +14,19 @@ from tengyun.config import EngineConfig
 POSITIONAL = ("model",)  # EngineConfig fields given as MODEL or --model, added by add_engine_args itself
 
 
-def flag_fields(cls: type, skip: tuple[str, ...] = ()) -> list[dataclasses.Field]:
-    """The fields of dataclass ``cls`` that become flags: init ones, in declaration order."""
-    return [f for f in dataclasses.fields(cls) if f.init and f.name not in skip]
+def flag_fields(cls: type, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> list[dataclasses.Field]:
+    """The fields of dataclass ``cls`` that become flags: init ones, in declaration order (``only``:
+    just these)."""
+    return [f for f in dataclasses.fields(cls) if f.init and f.name not in skip and (only is None or f.name in only)]
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per init field of ``cls`` (see the module docstring); groups are made once per parser."""
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                        only: tuple[str, ...] | None = None) -> None:
+    """One flag per init field of ``cls`` (see the module docstring); groups are made once per parser.
+    ``only``: a command that takes some of the settings (`tengyun plan`)."""
     hints = typing.get_type_hints(cls)
     groups: dict[str, Any] = {}
-    for f in flag_fields(cls, skip):
+    for f in flag_fields(cls, skip, only):
         group_name = f.metadata.get("group")
         if group_name and group_name not in groups:
             groups[group_name] = parser.add_argument_group(group_name)
@@ -51,9 +54,10 @@ def _flag_kwargs(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
     return kwargs
 
 
-def dataclass_kwargs(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """{field name: parsed value} for the flags add_dataclass_flags(parser, cls, skip) made."""
-    return {f.name: getattr(args, f.name) for f in flag_fields(cls, skip)}
+def dataclass_kwargs(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = (),
+                     only: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """{field name: parsed value} for the flags add_dataclass_flags(parser, cls, skip, only) made."""
+    return {f.name: getattr(args, f.name) for f in flag_fields(cls, skip, only)}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -1,52 +1,68 @@
-"""`tengyun plan MODEL ...`: weights, KV cache and concurrency per card, with the arithmetic."""
+"""`tengyun plan MODEL ...`: weights, KV cache and concurrency per card, with the arithmetic.
+
+The settings plan shares with `tengyun serve` are the engine's own flags, generated from the same
+EngineConfig fields (same names, defaults, help), and resolved as the engine resolves them."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+# EngineConfig fields `tengyun plan` takes, as `tengyun serve` spells them.
+ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
+                   "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
+                   "tensor_parallel_size", "pipeline_parallel_size")
+PLANNED_DEVICES = ("npu", "cuda", "cpu")
+
 
 def add_parser(subparsers) -> None:
+    from tengyun.config import EngineConfig
+    from tengyun.entrypoints.cli.engine_args import add_dataclass_flags
+
     parser = subparsers.add_parser("plan", help="capacity plan: weights per card, KV cache tokens, max concurrency, "
                                                 "whether --max-model-len fits, the smallest TP x PP")
     parser.add_argument("model", help="a Hugging Face folder, or its config.json alone (no weights needed)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--device", default=None, choices=PLANNED_DEVICES,
+                        help="the platform planned for: what --dtype auto and --block-size default to there "
+                             "(default: npu; cpu with --kv-cache-memory)")
     parser.add_argument("--device-memory", default="64GiB", help="memory per card, e.g. 64GiB (Ascend 910B), 80GiB")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--kv-cache-memory", default=None,
-                        help="KV budget per card given directly (as the engine's CPU flag): no weights taken off")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="auto", help="weights dtype (auto: the checkpoint's)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto: the model dtype")
+    add_dataclass_flags(parser, EngineConfig, only=ENGINE_SETTINGS)
     parser.add_argument("--activation-reserve", default=None, help="override the activation estimate, e.g. 2GiB")
     parser.add_argument("--devices-per-node", type=int, default=8, help="TP stays within a node in the search")
     parser.add_argument("--json", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
-    from tengyun.config import parse_size
-    from tengyun.ops.plan import PlanRequest, make_plan, plan_json, read_model, report_lines, smallest_fit
+def plan_request(args: argparse.Namespace):
+    """The PlanRequest for parsed `tengyun plan` flags; engine settings checked as EngineConfig checks
+    them, block size and batched tokens defaulted as the engine on that device defaults them."""
+    from tengyun.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, parse_size
+    from tengyun.entrypoints.cli.engine_args import dataclass_kwargs
+    from tengyun.ops.plan import PlanRequest
+    from tengyun.platforms import platform_class
 
-    hf_config, checkpoint_bytes, name = read_model(args.model)
-    for flag, value in (("--gpu-memory-utilization", args.gpu_memory_utilization),):
-        if not 0 < value <= 1:
-            raise ValueError(f"{flag} must be in (0, 1] (try 0.9); got {value}.")
-    request = PlanRequest(
-        tp=args.tensor_parallel_size, pp=args.pipeline_parallel_size,
+    settings = EngineConfig(**dataclass_kwargs(EngineConfig, args, only=ENGINE_SETTINGS))  # validates the values
+    device = args.device or ("cpu" if settings.kv_cache_memory is not None else "npu")
+    block_size = settings.block_size or platform_class(device).default_block_size
+    if not isinstance(block_size, int):  # CUDA's depends on flash-attn on the serving machine
+        block_size = 16
+    return PlanRequest(
+        tp=settings.tensor_parallel_size, pp=settings.pipeline_parallel_size,
         device_memory=parse_size(args.device_memory, "--device-memory"),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=parse_size(args.kv_cache_memory, "--kv-cache-memory") if args.kv_cache_memory else None,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=settings.gpu_memory_utilization, kv_cache_memory=settings.kv_cache_memory,
+        max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        block_size=block_size, dtype=settings.dtype, kv_cache_dtype=settings.kv_cache_dtype, device=device,
         activation_reserve=parse_size(args.activation_reserve, "--activation-reserve") if args.activation_reserve
         else None,
         devices_per_node=args.devices_per_node,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from tengyun.ops.plan import make_plan, plan_json, read_model, report_lines, smallest_fit
+
+    hf_config, checkpoint_bytes, name = read_model(args.model)
+    request = plan_request(args)
     plan = make_plan(hf_config, request, checkpoint_bytes, name)
     fit = smallest_fit(hf_config, request, checkpoint_bytes)
     if args.json:
