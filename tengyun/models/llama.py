@@ -63,19 +63,27 @@ def make_dense_mlp(spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> nn.Mo
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: norm -> token mixer (``mix``: attention here) -> norm -> MLP."""
+
+    norm_cls = RMSNorm
+
     def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(spec, max_position, dtype)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.input_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.post_attention_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+    def mix(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The token mixer: hidden [T, H] -> [T, H]."""
+        return self.self_attn(positions, hidden)
 
     def forward(self, positions, hidden, residual):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.mix(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

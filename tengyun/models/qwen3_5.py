@@ -20,7 +20,7 @@ from tengyun.layers.layernorm import ZeroCenteredRMSNorm
 from tengyun.layers.linear import QKVParallelLinear, RowParallelLinear
 from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from tengyun.model_spec import ModelSpec
-from tengyun.models.llama import LlamaForCausalLM
+from tengyun.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -56,26 +56,25 @@ class Qwen3_5Attention(nn.Module):
         return self.o_proj(out)
 
 
-class Qwen3_5DecoderLayer(nn.Module):
+class Qwen3_5DecoderLayer(LlamaDecoderLayer):
+    """Llama's block with zero-centred norms; the mixer is Gated DeltaNet or gated attention, as
+    the layer's type says."""
+
+    norm_cls = ZeroCenteredRMSNorm
+
     def __init__(self, spec: ModelSpec, layer_idx: int, max_position: int, dtype: torch.dtype, mlp: nn.Module):
-        super().__init__()
+        nn.Module.__init__(self)
         self.is_linear = not spec.layer_is_attention(layer_idx)
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(spec, dtype)
         else:
             self.self_attn = Qwen3_5Attention(spec, max_position, dtype)
         self.mlp = mlp
-        self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.input_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.post_attention_layernorm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.linear_attn(hidden) if self.is_linear else self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def mix(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear_attn(hidden) if self.is_linear else self.self_attn(positions, hidden)
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):

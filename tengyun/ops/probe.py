@@ -272,17 +272,37 @@ def process_tree(pid: int, proc: str = "/proc") -> list[int] | None:
     return found
 
 
-def process_tree_cpu_s(pid: int, proc: str = "/proc") -> float | None:
-    """CPU seconds used so far by ``pid`` and its descendants (live ones, and through cutime /
-    cstime the reaped ones), None when pid is gone."""
+def _sum_over_process_tree(pid: int, proc: str, name: str, read) -> int | None:
+    """sum(read(text of /proc/<p>/<name>)) over ``pid`` and its descendants; None when pid is gone.
+    A process that exits while it is read counts 0."""
     pids = process_tree(pid, proc)
     if pids is None:
         return None
-    ticks = 0
+    total = 0
     for p in pids:
         try:
-            with open(f"{proc}/{p}/stat") as f:
-                ticks += stat_cpu_ticks(f.read())
+            with open(f"{proc}/{p}/{name}") as f:
+                total += read(f.read())
         except (OSError, ValueError):  # exited since it was listed
             pass
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def process_tree_cpu_s(pid: int, proc: str = "/proc") -> float | None:
+    """CPU seconds used so far by ``pid`` and its descendants (live ones, and through cutime /
+    cstime the reaped ones), None when pid is gone."""
+    ticks = _sum_over_process_tree(pid, proc, "stat", stat_cpu_ticks)
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree_rss(pid: int, proc: str = "/proc") -> int | None:
+    """Resident bytes of ``pid`` and all its descendants (VmRSS of each), None when pid is gone."""
+    return _sum_over_process_tree(pid, proc, "status", _vm_rss_bytes)
+
+
+def _vm_rss_bytes(status: str) -> int:
+    """/proc/<pid>/status -> VmRSS in bytes ("VmRSS:   123456 kB"); 0 for a kernel thread without one."""
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0

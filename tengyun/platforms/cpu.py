@@ -5,7 +5,7 @@ import ctypes.util
 import logging
 import os
 
-from tengyun.ops.probe import process_tree
+from tengyun.ops.probe import process_tree_rss
 from tengyun.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
@@ -64,21 +64,3 @@ class CpuPlatform(Platform):
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         rss = process_tree_rss(pid)
         return None if rss is None else (rss, self.memory_info()[1])
-
-
-def process_tree_rss(pid: int, proc: str = "/proc") -> int | None:
-    """Resident bytes of ``pid`` and all its descendants (VmRSS of each), None when pid is gone."""
-    pids = process_tree(pid, proc)
-    if pids is None:
-        return None
-    total = 0
-    for p in pids:
-        try:
-            with open(f"{proc}/{p}/status") as f:
-                status = f.read()
-        except OSError:  # exited since it was listed
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):  # "VmRSS:   123456 kB"
-                total += int(line.split()[1]) * 1024
-    return total

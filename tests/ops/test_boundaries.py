@@ -28,3 +28,18 @@ def test_only_probe_shells_out_or_reads_sysfs():
         source = (OPS / f"{module}.py").read_text()
         for marker in ("subprocess", "/sys/", "/proc/", "sched_setaffinity", "ctypes", "shutil.which"):
             assert marker not in source, f"ops/{module}.py uses {marker}: move it to ops/probe.py"
+
+
+def test_the_model_spec_and_kv_sizing_are_torch_free():
+    """`tengyun plan` and the engine share these two modules, so a planning host needs no torch."""
+    code = ("import sys, json\n"
+            "import tengyun.model_spec, tengyun.kv_sizing, tengyun.ops.plan\n"
+            "from tengyun.ops.plan import PlanRequest, make_plan\n"
+            "cfg = json.load(open(sys.argv[1]))\n"
+            "make_plan(cfg, PlanRequest()); make_plan(cfg, PlanRequest(device='cpu', kv_cache_memory=2**30))\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('tengyun.engine', "
+            "'tengyun.worker', 'tengyun.models', 'tengyun.layers', 'tengyun.executor', 'tengyun.distributed'))))\n")
+    config = Path(__file__).parents[1] / "fixtures" / "ops" / "qwen3_5_397b_a17b" / "config.json"
+    out = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
