@@ -258,6 +258,7 @@ class EngineConfig:
         self._resolve_lengths()
         self._check_parallel_fits_model()
         self._check_hybrid()
+        self._check_quantization()
         if self.served_model_name is None:
             self.served_model_name = self.model or source.default_name
         self._frozen = True
@@ -318,6 +319,16 @@ class EngineConfig:
             logger.info("Prefix caching is off for %s: its linear-attention layers keep recurrent state "
                         "that cached KV blocks cannot restore.", self.architecture)
             self.enable_prefix_caching = False
+
+    def _check_quantization(self) -> None:
+        """Quantised checkpoints (config.json quantization_config) hold packed integer tensors no
+        layer here reads yet; say so rather than fail on the first unknown tensor name."""
+        method = self.model_spec.quantization
+        if method and self.load_format != "dummy":
+            raise ValueError(
+                f"{self.model_path} is a quantized checkpoint (config.json quantization_config: quant_method "
+                f"{method!r}), which Tengyun cannot load yet: serve the unquantized (bf16 / fp16) checkpoint, "
+                f"or pass --load-format dummy for random weights of its shapes.")
 
     # ----- derived values -------------------------------------------------------------
     @property

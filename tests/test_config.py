@@ -98,3 +98,16 @@ def test_max_logprobs_flag_reaches_the_config():
     assert config_from_args(parser.parse_args([])).max_logprobs == 20  # vLLM's default
     assert config_from_args(parser.parse_args(["--max-logprobs", "-1"])).max_logprobs == -1
     assert EngineConfig(max_logprobs=30).max_logprobs == 30  # LLM(max_logprobs=30)
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_method(tiny_checkpoints, tmp_path):
+    import json
+    import shutil
+
+    folder = shutil.copytree(tiny_checkpoints["qwen2"], tmp_path / "awq")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized checkpoint .*quant_method 'awq'.*cannot load yet"):
+        EngineConfig(str(folder)).finalize()
+    assert EngineConfig(str(folder), load_format="dummy").finalize().model_spec.quantization == "awq"
