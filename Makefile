@@ -27,7 +27,9 @@ SERVE_FLAGS ?= --host 127.0.0.1 --port 8000 --kv-cache-memory 1GiB
 run: setup
 	exec $(VENV)/bin/tengyun serve $(SERVE_FLAGS)
 
+# Lint first (ruff, rules in pyproject.toml [tool.ruff]): a bug class it catches fails in seconds.
 test: setup
+	$(PY) -m ruff check tengyun tests benchmarks examples
 	$(PY) -m pytest -q
 
 bench: setup

@@ -134,7 +134,7 @@ def parent(args) -> None:
                 cmd = [python, __file__, "--child", "--system", system, "--folder", folder,
                        "--workload", workload] + _forward(args)
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
                 if proc.returncode or not lines:
                     sys.exit(f"{system} run failed:\n{proc.stderr[-3000:]}")
                 results[system].append(json.loads(lines[-1][7:]))

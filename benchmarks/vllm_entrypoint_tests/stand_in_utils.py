@@ -95,9 +95,13 @@ def _drop_half_dtype(args: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(args):
         a = args[i]
-        value = a.split("=", 1)[1] if a.startswith("--dtype=") else (args[i + 1] if a == "--dtype" and i + 1 < len(args) else None)
+        if a.startswith("--dtype="):
+            value = a.split("=", 1)[1]
+        else:
+            value = args[i + 1] if a == "--dtype" and i + 1 < len(args) else None
         if value in HALF_DTYPES:
-            print(f"[stand-in] dropped --dtype {value} (GPU half precision; the CPU default float32 is used)", file=sys.stderr)
+            print(f"[stand-in] dropped --dtype {value} (GPU half precision; the CPU default float32 is used)",
+                  file=sys.stderr)
             i += 1 if "=" in a else 2
             continue
         out.append(a)
