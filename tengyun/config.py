@@ -234,7 +234,8 @@ class EngineConfig:
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be in 1..65535 (try 29500); got {self.master_port}.")
         if self.distributed_timeout <= 0:
-            raise ValueError(f"--distributed-timeout must be positive seconds (try 300); got {self.distributed_timeout}.")
+            raise ValueError(
+                f"--distributed-timeout must be positive seconds (try 300); got {self.distributed_timeout}.")
 
     # ----- resolution against the model and the machine ----------------------------------
     def finalize(self) -> "EngineConfig":

@@ -112,7 +112,8 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_new_tokens + len(cached_blocks) * self.block_size)):
             seq.block_table.append(self._take_free_block())
         if self.enable_prefix_caching:
-            num_full = (seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens) // self.block_size
+            cached_tokens = len(cached_blocks) * self.block_size
+            num_full = (seq.num_computed_tokens + cached_tokens + num_new_tokens) // self.block_size
             self._register_full_blocks(seq, num_full)
 
     def free(self, seq: Sequence) -> None:

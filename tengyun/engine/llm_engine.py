@@ -88,7 +88,8 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time or time.time(), max_tokens=params.max_tokens)
         request = Request(request_id, text, token_ids, params, metrics)
         for index in range(params.n):
-            child = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+            child = (params if params.n == 1 or params.seed is None
+                     else dataclasses.replace(params, seed=params.seed + index))
             seq = Sequence(next(self._seq_ids), request_id, index, token_ids, child, arrival_order=0,
                            turn=first_turn + index)
             seq.arrival_order = seq.seq_id

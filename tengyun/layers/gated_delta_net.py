@@ -86,7 +86,8 @@ class GatedDeltaNet(nn.Module):
         return (q.unflatten(-1, (self.num_k_heads, self.k_dim)), k.unflatten(-1, (self.num_k_heads, self.k_dim)),
                 v.unflatten(-1, (self.num_v_heads, self.v_dim)))
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         """One token each of B sequences: mixed [B, conv_dim] -> [B, Hv, Dv]."""
         slots = meta.decode_state_slots
         # A one-token prompt has no state yet: start it from zeros.

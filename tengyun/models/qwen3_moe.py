@@ -27,7 +27,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 def make_moe_mlp(spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> nn.Module:
     """An MoE block where ModelSpec.sparse_layers says so, the dense MLP elsewhere."""
-    return Qwen3MoeSparseMoeBlock(spec, dtype) if spec.sparse_layers[layer_idx] else make_dense_mlp(spec, layer_idx, dtype)
+    if spec.sparse_layers[layer_idx]:
+        return Qwen3MoeSparseMoeBlock(spec, dtype)
+    return make_dense_mlp(spec, layer_idx, dtype)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -57,7 +57,8 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         super().__init__(spec, max_position, dtype)
         linear = spec.linear_attention
-        self.num_k_heads, self.num_v_heads, self.k_dim = linear.num_key_heads, linear.num_value_heads, linear.key_head_dim
+        self.num_k_heads, self.num_v_heads = linear.num_key_heads, linear.num_value_heads
+        self.k_dim = linear.key_head_dim
         self.group_v = self.num_v_heads // self.num_k_heads * linear.value_head_dim  # v channels per key head
 
     def checkpoint_transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:

@@ -270,9 +270,9 @@ def check_topology(facts: HostFacts, tp_size: int | None) -> list[Finding]:
     links = sorted({v for v in topo.links.values()})
     if problems:
         return [warn("topology", "; ".join(problems) + f" (links seen: {', '.join(links)})",
-                     f"keep each tensor-parallel group on HCCS / NVLink-connected cards: a smaller "
-                     f"--tensor-parallel-size (with --pipeline-parallel-size across the slow link), or pick "
-                     f"cards with ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES")]
+                     "keep each tensor-parallel group on HCCS / NVLink-connected cards: a smaller "
+                     "--tensor-parallel-size (with --pipeline-parallel-size across the slow link), or pick "
+                     "cards with ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES")]
     return [ok("topology", f"TP {tp} groups of {', '.join(topo.devices)} use {', '.join(links)} links only")]
 
 

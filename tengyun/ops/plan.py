@@ -293,7 +293,8 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
     r = plan.request
     return {
         "model": plan.model, "architecture": plan.architecture, "total_params": plan.total_params, "dtype": plan.dtype,
-        "kv_cache_dtype": plan.kv_cache_dtype, "device": r.device, "tensor_parallel_size": r.tp, "pipeline_parallel_size": r.pp,
+        "kv_cache_dtype": plan.kv_cache_dtype, "device": r.device, "tensor_parallel_size": r.tp,
+        "pipeline_parallel_size": r.pp,
         "device_memory": r.device_memory, "gpu_memory_utilization": r.gpu_memory_utilization,
         "kv_cache_memory": r.kv_cache_memory, "block_size": r.block_size, "max_model_len": plan.max_model_len,
         "activation_bytes": plan.activation_bytes, "weight_scale": plan.weight_scale,

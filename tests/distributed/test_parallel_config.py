@@ -40,7 +40,8 @@ def test_bad_parallel_flags_name_the_flag(args, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (dict(tensor_parallel_size=3), r"--tensor-parallel-size 3 does not divide num_attention_heads 4: use one of \[1, 2, 4\]"),
+    (dict(tensor_parallel_size=3),
+     r"--tensor-parallel-size 3 does not divide num_attention_heads 4: use one of \[1, 2, 4\]"),
     (dict(pipeline_parallel_size=3), "--pipeline-parallel-size 3 is more than num_hidden_layers 2: use at most 2"),
 ])
 def test_parallel_sizes_are_checked_against_the_model(tiny_checkpoints, args, message):

@@ -24,7 +24,8 @@ class FakeLLMEngine:
     """One character per step per request ("a", "ab", ...); a request stops at max_tokens."""
 
     def __init__(self):
-        self.config = SimpleNamespace(max_model_len=64, model_spec=SimpleNamespace(vocab_size=100), served_model_name="fake")
+        self.config = SimpleNamespace(max_model_len=64, model_spec=SimpleNamespace(vocab_size=100),
+                                      served_model_name="fake")
         self.requests: dict[str, tuple[list[int], SamplingParams, int]] = {}
         self.pending: list[RequestOutput] = []
         self.aborted: list[str] = []

@@ -11,7 +11,7 @@ from torch import nn
 from tengyun.layers.weight_loading import check_shape
 from tengyun.models.loader import load_weights
 
-H, Q, KV, I, V = 8, 8, 4, 12, 16  # hidden, q out, k/v out, intermediate, vocab
+H, Q, KV, I, V = 8, 8, 4, 12, 16  # hidden, q out, k/v out, intermediate, vocab  # noqa: E741 (I as the papers write it)
 
 
 def packed_loader(offsets: dict):

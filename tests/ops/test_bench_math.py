@@ -104,7 +104,8 @@ def test_output_rate_over_time_bins_chunks_by_second():
 
 
 def test_report_has_vllm_rows():
-    report = format_report(compute_metrics(hand_made(), 2.0, {"ttft": 300.0, "tpot": 200.0}), max_concurrency=4).splitlines()
+    metrics = compute_metrics(hand_made(), 2.0, {"ttft": 300.0, "tpot": 200.0})
+    report = format_report(metrics, max_concurrency=4).splitlines()
     for label, value in (("Successful requests:", "3"), ("Failed requests:", "1"),
                          ("Maximum request concurrency:", "4"), ("Request goodput (req/s):", "0.50"),
                          ("Output token throughput (tok/s):", "4.50"), ("Median TTFT (ms):", "250.00"),

@@ -156,7 +156,8 @@ def test_plan_command_defaults_are_the_engines_on_the_planned_device():
     flags with the engine's checks."""
     def report(*args):
         proc = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "plan",
-                               str(FIXTURES / "qwen3_0_6b"), "--json", *args], capture_output=True, text=True, timeout=120)
+                               str(FIXTURES / "qwen3_0_6b"), "--json", *args],
+                              capture_output=True, text=True, timeout=120)
         return json.loads(proc.stdout) if proc.stdout else proc
 
     npu, cpu = report(), report("--device", "cpu", "--kv-cache-memory", "4GiB")

@@ -56,7 +56,8 @@ def test_npu_attention_backend_matches_torch_sdpa(tiny_checkpoints, monkeypatch)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])  # plain norms; q/k norms; zero-centred, gated, partial rotary
+# plain norms; q/k norms; zero-centred, gated, partial rotary
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
     from tengyun.platforms.npu_ops import NpuLayerOps
 

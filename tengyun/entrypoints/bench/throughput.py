@@ -75,7 +75,8 @@ def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
     queries = stats.prefix_cache_queries - start_stats.prefix_cache_queries
     result.update({
         "enable_prefix_caching": prefix_caching,
-        "prefix_cache_hit_rate": (stats.prefix_cache_hits - start_stats.prefix_cache_hits) / queries if queries else 0.0,
+        "prefix_cache_hit_rate":
+            (stats.prefix_cache_hits - start_stats.prefix_cache_hits) / queries if queries else 0.0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     })
     del llm, outputs

@@ -29,7 +29,8 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -128,7 +128,8 @@ class OpenAIServingChat(OpenAIServing):
                            final.num_cached_tokens)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage,
                                       prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
-                                      prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None)
+                                      prompt_token_ids=(list(final.prompt_token_ids) if request.return_token_ids
+                                                        else None))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream,
                       parsers: list[ChoiceOutputParser]) -> AsyncIterator[str]:

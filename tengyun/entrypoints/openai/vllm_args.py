@@ -48,7 +48,8 @@ def add_vllm_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM compatibility")
     group.add_argument("--root-path", default=None,
                        help="the path prefix a proxy serves this server under: routes answer with and without it")
-    group.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix socket instead of --host/--port")
+    group.add_argument("--uds", default=None, metavar="PATH",
+                       help="listen on this Unix socket instead of --host/--port")
     group.add_argument("--runner", default="auto", choices=RUNNERS,
                        help="auto / generate (what Tengyun runs); pooling and draft are refused")
     for name in FrontendOptions.__dataclass_fields__:

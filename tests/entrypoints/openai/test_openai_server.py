@@ -240,7 +240,7 @@ def test_completion_logprobs_shapes(client):
     lp = r.choices[0].logprobs
     n = r.usage.completion_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
-    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and value <= 0  # top-2 plus the sampled token, which greedy repeats
         assert max(top.values()) == pytest.approx(value)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]

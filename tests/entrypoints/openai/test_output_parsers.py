@@ -60,7 +60,8 @@ CASES = [
     ("qwen3_2507_prompt_opened_think", None, True,
      "The user asks 2+2. That's 4.\n</think>\n\n2 + 2 = 4.", "The user asks 2+2. That's 4.", "2 + 2 = 4.", []),
     ("qwen3_thinking_disabled", None, False, "你好！有什么可以帮你的吗？😀", None, "你好！有什么可以帮你的吗？😀", []),
-    ("qwen3_truncated_in_thought", None, False, "<think>\nLet me think about </thi", "Let me think about </thi", "", []),
+    ("qwen3_truncated_in_thought", None, False, "<think>\nLet me think about </thi", "Let me think about </thi", "",
+     []),
     ("qwen3_coder_text_then_call", "qwen3_coder", False,
      "I'll write the file.\n<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/main.py\n</parameter>\n"
      "<parameter=content>\ndef f(a, b):\n    return a < b\n\n</parameter>\n<parameter=overwrite>\ntrue\n"
@@ -183,7 +184,8 @@ def test_forced_call_grammar_accepts_the_parsers_own_format(parser_cls, text, ti
     params = TOOLS[0]["function"]["parameters"]
     tag = {"type": "structural_tag", "format": parser.forced_tag("get_weather", params)}
     info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_tokenizer_dir), vocab_size=384)
-    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag)))
+    compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag))
+    matcher = xgrammar.GrammarMatcher(compiled)
     assert matcher.accept_string(text) and matcher.is_completed()
     assert _calls(ChoiceOutputParser(tool_parser=parser).parse(text)) == [("get_weather", {"city": "Paris", "days": 3})]
 

@@ -109,7 +109,8 @@ def test_bad_generation_config_path_exits_2_naming_the_flag_and_path(model_with_
 def test_default_max_tokens_is_cut_to_the_room_the_prompt_leaves():
     from tengyun.entrypoints.openai.serving_engine import OpenAIServing
 
-    engine = SimpleNamespace(config=SimpleNamespace(max_model_len=10, model_spec=SimpleNamespace(vocab_size=100), max_logprobs=20))
+    engine = SimpleNamespace(config=SimpleNamespace(max_model_len=10, model_spec=SimpleNamespace(vocab_size=100),
+                                                    max_logprobs=20))
     serving = OpenAIServing(engine, None, "m", sampling_defaults={"max_tokens": 5})
     assert [serving.default_max_tokens(n, 16) for n in (3, 8, 10)] == [5, 2, None]
     assert OpenAIServing(engine, None, "m").default_max_tokens(8, 16) == 16

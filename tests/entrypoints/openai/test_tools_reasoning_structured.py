@@ -180,7 +180,8 @@ def test_a_call_cut_off_by_max_tokens_leaks_no_markup(client, stream):
     assert finish == "length" and not calls and "<tool" not in content and "{" not in content
 
 
-HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "days": [1-7]\}\}\n</tool_call>'
+HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", '
+               r'"arguments": \{"city": "[A-Z][a-z]{2,8}", "days": [1-7]\}\}\n</tool_call>')
 
 
 def test_auto_tool_choice_parses_the_models_hermes_call_whole_and_streamed(client):

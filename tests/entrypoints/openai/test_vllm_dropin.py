@@ -18,7 +18,8 @@ MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 NO_EFFECT = ["--disable-frontend-multiprocessing", "--enable-log-requests", "--max-log-len", "100",
              "--swap-space", "4", "--disable-custom-all-reduce"]
 FEATURES = ["--enable-request-id-headers", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
-            "--enable-prompt-tokens-details", "--return-tokens-as-token-ids", "--runner", "generate", "--root-path", "/llm",
+            "--enable-prompt-tokens-details", "--return-tokens-as-token-ids", "--runner", "generate",
+            "--root-path", "/llm",
             "--limit-mm-per-prompt", '{"image": 0}']
 
 
