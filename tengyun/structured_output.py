@@ -19,7 +19,8 @@ _compilers: dict[tuple[str, int], "GrammarCompiler"] = {}
 _compilers_lock = threading.Lock()
 
 
-def _xgrammar():
+def import_xgrammar():
+    """The xgrammar module, or a ValueError (a 400 for a request) that says how to install it."""
     try:
         import xgrammar
     except ImportError as e:
@@ -43,7 +44,7 @@ def after_reasoning(spec: StructuredOutputsParams, end_tag: str = "</think>") ->
     """The same constraint, enforced only once the model closed its reasoning: any text, then
     `end_tag`, a blank line, then what `spec` allows. For prompts that open <think> themselves
     (Qwen3-2507 thinking models), so the answer, not the thoughts, follows the schema."""
-    xgr = _xgrammar()
+    xgr = import_xgrammar()
     try:
         if spec.kind == "structural_tag":
             fmt = json.loads(spec.structural_tag)["format"]
@@ -74,7 +75,7 @@ class GrammarCompiler:
     """xgrammar's compiler over one tokenizer; compiled grammars are cached by xgrammar."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
-        xgr = _xgrammar()
+        xgr = import_xgrammar()
         # vocab_size is the model's (LM head rows), which may exceed the tokenizer's: the extra
         # ids are never allowed. Stop ids are the engine's EOS set, so "grammar done" = "EOS".
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(

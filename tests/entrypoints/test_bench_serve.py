@@ -92,3 +92,21 @@ def test_unknown_model_name_fails_every_request_with_the_servers_message(server,
     assert proc.returncode == 1
     assert "Failed requests:                        2" in proc.stdout
     assert "HTTP 404" in proc.stdout and "does not exist" in proc.stdout
+
+
+def test_save_result_without_matplotlib_keeps_the_json_and_says_how_to_get_the_png(tmp_path, monkeypatch, capsys):
+    """matplotlib is the optional `bench` extra: without it the result is still saved."""
+    import argparse
+
+    from tengyun.entrypoints.bench.serve import save_result
+    from tengyun.ops.bench import RequestResult
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    args = argparse.Namespace(result_filename="run.json", result_dir=str(tmp_path), request_rate=float("inf"),
+                              max_concurrency=1, endpoint="/v1/completions", base_url="http://x", dataset="random",
+                              num_prompts=1, input_len=4, output_len=2, prefix_len=0, ignore_eos=True)
+    results = [RequestResult(True, prompt_len=4, output_len=2, ttft=0.1, latency=0.2, itl=[0.1])]
+    path = save_result(args, "model", {"completed": 1}, results, {})
+    assert json.loads(path.read_text())["completed"] == 1 and not (tmp_path / "run.png").exists()
+    out = capsys.readouterr().out
+    assert "no PNG of it" in out and "pip install 'tengyun[bench]'" in out

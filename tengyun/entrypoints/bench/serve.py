@@ -226,8 +226,12 @@ def save_result(args: argparse.Namespace, model: str, metrics: dict, results: li
         "errors": [r.error for r in results],
     }
     path.write_text(json.dumps(record, indent=2))
-    png = plot_results(results, path.with_suffix(".png"),
-                       title=f"{Path(model).name}: {args.num_prompts} requests, rate {args.request_rate}, "
-                             f"concurrency {args.max_concurrency}")
+    try:
+        png = plot_results(results, path.with_suffix(".png"),
+                           title=f"{Path(model).name}: {args.num_prompts} requests, rate {args.request_rate}, "
+                                 f"concurrency {args.max_concurrency}")
+    except ImportError as e:  # matplotlib is the optional `bench` extra
+        print(f"saved {path}; no PNG of it: {e} (pip install 'tengyun[bench]', or pip install matplotlib)")
+        return path
     print(f"saved {path} and {png}")
     return path

@@ -195,3 +195,13 @@ def test_call_cut_off_after_calls_is_not_content():
     parsed = ChoiceOutputParser(tool_parser=HermesToolParser(TOOLS)).parse(text)
     assert (parsed.content, _calls(parsed)) == ("", [("get_weather", {"city": "Oslo"})])
     assert _stream(ChoiceOutputParser(tool_parser=HermesToolParser(TOOLS)), list(text))[1] == ""
+
+
+def test_forced_hermes_call_without_xgrammar_is_a_request_error_naming_the_install(monkeypatch):
+    """tool_choice "required" / named needs xgrammar, the optional `structured` extra: a ValueError
+    (the server's 400) that says what to install, not an ImportError (a 500)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(ValueError, match=r"pip install 'tengyun\[structured\]'"):
+        HermesToolParser(TOOLS).forced_tag("get_weather", {"type": "object"})

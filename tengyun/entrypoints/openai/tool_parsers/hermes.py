@@ -27,8 +27,9 @@ class HermesToolParser(ToolParser):
         return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
     def forced_tag(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-        import xgrammar
+        from tengyun.structured_output import import_xgrammar
 
+        xgrammar = import_xgrammar()  # missing: a 400 that says how to install it, not a 500
         # Compact JSON (`{"a": 1}`): a small model cannot wander off into whitespace.
         body = str(xgrammar.Grammar.from_json_schema(json.dumps(parameters), any_whitespace=False))
         return {"type": "tag",
