@@ -1,10 +1,11 @@
-"""Is CPU decode attention memory-bound? Times Tengyun's paged decode attention (gather + SDPA,
-layers/attention/torch_sdpa.py) over 30 layers with their own KV caches (as in a real step, so
-the context comes from DRAM, not cache), against only reading the same K/V bytes.
+"""Is CPU decode attention memory-bound? Times Tengyun's paged decode attention (gather + two
+batched matmuls, layers/attention/torch_sdpa.py) over 30 layers with their own KV caches (as in a
+real step, so the context comes from DRAM, not cache; SDPA in float32, matmuls in bfloat16),
+against the same gather followed by SDPA (the path before), and against only reading K/V.
 
 SmolLM2-135M's shapes by default: 64 sequences of ~150 tokens, 9 query / 3 KV heads of 64.
 
-    python benchmarks/decode_attention_bandwidth.py [--threads 2]
+    python benchmarks/decode_attention_bandwidth.py [--threads 2] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
 from tengyun.layers.attention.metadata import AttentionMetadata
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
@@ -33,28 +35,43 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=150)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     q_heads, kv_heads, dim, block_size = 9, 3, 64, 16
     blocks_per_seq = -(-args.context // block_size)
     num_blocks = args.seqs * blocks_per_seq
     gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen),
-               torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)) for _ in range(args.layers)]
+    caches = [(torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype),
+               torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)) for _ in range(args.layers)]
     tables = torch.arange(num_blocks).view(args.seqs, blocks_per_seq)
     lens = torch.full((args.seqs,), args.context)
-    q = torch.randn(args.seqs, q_heads, dim, generator=gen)
+    q = torch.randn(args.seqs, q_heads, dim, generator=gen).to(dtype)
     backend = TorchSDPABackend()
     meta = AttentionMetadata(slot_mapping=torch.zeros(args.seqs, dtype=torch.int64), num_decode_tokens=args.seqs,
                              decode_block_tables=tables, decode_seq_lens=lens)
-    attend = best_ms(lambda: [backend._decode(q, k, v, meta, dim ** -0.5) for k, v in caches])
-    read = best_ms(lambda: [(k.sum(), v.sum()) for k, v in caches])
-    kv_bytes = 2 * args.seqs * args.context * kv_heads * dim * 4 * args.layers
-    print(f"{args.layers} layers, {args.seqs} x {args.context} tokens, {args.threads} threads: "
+    mask = (torch.arange(args.context)[None, :] < lens[:, None])[:, None, None, :]
+
+    def sdpa(k, v):  # the decode path before: the same gather, then SDPA with a boolean mask
+        keys = backend._gather("k", k, tables, args.context)
+        values = backend._gather("v", v, tables, args.context)
+        return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=dim ** -0.5,
+                                              enable_gqa=True)
+
+    rows = []
+    for _ in range(2):  # interleaved, best of each
+        rows.append(("decode attention (torch_sdpa backend now)",
+                     best_ms(lambda: [backend._decode(q, k, v, meta, dim ** -0.5) for k, v in caches])))
+        rows.append(("gather + SDPA (before)", best_ms(lambda: [sdpa(k, v) for k, v in caches])))
+        rows.append(("read K/V only (sum)", best_ms(lambda: [(k.sum(), v.sum()) for k, v in caches])))
+    best = {name: min(ms for n, ms in rows if n == name) for name, _ in rows}
+    kv_bytes = 2 * args.seqs * args.context * kv_heads * dim * caches[0][0].element_size() * args.layers
+    print(f"{args.layers} layers, {args.seqs} x {args.context} tokens, {args.dtype}, {args.threads} threads: "
           f"K/V {kv_bytes / 2**20:.0f} MiB per step")
     print("| what | ms per step | GB/s of K/V |")
     print("|---|---|---|")
-    for name, ms in (("decode attention (gather + SDPA)", attend), ("read K/V only (sum)", read)):
+    for name, ms in best.items():
         print(f"| {name} | {ms:.1f} | {kv_bytes / ms / 1e6:.1f} |")
 
 

@@ -1,7 +1,7 @@
-"""Paged attention in plain PyTorch (any device): gather blocks, then scaled_dot_product_attention.
+"""Paged attention in plain PyTorch (any device): gather blocks, then attend.
 
-Decodes (one query token each) run as one batched SDPA over their gathered, padded
-contexts; each prefill chunk runs as its own causal SDPA.
+Decodes (one query token each) run batched over their gathered, padded contexts (SDPA in
+float32, two matmuls in 16-bit); each prefill chunk runs as its own causal SDPA.
 """
 
 from __future__ import annotations
@@ -48,21 +48,40 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q [B, Hq, D] -> [B, Hq, 1, D]; contexts [B, Hkv, L, D] padded to the longest.
+        """q [B, Hq, D] -> [B, Hq, D]: one query token per sequence over its gathered context,
+        padded to the longest. float32: torch's SDPA, which reads the gathered [B, L, H, D] blocks
+        through strides. 16-bit caches: two batched matmuls instead, the query heads grouped by the
+        KV head they read (GQA: head h reads KV head h // (Hq / Hkv)); for one query token torch's
+        CPU SDPA runs ~6x slower than that in bfloat16, and the matmuls ~1.6x slower than SDPA in
+        float32 (benchmarks/decode_attention_bandwidth.py, figures in benchmarks/README.md)."""
         max_len = meta.decode_max_len or meta.backend_state.get("decode_max_len")
         if max_len is None:
             max_len = meta.backend_state["decode_max_len"] = int(meta.decode_seq_lens.max())
-        mask = meta.backend_state.get("decode_mask")
-        if mask is None:
-            positions = torch.arange(max_len, device=q.device)
-            mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-            meta.backend_state["decode_mask"] = mask
-        keys = self._gather("k", k_cache, meta.decode_block_tables, max_len).to(q.dtype)
-        values = self._gather("v", v_cache, meta.decode_block_tables, max_len).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        return out.squeeze(2)
+        keys = self._gather("k", k_cache, meta.decode_block_tables, max_len)  # [B, Hkv, L, D]
+        values = self._gather("v", v_cache, meta.decode_block_tables, max_len)
+        bias = self._decode_bias(meta, max_len, q.device)
+        if keys.dtype == torch.float32:
+            out = F.scaled_dot_product_attention(q.float().unsqueeze(2), keys, values, attn_mask=bias, scale=scale,
+                                                 enable_gqa=True)
+            return out.squeeze(2).to(q.dtype)
+        batch, num_heads, head_dim = q.shape
+        grouped = q.to(keys.dtype).view(batch, keys.shape[1], num_heads // keys.shape[1], head_dim)  # [B, Hkv, G, D]
+        # Scores scaled, masked and soft-maxed in float32; q.K^T is rounded to the cache dtype first,
+        # as HF's eager attention does.
+        scores = torch.matmul(grouped, keys.contiguous().transpose(-1, -2)).float().mul_(scale).add_(bias)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [B, Hkv, G, L]
+        return torch.matmul(probs, values.contiguous()).view(batch, num_heads, head_dim).to(q.dtype)
+
+    @staticmethod
+    def _decode_bias(meta: AttentionMetadata, max_len: int, device) -> torch.Tensor:
+        """[B, 1, 1, L] float32, shared by every layer of the step: 0 inside each sequence's
+        context, -inf past it."""
+        bias = meta.backend_state.get("decode_bias")
+        if bias is None:
+            past = torch.arange(max_len, device=device)[None, :] >= meta.decode_seq_lens[:, None]
+            bias = torch.zeros(past.shape, dtype=torch.float32, device=device).masked_fill_(past, float("-inf"))
+            bias = meta.backend_state["decode_bias"] = bias[:, None, None, :]
+        return bias
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk, meta, scale: float) -> torch.Tensor:
         # q [Lq, Hq, D]. A fresh prompt attends to its own k/v; a later chunk to the cache.
