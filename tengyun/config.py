@@ -73,9 +73,9 @@ class EngineConfig:
         None, help="HF folder, .gguf file, or one of the embedded models (default: SmolLM2-135M-Instruct)")
     tokenizer: str | None = setting(None, help="folder of the tokenizer files (default: the model's)")
     dtype: str = setting("auto", choices=SUPPORTED_DTYPES + tuple(DTYPE_ALIASES),
-                         help="weight and activation dtype (auto: float32 on CPU; on CUDA and NPU the checkpoint's "
-                              "16-bit dtype, bfloat16 for a float32 one); half/fp16, bf16 and float/fp32 are "
-                              "aliases")
+                         help="weight and activation dtype (auto: on CPU bfloat16 for a 16-bit checkpoint where the "
+                              "cores have native bf16, else float32; on CUDA and NPU the checkpoint's 16-bit "
+                              "dtype, bfloat16 for a float32 one); half/fp16, bf16 and float/fp32 are aliases")
     kv_cache_dtype: str = setting("auto", choices=SUPPORTED_KV_DTYPES,
                                   help="KV-cache dtype (auto: the same as --dtype)")
     block_size: int | None = setting(None, help=block_size_help)
@@ -268,7 +268,8 @@ class EngineConfig:
     def _resolve_dtypes(self) -> None:
         if self.dtype == "auto":
             self.dtype = self.model_spec.resolve_dtype("auto", self.device_type)
-            logger.info("--dtype auto: %s on %s (config.json says %s)", self.dtype, self.device_type,
+            logger.info("--dtype auto: %s on %s for a checkpoint config.json calls %s (pass --dtype to choose; "
+                        "Platform.auto_dtype says why)", self.dtype, self.device_type,
                         self.model_spec.checkpoint_dtype or "nothing")
         if self.kv_cache_dtype == "auto":
             self.kv_cache_dtype = self.dtype

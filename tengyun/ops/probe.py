@@ -201,6 +201,16 @@ def collect(torch_timeout: float = TORCH_PROBE_TIMEOUT_S) -> HostFacts:
 
 
 # ----- applying a NUMA binding --------------------------------------------------------------
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first processor's feature flags ("avx512_bf16", "amx_bf16", ...); empty when unreadable
+    (not Linux)."""
+    text = _read(Path(cpuinfo)) or ""
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
 def allowed_cpus() -> set[int]:
     return set(os.sched_getaffinity(0))
 

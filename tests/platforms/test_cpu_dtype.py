@@ -1,0 +1,52 @@
+"""--dtype auto on CPU: bfloat16 for a 16-bit checkpoint where the cores multiply bf16 natively,
+float32 otherwise; the engine and `tengyun plan` give the same answer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from tengyun.config import EngineConfig
+from tengyun.ops.plan import PlanRequest, make_plan, read_model
+from tengyun.ops.probe import cpu_flags
+from tengyun.platforms import cpu
+from tengyun.platforms.cpu import CpuPlatform
+
+
+def test_cpu_flags_reads_the_first_processor(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n\nprocessor\t: 1\nflags\t: fpu\n")
+    assert cpu_flags(str(info)) == {"fpu", "avx512f", "avx512_bf16", "amx_tile"}
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+@pytest.mark.parametrize("flags,checkpoint,expected", [
+    ({"avx512_bf16"}, "bfloat16", "bfloat16"),
+    ({"amx_bf16"}, "float16", "bfloat16"),  # float16 compute is slow without AVX512-FP16: bf16
+    ({"avx512_bf16"}, "float32", "float32"),
+    ({"avx512_bf16"}, None, "float32"),  # unlabeled (GGUF conversions)
+    ({"avx512f", "avx2"}, "bfloat16", "float32"),  # bf16 would be emulated
+])
+def test_auto_dtype_follows_the_cpu_and_the_checkpoint(monkeypatch, flags, checkpoint, expected):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    assert CpuPlatform.auto_dtype(checkpoint) == expected
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_engine_and_plan_resolve_a_bf16_checkpoint_alike(tiny_checkpoints, tmp_path, monkeypatch, caplog, native):
+    folder = shutil.copytree(tiny_checkpoints["llama"], tmp_path / "bf16")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512_bf16"} if native else {"avx2"}))
+    with caplog.at_level(logging.INFO, logger="tengyun.config"):
+        config = EngineConfig(str(folder), device="cpu").finalize()
+    expected = "bfloat16" if native else "float32"
+    assert config.dtype == config.kv_cache_dtype == expected
+    assert f"--dtype auto: {expected} on cpu for a checkpoint config.json calls bfloat16" in caplog.text
+    hf_config, checkpoint_bytes, name = read_model(folder)
+    assert make_plan(hf_config, PlanRequest(device="cpu", kv_cache_memory=2**20), checkpoint_bytes).dtype == expected
+    assert EngineConfig(str(folder), device="cpu", dtype="float32").finalize().dtype == "float32"
