@@ -2,7 +2,7 @@
 
 from tengyun.config import EngineConfig
 from tengyun.outputs import CompletionOutput, RequestOutput
-from tengyun.sampling_params import SamplingParams
+from tengyun.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -16,4 +16,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "EngineConfig", "RequestOutput", "CompletionOutput",
+           "__version__"]

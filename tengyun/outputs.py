@@ -65,3 +65,16 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # only when SamplingParams.prompt_logprobs is set
+
+
+@dataclass
+class RequestProgress:
+    """Where one request stands after a step that changed it, whatever its output kind: what the
+    metrics listeners read (a FINAL_ONLY request has no RequestOutput until it finishes)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: list[int]  # per sequence, in index order: tokens generated so far
+    finish_reasons: list[str | None]  # per sequence; None while it runs
+    finished: bool
+    metrics: RequestMetrics  # a snapshot taken after the step

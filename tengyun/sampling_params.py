@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names and values).
+
+    Over a 3-token answer "a", "b", "c" (outputs after each step):
+        CUMULATIVE  [a] [a, b] [a, b, c]   everything so far: O(length) a step, O(length^2) in all
+        DELTA       [a] [b] [c]            only what is new; prompt_logprobs in the first output only
+        FINAL_ONLY  [a, b, c]              one output, when the request finished
+    Concatenating a sequence's DELTA token ids, text and logprobs gives the CUMULATIVE ones.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -71,6 +87,7 @@ class SamplingParams:
     # {token id: bias} added to the logits before penalties and filters (OpenAI's field; the
     # server clamps values to [-100, 100] as vLLM does). {"42": 1} becomes {42: 1}; {} becomes None.
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine, never by users: EOS ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -131,6 +148,8 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
 
     def check_against_model(self, max_logprobs: int, vocab_size: int) -> None:
         """What needs the engine's settings: logprob counts within --max-logprobs, logit_bias ids

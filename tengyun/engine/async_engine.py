@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from tengyun.outputs import RequestOutput
+from tengyun.outputs import RequestOutput, RequestProgress
 from tengyun.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,10 @@ class Shutdown:
 # ----- messages: engine thread -> event loop ---------------------------------------------
 @dataclass
 class StepResult:
-    outputs: list[RequestOutput]
+    outputs: list[RequestOutput]  # in each request's output kind
     stats: Any  # EngineStats after the step
     rejected: dict[str, Exception] = field(default_factory=dict)  # request_id -> add_request error
+    progress: list[RequestProgress] = field(default_factory=list)  # every request the step changed
 
 
 @dataclass
@@ -63,7 +64,7 @@ class EngineDead:
     message: str
 
 
-StepListener = Callable[[list[RequestOutput], Any], None]
+StepListener = Callable[[list[RequestProgress], Any], None]
 
 
 class AsyncLLMEngine:
@@ -109,15 +110,17 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     def add_step_listener(self, listener: StepListener) -> None:
-        """Called on the event loop after every step with (outputs, stats): metrics, logs."""
+        """Called on the event loop after every step with (progress, stats): metrics, logs. The
+        progress covers every request the step changed, whatever its output kind."""
         self._listeners.append(listener)
 
     # ----- requests -----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        arrival_time: float | None = None, first_turn: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's RequestOutput after every step that changed it, the last one
-        finished. Raises add_request's ValueError for bad input, EngineDeadError if the loop
-        died. Closing or cancelling the iterator early aborts the request (KV blocks freed)."""
+        """Yield the request's RequestOutputs in params.output_kind (CUMULATIVE and DELTA: after
+        every step that changed it), the last one finished. Raises add_request's ValueError for
+        bad input, EngineDeadError if the loop died. Closing or cancelling the iterator early
+        aborts the request (KV blocks freed)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         if request_id in self._streams:
@@ -165,9 +168,9 @@ class AsyncLLMEngine:
                                                message.arrival_time, message.first_turn)
                         except Exception as e:  # bad input: that caller's error, nobody else's
                             rejected[message.request_id] = e
-                outputs = engine.step() if engine.has_unfinished_requests() else []
-                if outputs or rejected:
-                    self._emit(StepResult(outputs, engine.get_stats(), rejected))
+                outputs, progress = engine.step_with_progress() if engine.has_unfinished_requests() else ([], [])
+                if progress or rejected:
+                    self._emit(StepResult(outputs, engine.get_stats(), rejected, progress))
         except BaseException as e:  # noqa: BLE001 - report any death, then stop
             logger.exception("Engine loop died")
             self._emit(EngineDead(f"The engine loop died: {type(e).__name__}: {e}"))
@@ -211,6 +214,6 @@ class AsyncLLMEngine:
         self.latest_stats = message.stats
         for listener in self._listeners:
             try:
-                listener(message.outputs, message.stats)
+                listener(message.progress, message.stats)
             except Exception:  # a metrics bug must not break serving
                 logger.exception("Step listener %r failed", listener)

@@ -17,7 +17,7 @@ from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, Sche
 from tengyun.engine.request import Request
 from tengyun.engine.scheduler import Scheduler
 from tengyun.engine.sequence import Sequence
-from tengyun.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput
+from tengyun.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput, RequestProgress
 from tengyun.sampling_params import SamplingParams
 
 
@@ -56,7 +56,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
-        self._pending_outputs: list[RequestOutput] = []  # aborted requests, reported by the next step
+        # Aborted requests, reported by the next step.
+        self._pending_outputs: list[RequestOutput] = []
+        self._pending_progress: list[RequestProgress] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -110,10 +112,10 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.finish_reason = FinishReason.ABORT
                     self.scheduler.finish(seq)
-            self._pending_outputs.append(self._retire(request))
+            self._report(request, self._pending_outputs, self._pending_progress)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self._pending_progress)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -148,11 +150,18 @@ class LLMEngine:
 
     # ----- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return outputs of every request that changed."""
+        """Run one scheduled batch; return the outputs of the requests that changed, each in its
+        SamplingParams.output_kind (a running FINAL_ONLY request has none)."""
+        return self.step_with_progress()[0]
+
+    def step_with_progress(self) -> tuple[list[RequestOutput], list[RequestProgress]]:
+        """step(), and the progress of every request that changed (aborted ones included),
+        whatever its output kind: what metrics read."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        progress, self._pending_progress = self._pending_progress, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return outputs
+            return outputs, progress
         now = time.time()
         for new in sched.new_seqs:
             metrics = self.requests[self.seqs[new.seq_id].request_id].metrics
@@ -169,8 +178,17 @@ class LLMEngine:
             self._append_token(seq, request, token_id, result, now)
             changed[request.request_id] = request
         for request in changed.values():
-            outputs.append(self._retire(request) if request.finished else request.make_output())
-        return outputs
+            self._report(request, outputs, progress)
+        return outputs, progress
+
+    def _report(self, request: Request, outputs: list[RequestOutput], progress: list[RequestProgress]) -> None:
+        """Add a changed request's output (if its kind has one now) and progress; retire it if finished."""
+        if request.finished:
+            self._retire(request)
+        output = request.make_output()
+        if output is not None:
+            outputs.append(output)
+        progress.append(request.progress())
 
     def _append_token(self, seq: Sequence, request: Request, token_id: int,
                       result: ModelRunnerOutput, now: float) -> None:
@@ -227,12 +245,11 @@ class LLMEngine:
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _retire(self, request: Request) -> RequestOutput:
+    def _retire(self, request: Request) -> None:
         request.metrics.finished_time = time.time()
         for seq in request.seqs:
             self.seqs.pop(seq.seq_id, None)
         self.requests.pop(request.request_id, None)
-        return request.make_output()
 
     def check_health(self) -> None:
         """Raise if the executor lost a worker (the error names the rank); cheap, call it while idle."""

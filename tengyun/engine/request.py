@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from tengyun.engine.detokenizer import IncrementalDetokenizer
 from tengyun.engine.sequence import Sequence
-from tengyun.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
-from tengyun.sampling_params import SamplingParams
+from tengyun.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, RequestProgress
+from tengyun.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(eq=False)
@@ -23,36 +23,65 @@ class Request:
     # [None, then one entry per prompt token received so far]; None when not asked for. Shared by
     # the n sequences: whichever computes a position first fills it, recomputes are dropped.
     prompt_logprobs: PromptLogprobs | None = None
+    # DELTA only: per sequence (by index), its output tokens that earlier outputs carried.
+    num_returned_tokens: list[int] = field(default_factory=list)
+    prompt_logprobs_returned: bool = False  # DELTA only: the first output carried them
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
+        self.num_returned_tokens = [0] * self.params.n
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self) -> RequestOutput | None:
+        """This step's output in the request's output kind (see RequestOutputKind); None while a
+        FINAL_ONLY request runs. Every sequence appears, in index order, in every output: under
+        DELTA one with nothing new since the last output has empty token_ids and text."""
         finished = self.finished
-        outputs = []
-        for seq, detok in zip(self.seqs, self.detokenizers):
-            text = detok.get_next_output_text(finished=seq.is_finished, delta=False)
-            outputs.append(CompletionOutput(
-                index=seq.index,
-                text=text,
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if self.params.logprobs is not None else None,
-                logprobs=list(seq.output_logprobs) if self.params.logprobs is not None else None,
-                finish_reason=str(seq.finish_reason) if seq.finish_reason else None,
-                stop_reason=seq.stop_reason,
-            ))
+        kind = self.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        prompt_logprobs = self.prompt_logprobs
+        if delta and self.prompt_logprobs_returned:
+            prompt_logprobs = None
+        self.prompt_logprobs_returned = True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
+            outputs=[self._completion(seq, detok, delta) for seq, detok in zip(self.seqs, self.detokenizers)],
             finished=finished,
             metrics=dataclasses.replace(self.metrics),  # a snapshot: the engine keeps updating its own
             num_cached_tokens=self.seqs[0].num_cached_tokens,
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
+        )
+
+    def _completion(self, seq: Sequence, detok: IncrementalDetokenizer, delta: bool) -> CompletionOutput:
+        """Sequence seq's output tokens [start, now): all of them, or (delta) those not yet returned."""
+        start = self.num_returned_tokens[seq.index] if delta else 0
+        if delta:
+            self.num_returned_tokens[seq.index] = seq.num_output_tokens
+        with_logprobs = self.params.logprobs is not None
+        return CompletionOutput(
+            index=seq.index,
+            text=detok.get_next_output_text(finished=seq.is_finished, delta=delta),
+            token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
+            cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+            logprobs=seq.output_logprobs[start:] if with_logprobs else None,
+            finish_reason=str(seq.finish_reason) if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+        )
+
+    def progress(self) -> RequestProgress:
+        return RequestProgress(
+            request_id=self.request_id,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_output_tokens=[seq.num_output_tokens for seq in self.seqs],
+            finish_reasons=[str(seq.finish_reason) if seq.finish_reason else None for seq in self.seqs],
+            finished=self.finished,
+            metrics=dataclasses.replace(self.metrics),
         )

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing
 from typing import Any, Sequence as Seq
@@ -16,7 +17,7 @@ from tengyun.config import EngineConfig
 from tengyun.engine.llm_engine import LLMEngine
 from tengyun.generation_config import sampling_defaults
 from tengyun.outputs import RequestOutput
-from tengyun.sampling_params import SamplingParams
+from tengyun.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -142,12 +143,18 @@ def _as_prompt_list(prompts) -> list[PromptType]:
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:
+    """One per prompt, each a FINAL_ONLY copy: generate() returns finished outputs only, so the
+    engine need not build one per step (the caller's objects stay as they were)."""
     if isinstance(params, SamplingParams):
-        return [params] * count
+        return [_final_only(params)] * count
     params = list(params)
     if len(params) != count:
         raise ValueError(f"sampling_params has {len(params)} entries but there are {count} prompts.")
-    return params
+    return [_final_only(p) for p in params]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _prompt_value(prompt: PromptType) -> str | list[int]:

@@ -13,7 +13,7 @@ import pytest
 
 from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from tengyun.engine.llm_engine import EngineStats
-from tengyun.outputs import CompletionOutput, RequestOutput
+from tengyun.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestProgress
 from tengyun.sampling_params import SamplingParams
 
 
@@ -70,6 +70,12 @@ class FakeLLMEngine:
             else:
                 self.requests[request_id] = (prompt, params, done)
         return outputs
+
+    def step_with_progress(self):
+        outputs = self.step()
+        return outputs, [RequestProgress(o.request_id, len(o.prompt_token_ids), [len(o.outputs[0].token_ids)],
+                                         [o.outputs[0].finish_reason], o.finished, RequestMetrics(0.0))
+                         for o in outputs]
 
     @staticmethod
     def _output(request_id, prompt, done, reason):

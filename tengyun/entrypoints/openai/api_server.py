@@ -50,7 +50,7 @@ from tengyun.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from tengyun.entrypoints.openai.vllm_args import FrontendOptions, check_vllm_server_args
 from tengyun.entrypoints.openai.vllm_routes import add_vllm_routes
 from tengyun.generation_config import sampling_defaults
-from tengyun.sampling_params import SamplingParams
+from tengyun.sampling_params import RequestOutputKind, SamplingParams
 from tengyun.tokenizer import get_tokenizer
 
 logger = logging.getLogger("tengyun.server")
@@ -120,7 +120,7 @@ class ServerState:
     async def _warm_up(engine: AsyncLLMEngine, tokenizer: Any) -> None:
         """One short generation through the whole path, so the first user request is not slow."""
         prompt = tokenizer.encode("Hello, warm-up.", add_special_tokens=False) or [0]
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         async for _ in engine.generate("warmup", prompt, params):
             pass
 

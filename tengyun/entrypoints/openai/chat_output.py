@@ -29,6 +29,7 @@ class ChoiceOutputParser:
         self.tool_parser = tool_parser
         self.in_reasoning = in_reasoning  # the prompt ended inside <think>
         self._sent = ParsedOutput("", "")  # what deltas already carried
+        self._text = ""  # what add() received, while a parser reads it (unused without parsers)
 
     def parse(self, text: str, final: bool = True, streaming: bool = False) -> ParsedOutput:
         reasoning, rest = None, text
@@ -50,3 +51,11 @@ class ChoiceOutputParser:
         sent.reasoning, sent.content = now.reasoning or "", now.content
         sent.tool_calls.extend(out.tool_calls)
         return out
+
+    def add(self, new_text: str, finished: bool) -> ParsedOutput:
+        """delta() fed the text's new part only (the engine's DELTA outputs). Without parsers the
+        new text is the content delta as it is, so no step reads the text that came before."""
+        if self.reasoning_parser is None and self.tool_parser is None:
+            return ParsedOutput(None, new_text)
+        self._text += new_text
+        return self.delta(self._text, finished)

@@ -1,6 +1,7 @@
 """Prometheus metrics under `tengyun:` and, as twins, under vLLM's `vllm:` names (vllm_metrics.py),
 and the periodic stats log line. Both are step listeners of AsyncLLMEngine: they run on the
-event loop after each step that produced output. Names, types and buckets are vLLM 0.11's.
+event loop after each step that changed a request, fed RequestProgress records (so requests whose
+output kind returns nothing until they finish count too). Names, types and buckets are vLLM 0.11's.
 
     from engine stats     num_requests_running / num_requests_waiting / kv_cache_usage_perc (gauges);
                           prefix_cache_queries / prefix_cache_hits (tokens), num_preemptions,
@@ -34,7 +35,7 @@ from prometheus_client import (
 )
 
 from tengyun.entrypoints.openai.vllm_metrics import VllmMetrics, metrics_options
-from tengyun.outputs import FinishReason, RequestOutput
+from tengyun.outputs import FinishReason, RequestProgress
 from tengyun.platforms import platform_class
 
 logger = logging.getLogger("tengyun.stats")
@@ -167,9 +168,9 @@ class EngineMetrics:
         self._last_stats = stats
         self.cache_info.labels(**cache_config_labels(self.config, stats.num_kv_blocks)).set(1)
 
-    def on_step(self, outputs: list[RequestOutput], stats) -> None:
+    def on_step(self, progress: list[RequestProgress], stats) -> None:
         generated = self._record_stats(stats)
-        prefilled = sum(self._record_output(output) for output in outputs)
+        prefilled = sum(self._record_progress(request) for request in progress)
         if generated or prefilled:
             self.iteration_tokens.observe(prefilled + generated)
 
@@ -189,34 +190,34 @@ class EngineMetrics:
         self._last_stats = stats
         return increases["generation_tokens"]
 
-    def _record_output(self, output: RequestOutput) -> int:
+    def _record_progress(self, request: RequestProgress) -> int:
         """Latencies of this step's tokens; returns the prompt's length if its first token came now."""
-        metrics = output.metrics
-        timing = self._timings.setdefault(output.request_id, _RequestTiming())
+        metrics = request.metrics
+        timing = self._timings.setdefault(request.request_id, _RequestTiming())
         prefilled = 0
         if metrics is not None and metrics.first_token_time is not None:
             if not timing.first_token_seen:
                 timing.first_token_seen = True
-                prefilled = len(output.prompt_token_ids)
+                prefilled = request.num_prompt_tokens
                 self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
             elif metrics.last_token_time != timing.last_token_time:
                 self.itl.observe(metrics.last_token_time - timing.last_token_time)
             timing.last_token_time = metrics.last_token_time
-        if output.finished:
-            del self._timings[output.request_id]
-            self._record_finished(output)
+        if request.finished:
+            del self._timings[request.request_id]
+            self._record_finished(request)
         return prefilled
 
-    def _record_finished(self, output: RequestOutput) -> None:
-        for c in output.outputs:
-            if c.finish_reason in self.success:
-                self.success[c.finish_reason].inc()
-        lengths = [len(c.token_ids) for c in output.outputs]  # one per sequence, n in all
-        self.prompt_len.observe(len(output.prompt_token_ids))
+    def _record_finished(self, request: RequestProgress) -> None:
+        for reason in request.finish_reasons:
+            if reason in self.success:
+                self.success[reason].inc()
+        lengths = request.num_output_tokens  # one per sequence, n in all
+        self.prompt_len.observe(request.num_prompt_tokens)
         self.generation_len.observe(sum(lengths))
         self.max_generation_len.observe(max(lengths))
         self.n.observe(len(lengths))
-        m = output.metrics
+        m = request.metrics
         if m is None:
             return
         if m.max_tokens:
@@ -254,7 +255,7 @@ class StatLogger:
         self._stats = self._logged = stats
         self._logged_at = time.monotonic() if now is None else now
 
-    def on_step(self, outputs: list[RequestOutput], stats) -> None:
+    def on_step(self, progress: list[RequestProgress], stats) -> None:
         self._stats = stats
 
     def line(self, now: float | None = None) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tengyun.entrypoints.openai.request_model import RequestBody, RequestError, RequestModel
-from tengyun.sampling_params import SamplingParams, StructuredOutputsParams
+from tengyun.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 UNSUPPORTED = {  # field -> why it is refused
@@ -174,7 +174,8 @@ class SamplingFields(RequestBody):
                          prompt_logprobs: int | None = None,
                          defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults` (--generation-config) fill temperature, top_p, top_k, min_p and
-        repetition_penalty where the request left them unset (null)."""
+        repetition_penalty where the request left them unset (null). A stream takes DELTA outputs
+        (what each step added), an answer in one piece FINAL_ONLY (one output at the end)."""
         defaults = defaults or {}
 
         def pick(name: str, neutral: float) -> Any:
@@ -204,6 +205,7 @@ class SamplingFields(RequestBody):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 structured_outputs=structured_outputs,
                 logit_bias={token: min(100.0, max(-100.0, bias)) for token, bias in (self.logit_bias or {}).items()},
+                output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             )
         except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
             field_name = str(e).split(" ", 1)[0]

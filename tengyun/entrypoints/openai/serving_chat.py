@@ -25,10 +25,10 @@ from tengyun.entrypoints.openai.protocol import (
 from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_engine import (
-    SSE_DONE, OpenAIServing, sampled_then_ranked, sse, sse_error, token_text,
+    SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
 )
 from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
-from tengyun.outputs import RequestOutput
+from tengyun.outputs import CompletionOutput, RequestOutput
 from tengyun.sampling_params import StructuredOutputsParams
 from tengyun.structured_output import after_reasoning
 
@@ -134,11 +134,12 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream,
                       parsers: list[ChoiceOutputParser]) -> AsyncIterator[str]:
         """One choice per chunk, as OpenAI and vLLM send them. A choice's role chunk goes out with
-        its first token, not before prefill: a client's first chunk times the first token.
-        stream_options: include_usage adds a last chunk with usage; continuous_usage_stats puts
-        the usage so far on every chunk too."""
+        the request's first output, not before prefill: a client's first chunk times the first
+        token. stream_options: include_usage adds a last chunk with usage; continuous_usage_stats
+        puts the usage so far on every chunk too. The engine's outputs are DELTA: each carries only
+        what the step added, so no step reads the answer so far (the parsers, when set, do)."""
         created, n = int(time.time()), request.n
-        sent_tokens, done, num_calls, started = [0] * n, [False] * n, [0] * n, [False] * n
+        choices, num_calls = [StreamedChoice() for _ in range(n)], [0] * n
         usage, cached = UsageInfo(), 0  # so far; replaced at every engine output
         exclude = None if request.include_usage_in_stream else {"usage"}
 
@@ -152,48 +153,50 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for _, output in self.merged([stream]):
                 cached = output.num_cached_tokens
-                so_far = self.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs), cached)
                 for c in output.outputs:
-                    if done[c.index]:
+                    choices[c.index].receive(c)
+                so_far = self.usage(len(output.prompt_token_ids), sum(ch.num_tokens for ch in choices), cached)
+                for c in output.outputs:
+                    state = choices[c.index]
+                    if state.done:
                         continue
-                    if not started[c.index]:
-                        first = not any(started)
-                        started[c.index] = True
+                    if not state.started:
+                        first = not any(ch.started for ch in choices)
+                        state.started = True
                         if first:  # as vLLM: the role chunk counts the prompt, no completion tokens yet
                             usage = self.usage(len(output.prompt_token_ids), 0, cached)
                         yield chunk(ChatCompletionResponseStreamChoice(
                             index=c.index, delta=DeltaMessage(role="assistant", content=request.echo_text)),
                             list(output.prompt_token_ids) if first and request.return_token_ids else None)
                     usage = so_far
-                    choice = self._stream_choice(request, c, parsers[c.index], sent_tokens, num_calls)
+                    choice = self._stream_choice(request, c, state, parsers[c.index], num_calls)
                     if choice is not None:
-                        done[c.index] = choice.finish_reason is not None
+                        state.done = choice.finish_reason is not None
                         yield chunk(choice)
             if request.include_usage_in_stream:
-                usage = self.usage(usage.prompt_tokens, sum(sent_tokens), cached)
+                usage = self.usage(usage.prompt_tokens, sum(ch.num_sent_tokens for ch in choices), cached)
                 yield chunk(None)
         except Exception as e:
             yield sse_error(e)
         yield SSE_DONE
 
-    def _stream_choice(self, request: ChatCompletionRequest, c, parser: ChoiceOutputParser, sent_tokens: list[int],
-                       num_calls: list[int]) -> ChatCompletionResponseStreamChoice | None:
-        """The delta of choice c since its last chunk; None while there is nothing to send."""
-        parsed = parser.delta(c.text, finished=c.finish_reason is not None)
+    def _stream_choice(self, request: ChatCompletionRequest, c: CompletionOutput, state: StreamedChoice,
+                       parser: ChoiceOutputParser, num_calls: list[int]) -> ChatCompletionResponseStreamChoice | None:
+        """The chunk of choice c for what it received since its last chunk (c: this step's DELTA,
+        already in `state`); None while there is nothing to send."""
+        parsed = parser.add(c.text, finished=c.finish_reason is not None)
         delta = _delta(parsed, num_calls[c.index], request.include_reasoning)
         num_calls[c.index] += len(parsed.tool_calls)
-        new_tokens = c.token_ids[sent_tokens[c.index]:]
-        if delta is None and c.finish_reason is None and not (request.logprobs and new_tokens):
+        if delta is None and c.finish_reason is None and not (request.logprobs and state.has_unsent_tokens):
             return None
+        new_tokens, new_logprobs = state.take()
         logprobs = None
         if request.logprobs:
-            logprobs = chat_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[c.index]:], request.top_logprobs or 0,
-                                     self.tokens_as_ids(request))
-        sent_tokens[c.index] = len(c.token_ids)
+            logprobs = chat_logprobs(new_tokens, new_logprobs, request.top_logprobs or 0, self.tokens_as_ids(request))
         return ChatCompletionResponseStreamChoice(
             index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
             finish_reason=_finish_reason(c.finish_reason, num_calls[c.index] > 0), stop_reason=c.stop_reason,
-            token_ids=list(new_tokens) if request.return_token_ids else None)
+            token_ids=new_tokens if request.return_token_ids else None)
 
 
 def _message(parsed: ParsedOutput, include_reasoning: bool, forced_calls: bool = False) -> ChatResponseMessage:

@@ -16,9 +16,9 @@ from tengyun.entrypoints.openai.protocol import (
 )
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_engine import (
-    SSE_DONE, OpenAIServing, sampled_then_ranked, sse, sse_error, token_text,
+    SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
 )
-from tengyun.outputs import CompletionOutput, Logprob, RequestOutput
+from tengyun.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -65,7 +65,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
                                                    len(echo_texts[i]), as_ids=self.tokens_as_ids(request))
                     if request.echo:
-                        logprobs = self._echo_logprobs(request, output, logprobs)
+                        logprobs = self._echo_logprobs(request, output.prompt_token_ids, output.prompt_logprobs,
+                                                       logprobs)
                 ids = request.return_token_ids
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + c.index, text=echo_texts[i] + c.text, logprobs=logprobs,
@@ -77,20 +78,20 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, request: CompletionRequest, request_id: str, streams,
                       echo_texts: list[str]) -> AsyncIterator[str]:
-        """One choice per chunk, as OpenAI and vLLM send them; stream_options as in chat."""
+        """One choice per chunk, as OpenAI and vLLM send them; stream_options as in chat. The
+        engine's outputs are DELTA: each carries only what the step added to each sequence."""
         created, n = int(time.time()), request.n
-        num_choices = len(streams) * n
-        sent_chars, sent_tokens = [0] * num_choices, [0] * num_choices
-        echoed, done, started = [False] * num_choices, [False] * num_choices, [False] * num_choices
+        choices = [StreamedChoice() for _ in range(len(streams) * n)]
+        echoed = [False] * len(choices)
         prompt_tokens: dict[int, int] = {}
         cached_tokens: dict[int, int] = {}
-        generated = [0] * num_choices  # tokens out so far, for continuous_usage_stats
+        prompt_logprobs: dict[int, PromptLogprobs | None] = {}  # per stream: its first output carries them
         exclude = None if request.include_usage_in_stream else {"usage"}
 
-        def chunk(choice: CompletionResponseChoice | None, completion_tokens: list[int]) -> str:
+        def chunk(choice: CompletionResponseChoice | None, completion_tokens: int) -> str:
             usage = None
             if choice is None or request.usage_on_every_chunk:
-                usage = self.usage(sum(prompt_tokens.values()), sum(completion_tokens), sum(cached_tokens.values()))
+                usage = self.usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
             response = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                 choices=[choice] if choice else [], usage=usage)
             return sse(response.model_dump(exclude=exclude))
@@ -98,35 +99,39 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, output in self.merged(streams):
                 prompt_tokens[i], cached_tokens[i] = len(output.prompt_token_ids), output.num_cached_tokens
+                prompt_logprobs.setdefault(i, output.prompt_logprobs)
                 for c in output.outputs:
                     k = i * n + c.index
-                    if done[k]:
+                    state = choices[k]
+                    if state.done:
                         continue
                     c = _visible(request, c)
-                    generated[k] = len(c.token_ids)
-                    choice = self._delta_choice(request, c, k, sent_chars, sent_tokens, len(echo_texts[i]))
+                    state.receive(c)
+                    choice = self._delta_choice(request, c, state, k, len(echo_texts[i]))
                     if not echoed[k] and request.echo:
                         choice = choice or CompletionResponseChoice(index=k, text="")
                         choice.text = echo_texts[i] + choice.text
                         if request.logprobs is not None:
-                            choice.logprobs = self._echo_logprobs(request, output, choice.logprobs)
+                            choice.logprobs = self._echo_logprobs(request, output.prompt_token_ids,
+                                                                  prompt_logprobs[i], choice.logprobs)
                     echoed[k] = True
                     if choice is not None:
-                        done[k] = choice.finish_reason is not None
-                        if request.return_token_ids and not started[k]:
+                        state.done = choice.finish_reason is not None
+                        if request.return_token_ids and not state.started:
                             choice.prompt_token_ids = list(output.prompt_token_ids)
-                        started[k] = True
-                        yield chunk(choice, generated)
+                        state.started = True
+                        yield chunk(choice, sum(ch.num_tokens for ch in choices))
             if request.include_usage_in_stream:
-                yield chunk(None, sent_tokens)
+                yield chunk(None, sum(ch.num_sent_tokens for ch in choices))
         except Exception as e:
             yield sse_error(e)
         yield SSE_DONE
 
-    def _echo_logprobs(self, request: CompletionRequest, output: RequestOutput,
-                       completion: CompletionLogProbs | None) -> CompletionLogProbs:
+    def _echo_logprobs(self, request: CompletionRequest, prompt_token_ids: list[int],
+                       prompt_logprobs: PromptLogprobs | None, completion: CompletionLogProbs | None
+                       ) -> CompletionLogProbs:
         """The prompt's logprobs (offsets from 0), then the completion's."""
-        prompt = completion_logprobs(output.prompt_token_ids, output.prompt_logprobs or [], request.logprobs, 0,
+        prompt = completion_logprobs(prompt_token_ids, prompt_logprobs or [], request.logprobs, 0,
                                      decode=lambda token: self.tokenizer.decode([token]),
                                      as_ids=self.tokens_as_ids(request))
         if completion is not None:
@@ -134,23 +139,22 @@ class OpenAIServingCompletion(OpenAIServing):
                 getattr(prompt, name).extend(getattr(completion, name))
         return prompt
 
-    def _delta_choice(self, request: CompletionRequest, c: CompletionOutput, k: int, sent_chars: list[int],
-                      sent_tokens: list[int], echo_len: int = 0) -> CompletionResponseChoice | None:
-        """The text and tokens of choice k not yet sent; None when nothing changed. Text offsets
-        count from the start of the answer, which holds ``echo_len`` characters of echoed prompt."""
-        delta = c.text[sent_chars[k]:]
-        new_tokens = c.token_ids[sent_tokens[k]:]
-        if not delta and c.finish_reason is None and not (request.logprobs is not None and new_tokens):
+    def _delta_choice(self, request: CompletionRequest, c: CompletionOutput, state: StreamedChoice, k: int,
+                      echo_len: int = 0) -> CompletionResponseChoice | None:
+        """The chunk of choice k for what it received since its last chunk (c: this step's DELTA,
+        already in `state`); None when nothing changed. Text offsets count from the start of the
+        answer, which holds ``echo_len`` characters of echoed prompt."""
+        if not c.text and c.finish_reason is None and not (request.logprobs is not None and state.has_unsent_tokens):
             return None
+        new_tokens, new_logprobs = state.take()
         logprobs = None
         if request.logprobs is not None:
-            logprobs = completion_logprobs(new_tokens, (c.logprobs or [])[sent_tokens[k]:], request.logprobs,
-                                           echo_len + sent_chars[k], as_ids=self.tokens_as_ids(request))
-        sent_chars[k] = len(c.text)
-        sent_tokens[k] = len(c.token_ids)
-        return CompletionResponseChoice(index=k, text=delta, logprobs=logprobs,
+            logprobs = completion_logprobs(new_tokens, new_logprobs, request.logprobs,
+                                           echo_len + state.num_sent_chars, as_ids=self.tokens_as_ids(request))
+        state.num_sent_chars += len(c.text)
+        return CompletionResponseChoice(index=k, text=c.text, logprobs=logprobs,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                        token_ids=list(new_tokens) if request.return_token_ids else None)
+                                        token_ids=new_tokens if request.return_token_ids else None)
 
 
 def _visible(request: CompletionRequest, c: CompletionOutput) -> CompletionOutput:

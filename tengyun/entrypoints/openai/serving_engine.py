@@ -16,7 +16,7 @@ from tengyun.entrypoints.openai.request_model import random_id
 from tengyun.entrypoints.openai.request_limits import RequestLimits
 from tengyun.entrypoints.openai.tokenizer_worker import RenderTimeout, TokenizerWorker
 from tengyun.entrypoints.openai.vllm_args import FrontendOptions
-from tengyun.outputs import RequestOutput
+from tengyun.outputs import CompletionOutput, RequestOutput
 from tengyun.sampling_params import SamplingParams, StructuredOutputsParams, check_logit_bias, check_num_logprobs
 
 logger = logging.getLogger("tengyun.server")
@@ -216,6 +216,36 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()  # cancelling a pump closes its engine stream, which aborts the request
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class StreamedChoice:
+    """One choice of a stream, fed the engine's DELTA outputs: the tokens (and logprobs) received
+    but not sent yet (a step whose text is held back may send nothing), and counts so far."""
+
+    def __init__(self) -> None:
+        self.num_tokens = 0  # received
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0  # of the completion's text, echo excluded
+        self.started = False  # its first chunk went out
+        self.done = False  # its finish_reason went out
+        self._unsent_ids: list[int] = []
+        self._unsent_logprobs: list[dict] = []
+
+    def receive(self, c: CompletionOutput) -> None:
+        self.num_tokens += len(c.token_ids)
+        self._unsent_ids.extend(c.token_ids)
+        self._unsent_logprobs.extend(c.logprobs or [])
+
+    @property
+    def has_unsent_tokens(self) -> bool:
+        return bool(self._unsent_ids)
+
+    def take(self) -> tuple[list[int], list[dict]]:
+        """(token ids, their logprobs, empty without logprobs) not sent yet; sent from now on."""
+        ids, logprobs = self._unsent_ids, self._unsent_logprobs
+        self._unsent_ids, self._unsent_logprobs = [], []
+        self.num_sent_tokens += len(ids)
+        return ids, logprobs
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

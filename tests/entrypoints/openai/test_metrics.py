@@ -18,7 +18,7 @@ from tengyun.config import EngineConfig
 from tengyun.engine.llm_engine import EngineStats
 from tengyun.entrypoints.openai.metrics import EngineMetrics, StatLogger, buckets_1_2_5
 from tengyun.entrypoints.openai.vllm_metrics import add_metrics_args, hidden_shown
-from tengyun.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tengyun.outputs import RequestMetrics, RequestProgress
 
 MODEL = "tiny-llama"
 
@@ -29,12 +29,11 @@ def stats(running=0, waiting=0, kv=0.0, queries=0, hits=0, preemptions=0, prompt
                        generation_tokens=generation, num_kv_blocks=64)
 
 
-def output(request_id, n_tokens, times, reasons=None, max_tokens=None) -> RequestOutput:
+def output(request_id, n_tokens, times, reasons=None, max_tokens=None) -> RequestProgress:
     arrival, scheduled, first, last, finished = times
-    completions = [CompletionOutput(i, "x" * n_tokens, list(range(n_tokens)), finish_reason=reason)
-                   for i, reason in enumerate(reasons or [None])]
+    reasons = reasons or [None]
     metrics = RequestMetrics(arrival, scheduled, first, last, finished, max_tokens=max_tokens)
-    return RequestOutput(request_id, None, [1, 2, 3], completions, finished=all(reasons or [None]), metrics=metrics)
+    return RequestProgress(request_id, 3, [n_tokens] * len(reasons), reasons, finished=all(reasons), metrics=metrics)
 
 
 def engine_metrics(**options) -> EngineMetrics:
