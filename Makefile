@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml requirements-dev.txt Makefile
 	# they would send HF's Qwen3.5 through Triton (tests/layers/test_fla_reference.py).
 	$(PY) -m pip install -q --no-deps --target $(VENV)/fla-site fla-core==0.6.0 einops==0.8.2
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	# The compiled CPU decode attention (~25 s; cached under ~/.cache/tengyun/torch_extensions or
+	# $$TORCH_EXTENSIONS_DIR). Without g++ or ninja it says so and CPU attention stays pure PyTorch.
+	$(PY) -m tengyun.layers.attention.cpu_kernels --build
 	touch $@
 
 # The OpenAI-compatible server on the embedded SmolLM2-135M-Instruct; it prints a curl line to try

@@ -1,7 +1,9 @@
-"""Is CPU decode attention memory-bound? Times Tengyun's paged decode attention (gather + two
-batched matmuls, layers/attention/torch_sdpa.py) over 30 layers with their own KV caches (as in a
-real step, so the context comes from DRAM, not cache; SDPA in float32, matmuls in bfloat16),
-against the same gather followed by SDPA (the path before), and against only reading K/V.
+"""Is CPU decode attention memory-bound? Times Tengyun's paged decode attention over 30 layers with
+their own KV caches (as in a real step, so the context comes from DRAM, not cache): the compiled
+kernel that reads blocks in place (cpu_paged, layers/attention/cpu_paged.py; when built), the
+PyTorch path (gather + SDPA in float32, gather + two batched matmuls in bfloat16,
+layers/attention/torch_sdpa.py), the same gather followed by SDPA (the path before), and only
+reading K/V.
 
 SmolLM2-135M's shapes by default: 64 sequences of ~150 tokens, 9 query / 3 KV heads of 64.
 
@@ -16,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tengyun.layers.attention import cpu_kernels
 from tengyun.layers.attention.metadata import AttentionMetadata
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 
@@ -59,9 +62,20 @@ def main() -> None:
         return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=dim ** -0.5,
                                               enable_gqa=True)
 
+    kernel_error = cpu_kernels.load_error()
+    if kernel_error:
+        print(f"no cpu_paged row: {kernel_error}")
+    out = torch.empty_like(q)
+
+    def kernel(k, v):
+        cpu_kernels.paged_decode_attention(out, q, k, v, tables, lens, dim ** -0.5)
+
     rows = []
     for _ in range(2):  # interleaved, best of each
-        rows.append(("decode attention (torch_sdpa backend now)",
+        if not kernel_error:
+            rows.append((f"cpu_paged kernel, in place ({cpu_kernels.isa()})",
+                         best_ms(lambda: [kernel(k, v) for k, v in caches])))
+        rows.append(("torch_sdpa backend (gather, then SDPA / matmuls)",
                      best_ms(lambda: [backend._decode(q, k, v, meta, dim ** -0.5) for k, v in caches])))
         rows.append(("gather + SDPA (before)", best_ms(lambda: [sdpa(k, v) for k, v in caches])))
         rows.append(("read K/V only (sum)", best_ms(lambda: [(k.sum(), v.sum()) for k, v in caches])))

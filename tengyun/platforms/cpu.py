@@ -55,6 +55,18 @@ class CpuPlatform(Platform):
         if not ok:
             logger.debug("mallopt unavailable (not glibc?); keeping the default allocator settings")
 
+    def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
+        """cpu_paged (the compiled decode kernel) when its library is built and loads, else
+        torch_sdpa; one log line says which and why."""
+        from tengyun.layers.attention import cpu_kernels
+
+        reason = cpu_kernels.load_error()
+        if reason:
+            logger.info("Attention backend: torch_sdpa (%s)", reason)
+            return "torch_sdpa"
+        logger.info("Attention backend: cpu_paged (compiled decode kernel, %s)", cpu_kernels.isa())
+        return "cpu_paged"
+
     def linear_kernel(self, dtype):
         from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tengyun import LLM
+from tengyun.layers.attention import cpu_kernels
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.attention.registry import get_attention_backend
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
@@ -83,7 +84,8 @@ def test_the_gated_delta_rule_kernel_is_chosen_only_for_linear_attention(monkeyp
     monkeypatch.setattr(CpuPlatform, "gated_delta_rule_kernel", lambda self: asked.append(1) or TorchGatedDeltaRule())
     plain = CpuPlatform().kernels(torch.float32, 16, "float32")
     assert plain.gated_delta_rule is None and not asked
-    assert (plain.attention.name, plain.layer_ops) == ("torch_sdpa", TORCH_LAYER_OPS)
+    attention = "torch_sdpa" if cpu_kernels.load_error() else "cpu_paged"  # cpu_paged once built
+    assert (plain.attention.name, plain.layer_ops) == (attention, TORCH_LAYER_OPS)
     hybrid = CpuPlatform().kernels(torch.float32, 16, "float32", linear_attention=True)
     assert isinstance(hybrid.gated_delta_rule, TorchGatedDeltaRule) and asked == [1]
     with torch.device("meta"):
@@ -95,5 +97,5 @@ def test_the_gated_delta_rule_kernel_is_chosen_only_for_linear_attention(monkeyp
 def test_attention_backends_by_name():
     assert {name: get_attention_backend(name).name for name in ("torch_sdpa", "npu", "flash_attn")} == {
         "torch_sdpa": "torch_sdpa", "npu": "npu", "flash_attn": "flash_attn"}
-    with pytest.raises(ValueError, match="available: torch_sdpa, npu, flash_attn"):
+    with pytest.raises(ValueError, match="available: torch_sdpa, npu, flash_attn, cpu_paged"):
         get_attention_backend("paged")

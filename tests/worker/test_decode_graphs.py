@@ -83,6 +83,7 @@ def test_moe_models_run_eager_with_one_log_line(tiny_checkpoints, cpu_graphs, ca
 
 
 def test_backends_that_gather_the_context_run_eager(tiny_checkpoints, cpu_graphs, monkeypatch, caplog):
+    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self, *args: "torch_sdpa")  # not cpu_paged
     monkeypatch.setattr(TorchSDPABackend, "supports_decode_graphs", False)
     with caplog.at_level(logging.INFO, logger="tengyun.worker.worker"):
         llm = LLM(str(tiny_checkpoints["llama"]), **ARGS)

@@ -1,0 +1,193 @@
+// CPU paged decode attention: one query token per sequence, K/V read in place from the paged cache
+// (no gather copy), 16-bit caches widened to float32 a row at a time, float32 accumulation.
+//
+// torch.ops.tengyun.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+//   q, out [B, Hq, D] (float32 / bfloat16 / float16, the same dtype); k_cache, v_cache
+//   [num_blocks, block_size, Hkv, D] (float32 / bfloat16 / float16); block_tables [B, max_blocks]
+//   int64 (rows padded with any valid block id); seq_lens [B] int64, tokens to attend over.
+//   Query head h reads KV head h / (Hq / Hkv).
+// torch.ops.tengyun.paged_attention_isa(request) -> the instruction set in use ("avx512", "avx2",
+//   "generic"); a non-empty request switches to that one when this CPU has it (tests).
+//
+// Instruction sets: the build uses no -march flag, so the library loads on any x86-64 (or other)
+// CPU. The kernel is compiled three times (paged_attention_impl.h under `#pragma GCC target`) and
+// the copy to run is chosen at load time from __builtin_cpu_supports, never by what the build
+// host had.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TY_HAVE_X86_COPIES 1
+#include <immintrin.h>
+#else
+#define TY_HAVE_X86_COPIES 0
+#endif
+
+namespace tengyun {
+
+enum class DType { f32, bf16, f16 };
+
+struct Problem {  // one call's raw pointers and sizes (element counts, not bytes)
+  const void* q;
+  void* out;
+  const void* k_cache;
+  const void* v_cache;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  int64_t batch, q_heads, kv_heads, head_dim, block_size;
+  int64_t block_stride;  // elements from one cache block to the next (k_cache.stride(0))
+  int64_t table_stride;  // elements from one block-table row to the next
+  float scale;
+  DType cache_type, io_type;
+  int64_t threads;
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+inline float fp16_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+#if TY_HAVE_X86_COPIES
+#define TY_ISA 512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+namespace avx512 {
+#include "paged_attention_impl.h"
+}  // namespace avx512
+#pragma GCC pop_options
+#undef TY_ISA
+
+#define TY_ISA 256
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#include "paged_attention_impl.h"
+}  // namespace avx2
+#pragma GCC pop_options
+#undef TY_ISA
+#endif
+
+#define TY_ISA 0
+namespace generic {
+#include "paged_attention_impl.h"
+}  // namespace generic
+#undef TY_ISA
+
+enum class Isa { generic, avx2, avx512 };
+
+bool cpu_has(Isa isa) {
+#if TY_HAVE_X86_COPIES
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::generic:
+      return true;
+  }
+  return false;
+#else
+  return isa == Isa::generic;
+#endif
+}
+
+Isa best_isa() { return cpu_has(Isa::avx512) ? Isa::avx512 : cpu_has(Isa::avx2) ? Isa::avx2 : Isa::generic; }
+
+Isa active_isa = best_isa();
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "generic";
+}
+
+std::string paged_attention_isa(const std::string& request) {
+  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512}) {
+    if (request == isa_name(isa)) {
+      TORCH_CHECK(cpu_has(isa), "paged_attention_isa: this CPU lacks ", request);
+      active_isa = isa;
+    }
+  }
+  TORCH_CHECK(request.empty() || request == isa_name(active_isa),
+              "paged_attention_isa: unknown instruction set '", request, "' (avx512, avx2, generic)");
+  return isa_name(active_isa);
+}
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    default: TORCH_CHECK(false, "paged_decode_attention: ", name, " must be float32, bfloat16 or float16, got ",
+                         t.scalar_type());
+  }
+}
+
+void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  for (const at::Tensor* t : {&out, &q, &k_cache, &v_cache, &block_tables, &seq_lens})
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: every tensor must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode_attention: q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: out must be contiguous, of q's shape and dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: k_cache and v_cache must be [num_blocks, block_size, Hkv, D] alike");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              "paged_decode_attention: each cache block must be contiguous");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
+              "paged_decode_attention: q's head dim must match the cache's and Hq be a multiple of Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  block_tables.size(0) >= q.size(0),
+              "paged_decode_attention: block_tables must be int64 [B, max_blocks] with unit column stride");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.dim() == 1 && seq_lens.is_contiguous() &&
+                  seq_lens.size(0) >= q.size(0),
+              "paged_decode_attention: seq_lens must be a contiguous int64 [B]");
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens);
+  const int64_t max_len = block_tables.size(1) * k_cache.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_len, "paged_decode_attention: seq_lens[", b, "] = ", lens[b],
+                " outside [0, ", max_len, "] (block_tables holds ", block_tables.size(1), " blocks per row)");
+  Problem p{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr<int64_t>(), lens, q.size(0), q.size(1), k_cache.size(2), k_cache.size(3),
+            k_cache.size(1), k_cache.stride(0), block_tables.stride(0), static_cast<float>(scale),
+            dtype_of(k_cache, "k_cache"), dtype_of(q, "q"), at::get_num_threads()};
+  if (p.batch == 0) return;
+  switch (active_isa) {
+#if TY_HAVE_X86_COPIES
+    case Isa::avx512: return avx512::run(p);
+    case Isa::avx2: return avx2::run(p);
+#endif
+    default: return generic::run(p);
+  }
+}
+
+}  // namespace tengyun
+
+TORCH_LIBRARY(tengyun, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()");
+  m.def("paged_attention_isa(str request) -> str", &tengyun::paged_attention_isa);
+}
+
+TORCH_LIBRARY_IMPL(tengyun, CPU, m) { m.impl("paged_decode_attention", &tengyun::paged_decode_attention); }

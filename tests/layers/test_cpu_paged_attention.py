@@ -1,0 +1,184 @@
+"""The compiled CPU decode kernel (cpu_paged, tengyun/csrc/paged_attention.cpp) against
+scaled_dot_product_attention over each sequence's own context (test_decode_attention.py's
+reference): random shapes with odd head counts and head dims, GQA / MQA / MHA, contexts that end
+inside a block, length 1, block sizes 16 and 128, float32 / bfloat16 / float16 caches, on every
+instruction-set copy this CPU can run. Then the engine on it (the same greedy tokens as torch_sdpa),
+and the fallback when the library is missing or broken (a fresh process: torch_sdpa, one log line)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tengyun import LLM, SamplingParams
+from tengyun.layers.attention import cpu_kernels
+from tengyun.layers.attention.layer import Attention
+from tengyun.layers.attention.metadata import AttentionMetadata
+from tengyun.layers.attention.registry import get_attention_backend
+from tengyun.platforms.cpu import CpuPlatform
+
+from test_decode_attention import _reference
+
+ISAS = ("avx512", "avx2", "generic")
+SHAPES = [  # (query heads, KV heads, head dim)
+    (9, 3, 64),  # SmolLM2: GQA groups of 3
+    (7, 7, 32),  # MHA, odd
+    (14, 2, 64),  # Qwen2.5-0.5B
+    (5, 1, 24),  # MQA, head dim not a multiple of the vector width
+    (6, 2, 128),  # Qwen3
+    (3, 3, 17),  # odd head dim
+]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernels of this checkout, built first when they are not (a cached build takes < 1 s)."""
+    if cpu_kernels.load_error() is not None:
+        missing = cpu_kernels.build_tools_missing()
+        if missing:
+            pytest.skip(f"cannot build the CPU kernels here: {missing}")
+        cpu_kernels.build()
+        cpu_kernels.load_error.cache_clear()
+    assert cpu_kernels.load_error() is None
+    return cpu_kernels
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, kernels):
+    """Each instruction-set copy this CPU has; the best one again afterwards."""
+    best = kernels.isa()
+    try:
+        torch.ops.tengyun.paged_attention_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU lacks {request.param}")
+    yield request.param
+    torch.ops.tengyun.paged_attention_isa(best)
+
+
+def _random_case(heads, kv_heads, dim, block_size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([1, block_size - 1, block_size, block_size + 1, 2 * block_size + 5, 3])
+    blocks_needed = -(-int(lens.max()) // block_size)
+    num_blocks = lens.numel() * blocks_needed + 3
+    # Each sequence its own blocks, in a shuffled order; rows padded with block 0 past their length.
+    tables = torch.randperm(num_blocks, generator=gen)[: lens.numel() * blocks_needed].view(-1, blocks_needed)
+    for row, length in enumerate(lens.tolist()):
+        tables[row, -(-length // block_size):] = 0
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(lens.numel(), heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
+def test_kernel_matches_sdpa_per_sequence(isa, heads, kv_heads, dim, block_size, dtype):
+    q, k_cache, v_cache, tables, lens = _random_case(heads, kv_heads, dim, block_size, dtype, heads * dim + block_size)
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, dim ** -0.5)
+    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, tables, lens, dim ** -0.5),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_query_and_cache_dtypes_may_differ(kernels, q_dtype, cache_dtype):
+    q, k_cache, v_cache, tables, lens = _random_case(9, 3, 64, 16, cache_dtype, 7)
+    q = q.to(q_dtype)
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, tables, lens, 0.125), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_backend_decodes_as_torch_sdpa_does(kernels, threads):
+    """Through AttentionMetadata, in decode_max_len's static form too; any thread count."""
+    q, k_cache, v_cache, tables, lens = _random_case(14, 2, 64, 16, torch.float32, 3)
+    backend, reference = get_attention_backend("cpu_paged"), get_attention_backend("torch_sdpa")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for static_len in (None, tables.shape[1] * 16):
+            meta = AttentionMetadata(slot_mapping=torch.zeros(6, dtype=torch.int64), num_decode_tokens=6,
+                                     decode_block_tables=tables, decode_seq_lens=lens, decode_max_len=static_len)
+            torch.testing.assert_close(backend._decode(q, k_cache, v_cache, meta, 0.3),
+                                       reference._decode(q, k_cache, v_cache, meta, 0.3))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_bad_arguments_name_what_to_fix(kernels):
+    q, k_cache, v_cache, tables, lens = _random_case(4, 2, 16, 16, torch.float32, 0)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 1000 outside"):
+        kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.full_like(lens, 1000), 1.0)
+    with pytest.raises(RuntimeError, match="block_tables must be int64"):
+        kernels.paged_decode_attention(out, q, k_cache, v_cache, tables.int(), lens, 1.0)
+    with pytest.raises(RuntimeError, match="Hq be a multiple of Hkv"):
+        kernels.paged_decode_attention(out[:, :3].contiguous(), q[:, :3].contiguous(), k_cache, v_cache, tables, lens,
+                                       1.0)
+
+
+def test_cpu_platform_picks_cpu_paged_and_the_engine_gives_torch_sdpas_tokens(kernels, tiny_checkpoints,
+                                                                             monkeypatch, caplog):
+    folder = str(tiny_checkpoints["qwen2"])
+    prompts = [[5, 6, 7], [(3 * i) % 300 + 1 for i in range(40)], list(range(1, 20))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    args = dict(block_size=8, max_model_len=96, kv_cache_memory="1MiB")
+    with caplog.at_level("INFO", logger="tengyun.platforms.cpu"):
+        llm = LLM(folder, **args)
+    assert f"Attention backend: cpu_paged (compiled decode kernel, {kernels.isa()})" in caplog.text
+    assert {m.backend.name for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)} == {
+        "cpu_paged"}
+    got = llm.generate(prompts, params)
+    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self, *args: "torch_sdpa")
+    want = LLM(folder, **args).generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for got_top, want_top in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            for token, entry in want_top.items():
+                assert got_top[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+FRESH_PROCESS = textwrap.dedent("""
+    import json, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    from tengyun import LLM, SamplingParams
+    from tengyun.layers.attention.layer import Attention
+    llm = LLM(sys.argv[1], block_size=8, max_model_len=64, kv_cache_memory="1MiB")
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    names = sorted({m.backend.name for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)})
+    print(json.dumps({"backends": names, "tokens": out[0].outputs[0].token_ids}))
+""")
+
+
+@pytest.mark.parametrize("library", ["missing", "broken"])
+def test_without_a_loadable_library_the_pytorch_path_runs_and_says_why(tiny_checkpoints, tmp_path, library):
+    """A fresh process whose kernel folder holds nothing, or a file that is no shared library."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    expected = {"missing": "the CPU kernels are not built", "broken": "failed to load"}[library]
+    if library == "broken":
+        probe = "from tengyun.layers.attention import cpu_kernels; print(cpu_kernels.library_path())"
+        path = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        broken = Path(path.stdout.strip())
+        broken.parent.mkdir(parents=True)
+        broken.write_bytes(b"not an ELF file")
+    folder = str(tiny_checkpoints["llama"])
+    run = subprocess.run([sys.executable, "-c", FRESH_PROCESS, folder], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["backends"] == ["torch_sdpa"]
+    [line] = [line for line in run.stderr.splitlines() if "Attention backend:" in line]
+    assert line.startswith("tengyun.platforms.cpu: Attention backend: torch_sdpa (") and expected in line
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert result["tokens"] == LLM(folder, block_size=8, max_model_len=64, kv_cache_memory="1MiB").generate(
+        [[5, 6, 7, 8]], params)[0].outputs[0].token_ids
