@@ -56,14 +56,14 @@ DIE_WHEN_FILE_EXISTS = """
 import os, sys
 from tengyun.engine.llm_engine import LLMEngine
 
-real_step = LLMEngine.step
+real_step = LLMEngine.step_with_progress  # what the server's engine loop calls each step
 
 def step(self):
     if os.path.exists(os.environ["DIE_FILE"]):
         raise RuntimeError("injected device failure")
     return real_step(self)
 
-LLMEngine.step = step
+LLMEngine.step_with_progress = step
 from tengyun.entrypoints.openai.api_server import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -106,7 +106,7 @@ def test_health_is_503_until_warm_and_after_the_engine_dies(server_model):  # no
                 assert state.ready and (await http.get("/health")).status_code == 200
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
                 assert state.exit_code() is None
-                state.engine.engine.step = boom
+                state.engine.engine.step_with_progress = boom
                 assert_error(await http.post("/v1/completions", json=body), 503, "injected device failure")
                 assert_error(await http.get("/health"), 503, "injected device failure")
                 assert state.exit_code() == 1
