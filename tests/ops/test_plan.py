@@ -152,17 +152,20 @@ def test_plan_command_prints_the_arithmetic_and_json():
 
 def test_plan_command_defaults_are_the_engines_on_the_planned_device():
     """--block-size and --dtype auto as `tengyun serve` resolves them on --device (npu by default:
-    128-token blocks, the checkpoint's bfloat16; cpu: 16-token blocks, float32), and the engine's
-    flags with the engine's checks."""
+    128-token blocks, the checkpoint's bfloat16; cpu: 16-token blocks, bf16 where native), and the
+    engine's flags with the engine's checks."""
     def report(*args):
         proc = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "plan",
                                str(FIXTURES / "qwen3_0_6b"), "--json", *args],
                               capture_output=True, text=True, timeout=120)
         return json.loads(proc.stdout) if proc.stdout else proc
 
+    from tengyun.platforms.cpu import native_bf16
+
     npu, cpu = report(), report("--device", "cpu", "--kv-cache-memory", "4GiB")
     assert (npu["device"], npu["block_size"], npu["dtype"]) == ("npu", 128, "bfloat16")
-    assert (cpu["device"], cpu["block_size"], cpu["dtype"]) == ("cpu", 16, "float32")
+    # The fixture's checkpoint is bf16: bf16 on CPU where this host multiplies it natively.
+    assert (cpu["device"], cpu["block_size"], cpu["dtype"]) == ("cpu", 16, "bfloat16" if native_bf16() else "float32")
     assert report("--kv-cache-memory", "4GiB")["device"] == "cpu"
     assert report("--dtype", "bf16", "--device", "cpu")["dtype"] == "bfloat16"
     bad = report("--block-size", "12")
