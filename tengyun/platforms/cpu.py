@@ -51,6 +51,11 @@ class CpuPlatform(Platform):
         if not ok:
             logger.debug("mallopt unavailable (not glibc?); keeping the default allocator settings")
 
+    def step_threads(self, world_size: int):
+        from tengyun.platforms.cpu_threads import model_step_threads
+
+        return model_step_threads(world_size)
+
     def linear_kernel(self, dtype):
         from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
 
