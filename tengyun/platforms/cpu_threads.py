@@ -26,6 +26,7 @@ whose step times include waiting for the other ranks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import statistics
@@ -35,6 +36,8 @@ from collections.abc import Callable, Iterator
 logger = logging.getLogger(__name__)
 
 USER_THREADS_ENV = "OMP_NUM_THREADS"
+OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")  # file name prefixes
+OMP_PAUSE_SOFT = 1
 INFO_EVERY_S = 60.0  # changes log at INFO at most this often, the others at DEBUG
 MAX_RESTARTS = 4  # probes cut short by a change of step size before one is skipped
 
@@ -51,7 +54,7 @@ class ThreadTuner:
         # count would cost more than the probe can win back (1.3 s of SmolLM2 prefill at 2048 tokens).
         self.max_probe_tokens = max_probe_tokens
         self._interval = first_interval
-        self._until_probe = warmup_steps  # steady steps left before the next probe starts
+        self._until_probe = warmup_steps  # steady steps left before the next probe (start_from resets it)
         self._schedule: list[int] = []  # thread counts of the probe steps still to run
         self._samples: dict[int, list[float]] = {}  # thread count -> seconds per token, this probe
         self._probe_tokens = 0  # the first probe step's size; the others must be within size_tolerance
@@ -108,7 +111,9 @@ class ThreadTuner:
     def start_from(self, seconds: dict[int, float]) -> None:
         """Choose the count before the first step from a timed workload (``seconds`` per count):
         the first steps are often the largest (prefill), which no probe may run at a trial count."""
-        self._choose(seconds, "a start-up check")
+        changed = self._choose(seconds, "a start-up check")
+        self._interval = self.first_interval if changed else self.first_interval * 2
+        self._until_probe = self._interval
 
     def _decide(self) -> None:
         medians = {n: statistics.median(s) for n, s in self._samples.items()}
@@ -162,9 +167,10 @@ def user_thread_count() -> int | None:
 
 
 def time_thread_counts(counts: list[int], set_threads: Callable[[int], None], rounds: int = 3) -> dict[int, float]:
-    """Median seconds of a fixed workload at each count, rounds interleaved (~15 ms a round on 2
-    cores): the ops a decode step is made of, a matmul and an element-wise op per layer, with
-    rows growing with the cores so each thread gets the same share."""
+    """Median seconds of a fixed workload at each count, rounds interleaved (~10 ms a round on 2
+    quiet cores; fewer rounds once one count takes under half the time of another): the ops a
+    decode step is made of, matmuls and element-wise ops, with rows growing with the cores so
+    each thread gets the same share."""
     import torch
 
     rows = 16 * max(counts)
@@ -179,7 +185,10 @@ def time_thread_counts(counts: list[int], set_threads: Callable[[int], None], ro
                     torch.mm(x, w)
                     torch.nn.functional.silu(h).mul_(h)
                 times[n].append(time.perf_counter() - started)
-    return {n: statistics.median(t) for n, t in times.items()}
+            medians = {n: statistics.median(t) for n, t in times.items()}
+            if min(medians.values()) < 0.5 * max(medians.values()):
+                break
+    return medians
 
 
 class StepThreads:
@@ -204,6 +213,27 @@ class StepThreads:
         started = time.perf_counter()
         yield
         self.tuner.record(threads, time.perf_counter() - started, tokens)
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP thread pool (omp_pause_resource_all, OpenMP 5.0) -> whether
+    the runtime did. libgomp keeps a pool per thread that ran a parallel op, and while the pools
+    together hold more threads than there are cores, all of them stop spinning after 100
+    iterations instead of ~300,000: a model built in one thread and stepped in another (an
+    AsyncLLMEngine made in the main thread) ran 22% slower on 2 quiet cores (benchmarks/README.md,
+    "A busy core"). The next parallel op in this thread starts a new pool."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.count(" ") >= 5 and "/" in line}
+    except OSError:
+        return False
+    runtime = next((p for p in sorted(paths) if os.path.basename(p).startswith(OPENMP_RUNTIMES)), None)
+    if runtime is None:
+        return False
+    try:
+        return ctypes.CDLL(runtime).omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def model_step_threads(world_size: int, threads: int | None = None) -> StepThreads | None:

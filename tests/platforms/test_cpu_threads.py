@@ -5,14 +5,16 @@ in the thread that runs the step."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 
 import pytest
 import torch
 
 from tengyun import LLM, SamplingParams
 from tengyun.platforms.cpu_threads import (
-    MAX_RESTARTS, StepThreads, ThreadTuner, model_step_threads, time_thread_counts,
+    MAX_RESTARTS, StepThreads, ThreadTuner, model_step_threads, release_openmp_pool, time_thread_counts,
 )
 
 
@@ -130,9 +132,10 @@ def test_a_start_up_check_chooses_the_count_the_first_steps_run_with(caplog):
     assert checked == [([1, 2], threading.get_ident())]  # once, before the first step, in its thread
     assert tuner.threads == 1
     assert "OpenMP threads 2 -> 1: 1 thread 10.00 ms, 2 threads 50.00 ms, a start-up check" in caplog.text
-    tuner = ThreadTuner(2)
-    tuner.start_from({1: 0.020, 2: 0.011})
+    tuner = ThreadTuner(2, first_interval=8)
+    tuner.start_from({1: 0.020, 2: 0.011})  # kept: the first probe comes after twice the interval
     assert tuner.threads == 2
+    assert run_steps(tuner, {2: 1.0, 1: 1.6}, steps=17) == [2] * 16 + [1]
 
 
 def test_the_start_up_check_times_every_count_it_is_given():
@@ -147,11 +150,15 @@ def test_the_start_up_check_times_every_count_it_is_given():
 def test_the_count_applies_in_the_thread_that_runs_the_step():
     """torch.set_num_threads acts on the calling thread's OpenMP pool: the engine thread of
     `tengyun serve` must set its own, not inherit what the loading thread chose."""
-    original = torch.get_num_threads()
-    tuner = ThreadTuner(2, warmup_steps=0)  # its first step is a probe step at 1 thread
+    class RecordingTuner(ThreadTuner):
+        def record(self, threads: int, seconds: float, tokens: int) -> None:
+            recorded.append((threads, tokens))
+            super().record(threads, seconds, tokens)
+
+    original, recorded, seen = torch.get_num_threads(), [], []
+    tuner = RecordingTuner(2)  # the start-up check below finds 1 thread faster
     step_threads = StepThreads(tuner, torch.get_num_threads, torch.set_num_threads,
-                               time_counts=lambda counts, set_threads: {n: 1.0 for n in counts})
-    seen = []
+                               time_counts=lambda counts, set_threads: {1: 0.01, 2: 0.05})
 
     def engine_thread():
         with step_threads(8):
@@ -164,8 +171,35 @@ def test_the_count_applies_in_the_thread_that_runs_the_step():
         worker.join()
     finally:
         torch.set_num_threads(original)
-    assert seen == [1]
-    assert tuner.next_threads(8) == 2  # the step was recorded: the probe moved on to its next count
+    assert seen == [1] and recorded == [(1, 8)]
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="an OpenMP pool needs 2 threads")
+def test_releasing_the_openmp_pool_ends_its_threads():
+    """The building thread's pool must go, or libgomp throttles the stepping thread's (two pools
+    hold more threads than there are cores)."""
+    def threads_in_process() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    def run_in_fresh_thread(fn):
+        result = []
+        worker = threading.Thread(target=lambda: result.append(fn()))
+        worker.start()
+        worker.join()
+        return result[0]
+
+    def build_then_release() -> tuple[int, int, bool]:
+        torch.set_num_threads(2)
+        torch.ones(512, 512) @ torch.ones(512, 512)  # this thread's pool: one more thread
+        with_pool = threads_in_process()
+        released = release_openmp_pool()
+        deadline = time.monotonic() + 5
+        while threads_in_process() >= with_pool and time.monotonic() < deadline:
+            time.sleep(0.01)  # the pool's threads exit on their own
+        return with_pool, threads_in_process(), released
+
+    with_pool, after, released = run_in_fresh_thread(build_then_release)
+    assert released and after == with_pool - 1
 
 
 def test_the_engine_steps_through_the_tuner_unless_omp_num_threads_is_set(tiny_checkpoints, monkeypatch, caplog):
@@ -174,10 +208,9 @@ def test_the_engine_steps_through_the_tuner_unless_omp_num_threads_is_set(tiny_c
     args = dict(block_size=8, max_model_len=64, max_num_seqs=4, kv_cache_memory="1MiB")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     llm = LLM(folder, **args)
-    if torch.get_num_threads() > 1:  # a start-up check, 2 warm-up steps, then a 4-step probe
+    if torch.get_num_threads() > 1:
         llm.generate(["The quick brown fox"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         decisions = [r.message for r in caplog.records if r.message.startswith("OpenMP threads ")]
-        assert "a start-up check" in decisions[0]
-        assert any("per token" in m for m in decisions[1:])
+        assert len(decisions) == 1 and "a start-up check" in decisions[0]  # probes come 32+ steps later
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert LLM(folder, **args).llm_engine.executor.step_threads is None
