@@ -1,14 +1,19 @@
-"""The OpenMP thread count of the CPU model thread, chosen by timing model steps.
+"""The OpenMP thread count of the CPU model thread, chosen by timing.
 
 torch's OpenMP threads (libgomp here) spin at the barrier that ends every parallel op, a few
 hundred per step. When another process keeps one of the cores busy, the model thread that
 shares that core runs only in the time slices the scheduler gives it, and every op waits for
-it: SmolLM2 on this machine's 2 cores made 41 output tok/s with a spinner on core 1 against
-151-161 quiet (benchmarks/README.md, "A busy core"). One thread fewer then runs near its quiet
-speed, but on a quiet machine it is the slower choice. Which one wins is measured, not
-guessed (a core busy with a niced process costs little, and /proc/stat cannot tell):
-``ThreadTuner`` times steps at the current count and its neighbours now and then, and keeps
-the fastest.
+it: SmolLM2 (16 x 128/32) made 65 output tok/s with a spinner on core 1 of this machine's 2
+against 217 quiet, one thread 126 (benchmarks/README.md, "A busy core"). One thread fewer then
+runs near its quiet speed, but on a quiet machine it is the slower choice. Which one wins is
+measured, not guessed (a core busy with a niced process costs little, and /proc/stat cannot
+tell):
+
+- before the first step, ``time_thread_counts`` times a fixed matmul + element-wise workload
+  at the current count and one fewer (~30 ms), because the first steps are often the largest
+  (prefill) and no probe runs those at a trial count;
+- then ``ThreadTuner`` times decode steps at the current count and its neighbours now and
+  then, and keeps the fastest.
 
 Probe schedule, 2 cores, at 2 threads: [1, 2, 1, 2] (alternating, so drift in the load hits
 both counts); the faster count by seconds per scheduled token wins if it beats the current
@@ -43,6 +48,9 @@ MAX_RESTARTS = 4  # probes cut short by a change of step size before one is skip
 
 
 class ThreadTuner:
+    """Which thread count the next step runs with, from the times of the steps before (pure
+    Python: fed (count, seconds, tokens) per step)."""
+
     def __init__(self, max_threads: int, probe_pairs: int = 2, warmup_steps: int = 2, first_interval: int = 32,
                  max_interval: int = 1024, margin: float = 0.05, size_tolerance: float = 1.25, jump: float = 1.5,
                  max_probe_tokens: int = 256):
