@@ -123,7 +123,9 @@ def parent(args) -> None:
 
     systems = list(SYSTEMS[:2]) if args.systems == "both" else args.systems.split(",")
     folder = str(resolve_model(MODELS[args.model], "auto").folder)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)  # fixed; unset, Tengyun tunes its count at run time
     results: dict[str, list[dict]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory() as tmp:
         workload = os.path.join(tmp, "workload.jsonl")
@@ -147,7 +149,7 @@ def parent(args) -> None:
 
 def _print_table(args, results) -> None:
     print(f"\nmodel={args.model} prompts={args.num_prompts} in={args.input_len} out={args.output_len} "
-          f"{args.dtype} OMP_NUM_THREADS={args.threads} repeats={args.repeats}")
+          f"{args.dtype} OMP_NUM_THREADS={args.threads or 'unset'} repeats={args.repeats}")
     print("| system | output tok/s | total tok/s | wall s | TTFT mean / p99 s | TPOT mean / p99 ms | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|")
     rates = {}
@@ -176,7 +178,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="OMP_NUM_THREADS for every system; 0 = unset (each system's own default)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--systems", default="both",
                         help="both (tengyun,hf) or a comma list of tengyun, hf, vllm")

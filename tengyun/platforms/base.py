@@ -52,6 +52,13 @@ class Platform:
     def init_process(self) -> None:
         """Process-wide tuning done once by the worker before the model is built."""
 
+    def step_threads(self, world_size: int):
+        """Called once by the worker in the thread that built the model, after building it. ->
+        None, or a callable the worker wraps each model step in, in the thread that runs it
+        (``with step_threads(num_tokens): ...``): CPU picks its OpenMP thread count from step
+        times there (platforms/cpu_threads.py). ``world_size``: ranks of this engine."""
+        return None
+
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device."""
         raise NotImplementedError

@@ -67,6 +67,15 @@ class CpuPlatform(Platform):
         logger.info("Attention backend: cpu_paged (compiled decode kernel, %s)", cpu_kernels.isa())
         return "cpu_paged"
 
+    def step_threads(self, world_size: int):
+        """Also frees the building thread's OpenMP pool, so that the thread that runs the steps
+        (serve's engine thread, or this one again) owns the only one (cpu_threads.py)."""
+        from tengyun.platforms.cpu_threads import model_step_threads, release_openmp_pool
+
+        if not release_openmp_pool():
+            logger.debug("No OpenMP runtime answered omp_pause_resource_all; the building thread keeps its pool")
+        return model_step_threads(world_size)
+
     def linear_kernel(self, dtype):
         from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
 

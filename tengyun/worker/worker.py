@@ -51,6 +51,7 @@ class Worker:
         graphs = self._use_decode_graphs()
         self.state_cache, self.kv_cache = self._allocate_caches(extra=int(graphs))
         self.runner = self._build_runner(graphs)
+        self.step_threads = self.platform.step_threads(rank.world_size if rank else 1)
 
     def _init_device(self) -> tuple[Platform, torch.device]:
         """This process's device made current, pinned near it (NUMA), tuned, joined to the other ranks."""
@@ -178,7 +179,10 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput,
                       sampled_elsewhere: dict[int, int] | None = None) -> ModelRunnerOutput | None:
-        return self.runner.execute(sched, sampled_elsewhere)
+        if self.step_threads is None:
+            return self.runner.execute(sched, sampled_elsewhere)
+        with self.step_threads(sched.total_num_scheduled_tokens):
+            return self.runner.execute(sched, sampled_elsewhere)
 
     def check_health(self) -> None:
         """The single-process worker lives in the engine's process: nothing can die separately."""

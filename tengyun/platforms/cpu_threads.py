@@ -1,0 +1,265 @@
+"""The OpenMP thread count of the CPU model thread, chosen by timing.
+
+torch's OpenMP threads (libgomp here) spin at the barrier that ends every parallel op, a few
+hundred per step. When another process keeps one of the cores busy, the model thread that
+shares that core runs only in the time slices the scheduler gives it, and every op waits for
+it: SmolLM2 (16 x 128/32) made 65 output tok/s with a spinner on core 1 of this machine's 2
+against 217 quiet, one thread 126 (benchmarks/README.md, "A busy core"). One thread fewer then
+runs near its quiet speed, but on a quiet machine it is the slower choice. Which one wins is
+measured, not guessed (a core busy with a niced process costs little, and /proc/stat cannot
+tell):
+
+- before the first step, ``time_thread_counts`` times a fixed matmul + element-wise workload
+  at the current count and one fewer (~30 ms), because the first steps are often the largest
+  (prefill) and no probe runs those at a trial count;
+- then ``ThreadTuner`` times decode steps at the current count and its neighbours now and
+  then, and keeps the fastest.
+
+Probe schedule, 2 cores, at 2 threads: [1, 2, 1, 2] (alternating, so drift in the load hits
+both counts); the faster count by seconds per scheduled token wins if it beats the current
+one by ``margin``. Only steps of at most ``max_probe_tokens`` tokens take part (decode steps:
+a prefill chunk at the slower count costs more than a probe wins back), and a probe whose
+step sizes differ by more than ``size_tolerance`` restarts (batch sizes changed). After a probe
+that keeps the count the next one waits twice as long (``first_interval`` .. ``max_interval``
+steps); a change, or a step ``jump``x slower or faster per token than the count measured at
+its last probe, brings the next probe forward.
+
+OMP_NUM_THREADS set by the user fixes the count (no tuning); so does a multi-rank worker,
+whose step times include waiting for the other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+logger = logging.getLogger(__name__)
+
+USER_THREADS_ENV = "OMP_NUM_THREADS"
+OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")  # file name prefixes
+OMP_PAUSE_SOFT = 1
+INFO_EVERY_S = 60.0  # changes log at INFO at most this often, the others at DEBUG
+MAX_RESTARTS = 4  # probes cut short by a change of step size before one is skipped
+
+
+class ThreadTuner:
+    """Which thread count the next step runs with, from the times of the steps before (pure
+    Python: fed (count, seconds, tokens) per step)."""
+
+    def __init__(self, max_threads: int, probe_pairs: int = 2, warmup_steps: int = 2, first_interval: int = 32,
+                 max_interval: int = 1024, margin: float = 0.05, size_tolerance: float = 1.25, jump: float = 1.5,
+                 max_probe_tokens: int = 256):
+        self.max_threads = max_threads
+        self.threads = max_threads  # the chosen count, run outside probes
+        self.probe_pairs, self.margin, self.size_tolerance, self.jump = probe_pairs, margin, size_tolerance, jump
+        self.first_interval, self.max_interval = first_interval, max_interval
+        # Larger steps (prefill chunks) never run at a trial count: one of them at the slower
+        # count would cost more than the probe can win back (1.3 s of SmolLM2 prefill at 2048 tokens).
+        self.max_probe_tokens = max_probe_tokens
+        self._interval = first_interval
+        self._until_probe = warmup_steps  # steady steps left before the next probe (start_from resets it)
+        self._schedule: list[int] = []  # thread counts of the probe steps still to run
+        self._samples: dict[int, list[float]] = {}  # thread count -> seconds per token, this probe
+        self._probe_tokens = 0  # the first probe step's size; the others must be within size_tolerance
+        self._in_probe_step = False  # the step next_threads answered for is a probe step
+        self._reference: tuple[int, float] | None = None  # (tokens, s/token) of self.threads at the last probe
+        self._outliers = 0  # consecutive steady steps off the reference by more than ``jump``
+        self._restarts = 0  # probes restarted in a row because step sizes changed
+        self._last_info = -INFO_EVERY_S  # time.monotonic() of the last change logged at INFO
+
+    def next_threads(self, tokens: int) -> int:
+        """The thread count the next step, of ``tokens`` scheduled tokens, runs with (a probe starts
+        when one is due and the step is small enough)."""
+        self._in_probe_step = False
+        if tokens > self.max_probe_tokens or self.max_threads == 1:
+            return self.threads
+        if self._schedule and self._samples and not _similar(tokens, self._probe_tokens, self.size_tolerance):
+            self._restart_probe()  # the workload changed shape: start over from this step
+        elif not self._schedule and self._until_probe <= 0:
+            self._start_probe()
+        self._in_probe_step = bool(self._schedule)
+        return self._schedule[0] if self._schedule else self.threads
+
+    def record(self, threads: int, seconds: float, tokens: int) -> None:
+        """The step next_threads(tokens) answered ``threads`` for took ``seconds``."""
+        per_token = seconds / max(tokens, 1)
+        if not self._in_probe_step:
+            self._until_probe -= 1
+            self._watch_for_change(tokens, per_token)
+            return
+        if not self._samples:
+            self._probe_tokens = tokens
+        self._schedule.pop(0)
+        self._samples.setdefault(threads, []).append(per_token)
+        if not self._schedule:
+            self._decide()
+
+    def _start_probe(self) -> None:
+        others = [n for n in self.candidates() if n != self.threads]
+        self._schedule = [n for _ in range(self.probe_pairs) for n in (*others, self.threads)]
+        self._samples = {}
+
+    def _restart_probe(self) -> None:
+        """Start the probe over; after ``MAX_RESTARTS`` in a row give up until the next interval."""
+        self._restarts += 1
+        if self._restarts < MAX_RESTARTS:
+            self._start_probe()
+        else:
+            self._schedule, self._restarts, self._until_probe = [], 0, self._interval
+
+    def candidates(self) -> list[int]:
+        """The counts a probe compares: the current one and one either side, within 1..max_threads."""
+        return [n for n in (self.threads - 1, self.threads, self.threads + 1) if 1 <= n <= self.max_threads]
+
+    def start_from(self, seconds: dict[int, float]) -> None:
+        """Choose the count before the first step from a timed workload (``seconds`` per count):
+        the first steps are often the largest (prefill), which no probe may run at a trial count."""
+        changed = self._choose(seconds, "a start-up check")
+        self._interval = self.first_interval if changed else self.first_interval * 2
+        self._until_probe = self._interval
+
+    def _decide(self) -> None:
+        medians = {n: statistics.median(s) for n, s in self._samples.items()}
+        changed = self._choose(medians, "per token")
+        self._interval = self.first_interval if changed else min(self._interval * 2, self.max_interval)
+        self._until_probe, self._restarts = self._interval, 0
+        self._reference = (self._probe_tokens, medians[self.threads])
+        self._outliers = 0
+
+    def _choose(self, seconds: dict[int, float], what: str) -> bool:
+        """Move to the count with the lowest time unless it beats ours by less than margin -> moved."""
+        best, current = min(seconds, key=seconds.get), self.threads
+        if best == current or seconds[best] >= seconds[current] * (1 - self.margin):
+            logger.debug("OpenMP threads stay %d: %s, %s", current, _describe(seconds), what)
+            return False
+        now = time.monotonic()
+        level = logging.INFO if now - self._last_info >= INFO_EVERY_S else logging.DEBUG
+        self._last_info = now if level == logging.INFO else self._last_info
+        logger.log(level, "OpenMP threads %d -> %d: %s, %s (other processes busy on these cores?)",
+                   current, best, _describe(seconds), what)
+        self.threads = best
+        return True
+
+    def _watch_for_change(self, tokens: int, per_token: float) -> None:
+        """Probe early after 3 like-sized steps in a row ``jump``x off the last probe's time."""
+        if self._reference is None or not _similar(tokens, self._reference[0], self.size_tolerance):
+            return  # prefill chunks, other batch sizes: not comparable
+        ratio = per_token / self._reference[1]
+        self._outliers = self._outliers + 1 if max(ratio, 1 / ratio) > self.jump else 0
+        if self._outliers >= 3:
+            self._until_probe, self._outliers = 0, 0
+
+
+def _similar(a: int, b: int, tolerance: float) -> bool:
+    return max(a, b) <= tolerance * max(min(a, b), 1)
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' * (n != 1)}"
+
+
+def _describe(medians: dict[int, float]) -> str:
+    """{2: 0.0031, 1: 0.0012} -> "1 thread 1.20 ms, 2 threads 3.10 ms"."""
+    return ", ".join(f"{_threads(n)} {medians[n] * 1e3:.2f} ms" for n in sorted(medians))
+
+
+def user_thread_count() -> int | None:
+    """OMP_NUM_THREADS as a count when the user set one ("4", or "4,2" for nested levels), else None."""
+    first = os.environ.get(USER_THREADS_ENV, "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
+def time_thread_counts(counts: list[int], set_threads: Callable[[int], None], rounds: int = 3) -> dict[int, float]:
+    """Median seconds of a fixed workload at each count, rounds interleaved (~10 ms a round on 2
+    quiet cores; fewer rounds once one count takes under half the time of another): the ops a
+    decode step is made of, matmuls and element-wise ops, with rows growing with the cores so
+    each thread gets the same share."""
+    import torch
+
+    rows = 16 * max(counts)
+    x, w, h = torch.randn(rows, 1024), torch.randn(1024, 1024), torch.randn(rows, 4096)
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for n in counts:
+                set_threads(n)
+                started = time.perf_counter()
+                for _ in range(8):
+                    torch.mm(x, w)
+                    torch.nn.functional.silu(h).mul_(h)
+                times[n].append(time.perf_counter() - started)
+            medians = {n: statistics.median(t) for n, t in times.items()}
+            if min(medians.values()) < 0.5 * max(medians.values()):
+                break
+    return medians
+
+
+class StepThreads:
+    """``with step_threads(num_tokens): run_step()`` in the thread that runs the model: applies the
+    tuner's count to that thread's OpenMP pool (torch.set_num_threads is per calling thread once
+    that thread has run a parallel op) and times the step for the tuner. Before the first step
+    it times each candidate count on a fixed workload (``time_counts``) to start from the best."""
+
+    def __init__(self, tuner: ThreadTuner, get_threads: Callable[[], int], set_threads: Callable[[int], None],
+                 time_counts: Callable[[list[int], Callable[[int], None]], dict[int, float]] = time_thread_counts):
+        self.tuner, self._get, self._set = tuner, get_threads, set_threads
+        self._time_counts: Callable | None = time_counts
+
+    @contextlib.contextmanager
+    def __call__(self, tokens: int) -> Iterator[None]:
+        if self._time_counts is not None:
+            self.tuner.start_from(self._time_counts(self.tuner.candidates(), self._set))
+            self._time_counts = None
+        threads = self.tuner.next_threads(tokens)
+        if self._get() != threads:
+            self._set(threads)
+        started = time.perf_counter()
+        yield
+        self.tuner.record(threads, time.perf_counter() - started, tokens)
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP thread pool (omp_pause_resource_all, OpenMP 5.0) -> whether
+    the runtime did. libgomp keeps a pool per thread that ran a parallel op, and while the pools
+    together hold more threads than there are cores, all of them stop spinning after 100
+    iterations instead of ~300,000: a model built in one thread and stepped in another (an
+    AsyncLLMEngine made in the main thread) ran 22% slower on 2 quiet cores (benchmarks/README.md,
+    "A busy core"). The next parallel op in this thread starts a new pool."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.count(" ") >= 5 and "/" in line}
+    except OSError:
+        return False
+    runtime = next((p for p in sorted(paths) if os.path.basename(p).startswith(OPENMP_RUNTIMES)), None)
+    if runtime is None:
+        return False
+    try:
+        return ctypes.CDLL(runtime).omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def model_step_threads(world_size: int, threads: int | None = None) -> StepThreads | None:
+    """The per-step thread tuner for a CPU worker that starts from ``threads`` (torch's count when
+    None), or None where the count stays fixed; logs which."""
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    if user_thread_count() is not None:
+        reason = f"{USER_THREADS_ENV}={os.environ[USER_THREADS_ENV]} fixes the count"
+    elif world_size > 1:
+        reason = f"{world_size} ranks: each rank's step time includes waiting for the others"
+    elif threads == 1:
+        reason = "one core available"
+    else:
+        logger.info("OpenMP: %s (the cores torch found), tuned at run time: a count that runs steps "
+                    "faster replaces it when other processes take cores (set %s to fix the count)",
+                    _threads(threads), USER_THREADS_ENV)
+        return StepThreads(ThreadTuner(threads), torch.get_num_threads, torch.set_num_threads)
+    logger.info("OpenMP: %s, fixed: %s", _threads(threads), reason)
+    return None
