@@ -25,16 +25,9 @@
 #include <cstring>
 #include <string>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TY_HAVE_X86_COPIES 1
-#include <immintrin.h>
-#else
-#define TY_HAVE_X86_COPIES 0
-#endif
+#include "cpu_isa.h"
 
 namespace tengyun {
-
-enum class DType { f32, bf16, f16 };
 
 struct Problem {  // one call's raw pointers and sizes (element counts, not bytes)
   const void* q;
@@ -86,8 +79,6 @@ namespace generic {
 }  // namespace generic
 #undef TY_ISA
 
-enum class Isa { generic, avx2, avx512 };
-
 bool cpu_has(Isa isa) {
 #if TY_HAVE_X86_COPIES
   __builtin_cpu_init();
@@ -106,7 +97,7 @@ bool cpu_has(Isa isa) {
 #endif
 }
 
-Isa best_isa() { return cpu_has(Isa::avx512) ? Isa::avx512 : cpu_has(Isa::avx2) ? Isa::avx2 : Isa::generic; }
+static Isa best_isa() { return cpu_has(Isa::avx512) ? Isa::avx512 : cpu_has(Isa::avx2) ? Isa::avx2 : Isa::generic; }
 
 Isa active_isa = best_isa();
 

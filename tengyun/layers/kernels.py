@@ -23,7 +23,7 @@ from tengyun.layers.linear_kernel import DenseLinearKernel
 class KernelBundle:
     attention: AttentionBackend  # paged attention of every Attention layer (layers/attention/)
     linear: DenseLinearKernel  # matmul of every linear layer and the LM head (linear_kernel.py)
-    layer_ops: TorchLayerOps  # RMSNorm and rotary embedding (layer_ops.py)
+    layer_ops: TorchLayerOps  # RMSNorm, rotary embedding, SiLU-and-mul (layer_ops.py)
     # Gated DeltaNet's recurrence (gated_delta_rule.py); None for a model without those layers.
     gated_delta_rule: GatedDeltaRuleKernel | None
 

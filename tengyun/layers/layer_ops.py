@@ -1,4 +1,4 @@
-"""How RMSNorm and rotary embedding compute: plain PyTorch, or a platform's fused ops.
+"""How RMSNorm, rotary embedding and SiLU-and-mul compute: plain PyTorch, or a platform's fused ops.
 
 The platform picks the ops (``Platform.layer_ops``, one part of ``Platform.kernels``), the
 worker hands them to every layer once weights are loaded (``bind_kernels``, kernels.py), and
@@ -9,6 +9,7 @@ built outside the worker computes as before.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class TorchLayerOps:
@@ -41,8 +42,14 @@ class TorchLayerOps:
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Neox rotation of the rotated part only: q [T, Hq, R], k [T, Hkv, R]; cos, sin
-        [T, 1, R / 2] float32 -> rotated q, k of the same shapes and dtypes, computed in float32."""
+        [T, 1, R / 2] float32 -> rotated q, k of the same shapes and dtypes, computed in float32.
+        A platform's ops may rotate in place: callers use only the returned tensors."""
         return _rotate_neox(q, cos, sin), _rotate_neox(k, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2d] -> [..., d]: silu(x[..., :d]) * x[..., d:], each op rounded to x's dtype."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

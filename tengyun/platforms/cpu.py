@@ -67,6 +67,17 @@ class CpuPlatform(Platform):
         logger.info("Attention backend: cpu_paged (compiled decode kernel, %s)", cpu_kernels.isa())
         return "cpu_paged"
 
+    def layer_ops(self):
+        """The compiled fused ops (cpu_ops.py) when the kernel library loads, else PyTorch's."""
+        from tengyun.layers.attention import cpu_kernels
+        from tengyun.layers.layer_ops import TORCH_LAYER_OPS
+
+        if cpu_kernels.load_error():
+            return TORCH_LAYER_OPS  # attention_backend logs why the library is not there
+        from tengyun.platforms.cpu_ops import CpuFusedLayerOps
+
+        return CpuFusedLayerOps()
+
     def step_threads(self, world_size: int):
         """Also frees the building thread's OpenMP pool, so that the thread that runs the steps
         (serve's engine thread, or this one again) owns the only one (cpu_threads.py)."""

@@ -155,8 +155,10 @@ FRESH_PROCESS = textwrap.dedent("""
     from tengyun.layers.attention.layer import Attention
     llm = LLM(sys.argv[1], block_size=8, max_model_len=64, kv_cache_memory="1MiB")
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    names = sorted({m.backend.name for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)})
-    print(json.dumps({"backends": names, "tokens": out[0].outputs[0].token_ids}))
+    worker = llm.llm_engine.executor
+    names = sorted({m.backend.name for m in worker.model.modules() if isinstance(m, Attention)})
+    ops = type(worker.kernels.layer_ops).__name__
+    print(json.dumps({"backends": names, "layer_ops": ops, "tokens": out[0].outputs[0].token_ids}))
 """)
 
 
@@ -176,7 +178,7 @@ def test_without_a_loadable_library_the_pytorch_path_runs_and_says_why(tiny_chec
                          timeout=300)
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["backends"] == ["torch_sdpa"]
+    assert result["backends"] == ["torch_sdpa"] and result["layer_ops"] == "TorchLayerOps"
     [line] = [line for line in run.stderr.splitlines() if "Attention backend:" in line]
     assert line.startswith("tengyun.platforms.cpu: Attention backend: torch_sdpa (") and expected in line
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tengyun import LLM
+from tengyun.layers.activation import SiluAndMul
 from tengyun.layers.attention import cpu_kernels
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.attention.registry import get_attention_backend
@@ -44,7 +45,7 @@ def test_worker_binds_the_platforms_bundle_to_every_layer(tiny_hybrid_checkpoint
     assert isinstance(kernels, KernelBundle)
     linears = _layers(model, LinearBase) + _layers(model, ParallelLMHead)
     assert linears and all(m.kernel is kernels.linear for m in linears)
-    norms = _layers(model, RMSNorm) + _layers(model, RotaryEmbedding)
+    norms = _layers(model, RMSNorm) + _layers(model, RotaryEmbedding) + _layers(model, SiluAndMul)
     assert norms and all(m.ops is kernels.layer_ops for m in norms)
     assert _layers(model, Attention) and all(m.backend is kernels.attention for m in _layers(model, Attention))
     gdn = _layers(model, GatedDeltaNet)
@@ -57,7 +58,7 @@ def test_layers_built_outside_the_worker_compute_with_pytorch_defaults():
     with torch.device("meta"):
         gdn = GatedDeltaNet(GDN_CONFIG, torch.float32)
     assert isinstance(linear.kernel, DenseLinearKernel) and not isinstance(linear.kernel, OneDNNPackedLinearKernel)
-    assert norm.ops is TORCH_LAYER_OPS and rope.ops is TORCH_LAYER_OPS
+    assert norm.ops is TORCH_LAYER_OPS and rope.ops is TORCH_LAYER_OPS and SiluAndMul().ops is TORCH_LAYER_OPS
     assert isinstance(Attention(2, 8, 1, 0.3).backend, TorchSDPABackend)
     assert isinstance(gdn.kernel, TorchGatedDeltaRule)
     linear.weight.data.normal_()
@@ -84,8 +85,9 @@ def test_the_gated_delta_rule_kernel_is_chosen_only_for_linear_attention(monkeyp
     monkeypatch.setattr(CpuPlatform, "gated_delta_rule_kernel", lambda self: asked.append(1) or TorchGatedDeltaRule())
     plain = CpuPlatform().kernels(torch.float32, 16, "float32")
     assert plain.gated_delta_rule is None and not asked
-    attention = "torch_sdpa" if cpu_kernels.load_error() else "cpu_paged"  # cpu_paged once built
-    assert (plain.attention.name, plain.layer_ops) == (attention, TORCH_LAYER_OPS)
+    built = cpu_kernels.load_error() is None  # the compiled kernels once built, else PyTorch
+    assert plain.attention.name == ("cpu_paged" if built else "torch_sdpa")
+    assert type(plain.layer_ops).__name__ == ("CpuFusedLayerOps" if built else "TorchLayerOps")
     hybrid = CpuPlatform().kernels(torch.float32, 16, "float32", linear_attention=True)
     assert isinstance(hybrid.gated_delta_rule, TorchGatedDeltaRule) and asked == [1]
     with torch.device("meta"):

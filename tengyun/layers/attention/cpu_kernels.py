@@ -34,7 +34,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 NAME = "tengyun_cpu_kernels"
-SOURCES = [Path(__file__).parents[2] / "csrc" / name for name in ("paged_attention.cpp", "paged_attention_impl.h")]
+CSRC = Path(__file__).parents[2] / "csrc"
+COMPILED = [CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp")]  # translation units
+SOURCES = [*COMPILED, *(CSRC / name for name in ("cpu_isa.h", "paged_attention_impl.h", "layer_ops_impl.h"))]
 # -O3 and OpenMP only: no -march (see the module docstring). libgomp.so.1 resolves to the copy torch
 # already loaded, so the kernel's threads are torch's threads (torch.set_num_threads applies).
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
@@ -80,8 +82,8 @@ def build(verbose: bool = False) -> Path:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     # Fresh lists: cpp_extension.load appends to the ones it is given.
-    cpp_extension.load(name=NAME, sources=[str(SOURCES[0])], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                       extra_include_paths=[str(SOURCES[0].parent)], build_directory=str(directory),
+    cpp_extension.load(name=NAME, sources=[str(path) for path in COMPILED], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                       extra_include_paths=[str(CSRC)], build_directory=str(directory),
                        is_python_module=False, verbose=verbose)
     return library_path()
 

@@ -29,7 +29,9 @@ class CpuPagedBackend(TorchSDPABackend):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D] over each row's first decode_seq_lens[b] tokens (padding in
-        decode_block_tables is never read)."""
+        decode_block_tables is never read). q may be a strided view (rotary turns q in place in
+        the qkv projection's output); the kernel reads a contiguous copy, B * Hq * D elements."""
+        q = q.contiguous()
         out = torch.empty_like(q)
         cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_seq_lens, scale)

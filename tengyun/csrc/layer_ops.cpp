@@ -1,0 +1,189 @@
+// Fused element-wise layer ops for CPU: RMSNorm (optionally after the residual add), neox rotary
+// (in place) and SiLU-and-mul, each one pass over memory instead of PyTorch's 4-8 (float32
+// round trips of a bf16 model included). Same arithmetic as tengyun/layers/layer_ops.py's
+// TorchLayerOps (see layer_ops_impl.h for the rounding).
+//
+// torch.ops.tengyun.rms_norm(x, gamma, eps) -> out
+//   x [..., H] with unit last stride (rows may be strided); gamma [H], x's dtype or float32.
+// torch.ops.tengyun.add_rms_norm(x, residual, gamma, eps) -> (out, x + residual)
+// torch.ops.tengyun.rotary_neox_(q, k, cos, sin) -> ()
+//   q [T, Hq, R], k [T, Hkv, R] rotated in place (unit last stride, any token/head strides);
+//   cos, sin [T, R / 2] float32 contiguous.
+// torch.ops.tengyun.silu_and_mul(x) -> out: x [..., 2d] -> silu(x[..., :d]) * x[..., d:].
+// Dtypes: float32, bfloat16, float16.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <tuple>
+
+#include "cpu_isa.h"
+
+namespace tengyun {
+
+struct NormArgs {  // one rms_norm / add_rms_norm call; element counts and strides, not bytes
+  void* out;
+  void* sum_out;  // add_rms_norm only: x + residual, [rows, n] contiguous
+  const void* x;
+  const void* residual;  // nullptr for plain rms_norm
+  const void* gamma;
+  int64_t rows, n, x_stride, residual_stride;
+  float eps;
+  DType dtype, gamma_dtype;
+};
+
+struct RotaryArgs {  // one rotary_neox_ call
+  void* q;
+  void* k;
+  const float* cos;
+  const float* sin;
+  int64_t tokens, q_heads, k_heads, rotary_dim;
+  int64_t q_token_stride, q_head_stride, k_token_stride, k_head_stride;
+  DType dtype;
+};
+
+#if TY_HAVE_X86_COPIES
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+namespace avx512 {
+#include "layer_ops_impl.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#include "layer_ops_impl.h"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+namespace generic {
+#include "layer_ops_impl.h"
+}  // namespace generic
+
+namespace {
+
+DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    default: TORCH_CHECK(false, op, ": ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+// x viewed as [rows, H] with unit last stride and a uniform row stride, copying only when needed.
+at::Tensor as_rows(const at::Tensor& x) {
+  at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+  return rows.stride(-1) == 1 ? rows : rows.contiguous();
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& gamma, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && gamma.device().is_cpu(), op, ": tensors must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && gamma.dim() == 1 && gamma.size(0) == x.size(-1) && gamma.is_contiguous(), op,
+              ": gamma must be a contiguous [H] for x [..., H]");
+  TORCH_CHECK(gamma.scalar_type() == x.scalar_type() || gamma.scalar_type() == at::kFloat, op,
+              ": gamma must have x's dtype or float32");
+}
+
+void run_norm(const NormArgs& a) {
+  switch (active_isa) {
+#if TY_HAVE_X86_COPIES
+    case Isa::avx512: return avx512::rms_norm(a);
+    case Isa::avx2: return avx2::rms_norm(a);
+#endif
+    default: return generic::rms_norm(a);
+  }
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& gamma, double eps) {
+  check_norm(x, gamma, "rms_norm");
+  at::Tensor rows = as_rows(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  NormArgs a{out.data_ptr(), nullptr, rows.data_ptr(), nullptr, gamma.data_ptr(), rows.size(0), rows.size(1),
+             rows.stride(0), 0, static_cast<float>(eps), dtype_of(x, "rms_norm", "x"),
+             dtype_of(gamma, "rms_norm", "gamma")};
+  if (a.rows > 0) run_norm(a);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& gamma, double eps) {
+  check_norm(x, gamma, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                  residual.device().is_cpu(),
+              "add_rms_norm: residual must match x's shape and dtype");
+  at::Tensor rows = as_rows(x), res_rows = as_rows(residual);
+  at::Tensor out = at::empty(x.sizes(), x.options()), sum = at::empty(x.sizes(), x.options());
+  NormArgs a{out.data_ptr(), sum.data_ptr(), rows.data_ptr(), res_rows.data_ptr(), gamma.data_ptr(),
+             rows.size(0), rows.size(1), rows.stride(0), res_rows.stride(0), static_cast<float>(eps),
+             dtype_of(x, "add_rms_norm", "x"), dtype_of(gamma, "add_rms_norm", "gamma")};
+  if (a.rows > 0) run_norm(a);
+  return {out, sum};
+}
+
+void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
+                  q.size(2) % 2 == 0 && q.stride(2) == 1 && k.stride(2) == 1,
+              "rotary_neox_: q [T, Hq, R] and k [T, Hkv, R] with an even R and unit last stride");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_neox_: q and k must have one dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == q.size(0) * (q.size(2) / 2) && sin.numel() == cos.numel(),
+              "rotary_neox_: cos and sin must be contiguous float32 [T, R / 2]");
+  RotaryArgs a{q.data_ptr(), k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0), q.size(1),
+               k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+               dtype_of(q, "rotary_neox_", "q")};
+  if (a.tokens == 0) return;
+  switch (active_isa) {
+#if TY_HAVE_X86_COPIES
+    case Isa::avx512: return avx512::rotary(a);
+    case Isa::avx2: return avx2::rotary(a);
+#endif
+    default: return generic::rotary(a);
+  }
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "silu_and_mul: x must be a CPU [..., 2d]");
+  at::Tensor rows = as_rows(x);
+  const int64_t d = rows.size(1) / 2;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = d;
+  at::Tensor out = at::empty(shape, x.options());
+  const DType dtype = dtype_of(x, "silu_and_mul", "x");
+  if (rows.size(0) == 0 || d == 0) return out;
+  switch (active_isa) {
+#if TY_HAVE_X86_COPIES
+    case Isa::avx512: avx512::silu_and_mul(dtype, out.data_ptr(), rows.data_ptr(), rows.size(0), d, rows.stride(0)); break;
+    case Isa::avx2: avx2::silu_and_mul(dtype, out.data_ptr(), rows.data_ptr(), rows.size(0), d, rows.stride(0)); break;
+#endif
+    default: generic::silu_and_mul(dtype, out.data_ptr(), rows.data_ptr(), rows.size(0), d, rows.stride(0));
+  }
+  return out;
+}
+
+}  // namespace tengyun
+
+TORCH_LIBRARY_FRAGMENT(tengyun, m) {
+  m.def("rms_norm(Tensor x, Tensor gamma, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor gamma, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tengyun, CPU, m) {
+  m.impl("rms_norm", &tengyun::rms_norm);
+  m.impl("add_rms_norm", &tengyun::add_rms_norm);
+  m.impl("rotary_neox_", &tengyun::rotary_neox_);
+  m.impl("silu_and_mul", &tengyun::silu_and_mul);
+}

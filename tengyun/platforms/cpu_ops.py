@@ -1,0 +1,44 @@
+"""RMSNorm, rotary embedding and SiLU-and-mul through the compiled CPU kernels
+(tengyun/csrc/layer_ops.cpp): one pass over memory per op instead of PyTorch's several, with
+no float32 copies of a bf16 activation (``benchmarks/README.md``, "Fused layer ops").
+
+Same arithmetic as ``TorchLayerOps``: float32 inside, rounded where the PyTorch expression
+rounds, so bf16 results are bit-equal up to float32 summation order and the last bit of exp
+(``tests/layers/test_cpu_layer_ops.py``). Rotary turns q and k in place.
+
+``CpuPlatform.layer_ops`` picks these only when the kernel library loads
+(``tengyun.layers.attention.cpu_kernels``); otherwise the PyTorch ops run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tengyun.layers.layer_ops import TorchLayerOps
+
+
+class CpuFusedLayerOps(TorchLayerOps):
+    """The library must be loaded (cpu_kernels.load_error() is None) before this is made."""
+
+    def __init__(self):
+        self.ops = torch.ops.tengyun
+
+    def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, gamma, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm(x, residual, gamma, eps)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place: q [T, Hq, R] and k [T, Hkv, R] views (unit last stride) are rotated where
+        they lie and returned; cos, sin [T, 1, R / 2] float32."""
+        if q.dtype != k.dtype or q.stride(-1) != 1 or k.stride(-1) != 1:
+            return super().rotary(q, k, cos, sin)
+        tokens = q.shape[0]
+        self.ops.rotary_neox_(q, k, cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous())
+        return q, k
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(x)

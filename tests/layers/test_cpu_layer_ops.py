@@ -1,0 +1,97 @@
+"""The compiled fused layer ops (tengyun/csrc/layer_ops.cpp, platforms/cpu_ops.py) against
+PyTorch's (TorchLayerOps, HF's arithmetic): RMSNorm with and without the residual add, with a
+gamma in the model dtype (Llama) and in float32 (Qwen3.5's 1 + w), neox rotary on strided q/k
+views of one qkv tensor (odd head counts, GQA, partial rotary), SiLU-and-mul; float32, bfloat16
+and float16, on every instruction-set copy this CPU runs. 16-bit results may differ from
+PyTorch's by a rounding step where float32 sums were added in another order, two where that
+step is rounded again by the product with a 16-bit gamma."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tengyun.layers.layer_ops import TORCH_LAYER_OPS
+from tengyun.layers.rotary_embedding import RotaryEmbedding
+from tengyun.platforms.cpu_ops import CpuFusedLayerOps
+
+from test_cpu_paged_attention import ISAS, kernels  # noqa: F401 - the build-or-skip fixture
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TWO_STEPS = {torch.float32: 2e-6, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}  # relative
+
+
+@pytest.fixture(params=ISAS)
+def fused(request, kernels):  # noqa: F811
+    """CpuFusedLayerOps on each instruction-set copy this CPU has; the best one again afterwards."""
+    best = kernels.isa()
+    try:
+        torch.ops.tengyun.paged_attention_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU lacks {request.param}")
+    yield CpuFusedLayerOps()
+    torch.ops.tengyun.paged_attention_isa(best)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=TWO_STEPS[actual.dtype], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 896), (5, 17), (130, 64)])
+@pytest.mark.parametrize("wide_gamma", [False, True])
+def test_rms_norm_and_residual_add_match_pytorch(fused, dtype, rows, hidden, wide_gamma):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    # x: every other row of a wider tensor (strided rows, as a slice of a projection's output)
+    x = torch.randn(rows, 2, hidden, generator=gen).to(dtype)[:, 0]
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) - 0.5).to(dtype)
+    gamma_fused = fused.norm_weight(weight, 1.0 if wide_gamma else 0.0)
+    gamma_torch = TORCH_LAYER_OPS.norm_weight(weight, 1.0 if wide_gamma else 0.0)
+    assert gamma_fused.dtype == (torch.float32 if wide_gamma else dtype)
+    _close(fused.rms_norm(x, gamma_fused, 1e-6), TORCH_LAYER_OPS.rms_norm(x, gamma_torch, 1e-6))
+    out, added = fused.add_rms_norm(x, residual, gamma_fused, 1e-5)
+    ref_out, ref_added = TORCH_LAYER_OPS.add_rms_norm(x, residual, gamma_torch, 1e-5)
+    assert torch.equal(added, ref_added)  # one rounding, the same in both
+    _close(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(9, 3, 64, 64), (7, 1, 32, 32), (4, 2, 256, 64),
+                                                                 (3, 3, 18, 18)])
+def test_rotary_matches_pytorch_on_views_of_one_qkv_tensor(fused, dtype, heads, kv_heads, head_dim, rotary_dim):
+    tokens, gen = 11, torch.Generator().manual_seed(heads * head_dim)
+    rope = RotaryEmbedding(head_dim, rotary_dim, 4096, dict(rope_type="default", rope_theta=1e6))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    q, k = qkv[:, : heads * head_dim], qkv[:, heads * head_dim: (heads + kv_heads) * head_dim]
+    expected_q, expected_k = rope(positions, q.clone(), k.clone())  # PyTorch until bound
+    rope.ops = fused
+    got_q, got_k = rope(positions, q, k)
+    _close(got_q, expected_q)
+    _close(got_k, expected_k)
+    v = qkv[:, (heads + kv_heads) * head_dim:]
+    assert torch.equal(v, qkv[:, (heads + kv_heads) * head_dim:])  # v untouched by the in-place turn
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3072), (19, 2 * 4864), (2, 3, 34)])
+def test_silu_and_mul_matches_pytorch(fused, dtype, shape):
+    x = (3 * torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1]))).to(dtype)
+    x[..., 0] = -100.0  # exp's clamped range: silu(-100) is -0.0 in both
+    _close(fused.silu_and_mul(x), TORCH_LAYER_OPS.silu_and_mul(x))
+
+
+def test_bad_arguments_name_what_to_fix(kernels):  # noqa: F811
+    ops = torch.ops.tengyun
+    with pytest.raises(RuntimeError, match="gamma must be a contiguous \\[H\\]"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="gamma must have x's dtype or float32"):
+        ops.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.float16), 1e-6)
+    with pytest.raises(RuntimeError, match="even R"):
+        ops.rotary_neox_(torch.randn(2, 3, 5), torch.randn(2, 1, 5), torch.ones(2, 2), torch.ones(2, 2))
+    with pytest.raises(RuntimeError, match="x must be a CPU \\[..., 2d\\]"):
+        ops.silu_and_mul(torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match="must be float32, bfloat16 or float16"):
+        ops.silu_and_mul(torch.ones(3, 4, dtype=torch.float64))
