@@ -82,8 +82,8 @@ def build(verbose: bool = False) -> Path:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     # Fresh lists: cpp_extension.load appends to the ones it is given.
-    cpp_extension.load(name=NAME, sources=[str(path) for path in COMPILED], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                       extra_include_paths=[str(CSRC)], build_directory=str(directory),
+    cpp_extension.load(name=NAME, sources=[str(path) for path in COMPILED], extra_cflags=list(CFLAGS),
+                       extra_ldflags=list(LDFLAGS), extra_include_paths=[str(CSRC)], build_directory=str(directory),
                        is_python_module=False, verbose=verbose)
     return library_path()
 
