@@ -260,9 +260,14 @@ def nvidia_smi_telemetry() -> CommandOutput | None:
     return run_command(["nvidia-smi", f"--query-gpu={NVIDIA_TELEMETRY_QUERY}", "--format=csv"], timeout=10)
 
 
+def hccn_tool() -> str | None:
+    """The hccn_tool executable (PATH first, then the driver's folder); None when not installed."""
+    return shutil.which("hccn_tool") or (str(HCCN_TOOL) if os.access(HCCN_TOOL, os.X_OK) else None)
+
+
 def hccn_link(device: int) -> CommandOutput | None:
     """`hccn_tool -i DEVICE -link -g` ('link status: UP'); None when hccn_tool is not installed."""
-    tool = shutil.which("hccn_tool") or (str(HCCN_TOOL) if os.access(HCCN_TOOL, os.X_OK) else None)
+    tool = hccn_tool()
     return run_command([tool, "-i", str(device), "-link", "-g"], timeout=10) if tool else None
 
 

@@ -67,7 +67,7 @@ def nvidia_readings(rows: list[GpuTelemetry], visible: str | None) -> list[Devic
 
 
 def parse_meminfo(text: str) -> dict[str, int]:
-    """/proc/meminfo -> {field: bytes}: 'MemTotal:  16318468 kB' -> {'MemTotal': 16710111232}."""
+    """meminfo text (probe.meminfo) -> {field: bytes}: 'MemTotal:  16318468 kB' -> {'MemTotal': 16710111232}."""
     out = {}
     for line in text.splitlines():
         key, sep, rest = line.partition(":")

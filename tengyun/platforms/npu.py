@@ -100,6 +100,8 @@ class NpuPlatform(Platform):
         None when hccn_tool is not installed."""
         from tengyun.ops import probe, smi, telemetry
 
+        if probe.hccn_tool() is None:
+            return None
         ids = telemetry.visible_ids(os.environ.get(self.visible_devices_env))
         status = {}
         for device in sorted(ids) if ids is not None else self.smi_device_ids():
