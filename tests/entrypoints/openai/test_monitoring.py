@@ -86,12 +86,14 @@ def test_starting_server_reports_loading_and_counts_its_503s(server_model):  # n
             assert (await http.post("/v1/completions", json={"prompt": "hi"})).status_code == 503
             detail = await http.get("/health/detail")
             assert detail.status_code == 503
+            documented = (await http.get("/openapi.json")).json()["paths"]["/health/detail"]["get"]["responses"]
+            assert sorted(documented) == ["200", "503"]  # no 401: open with --api-key too
             return detail.json(), (await http.get("/metrics")).text
 
     detail, metrics = asyncio.run(run())
     assert detail["engine"]["state"] == "loading" and detail["reason"].startswith("The server is starting")
     assert detail["devices"] is None  # no sample yet
-    assert 'tengyun:http_responses_total{status="5xx"} 2.0' in metrics
+    assert 'tengyun:http_responses_total{status="5xx"} 2.0' in metrics  # the two 503s
     assert "tengyun:server_ready 0.0" in metrics and "tengyun:device_memory_used_bytes" not in metrics
 
 
