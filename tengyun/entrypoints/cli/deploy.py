@@ -1,9 +1,11 @@
-"""`tengyun deploy systemd|nginx|alerts|prometheus`: print a systemd unit, an nginx config
-(ops/deploy.py), Prometheus alerting rules or a Prometheus scrape config (ops/monitoring.py)."""
+"""`tengyun deploy systemd|nginx|alerts|prometheus|grafana`: print a systemd unit, an nginx config
+(ops/deploy.py), Prometheus alerting rules or a Prometheus scrape config (ops/monitoring.py), or
+a Grafana dashboard (ops/grafana.py)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -14,6 +16,7 @@ from tengyun.entrypoints.openai.request_limits import default_max_request_bytes
 from tengyun.ops.deploy import (
     SECRET_ENV, NginxSite, SystemdUnit, nginx_main_config, nginx_site, secrets_env_file_text, systemd_unit,
 )
+from tengyun.ops.grafana import grafana_dashboard
 from tengyun.ops.monitoring import AlertThresholds, alert_rules, prometheus_config
 
 # Carried into the unit from the shell it is generated in (after `source set_env.sh`).
@@ -121,6 +124,10 @@ def _add_monitoring_parsers(kinds) -> None:
     prometheus.add_argument("--alertmanager", type=_comma_list, default=None, metavar="HOST:PORT,...",
                             help="Alertmanagers to send firing alerts to")
 
+    grafana = kinds.add_parser("grafana", help="a Grafana dashboard (JSON) for the servers and their devices")
+    grafana.add_argument("--job", default=defaults.job, help="the scrape job (default tengyun)")
+    grafana.add_argument("--title", default="Tengyun")
+
 
 def run(args: argparse.Namespace) -> int:
     if args.deploy_kind == "alerts":
@@ -129,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
             ttft_p99_seconds=args.ttft_p99, max_waiting=args.max_waiting, error_ratio=args.max_5xx_ratio,
             not_ready_for=args.not_ready_for, duration=args.duration)
         print(alert_rules(thresholds), end="")
+        return 0
+    if args.deploy_kind == "grafana":
+        print(json.dumps(grafana_dashboard(args.job, args.title), indent=2))
         return 0
     if args.deploy_kind == "prometheus":
         print(prometheus_config(args.targets, args.rules_file, args.job, args.scrape_interval, args.alertmanager),

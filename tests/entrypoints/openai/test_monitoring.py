@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from remote_server import API_KEY, free_port, running_server, server_model  # noqa: F401 (fixture)
 from tengyun.entrypoints.cli.main import main
 from tengyun.entrypoints.openai.device_metrics import DEVICE_GAUGES
+from tengyun.ops.grafana import panel_queries
 from tengyun.ops.monitoring import AlertThresholds, alert_rules_list
 
 PROMETHEUS = shutil.which("prometheus")
@@ -123,6 +124,8 @@ def test_real_prometheus_scrapes_the_server_with_the_generated_config(server, tm
         assert {r["health"] for r in rules} == {"ok"}
         firing = [r["name"] for r in rules if r["state"] != "inactive"]
         assert firing == [], firing  # a healthy idle server trips nothing
+        for promql in panel_queries():  # the Grafana dashboard's queries are valid PromQL (_query checks)
+            _query(api, promql)
     finally:
         prometheus.terminate()
         prometheus.wait(30)
