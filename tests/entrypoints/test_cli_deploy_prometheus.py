@@ -90,3 +90,17 @@ def test_memory_alert_fires_on_a_synthetic_series_above_the_threshold(capsys, tm
 def test_bad_values_exit_2_naming_the_flag(capsys, args, flag):
     assert main(["deploy", *args]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_grafana_dashboard_has_a_panel_per_metric_group_scoped_to_the_selected_instances(capsys):
+    import json
+
+    from tengyun.ops.grafana import panels
+
+    dashboard = json.loads(deploy(capsys, "grafana", "--job", "llm"))
+    assert [p["title"] for p in dashboard["panels"]] == [p.title for p in panels()]
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert exprs and all('job="llm", instance=~"$instance"' in e for e in exprs)
+    cells = {(p["gridPos"]["x"], p["gridPos"]["y"]) for p in dashboard["panels"]}
+    assert len(cells) == len(dashboard["panels"])  # no two panels on the same spot
+    assert dashboard["templating"]["list"][1]["query"] == 'label_values(up{job="llm"}, instance)'
