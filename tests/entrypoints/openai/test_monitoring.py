@@ -163,3 +163,21 @@ def wait_for(read, what: str, process: subprocess.Popen | None = None, timeout: 
             return found
         time.sleep(0.2)
     pytest.fail(f"no {what} within {timeout} s")
+
+
+def test_device_metrics_interval_zero_turns_the_gauges_off_and_negative_is_refused(server_model):  # noqa: F811
+    import argparse
+
+    from prometheus_client import generate_latest
+
+    from tengyun.config import EngineConfig
+    from tengyun.entrypoints.openai.api_server import ServerState
+    from tengyun.entrypoints.openai.cli_args import check_server_args, make_arg_parser
+
+    config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
+    state = ServerState(config, log_stats_interval=None, device_metrics_interval=0)
+    assert state.device_sampler is None and state.health_detail()["devices"] is None
+    assert "tengyun:device_" not in generate_latest(state.metrics.registry).decode()
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([str(server_model), "--device-metrics-interval", "-1"])
+    with pytest.raises(ValueError, match="--device-metrics-interval"):
+        check_server_args(args)
