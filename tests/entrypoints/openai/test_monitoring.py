@@ -181,3 +181,28 @@ def test_device_metrics_interval_zero_turns_the_gauges_off_and_negative_is_refus
     args = make_arg_parser(argparse.ArgumentParser()).parse_args([str(server_model), "--device-metrics-interval", "-1"])
     with pytest.raises(ValueError, match="--device-metrics-interval"):
         check_server_args(args)
+
+
+def test_an_internal_error_counts_as_a_5xx_response(server_model):  # noqa: F811
+    from tengyun.config import EngineConfig
+    from tengyun.entrypoints.openai.api_server import ServerState, build_app
+
+    class Failing:
+        async def create_completion(self, request):
+            raise RuntimeError("injected bug")
+
+    config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
+    state = ServerState(config, log_stats_interval=None)
+    state.ready, state.completion = True, Failing()  # no engine: the route itself fails
+    app = build_app(state)
+
+    async def run():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://tengyun") as http:
+            assert (await http.post("/v1/completions", json={"prompt": "hi"})).status_code == 500
+            assert (await http.get("/health")).status_code == 200
+            return (await http.get("/metrics")).text
+
+    metrics = asyncio.run(run())
+    assert 'tengyun:http_responses_total{status="5xx"} 1.0' in metrics
+    assert 'tengyun:http_responses_total{status="2xx"} 1.0' in metrics  # /health; /metrics counts after it answers
