@@ -250,6 +250,31 @@ def npu_smi_info() -> CommandOutput | None:
     return run_command(COMMANDS["npu-smi info"], timeout=10)
 
 
+# ----- device telemetry of a running server (/metrics device gauges, /health/detail) -----------
+NVIDIA_TELEMETRY_QUERY = "index,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw"
+HCCN_TOOL = ASCEND_ROOT / "driver" / "tools" / "hccn_tool"  # where the driver installs it, often off PATH
+
+
+def nvidia_smi_telemetry() -> CommandOutput | None:
+    """Header + one row per GPU, units in the cells (smi.parse_nvidia_csv reads it)."""
+    return run_command(["nvidia-smi", f"--query-gpu={NVIDIA_TELEMETRY_QUERY}", "--format=csv"], timeout=10)
+
+
+def hccn_tool() -> str | None:
+    """The hccn_tool executable (PATH first, then the driver's folder); None when not installed."""
+    return shutil.which("hccn_tool") or (str(HCCN_TOOL) if os.access(HCCN_TOOL, os.X_OK) else None)
+
+
+def hccn_link(device: int) -> CommandOutput | None:
+    """`hccn_tool -i DEVICE -link -g` ('link status: UP'); None when hccn_tool is not installed."""
+    tool = hccn_tool()
+    return run_command([tool, "-i", str(device), "-link", "-g"], timeout=10) if tool else None
+
+
+def meminfo(path: str = "/proc/meminfo") -> str:
+    return _read(Path(path)) or ""
+
+
 # ----- CPU time of a starting server (`tengyun supervise --start-stall-timeout`) ----------------
 def stat_cpu_ticks(stat: str) -> int:
     """utime + stime + cutime + cstime (fields 14-17) of one /proc/PID/stat line, in clock ticks.

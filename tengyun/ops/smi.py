@@ -25,6 +25,9 @@ class NpuDevice:
     memory_total_mb: int | None
     hbm_used_mb: int | None  # on-chip HBM, when the card has it
     hbm_total_mb: int | None
+    power_w: float | None = None  # None where the tool prints NA
+    temperature_c: float | None = None
+    aicore_percent: float | None = None
 
     @property
     def device_memory_mb(self) -> int | None:
@@ -54,7 +57,7 @@ def parse_npu_smi_info(text: str) -> NpuSmiInfo:
     if match:
         version = match.group(1)
     devices: list[NpuDevice] = []
-    pending: tuple[int, str, str] | None = None  # (npu_id, name, health) of the first row
+    pending: tuple[int, str, str, list[str]] | None = None  # (npu_id, name, health, power/temp cell words)
     in_devices = False
     for line in text.splitlines():
         if not line.strip().startswith("|"):
@@ -75,13 +78,22 @@ def parse_npu_smi_info(text: str) -> NpuSmiInfo:
             pairs = [(int(u), int(t)) for u, t in _USED_TOTAL.findall(cells[2])]
             memory = pairs[0] if pairs else (None, None)
             hbm = pairs[1] if len(pairs) > 1 else (None, None)
-            npu_id, name, health = pending
+            npu_id, name, health, power_temp = pending
             devices.append(NpuDevice(npu_id, int(head[0]), name, health, cells[1].upper(),
-                                     memory[0], memory[1], hbm[0], hbm[1]))
+                                     memory[0], memory[1], hbm[0], hbm[1], _number(power_temp, 0),
+                                     _number(power_temp, 1), _number(cells[2].split(), 0)))
             pending = None
         elif len(head) >= 2 and head[0].isdigit():
-            pending = (int(head[0]), " ".join(head[1:]), cells[1])
+            pending = (int(head[0]), " ".join(head[1:]), cells[1], cells[2].split())
     return NpuSmiInfo(version, devices)
+
+
+def _number(words: list[str], i: int) -> float | None:
+    """words[i] as a float; None when absent or not a number ("NA")."""
+    try:
+        return float(words[i])
+    except (IndexError, ValueError):
+        return None
 
 
 def parse_colon_table(text: str) -> dict[str, str]:
@@ -215,3 +227,46 @@ def parse_nvidia_memory(text: str) -> dict[int, tuple[int, int]]:
             except ValueError:
                 continue
     return out
+
+
+@dataclass(frozen=True)
+class GpuTelemetry:
+    """One row of `nvidia-smi --query-gpu=... --format=csv` (probe.NVIDIA_TELEMETRY_QUERY)."""
+
+    index: int
+    memory_used_mib: float | None  # None where the driver prints [N/A] / [Not Supported]
+    memory_total_mib: float | None
+    utilization_percent: float | None
+    temperature_c: float | None
+    power_w: float | None
+
+
+def parse_nvidia_csv(text: str) -> list[GpuTelemetry]:
+    """`nvidia-smi --query-gpu=FIELDS --format=csv` (header line, units in the cells), read by
+    the header's field names so any field order works; a missing index column numbers rows in
+    order. 'memory.used [MiB]' + '2856 MiB' -> memory_used_mib 2856.0; '[N/A]' -> None."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return []
+    names = [re.sub(r"\s*\[.*\]$", "", h.strip()) for h in lines[0].split(",")]
+    rows = []
+    for order, line in enumerate(lines[1:]):
+        row = dict(zip(names, (cell.strip() for cell in line.split(","))))
+        value = {name: _leading_number(cell) for name, cell in row.items()}
+        index = value.get("index")
+        rows.append(GpuTelemetry(int(index) if index is not None else order, value.get("memory.used"),
+                                 value.get("memory.total"), value.get("utilization.gpu"),
+                                 value.get("temperature.gpu"), value.get("power.draw")))
+    return rows
+
+
+def _leading_number(cell: str) -> float | None:
+    """'106.56 W' -> 106.56, '36 %' -> 36.0, '[N/A]' -> None."""
+    match = re.match(r"^(-?\d+(?:\.\d+)?)", cell)
+    return float(match.group(1)) if match else None
+
+
+def parse_hccn_link(text: str) -> str | None:
+    """`hccn_tool -i N -link -g`: 'link status: UP' -> 'UP' ('DOWN' when down); None otherwise."""
+    match = re.search(r"link status\s*:\s*(\w+)", text, re.IGNORECASE)
+    return match.group(1).upper() if match else None

@@ -74,6 +74,18 @@ class Platform:
         None when it cannot be read. Never initialises a device in the calling process."""
         return None
 
+    def device_readings(self) -> list:
+        """[DeviceReading] (tengyun/ops/telemetry.py) of the devices this server uses on this host,
+        for the /metrics device gauges and /health/detail; [] when nothing is readable. Called
+        by the server's sampler thread, never on a step: it may run npu-smi / nvidia-smi, but
+        never initialises a device in the calling process."""
+        return []
+
+    def link_status(self) -> dict[str, str] | None:
+        """{device: "UP" | "DOWN" | "unknown"} of the collective-communication links where a tool
+        reports them (NPU: hccn_tool); None where there is no such tool."""
+        return None
+
     def capture_graph(self, forward):
         """Record ``forward() -> Tensor`` once; return a function that replays it and returns the
         same output tensor (its values updated). Only where supports_graphs."""
@@ -129,3 +141,19 @@ def fullest_device(usage_mib: dict[int, tuple[int, int]], visible: str | None) -
         return None
     used, total = max(pairs, key=lambda p: p[0] / p[1])
     return used << 20, total << 20
+
+
+def torch_memory_readings(device_type: str) -> list:
+    """[DeviceReading] of this process's current ``device_type`` device ("cuda", "npu") from its
+    runtime's mem_get_info, only where this process already initialised it; else []."""
+    import sys
+
+    from tengyun.ops.telemetry import DeviceReading
+
+    torch = sys.modules.get("torch")
+    runtime = getattr(torch, device_type, None) if torch is not None else None
+    if runtime is None or not getattr(runtime, "is_initialized", lambda: False)():
+        return []
+    index = runtime.current_device()
+    free, total = runtime.mem_get_info(index)
+    return [DeviceReading(f"{device_type}:{index}", total - free, total, None, source="torch")]

@@ -4,8 +4,11 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import time
 
+from tengyun.ops import probe
 from tengyun.ops.probe import cpu_flags, process_tree_rss
+from tengyun.ops.telemetry import CpuUse, cpu_reading, parse_meminfo
 from tengyun.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
@@ -26,6 +29,9 @@ class CpuPlatform(Platform):
     repacks_linear_weights = True  # oneDNN's blocked layout (OneDNNPackedLinearKernel), where available
     kv_cache_in_host_memory = True
     ranks_share_host_cores = True
+
+    def __init__(self):
+        self._cpu_use = CpuUse()  # device_readings' CPU use is measured between two calls
 
     @classmethod
     def auto_dtype(cls, checkpoint_dtype: str | None) -> str:
@@ -100,6 +106,14 @@ class CpuPlatform(Platform):
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         rss = process_tree_rss(pid)
         return None if rss is None else (rss, self.memory_info()[1])
+
+    def device_readings(self) -> list:
+        """One "cpu" reading: this process tree's resident memory out of host RAM, and its CPU use
+        since the previous call over the cores it may run on (None on the first call)."""
+        pid = os.getpid()
+        cpu_s = probe.process_tree_cpu_s(pid)
+        use = None if cpu_s is None else self._cpu_use.ratio(cpu_s, time.monotonic(), len(probe.allowed_cpus()))
+        return [cpu_reading(process_tree_rss(pid), parse_meminfo(probe.meminfo()), use)]
 
 
 def native_bf16() -> bool:

@@ -4,7 +4,7 @@ import functools
 import logging
 import os
 
-from tengyun.platforms.base import Platform, fullest_device
+from tengyun.platforms.base import Platform, fullest_device, torch_memory_readings
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,66 @@ class CudaPlatform(Platform):
         if out is None or out.returncode != 0:
             return None
         return fullest_device(smi.parse_nvidia_memory(out.stdout), os.environ.get(self.visible_devices_env))
+
+    def device_readings(self) -> list:
+        """NVML (nvidia-ml-py) when it imports and finds the driver, else nvidia-smi, else this
+        process's own device through torch. NVML and nvidia-smi number GPUs in PCI order;
+        CUDA_VISIBLE_DEVICES is matched against those numbers (set CUDA_DEVICE_ORDER=PCI_BUS_ID
+        so both agree)."""
+        from tengyun.ops import probe, smi, telemetry
+
+        visible = os.environ.get(self.visible_devices_env)
+        readings = nvml_readings(visible)
+        if readings is None:
+            out = probe.nvidia_smi_telemetry()
+            if out is not None and out.returncode == 0:
+                readings = telemetry.nvidia_readings(smi.parse_nvidia_csv(out.stdout), visible)
+        return readings if readings is not None else torch_memory_readings("cuda")
+
+
+@functools.cache
+def _nvml():
+    """The pynvml module, initialised once per process; None without nvidia-ml-py or a driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        logger.info("NVML unavailable (%s): device gauges come from nvidia-smi", e)
+        return None
+    return pynvml
+
+
+def nvml_readings(visible: str | None) -> list | None:
+    """[DeviceReading] of every GPU NVML lists (limited to ``visible`` ids); None without NVML."""
+    from tengyun.ops.telemetry import DeviceReading, visible_ids
+
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    keep = visible_ids(visible)
+
+    def read(call, *args):  # a value this GPU or driver does not support reads as None
+        try:
+            return call(*args)
+        except nvml.NVMLError:
+            return None
+
+    readings = []
+    for index in range(nvml.nvmlDeviceGetCount()):
+        if keep is not None and index not in keep:
+            continue
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        memory = read(nvml.nvmlDeviceGetMemoryInfo, handle)  # .used / .total in bytes
+        busy = read(nvml.nvmlDeviceGetUtilizationRates, handle)  # .gpu in percent
+        milliwatts = read(nvml.nvmlDeviceGetPowerUsage, handle)
+        readings.append(DeviceReading(
+            f"cuda:{index}", memory and int(memory.used), memory and int(memory.total),
+            busy and busy.gpu / 100.0, read(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+            None if milliwatts is None else milliwatts / 1000.0, None, "nvml"))
+    return readings
 
 
 def _why_not_flash_attn(block_size: int | None, kv_cache_dtype: str | None) -> str | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from tengyun.platforms.base import Platform, fullest_device
+from tengyun.platforms.base import Platform, fullest_device, torch_memory_readings
 
 
 class NpuPlatform(Platform):
@@ -81,3 +81,32 @@ class NpuPlatform(Platform):
             if total:
                 usage[d.npu_id] = (used or 0, total)
         return fullest_device(usage, os.environ.get(self.visible_devices_env))
+
+    def device_readings(self) -> list:
+        """npu-smi (HBM, AI Core use, temperature, power, health per visible chip), else this
+        process's own device through torch_npu's mem_get_info."""
+        from tengyun.ops import probe, smi, telemetry
+
+        out = probe.npu_smi_info()
+        if out is not None and out.returncode == 0:
+            readings = telemetry.npu_readings(smi.parse_npu_smi_info(out.stdout),
+                                              os.environ.get(self.visible_devices_env))
+            if readings:
+                return readings
+        return torch_memory_readings("npu")
+
+    def link_status(self) -> dict[str, str] | None:
+        """`hccn_tool -i N -link -g` for each visible device: {"npu:N": "UP" | "DOWN" | "unknown"};
+        None when hccn_tool is not installed."""
+        from tengyun.ops import probe, smi, telemetry
+
+        if probe.hccn_tool() is None:
+            return None
+        ids = telemetry.visible_ids(os.environ.get(self.visible_devices_env))
+        status = {}
+        for device in sorted(ids) if ids is not None else self.smi_device_ids():
+            out = probe.hccn_link(device)
+            if out is None:
+                return None
+            status[f"npu:{device}"] = (smi.parse_hccn_link(out.stdout) if out.returncode == 0 else None) or "unknown"
+        return status

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 OPS = Path(__file__).parents[2] / "tengyun" / "ops"
-MODULES = ("compat", "doctor", "model_size", "numa", "plan", "probe", "ranktable", "smi")
+MODULES = ("compat", "doctor", "grafana", "model_size", "monitoring", "numa", "plan", "probe", "ranktable", "smi",
+           "telemetry")
 
 
 def test_ops_modules_import_neither_torch_nor_the_engine():

@@ -1,8 +1,11 @@
-"""`tengyun deploy systemd|nginx`: print a systemd unit or an nginx config (ops/deploy.py)."""
+"""`tengyun deploy systemd|nginx|alerts|prometheus|grafana`: print a systemd unit, an nginx config
+(ops/deploy.py), Prometheus alerting rules or a Prometheus scrape config (ops/monitoring.py), or
+a Grafana dashboard (ops/grafana.py)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -13,6 +16,8 @@ from tengyun.entrypoints.openai.request_limits import default_max_request_bytes
 from tengyun.ops.deploy import (
     SECRET_ENV, NginxSite, SystemdUnit, nginx_main_config, nginx_site, secrets_env_file_text, systemd_unit,
 )
+from tengyun.ops.grafana import grafana_dashboard
+from tengyun.ops.monitoring import AlertThresholds, alert_rules, prometheus_config
 
 # Carried into the unit from the shell it is generated in (after `source set_env.sh`).
 ENV_PREFIXES = ("ASCEND_", "HCCL_", "TENGYUN_", "OMP_")
@@ -42,7 +47,8 @@ def _key_value(text: str) -> tuple[str, str]:
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("deploy", help="print a systemd unit or an nginx config for production")
+    parser = subparsers.add_parser("deploy", help="print a systemd unit, an nginx config or Prometheus monitoring "
+                                                  "for production")
     kinds = parser.add_subparsers(dest="deploy_kind", required=True)
 
     unit = kinds.add_parser("systemd", help="a systemd unit for a serve command",
@@ -82,9 +88,62 @@ def add_parser(subparsers) -> None:
     nginx.add_argument("--full-config", metavar="PREFIX", default=None,
                        help="a complete nginx.conf with pid, logs and temp paths under PREFIX "
                             "(default: a conf.d snippet)")
+    _add_monitoring_parsers(kinds)
+
+
+def _comma_list(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _add_monitoring_parsers(kinds) -> None:
+    defaults = AlertThresholds()
+    alerts = kinds.add_parser("alerts", help="Prometheus alerting rules for the servers' /metrics")
+    alerts.add_argument("--job", default=defaults.job, help="the scrape job the rules watch (default tengyun)")
+    alerts.add_argument("--memory-threshold", type=float, default=defaults.memory_ratio,
+                        help="device memory used / total that fires TengyunDeviceMemoryHigh (default 0.95)")
+    alerts.add_argument("--max-temperature", type=float, default=defaults.temperature_celsius,
+                        help="device temperature in C (default 85)")
+    alerts.add_argument("--ttft-p99", type=float, default=defaults.ttft_p99_seconds,
+                        help="SLO for the 99th percentile time to first token, seconds (default 2)")
+    alerts.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
+                        help="SLO for requests waiting to be scheduled (default 10)")
+    alerts.add_argument("--max-5xx-ratio", type=float, default=defaults.error_ratio,
+                        help="fraction of HTTP responses that may be 5xx (default 0.05)")
+    alerts.add_argument("--for", dest="duration", default=defaults.duration,
+                        help="how long a device or SLO condition holds before it fires (default 5m)")
+    alerts.add_argument("--not-ready-for", default=defaults.not_ready_for,
+                        help="how long /health may be 503 (loading, draining) before it fires (default 10m)")
+
+    prometheus = kinds.add_parser("prometheus", help="a prometheus.yml scraping the servers and loading the rules")
+    prometheus.add_argument("--targets", type=_comma_list, required=True, metavar="HOST:PORT,...",
+                            help="the `tengyun serve` instances to scrape")
+    prometheus.add_argument("--rules-file", default="tengyun-alerts.yml",
+                            help="where `tengyun deploy alerts` output is saved (relative: next to prometheus.yml)")
+    prometheus.add_argument("--job", default=defaults.job, help="job_name (default tengyun; match deploy alerts)")
+    prometheus.add_argument("--scrape-interval", default="15s")
+    prometheus.add_argument("--alertmanager", type=_comma_list, default=None, metavar="HOST:PORT,...",
+                            help="Alertmanagers to send firing alerts to")
+
+    grafana = kinds.add_parser("grafana", help="a Grafana dashboard (JSON) for the servers and their devices")
+    grafana.add_argument("--job", default=defaults.job, help="the scrape job (default tengyun)")
+    grafana.add_argument("--title", default="Tengyun")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.deploy_kind == "alerts":
+        thresholds = AlertThresholds(
+            job=args.job, memory_ratio=args.memory_threshold, temperature_celsius=args.max_temperature,
+            ttft_p99_seconds=args.ttft_p99, max_waiting=args.max_waiting, error_ratio=args.max_5xx_ratio,
+            not_ready_for=args.not_ready_for, duration=args.duration)
+        print(alert_rules(thresholds), end="")
+        return 0
+    if args.deploy_kind == "grafana":
+        print(json.dumps(grafana_dashboard(args.job, args.title), indent=2))
+        return 0
+    if args.deploy_kind == "prometheus":
+        print(prometheus_config(args.targets, args.rules_file, args.job, args.scrape_interval, args.alertmanager),
+              end="")
+        return 0
     if args.deploy_kind == "nginx":
         body_bytes = args.max_request_bytes or default_max_request_bytes(args.max_model_len)
         text = nginx_site(NginxSite(args.upstream, args.listen, args.server_name, max_fails=args.max_fails,

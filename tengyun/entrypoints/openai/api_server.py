@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tengyun import __version__
@@ -34,6 +34,7 @@ from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from tengyun.entrypoints.openai.cli_args import (
     check_server_args, load_chat_template, make_arg_parser, resolve_api_key,
 )
+from tengyun.entrypoints.openai.device_metrics import DeviceCollector, DeviceSampler
 from tengyun.entrypoints.openai.metrics import EngineMetrics, StatLogger
 from tengyun.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -41,7 +42,7 @@ from tengyun.entrypoints.openai.protocol import (
 )
 from tengyun.entrypoints.openai.serving_chat import OpenAIServingChat
 from tengyun.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tengyun.entrypoints.openai.middleware import GateMiddleware, RequestTooLarge, error_response
+from tengyun.entrypoints.openai.middleware import GateMiddleware, RequestTooLarge, ResponseCounter, error_response
 from tengyun.entrypoints.openai.openapi_doc import install_openapi
 from tengyun.entrypoints.openai.request_limits import RequestLimits, default_max_request_bytes
 from tengyun.entrypoints.openai.responses import respond, until_disconnect
@@ -50,6 +51,7 @@ from tengyun.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from tengyun.entrypoints.openai.vllm_args import FrontendOptions, check_vllm_server_args
 from tengyun.entrypoints.openai.vllm_routes import add_vllm_routes
 from tengyun.generation_config import sampling_defaults
+from tengyun.platforms import platform_class
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
 from tengyun.tokenizer import get_tokenizer
 
@@ -62,7 +64,7 @@ class ServerState:
                  log_stats_interval: float | None = 10.0, shutdown_timeout: float = 30.0,
                  base_url: str | None = None, chat_options: dict[str, Any] | None = None,
                  limits: RequestLimits | None = None, metrics_options: dict[str, Any] | None = None,
-                 frontend: FrontendOptions | None = None):
+                 frontend: FrontendOptions | None = None, device_metrics_interval: float | None = None):
         self.config = config  # finalized: served_model_name and max_model_len are known
         self.limits = limits or RequestLimits(max_request_bytes=default_max_request_bytes(config.max_model_len),
                                               max_seqs_per_request=config.max_num_seqs)
@@ -86,6 +88,21 @@ class ServerState:
         self.in_flight = 0  # API requests between arrival and their last byte
         self.metrics = EngineMetrics(config, **(metrics_options or {}))  # vllm_aliases, show_hidden_for
         self.stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
+        self._add_server_metrics()
+        # --device-metrics-interval: device gauges sampled off the request path; None or 0: none
+        self.device_sampler = DeviceSampler(platform_class(config.device_type)(), device_metrics_interval) \
+            if device_metrics_interval else None
+        if self.device_sampler:
+            self.metrics.registry.register(DeviceCollector(self.device_sampler))
+
+    def _add_server_metrics(self) -> None:
+        """tengyun:server_ready (1 exactly when /health answers 200) and tengyun:http_responses_total
+        by status class, for the alerting rules (`tengyun deploy alerts`)."""
+        ready = Gauge("tengyun:server_ready", "1 when /health answers 200 (loaded, warm, not draining, engine "
+                      "alive), else 0.", registry=self.metrics.registry)
+        ready.set_function(lambda: float(self.unavailable_reason() is None))
+        self.http_responses = Counter("tengyun:http_responses", "HTTP responses by status class (2xx, 4xx, 5xx).",
+                                      ["status"], registry=self.metrics.registry)
 
     # ----- lifecycle ----------------------------------------------------------------------
     async def start_engine(self) -> None:
@@ -136,6 +153,25 @@ class ServerState:
         return (f"curl {self.base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                 f"-d {shlex.quote(json.dumps(body))}")
 
+    def health_detail(self) -> dict:
+        """GET /health/detail: what /health decides from, plus the engine's load and the devices'
+        latest sample (the sampler's, never read here)."""
+        reason = self.unavailable_reason()
+        engine = self.engine
+        stats = engine.latest_stats if engine is not None else None
+        sample = self.device_sampler.latest if self.device_sampler else None
+        return {
+            "status": "ok" if reason is None else "unavailable", "reason": reason,
+            "engine": {"state": _engine_state(self), "warmed_up": self.ready, "draining": self.draining,
+                       "in_flight": self.in_flight,
+                       **({"running": stats.num_running, "waiting": stats.num_waiting,
+                           "kv_cache_usage": stats.kv_cache_usage, "kv_cache_blocks": stats.num_kv_blocks}
+                          if stats is not None else {})},
+            "device_type": self.config.device_type,
+            "node": self.device_sampler.node if self.device_sampler else None,
+            **(sample.as_json() if sample is not None else {"devices": None, "links": None}),
+        }
+
     def begin_drain(self) -> None:
         self.draining = True
         self.drain_deadline = time.monotonic() + self.shutdown_timeout
@@ -171,6 +207,17 @@ class ServerState:
         return None
 
 
+def _engine_state(state: ServerState) -> str:
+    """"loading" -> "warming_up" -> "running"; "failed" (never started) or "dead" (its loop died)."""
+    if state.load_error is not None:
+        return "failed"
+    if state.engine is None:
+        return "loading"
+    if state.engine.errored:
+        return "dead"
+    return "running" if state.ready else "warming_up"
+
+
 async def _in_daemon_thread(fn: Callable, *args: Any) -> Any:
     """Run fn in a daemon thread, so a SIGTERM during model loading does not wait for it."""
     loop = asyncio.get_running_loop()
@@ -198,9 +245,13 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None, allo
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         tasks = [asyncio.create_task(state.start_engine()), asyncio.create_task(state.log_stats_forever())]
+        if state.device_sampler:
+            state.device_sampler.start()
         try:
             yield
         finally:
+            if state.device_sampler:
+                state.device_sampler.stop()
             for task in tasks:
                 task.cancel()
             if state.engine is not None:
@@ -213,6 +264,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None, allo
     app.root_path = root_path or ""  # --root-path, as vLLM sets it: routes answer with and without the prefix
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
+    app.add_middleware(ResponseCounter, counter=state.http_responses)
     app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
                        allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],
                        allow_credentials=allow_credentials)  # outermost: preflights never need the key
@@ -272,6 +324,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         reason = state.unavailable_reason()
         return Response(status_code=200) if reason is None else error_response(503, reason)
+
+    @app.get("/health/detail")
+    async def health_detail() -> JSONResponse:
+        """Open like /health; the same status code, with what it is made of."""
+        detail = state.health_detail()
+        return JSONResponse(detail, status_code=200 if detail["reason"] is None else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -368,6 +426,7 @@ def run_server(args: argparse.Namespace) -> int:
         limits=RequestLimits.from_args(args, config.max_model_len, config.max_num_seqs),
         metrics_options=EngineMetrics.options_from_args(args),
         frontend=FrontendOptions.from_args(args),
+        device_metrics_interval=args.device_metrics_interval,
     )
     app = build_app(state, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials,
                     args.root_path)

@@ -41,9 +41,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--api-key", default=None,
                        help=f"required as 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize; "
-                            f"/health, /metrics and /version stay open. Visible in ps: prefer --api-key-file "
-                            f"or ${API_KEY_ENV} (without --api-key: --api-key-file, else ${API_KEY_ENV}, "
-                            f"else $VLLM_API_KEY)")
+                            f"/health, /health/detail, /metrics and /version stay open. Visible in ps: prefer "
+                            f"--api-key-file or ${API_KEY_ENV} (without --api-key: --api-key-file, else "
+                            f"${API_KEY_ENV}, else $VLLM_API_KEY)")
     group.add_argument("--api-key-file", default=None, metavar="PATH",
                        help="read the key from the first line of PATH (e.g. a mode 0600 file)")
     group.add_argument("--allowed-origins", type=_list_arg, default=["*"], help='CORS origins, e.g. ["*"]')
@@ -55,6 +55,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="a Jinja chat template, or a file holding one, replacing the tokenizer's")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
     group.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
+    group.add_argument("--device-metrics-interval", type=float, default=5.0, metavar="SECONDS",
+                       help="seconds between device readings for the /metrics device gauges and /health/detail "
+                            "(npu-smi, NVML / nvidia-smi, /proc; in a background thread); 0 turns them off")
     group.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests before aborting them")
@@ -87,6 +90,9 @@ def check_server_args(args: argparse.Namespace) -> None:
     if args.api_key and args.api_key_file:
         raise ValueError("--api-key and --api-key-file both give the key: keep --api-key-file (the other one "
                          "shows the key in ps).")
+    if args.device_metrics_interval < 0:
+        raise ValueError(f"--device-metrics-interval {args.device_metrics_interval:g}: give seconds between device "
+                         f"readings (default 5), or 0 to turn the device gauges off.")
     if args.allow_credentials and "*" in args.allowed_origins:
         # Starlette answers a credentialed request from any Origin by echoing it: every web page a
         # user visits could then call the API with the user's cookies.

@@ -5,8 +5,9 @@ Route classes:
     /v1/*, /tokenize, /detokenize,    all of it
     /invocations, /tokenizer_info
     /docs, /redoc, /openapi.json      the key, when --api-key is set (they describe the API)
-    /health, /metrics, /version,      open: probes and scrapers carry no key
-    /load
+    /health, /health/detail,          open: probes and scrapers carry no key
+    /metrics, /version, /load
+ResponseCounter, outside the gate, counts every response by status class (its refusals too).
 """
 
 from __future__ import annotations
@@ -128,3 +129,32 @@ def _counting(receive, limit: int):
         return message
 
     return counted
+
+
+class ResponseCounter:
+    """Counts HTTP responses by status class ("2xx", "5xx", ...) on ``counter`` (a labelled
+    prometheus Counter); an exception no handler inside turned into a response counts as 5xx
+    (the outermost error handler answers it with a 500)."""
+
+    def __init__(self, app: Any, counter: Any):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counting_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                self.counter.labels(status=f"{message['status'] // 100}xx").inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.counter.labels(status="5xx").inc()
+            raise

@@ -59,6 +59,9 @@ def corrected_schema(app: FastAPI, with_api_key: bool) -> dict[str, Any]:
                 errors.pop("401", None)
             if path == "/health":
                 errors["503"] = API_ERRORS["503"]
+            if path == "/health/detail":  # 503 carries the same JSON as 200, `reason` saying why
+                responses["503"] = {"description": API_ERRORS["503"] + ": the same JSON, `reason` says why",
+                                    "content": {"application/json": {"schema": {"type": "object"}}}}
             for status, description in errors.items():
                 responses.setdefault(status, {"description": description,
                                               "content": {"application/json": {"schema": ERROR_REF}}})
