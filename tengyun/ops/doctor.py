@@ -37,18 +37,21 @@ class Finding:
     status: Status
     detail: str
     fix: str = ""
+    # A version combination documented not to work: `tengyun serve` refuses to start on it
+    # (NpuPlatform.check_versions) unless --skip-version-check.
+    known_bad: bool = False
 
 
 def ok(check: str, detail: str) -> Finding:
     return Finding(check, Status.OK, detail)
 
 
-def warn(check: str, detail: str, fix: str) -> Finding:
-    return Finding(check, Status.WARN, detail, fix)
+def warn(check: str, detail: str, fix: str, known_bad: bool = False) -> Finding:
+    return Finding(check, Status.WARN, detail, fix, known_bad)
 
 
-def fail(check: str, detail: str, fix: str) -> Finding:
-    return Finding(check, Status.FAIL, detail, fix)
+def fail(check: str, detail: str, fix: str, known_bad: bool = False) -> Finding:
+    return Finding(check, Status.FAIL, detail, fix, known_bad)
 
 
 # ----- what the facts say -----------------------------------------------------------------------
@@ -150,7 +153,8 @@ def check_torch_npu(facts: HostFacts) -> list[Finding]:
         out.append(fail("torch_npu", f"torch_npu {torch_npu} is built for torch {base_version(torch_npu)} but torch "
                         f"{torch} is installed",
                         f"pip install torch=={base_version(torch_npu)}, or a torch_npu for torch "
-                        f"{base_version(torch)}" + (f" ({', '.join(matching)})" if matching else "")))
+                        f"{base_version(torch)}" + (f" ({', '.join(matching)})" if matching else ""),
+                        known_bad=True))
     if probe.get("torch_npu_error"):
         out.append(fail("torch_npu", f"import torch_npu failed: {probe['torch_npu_error']}",
                         f"`source {SET_ENV}` and check the CANN finding"))
@@ -164,8 +168,11 @@ def check_torch_npu(facts: HostFacts) -> list[Finding]:
             fix = f"install CANN {paired}"
             if for_this:
                 fix += f", or torch_npu {for_this[0].torch_npu} for CANN {cann}"
+            # A CANN older than every one this torch_npu is released for lacks the operators and ACL
+            # interfaces it calls; a newer one is usually backward compatible (a warning only).
+            older = all(version_key(cann) < _cann_key(r.cann) for r in rows)
             out.append(warn("torch_npu", f"torch_npu {torch_npu} is documented with CANN {paired}, "
-                            f"not CANN {cann}", fix))
+                            f"not CANN {cann}" + (" (an older CANN)" if older else ""), fix, known_bad=older))
         else:
             out.append(warn("torch_npu", f"torch_npu {torch_npu} is not in the compatibility table",
                             "use a torch_npu release from the table (compat_table.json, sourced from "
@@ -173,6 +180,16 @@ def check_torch_npu(facts: HostFacts) -> list[Finding]:
     elif not any(f.status == Status.FAIL for f in out):
         out.append(ok("torch_npu", f"torch_npu {torch_npu}"))
     return out
+
+
+def _cann_key(pattern: str) -> tuple:
+    """A table row's CANN for ordering: '9.1.X' (any 9.1 release) sorts as its first, 9.1.0."""
+    return version_key(pattern[:-2] + ".0" if pattern.upper().endswith(".X") else pattern)
+
+
+def known_bad_versions(facts: HostFacts) -> list[Finding]:
+    """The torch / torch_npu / CANN / driver findings that are documented not to work together."""
+    return [f for f in check_torch_npu(facts) + check_driver(facts) if f.known_bad]
 
 
 def check_cann(facts: HostFacts) -> list[Finding]:
@@ -206,7 +223,7 @@ def check_driver(facts: HostFacts) -> list[Finding]:
     hdk = load_table().hdk_for(cann) if cann else None
     if hdk and version_key(driver) < version_key(hdk.driver):
         out.append(warn("driver", f"NPU driver {driver} is older than Ascend HDK {hdk.driver}, which CANN {cann} "
-                        f"is documented with", f"upgrade the NPU driver to >= {hdk.driver}"))
+                        f"is documented with", f"upgrade the NPU driver to >= {hdk.driver}", known_bad=True))
     else:
         out.append(ok("driver", f"NPU driver {driver}" + (f" (CANN {cann} is documented with >= {hdk.driver})"
                                                           if hdk else "")))

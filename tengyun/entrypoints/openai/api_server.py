@@ -50,6 +50,7 @@ from tengyun.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from tengyun.entrypoints.openai.vllm_args import FrontendOptions, check_vllm_server_args
 from tengyun.entrypoints.openai.vllm_routes import add_vllm_routes
 from tengyun.generation_config import sampling_defaults
+from tengyun.platforms.startup import DeviceStartupError
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
 from tengyun.tokenizer import get_tokenizer
 
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run_server(args)
-    except (ValueError, FileNotFoundError) as e:  # configuration errors: say what to change, no traceback
+    except (ValueError, FileNotFoundError, DeviceStartupError) as e:  # configuration errors: what to change
         print(f"error: {e}", file=sys.stderr)
         return 2
 
