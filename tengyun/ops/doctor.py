@@ -14,8 +14,8 @@ from typing import Callable
 from tengyun.ops.compat import base_version, cann_matches, load_table, version_key
 from tengyun.ops.probe import HostFacts
 from tengyun.ops.smi import (
-    NpuSmiInfo, Topology, parse_colon_table, parse_gcc_version, parse_key_value_file, parse_npu_smi_info,
-    parse_nvidia_query, parse_topology, slowest_link,
+    NpuSmiInfo, Topology, parse_colon_table, parse_gcc_version, parse_key_value_file, parse_npu_processes,
+    parse_npu_smi_info, parse_nvidia_query, parse_topology, slowest_link,
 )
 
 MIN_PYTHON = "3.10"  # pyproject.toml requires-python
@@ -345,14 +345,53 @@ def check_gcc(facts: HostFacts) -> list[Finding]:
     version = parse_gcc_version(out.stdout)
     if version is None or version_key(version) < version_key(minimum):
         return [warn("gcc", f"gcc {version}", f"install gcc >= {minimum} for kernel builds")]
-    return [ok("gcc", f"gcc {version}")]
+    cann = cann_version(facts) if is_ascend_host(facts) else None
+    row = load_table().gcc_for(cann) if cann else None
+    if row and row.gcc_max and version_key(version) >= version_key(str(int(row.gcc_max) + 1)):
+        return [warn("gcc", f"gcc {version} is newer than the gcc {row.gcc_max} CANN {cann} is documented with "
+                            f"(compat_table.json cann_gcc: the compilers of the OSes its install guide covers)",
+                     f"build torch_npu extensions and custom operators with gcc {row.gcc_min} - {row.gcc_max}.x "
+                     f"(e.g. install gcc-{row.gcc_max} and point CC/CXX at it), or move to a CANN release that "
+                     f"documents this OS")]
+    return [ok("gcc", f"gcc {version}" + (f" (CANN {cann} is documented with gcc {row.gcc_min} - {row.gcc_max}.x)"
+                                          if row and row.gcc_max else ""))]
+
+
+# An idle 910B shows about 3.3 of its 64 GB HBM used (firmware and runtime reservations, 5%:
+# tests/fixtures/ops/npu_smi_info_910b3_x8.txt); more than this fraction means someone holds the card.
+OCCUPIED_MEMORY_FRACTION = 0.2
+
+
+def check_npu_memory(facts: HostFacts) -> list[Finding]:
+    """Cards whose HBM (DDR on 310P) another process already holds: the engine sizes its KV cache
+    from what is left, or fails to start on them."""
+    text, info = _stdout(facts, "npu-smi info"), npu_smi(facts)
+    if not text or info is None or not info.devices:
+        return []
+    holders: dict[int, list[str]] = {}
+    for p in parse_npu_processes(text):
+        holders.setdefault(p.npu_id, []).append(f"pid {p.pid}" + (f" {p.name}" if p.name else ""))
+    busy, free = [], []
+    for d in info.devices:
+        used, total = (d.hbm_used_mb, d.hbm_total_mb) if d.hbm_total_mb else (d.memory_used_mb, d.memory_total_mb)
+        if d.npu_id in holders or (total and (used or 0) > OCCUPIED_MEMORY_FRACTION * total):
+            busy.append(f"NPU{d.npu_id} {used}/{total} MB in use"
+                        + (f" ({', '.join(holders[d.npu_id])})" if d.npu_id in holders else ""))
+        else:
+            free.append(d.npu_id)
+    if not busy:
+        return [ok("NPU memory", f"{len(free)} NPU(s) free (no process holds them)")]
+    keep = f"ASCEND_RT_VISIBLE_DEVICES={','.join(map(str, free))}" if free else "free cards"
+    return [warn("NPU memory", f"{len(busy)} of {len(info.devices)} NPUs already hold memory: " + "; ".join(busy),
+                 f"stop those processes (`npu-smi info` lists them), or serve on the others with {keep}: "
+                 f"--gpu-memory-utilization is a fraction of the whole card")]
 
 
 def run_checks(facts: HostFacts, tp_size: int | None = None) -> list[Finding]:
     findings: list[Finding] = []
     checks: list[Callable[[HostFacts], list[Finding]]] = [check_python, check_torch, check_platform]
     if is_ascend_host(facts):
-        checks += [check_cann, check_set_env, check_torch_npu, check_driver, check_npu_devices]
+        checks += [check_cann, check_set_env, check_torch_npu, check_driver, check_npu_devices, check_npu_memory]
     for check in checks:
         findings += check(facts)
     if not is_ascend_host(facts):
