@@ -31,6 +31,8 @@ print(f"OK {count} NPU(s)", flush=True)
 """
 # The step that hung -> what to check.
 _HANG_HINTS = {
+    "starting Python": "the probe process did not start: check the machine's load",
+    "import torch": "importing torch itself was this slow: check the machine's load and the Python environment's disk",
     "import torch_npu": f"loading CANN and ACL hung: check that `source {SET_ENV}` selects the CANN this torch_npu "
                         f"is built for (`tengyun doctor`) and that `npu-smi info` answers",
     "torch.npu.is_available()": "the NPU driver did not answer: check `npu-smi info` answers and lists healthy "
@@ -86,8 +88,8 @@ class NpuPlatform(Platform):
             return RuntimeProblem(
                 f"the NPU runtime hung: `{probe.last_step}` did not finish within {timeout_s:g} s "
                 f"(--device-init-timeout, ${DEVICE_INIT_TIMEOUT_ENV})",
-                _HANG_HINTS.get(probe.last_step, "run `tengyun doctor`")
-                + "; run `tengyun doctor`; if the first start is only slow, raise --device-init-timeout",
+                _HANG_HINTS.get(probe.last_step, "see `tengyun doctor`")
+                + "; if the first start is only slow, raise --device-init-timeout",
                 installed=True)
         if probe.result and probe.result.startswith("OK"):
             return None

@@ -91,8 +91,9 @@ def test_rank_table_file_environment_is_read_and_an_invalid_table_refused(tmp_pa
 
 
 def test_finalize_exports_this_nodes_hccl_environment(tiny_checkpoints, tmp_path, monkeypatch):
-    for key in HCCL_ENV:
-        monkeypatch.delenv(key, raising=False)  # restored after the test
+    for key in HCCL_ENV:  # unset here, and restored to their value before the test afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     path = write(tmp_path, table(servers=1, devices=1))
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), rank_table=path, device="cpu").finalize()
     assert config.hccl_node.env == {"RANK_TABLE_FILE": path, "RANK_SIZE": "1", "ASCEND_RT_VISIBLE_DEVICES": "0"}
