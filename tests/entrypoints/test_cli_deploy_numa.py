@@ -64,3 +64,9 @@ def test_numa_node_that_would_pin_workers_away_from_their_devices_is_refused(atl
     code, unit, _ = deploy(capsys, "--numa-node", "6", serve=("-tp", "2"))  # NPU0 and NPU1 are both on node 6
     assert code == 0 and "ExecStart=/usr/bin/numactl --cpunodebind=6 --membind=6 " in unit
     assert "TENGYUN_NUMA_NODES" not in unit
+
+
+def test_the_rank_table_variable_is_carried_into_the_unit():
+    from tengyun.entrypoints.cli.deploy import captured_env
+
+    assert captured_env({"RANK_TABLE_FILE": "/etc/hccl.json", "HOME": "/root"}) == {"RANK_TABLE_FILE": "/etc/hccl.json"}

@@ -16,7 +16,7 @@ from tengyun.ops.deploy import (
 
 # Carried into the unit from the shell it is generated in (after `source set_env.sh`).
 ENV_PREFIXES = ("ASCEND_", "HCCL_", "TENGYUN_", "OMP_")
-ENV_KEYS = ("LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HF_HOME")
+ENV_KEYS = ("LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HF_HOME", "RANK_TABLE_FILE")
 SECRET_KEYS = SECRET_ENV  # never written into a world-readable unit: they go to --secrets-file
 
 
