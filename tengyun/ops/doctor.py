@@ -345,6 +345,9 @@ def check_gcc(facts: HostFacts) -> list[Finding]:
     version = parse_gcc_version(out.stdout)
     if version is None or version_key(version) < version_key(minimum):
         return [warn("gcc", f"gcc {version}", f"install gcc >= {minimum} for kernel builds")]
+    # CANN's install guide ("依赖列表", e.g. hiascend.com .../canncommercial/800/softwareinst/instg/instg_0045.html)
+    # asks for gcc >= 7.3.0 and names no ceiling; the ceiling per release is the gcc of the newest OS its
+    # dependency steps cover (compat_table.json "cann_gcc", source "cann_install_deps" says which pages).
     cann = cann_version(facts) if is_ascend_host(facts) else None
     row = load_table().gcc_for(cann) if cann else None
     if row and row.gcc_max and version_key(version) >= version_key(str(int(row.gcc_max) + 1)):
