@@ -104,7 +104,13 @@ class EngineConfig:
     enforce_eager: bool = setting(False, help="never capture decode steps as device graphs (CUDA); run each eagerly")
     trust_remote_code: bool = setting(False, help="let the tokenizer run Python code from the model folder")
     device: str = setting("auto", choices=SUPPORTED_DEVICES,
-                          help="auto: the first of npu, cuda, cpu that works here")
+                          help="auto: the first of npu, cuda, cpu that works here (the log says why)")
+    device_init_timeout: float | None = setting(
+        None, help="seconds the device runtime's first start (import torch_npu, first touch of NPU 0) may take "
+                   "before start-up fails naming the step that hung (default: $TENGYUN_DEVICE_INIT_TIMEOUT, else 120)")
+    skip_version_check: bool = setting(
+        False, help="start even when torch / torch_npu / CANN / NPU driver are a combination known not to work "
+                    "(the table `tengyun doctor` checks)")
     served_model_name: str | None = setting(
         None, help="the model name in API answers and metrics (default: MODEL as given)")
     generation_config: str = setting(
@@ -132,6 +138,10 @@ class EngineConfig:
     distributed_timeout: float = setting(
         300.0, group=PARALLELISM, help="seconds the engine waits for a step's result before it fails (a dead local "
                                        "rank is named at once)")
+    rank_table: str | None = setting(
+        None, group=PARALLELISM, help="HCCL rank table (hccl.json) of a multi-node NPU run: validated, checked against "
+                                      "--nnodes / --node-rank, and this node's HCCL environment derived from it "
+                                      "(default: $RANK_TABLE_FILE)")
     numa_bind: str = setting("auto", choices=("auto", "off"),
                              help="pin each worker's CPUs and memory to its device's NUMA node (auto: when the host "
                                   "has more than one node)")
@@ -141,6 +151,7 @@ class EngineConfig:
     tokenizer_path: Path | None = field(default=None, init=False)
     model_spec: ModelSpec | None = field(default=None, init=False, repr=False)  # the one description of the model
     device_type: str = field(default="", init=False)
+    hccl_node: Any = field(default=None, init=False, repr=False)  # ops.ranktable.HcclNode of --rank-table
     _frozen: bool = field(default=False, init=False, repr=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -236,6 +247,23 @@ class EngineConfig:
         if self.distributed_timeout <= 0:
             raise ValueError(
                 f"--distributed-timeout must be positive seconds (try 300); got {self.distributed_timeout}.")
+        if self.device_init_timeout is not None and self.device_init_timeout <= 0:
+            raise ValueError(f"--device-init-timeout must be positive seconds (try 120); "
+                             f"got {self.device_init_timeout}.")
+        self._read_rank_table()
+
+    def _read_rank_table(self) -> None:
+        """--rank-table (else $RANK_TABLE_FILE): validated and checked against this node's settings."""
+        from tengyun.ops import probe, ranktable
+
+        if self.rank_table is None:
+            self.rank_table = os.environ.get("RANK_TABLE_FILE") or None
+        if self.rank_table is None:
+            return
+        local_ips = ranktable.parse_ip_addresses(probe.ip_addresses())
+        self.hccl_node = ranktable.read_node_environment(
+            self.rank_table, self.nnodes, self.node_rank, self.tensor_parallel_size, self.pipeline_parallel_size,
+            local_ips, os.environ.get("ASCEND_RT_VISIBLE_DEVICES"))
 
     # ----- resolution against the model and the machine ----------------------------------
     def finalize(self) -> "EngineConfig":
@@ -243,7 +271,7 @@ class EngineConfig:
         if self._frozen:
             return self
         from tengyun.models.model_source import resolve_model
-        from tengyun.platforms import get_platform
+        from tengyun.platforms.startup import device_init_timeout, select_platform
 
         source = resolve_model(self.model, self.load_format, self.tokenizer)
         self.model_path = source.folder
@@ -251,7 +279,11 @@ class EngineConfig:
             self.load_format = source.load_format
         self.tokenizer_path = source.tokenizer_folder
         self.model_spec = ModelSpec.from_hf_config(json.loads((source.folder / "config.json").read_text()))
-        platform = get_platform(self.device)
+        if self.hccl_node is not None:  # before the NPU runtime starts: it reads ASCEND_RT_VISIBLE_DEVICES
+            os.environ.update(self.hccl_node.env)
+            logger.info("--rank-table %s: %s", self.rank_table, self.hccl_node.describe())
+        platform = select_platform(self.device, device_init_timeout(self.device_init_timeout),
+                                   check_versions=not self.skip_version_check)
         self.device_type = platform.device_type
         if self.block_size is None:
             self.block_size = platform.default_block_size

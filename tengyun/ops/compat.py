@@ -59,10 +59,22 @@ class HdkRow:
 
 
 @dataclass(frozen=True)
+class GccRow:
+    cann: str
+    gcc_min: str
+    gcc_max: str | None  # newest gcc the CANN release is documented with ("11": any 11.x); None: no ceiling
+    source: str
+
+
+@dataclass(frozen=True)
 class CompatTable:
     torch_npu: list[TorchNpuRow]
     cann_hdk: list[HdkRow]
     sources: dict[str, str]
+    cann_gcc: list[GccRow]
+
+    def gcc_for(self, cann: str) -> GccRow | None:
+        return next((r for r in self.cann_gcc if cann_matches(r.cann, cann)), None)
 
     def rows_for_torch_npu(self, torch_npu: str) -> list[TorchNpuRow]:
         return [r for r in self.torch_npu if r.torch_npu == torch_npu.split("+")[0]]
@@ -81,4 +93,5 @@ def load_table(path: Path = TABLE_PATH) -> CompatTable:
         torch_npu=[TorchNpuRow(**row) for row in data["torch_npu"]],
         cann_hdk=[HdkRow(**row) for row in data["cann_hdk"]],
         sources=data["sources"],
+        cann_gcc=[GccRow(**row) for row in data["cann_gcc"]],
     )

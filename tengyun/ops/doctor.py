@@ -14,8 +14,8 @@ from typing import Callable
 from tengyun.ops.compat import base_version, cann_matches, load_table, version_key
 from tengyun.ops.probe import HostFacts
 from tengyun.ops.smi import (
-    NpuSmiInfo, Topology, parse_colon_table, parse_gcc_version, parse_key_value_file, parse_npu_smi_info,
-    parse_nvidia_query, parse_topology, slowest_link,
+    NpuSmiInfo, Topology, parse_colon_table, parse_gcc_version, parse_key_value_file, parse_npu_processes,
+    parse_npu_smi_info, parse_nvidia_query, parse_topology, slowest_link,
 )
 
 MIN_PYTHON = "3.10"  # pyproject.toml requires-python
@@ -37,18 +37,21 @@ class Finding:
     status: Status
     detail: str
     fix: str = ""
+    # A version combination documented not to work: `tengyun serve` refuses to start on it
+    # (NpuPlatform.check_versions) unless --skip-version-check.
+    known_bad: bool = False
 
 
 def ok(check: str, detail: str) -> Finding:
     return Finding(check, Status.OK, detail)
 
 
-def warn(check: str, detail: str, fix: str) -> Finding:
-    return Finding(check, Status.WARN, detail, fix)
+def warn(check: str, detail: str, fix: str, known_bad: bool = False) -> Finding:
+    return Finding(check, Status.WARN, detail, fix, known_bad)
 
 
-def fail(check: str, detail: str, fix: str) -> Finding:
-    return Finding(check, Status.FAIL, detail, fix)
+def fail(check: str, detail: str, fix: str, known_bad: bool = False) -> Finding:
+    return Finding(check, Status.FAIL, detail, fix, known_bad)
 
 
 # ----- what the facts say -----------------------------------------------------------------------
@@ -150,7 +153,8 @@ def check_torch_npu(facts: HostFacts) -> list[Finding]:
         out.append(fail("torch_npu", f"torch_npu {torch_npu} is built for torch {base_version(torch_npu)} but torch "
                         f"{torch} is installed",
                         f"pip install torch=={base_version(torch_npu)}, or a torch_npu for torch "
-                        f"{base_version(torch)}" + (f" ({', '.join(matching)})" if matching else "")))
+                        f"{base_version(torch)}" + (f" ({', '.join(matching)})" if matching else ""),
+                        known_bad=True))
     if probe.get("torch_npu_error"):
         out.append(fail("torch_npu", f"import torch_npu failed: {probe['torch_npu_error']}",
                         f"`source {SET_ENV}` and check the CANN finding"))
@@ -164,8 +168,11 @@ def check_torch_npu(facts: HostFacts) -> list[Finding]:
             fix = f"install CANN {paired}"
             if for_this:
                 fix += f", or torch_npu {for_this[0].torch_npu} for CANN {cann}"
+            # A CANN older than every one this torch_npu is released for lacks the operators and ACL
+            # interfaces it calls; a newer one is usually backward compatible (a warning only).
+            older = all(version_key(cann) < _cann_key(r.cann) for r in rows)
             out.append(warn("torch_npu", f"torch_npu {torch_npu} is documented with CANN {paired}, "
-                            f"not CANN {cann}", fix))
+                            f"not CANN {cann}" + (" (an older CANN)" if older else ""), fix, known_bad=older))
         else:
             out.append(warn("torch_npu", f"torch_npu {torch_npu} is not in the compatibility table",
                             "use a torch_npu release from the table (compat_table.json, sourced from "
@@ -173,6 +180,16 @@ def check_torch_npu(facts: HostFacts) -> list[Finding]:
     elif not any(f.status == Status.FAIL for f in out):
         out.append(ok("torch_npu", f"torch_npu {torch_npu}"))
     return out
+
+
+def _cann_key(pattern: str) -> tuple:
+    """A table row's CANN for ordering: '9.1.X' (any 9.1 release) sorts as its first, 9.1.0."""
+    return version_key(pattern[:-2] + ".0" if pattern.upper().endswith(".X") else pattern)
+
+
+def known_bad_versions(facts: HostFacts) -> list[Finding]:
+    """The torch / torch_npu / CANN / driver findings that are documented not to work together."""
+    return [f for f in check_torch_npu(facts) + check_driver(facts) if f.known_bad]
 
 
 def check_cann(facts: HostFacts) -> list[Finding]:
@@ -206,7 +223,7 @@ def check_driver(facts: HostFacts) -> list[Finding]:
     hdk = load_table().hdk_for(cann) if cann else None
     if hdk and version_key(driver) < version_key(hdk.driver):
         out.append(warn("driver", f"NPU driver {driver} is older than Ascend HDK {hdk.driver}, which CANN {cann} "
-                        f"is documented with", f"upgrade the NPU driver to >= {hdk.driver}"))
+                        f"is documented with", f"upgrade the NPU driver to >= {hdk.driver}", known_bad=True))
     else:
         out.append(ok("driver", f"NPU driver {driver}" + (f" (CANN {cann} is documented with >= {hdk.driver})"
                                                           if hdk else "")))
@@ -328,14 +345,56 @@ def check_gcc(facts: HostFacts) -> list[Finding]:
     version = parse_gcc_version(out.stdout)
     if version is None or version_key(version) < version_key(minimum):
         return [warn("gcc", f"gcc {version}", f"install gcc >= {minimum} for kernel builds")]
-    return [ok("gcc", f"gcc {version}")]
+    # CANN's install guide ("依赖列表", e.g. hiascend.com .../canncommercial/800/softwareinst/instg/instg_0045.html)
+    # asks for gcc >= 7.3.0 and names no ceiling; the ceiling per release is the gcc of the newest OS its
+    # dependency steps cover (compat_table.json "cann_gcc", source "cann_install_deps" says which pages).
+    cann = cann_version(facts) if is_ascend_host(facts) else None
+    row = load_table().gcc_for(cann) if cann else None
+    if row and row.gcc_max and version_key(version) >= version_key(str(int(row.gcc_max) + 1)):
+        return [warn("gcc", f"gcc {version} is newer than the gcc {row.gcc_max} CANN {cann} is documented with "
+                            f"(compat_table.json cann_gcc: the compilers of the OSes its install guide covers)",
+                     f"build torch_npu extensions and custom operators with gcc {row.gcc_min} - {row.gcc_max}.x "
+                     f"(e.g. install gcc-{row.gcc_max} and point CC/CXX at it), or move to a CANN release that "
+                     f"documents this OS")]
+    return [ok("gcc", f"gcc {version}" + (f" (CANN {cann} is documented with gcc {row.gcc_min} - {row.gcc_max}.x)"
+                                          if row and row.gcc_max else ""))]
+
+
+# An idle 910B shows about 3.3 of its 64 GB HBM used (firmware and runtime reservations, 5%:
+# tests/fixtures/ops/npu_smi_info_910b3_x8.txt); more than this fraction means someone holds the card.
+OCCUPIED_MEMORY_FRACTION = 0.2
+
+
+def check_npu_memory(facts: HostFacts) -> list[Finding]:
+    """Cards whose HBM (DDR on 310P) another process already holds: the engine sizes its KV cache
+    from what is left, or fails to start on them."""
+    text, info = _stdout(facts, "npu-smi info"), npu_smi(facts)
+    if not text or info is None or not info.devices:
+        return []
+    holders: dict[int, list[str]] = {}
+    for p in parse_npu_processes(text):
+        holders.setdefault(p.npu_id, []).append(f"pid {p.pid}" + (f" {p.name}" if p.name else ""))
+    busy, free = [], []
+    for d in info.devices:
+        used, total = (d.hbm_used_mb, d.hbm_total_mb) if d.hbm_total_mb else (d.memory_used_mb, d.memory_total_mb)
+        if d.npu_id in holders or (total and (used or 0) > OCCUPIED_MEMORY_FRACTION * total):
+            busy.append(f"NPU{d.npu_id} {used}/{total} MB in use"
+                        + (f" ({', '.join(holders[d.npu_id])})" if d.npu_id in holders else ""))
+        else:
+            free.append(d.npu_id)
+    if not busy:
+        return [ok("NPU memory", f"{len(free)} NPU(s) free (no process holds them)")]
+    keep = f"ASCEND_RT_VISIBLE_DEVICES={','.join(map(str, free))}" if free else "free cards"
+    return [warn("NPU memory", f"{len(busy)} of {len(info.devices)} NPUs already hold memory: " + "; ".join(busy),
+                 f"stop those processes (`npu-smi info` lists them), or serve on the others with {keep}: "
+                 f"--gpu-memory-utilization is a fraction of the whole card")]
 
 
 def run_checks(facts: HostFacts, tp_size: int | None = None) -> list[Finding]:
     findings: list[Finding] = []
     checks: list[Callable[[HostFacts], list[Finding]]] = [check_python, check_torch, check_platform]
     if is_ascend_host(facts):
-        checks += [check_cann, check_set_env, check_torch_npu, check_driver, check_npu_devices]
+        checks += [check_cann, check_set_env, check_torch_npu, check_driver, check_npu_devices, check_npu_memory]
     for check in checks:
         findings += check(facts)
     if not is_ascend_host(facts):

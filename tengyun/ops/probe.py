@@ -200,6 +200,21 @@ def collect(torch_timeout: float = TORCH_PROBE_TIMEOUT_S) -> HostFacts:
     )
 
 
+def collect_versions() -> HostFacts:
+    """The cheap part of collect() that version checks read: package versions, the Ascend version
+    files and the environment; no child process, no smi command (`tengyun serve`'s start-up check)."""
+    env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    machine = platform.machine()
+    return HostFacts(python_version=platform.python_version(), machine=machine, packages=package_versions(),
+                     env=env, files=ascend_files(env, machine))
+
+
+def ip_addresses() -> str:
+    """`ip -o addr show` ("" without iproute2), for finding this host in a rank table."""
+    out = run_command(["ip", "-o", "addr", "show"], timeout=5)
+    return out.stdout if out is not None and out.returncode == 0 else ""
+
+
 # ----- applying a NUMA binding --------------------------------------------------------------
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     """The first processor's feature flags ("avx512_bf16", "amx_bf16", ...); empty when unreadable

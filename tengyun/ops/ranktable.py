@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 VERSIONS = ("1.0", "1.2")
@@ -264,3 +266,93 @@ def _check_ranks(ranks: list[tuple[int, str]]) -> list[Problem]:
                                           f"file order", "number the ranks server by server, device by device"))
             break
     return problems
+
+
+# ----- consuming a table: this node's HCCL environment (`tengyun serve --rank-table`) ------------
+# torch_npu builds its HCCL communicators from the table named by RANK_TABLE_FILE (Ascend/pytorch
+# docs/zh/environment_variable_reference/RANK_TABLE_FILE.md: the path must not be a symlink; a
+# missing file silently falls back to negotiation; a wrong one fails only at the first collective),
+# and HCCL requires each process's rank to be the table's rank_id (HcclCommInitClusterInfo). RANK_SIZE
+# is the table's device count (CANN environment variable reference).
+@dataclass(frozen=True)
+class HcclNode:
+    """This node's part of a rank table and the environment its ranks start with."""
+
+    server_index: int  # = --node-rank
+    server_id: str  # management IP
+    device_ids: list[int]  # physical NPU ids, local rank order
+    device_ips: list[str]  # their RoCE addresses
+    rank_ids: list[int]  # = this node's global ranks
+    env: dict[str, str]  # RANK_TABLE_FILE, RANK_SIZE, ASCEND_RT_VISIBLE_DEVICES
+
+    def describe(self) -> str:
+        return (f"this node is server {self.server_id} (--node-rank {self.server_index}): NPUs "
+                f"{','.join(map(str, self.device_ids))} (RoCE {', '.join(self.device_ips)}) as ranks "
+                f"{self.rank_ids[0]}-{self.rank_ids[-1]}; " + " ".join(f"{k}={v}" for k, v in self.env.items()))
+
+
+def parse_ip_addresses(text: str) -> set[str]:
+    """`ip -o addr show` -> the host's addresses: '2: eth0    inet 10.0.0.11/24 brd ...' -> {'10.0.0.11'}."""
+    found = set()
+    for line in text.splitlines():
+        words = line.split()
+        for key, value in zip(words, words[1:]):
+            if key in ("inet", "inet6") and _ip(value.split("/")[0]) is not None:
+                found.add(str(_ip(value.split("/")[0])))
+    return found
+
+
+def node_environment(table: dict[str, Any], path: str, nnodes: int, node_rank: int, tp: int, pp: int,
+                     local_ips: set[str] = frozenset(), visible: str | None = None) -> HcclNode:
+    """This node's devices, ranks and HCCL environment from a valid ``table`` (read from ``path``),
+    checked against --nnodes / --node-rank / -tp / -pp (ranks are node-major: node n holds ranks
+    n * per_node ...), this host's addresses and $ASCEND_RT_VISIBLE_DEVICES; ValueError names both sides."""
+    servers = table["server_list"]
+    if len(servers) != nnodes:
+        raise ValueError(f"--rank-table {path} lists {len(servers)} servers but --nnodes is {nnodes}: pass --nnodes "
+                         f"{len(servers)} (one `tengyun serve` per server, --node-rank 0-{len(servers) - 1}), or use "
+                         f"a rank table of the {nnodes} server(s) you run on.")
+    here = [i for i, s in enumerate(servers) if str(s.get("server_id")) in local_ips]
+    if here and node_rank not in here:
+        raise ValueError(f"this host is server {here[0]} ({servers[here[0]]['server_id']}) in --rank-table {path} "
+                         f"but --node-rank is {node_rank}: pass --node-rank {here[0]}.")
+    server, per_node = servers[node_rank], tp * pp // nnodes
+    devices = server["device"]
+    if len(devices) != per_node:
+        raise ValueError(f"--rank-table {path} gives server {server['server_id']} {len(devices)} NPUs but "
+                         f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} over --nnodes {nnodes} puts "
+                         f"{per_node} ranks on each node: list {per_node} NPUs per server, or change the sizes "
+                         f"so that tp x pp = {len(devices) * nnodes}.")
+    ranks = [int(d["rank_id"]) for d in devices]
+    expected = list(range(node_rank * per_node, (node_rank + 1) * per_node))
+    if ranks != expected:
+        raise ValueError(f"--rank-table {path} numbers server {server['server_id']}'s NPUs as ranks {ranks} but "
+                         f"--node-rank {node_rank} runs ranks {expected}: number the ranks server by server in "
+                         f"--node-rank order (`tengyun rank-table generate`).")
+    device_ids = [int(d["device_id"]) for d in devices]
+    wanted = ",".join(map(str, device_ids))
+    if visible and visible.replace(" ", "") != wanted:
+        raise ValueError(f"ASCEND_RT_VISIBLE_DEVICES is {visible} but --rank-table {path} gives this node NPUs "
+                         f"{wanted}: unset ASCEND_RT_VISIBLE_DEVICES (the rank table decides) or make them agree.")
+    env = {"RANK_TABLE_FILE": path, "RANK_SIZE": str(sum(len(s["device"]) for s in servers)),
+           "ASCEND_RT_VISIBLE_DEVICES": wanted}
+    return HcclNode(node_rank, str(server["server_id"]), device_ids, [str(d["device_ip"]) for d in devices],
+                    ranks, env)
+
+
+def read_node_environment(path: str, nnodes: int, node_rank: int, tp: int, pp: int, local_ips: set[str],
+                          visible: str | None) -> HcclNode:
+    """--rank-table ``path`` validated (its errors raise ValueError) and consumed by node_environment."""
+    real = os.path.realpath(path)  # torch_npu refuses a symlinked RANK_TABLE_FILE
+    try:
+        text = Path(real).read_text()
+    except OSError as e:
+        raise ValueError(f"--rank-table {path}: cannot read it ({e.strerror}); pass the hccl.json of this "
+                         f"cluster (`tengyun rank-table generate` writes one).") from None
+    errors = [p for p in validate_text(text) if p.severity == "error"]
+    if errors:
+        listed = "; ".join(f"{p.path}: {p.message} (fix: {p.fix})" for p in errors[:3])
+        raise ValueError(f"--rank-table {path} is not a valid rank table: {listed}"
+                         + (f"; and {len(errors) - 3} more" if len(errors) > 3 else "")
+                         + f". `tengyun rank-table validate {path}` lists every problem.")
+    return node_environment(json.loads(text), real, nnodes, node_rank, tp, pp, local_ips, visible)

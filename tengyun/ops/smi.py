@@ -270,3 +270,32 @@ def parse_hccn_link(text: str) -> str | None:
     """`hccn_tool -i N -link -g`: 'link status: UP' -> 'UP' ('DOWN' when down); None otherwise."""
     match = re.search(r"link status\s*:\s*(\w+)", text, re.IGNORECASE)
     return match.group(1).upper() if match else None
+
+
+@dataclass(frozen=True)
+class NpuProcess:
+    npu_id: int
+    chip_id: int
+    pid: int
+    name: str  # may be empty (npu-smi shows none for processes of other containers)
+    memory_mb: int
+
+
+def parse_npu_processes(text: str) -> list[NpuProcess]:
+    """The process table `npu-smi info` prints after the devices:
+      | NPU     Chip              | Process id    | Process name             | Process memory(MB)      |
+      | 2       0                 | 1036531       |                          | 53312                   |
+    ('No running processes found in NPU 0' rows hold none)."""
+    found, in_table = [], False
+    for line in text.splitlines():
+        if not line.strip().startswith("|"):
+            continue
+        cells = _cells(line)
+        if len(cells) >= 2 and cells[0].startswith("NPU") and "Process" in cells[1]:
+            in_table = True
+            continue
+        head = cells[0].split()
+        if in_table and len(cells) >= 4 and len(head) == 2 and all(h.isdigit() for h in head) \
+                and cells[1].isdigit() and cells[3].isdigit():
+            found.append(NpuProcess(int(head[0]), int(head[1]), int(cells[1]), cells[2], int(cells[3])))
+    return found

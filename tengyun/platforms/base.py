@@ -38,6 +38,27 @@ class Platform:
         if not self.is_available():
             raise RuntimeError(f"--device {self.device_type} was requested but is not available.")
 
+    # Start-up checks (tengyun/platforms/startup.py select_platform), run before any model work.
+    @classmethod
+    def runtime_installed(cls) -> bool:
+        """The device's runtime package is installed (it may still fail to start)."""
+        return True
+
+    @classmethod
+    def runtime_problem(cls, timeout_s: float):
+        """Why this device cannot be used here, as a startup.RuntimeProblem; None when it can.
+        May start the runtime in a child process, given up on after ``timeout_s``."""
+        from tengyun.platforms.startup import RuntimeProblem
+
+        if cls.is_available():
+            return None
+        return RuntimeProblem(f"{cls.device_type} is not available", "pass --device cpu", installed=False)
+
+    @classmethod
+    def check_versions(cls) -> None:
+        """Raise startup.DeviceStartupError when this device's software versions are a combination
+        known not to work (tengyun/ops/compat_table.json); nothing to check by default."""
+
     def torch_device(self, local_rank: int = 0):
         import torch
 

@@ -5,6 +5,7 @@ import logging
 import os
 
 from tengyun.platforms.base import Platform, fullest_device, torch_memory_readings
+from tengyun.platforms.startup import DeviceStartupError, RuntimeProblem
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +27,30 @@ class CudaPlatform(Platform):
         return torch.cuda.is_available()
 
     def check_available(self) -> None:
-        if not self.is_available():
-            raise RuntimeError(
-                "--device cuda was requested but torch.cuda.is_available() is False: install a CUDA "
-                "build of torch and check the NVIDIA driver (nvidia-smi), or pass --device cpu."
-            )
+        problem = self.runtime_problem(0)
+        if problem is not None:
+            raise DeviceStartupError(f"--device cuda was requested but {problem.what}: {problem.fix}.")
+
+    @classmethod
+    def runtime_installed(cls) -> bool:
+        import torch
+
+        return torch.version.cuda is not None
+
+    @classmethod
+    def runtime_problem(cls, timeout_s: float) -> RuntimeProblem | None:
+        """In this process: torch's CUDA check reads NVML and does not create a context."""
+        import torch
+
+        if torch.version.cuda is None:
+            return RuntimeProblem(f"torch {torch.__version__} is a build without CUDA",
+                                  "install a CUDA build of torch (https://pytorch.org/get-started/locally/)",
+                                  installed=False)
+        if not torch.cuda.is_available():
+            return RuntimeProblem("torch.cuda.is_available() is False",
+                                  "check the NVIDIA driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES, or pass "
+                                  "--device cpu", installed=False)  # a CUDA wheel on a CPU host: a note
+        return None
 
     def synchronize(self) -> None:
         import torch

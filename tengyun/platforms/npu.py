@@ -2,8 +2,48 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 from tengyun.platforms.base import Platform, fullest_device, torch_memory_readings
+from tengyun.platforms.startup import (
+    DEVICE_INIT_TIMEOUT_ENV, SKIP_HINT, DeviceStartupError, RuntimeProblem, run_child_probe,
+)
+
+SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
+INSTALL_FIX = (f"install the torch_npu build matching your torch and CANN (`tengyun doctor` names it), "
+               f"then `source {SET_ENV}`")
+NO_NPU_FIX = (f"run `source {SET_ENV}`, check `npu-smi info` lists the cards, and check ASCEND_RT_VISIBLE_DEVICES "
+              f"(in a container: pass the /dev/davinci* devices)")
+# Run in a child Python by runtime_problem: each step is announced before it starts, so a hang names it.
+_PROBE = r"""
+import sys
+def step(what):
+    print("STEP " + what, flush=True)
+step("import torch"); import torch
+step("import torch_npu"); import torch_npu
+step("torch.npu.is_available()")
+if not torch.npu.is_available():
+    print("UNAVAILABLE torch.npu.is_available() is False", flush=True); sys.exit(0)
+step("torch.npu.device_count()"); count = torch.npu.device_count()
+step("torch.npu.set_device(0)"); torch.npu.set_device(0)
+step("the first tensor on npu:0"); torch.zeros(1, device="npu:0"); torch.npu.synchronize()
+print(f"OK {count} NPU(s)", flush=True)
+"""
+# The step that hung -> what to check.
+_HANG_HINTS = {
+    "starting Python": "the probe process did not start: check the machine's load",
+    "import torch": "importing torch itself was this slow: check the machine's load and the Python environment's disk",
+    "import torch_npu": f"loading CANN and ACL hung: check that `source {SET_ENV}` selects the CANN this torch_npu "
+                        f"is built for (`tengyun doctor`) and that `npu-smi info` answers",
+    "torch.npu.is_available()": "the NPU driver did not answer: check `npu-smi info` answers and lists healthy "
+                                "cards, and `dmesg | grep -i davinci`",
+    "torch.npu.device_count()": "the NPU driver did not answer: check `npu-smi info` and `dmesg | grep -i davinci`",
+    "torch.npu.set_device(0)": "opening NPU 0 hung: another process may hold it (the process table of `npu-smi "
+                               "info`), or it is unhealthy (`npu-smi info -t health -i 0`); choose free cards with "
+                               "ASCEND_RT_VISIBLE_DEVICES",
+    "the first tensor on npu:0": "the first allocation on NPU 0 hung: check its HBM is free (`npu-smi info`) and "
+                                 "its health (`npu-smi info -t health -i 0`)",
+}
 
 
 class NpuPlatform(Platform):
@@ -22,29 +62,72 @@ class NpuPlatform(Platform):
 
     @classmethod
     def is_available(cls) -> bool:
-        if importlib.util.find_spec("torch_npu") is None:
-            return False
+        return cls.runtime_installed() and cls._in_process_problem() is None
+
+    def check_available(self) -> None:
+        """In this process (workers, `tengyun launch`); start-up proper goes through runtime_problem."""
+        problem = self._in_process_problem() if self.runtime_installed() else \
+            RuntimeProblem("torch_npu is not installed", INSTALL_FIX, installed=False)
+        if problem is not None:
+            raise DeviceStartupError(f"--device npu was requested but {problem.what}: {problem.fix}.")
+
+    @classmethod
+    def runtime_installed(cls) -> bool:
+        return importlib.util.find_spec("torch_npu") is not None
+
+    @classmethod
+    def runtime_problem(cls, timeout_s: float) -> RuntimeProblem | None:
+        """torch_npu imported and NPU 0 touched in a child process within ``timeout_s`` (in this
+        process when torch_npu is already imported here)."""
+        if not cls.runtime_installed():
+            return RuntimeProblem("torch_npu is not installed", INSTALL_FIX, installed=False)
+        if "torch_npu" in sys.modules:
+            return cls._in_process_problem()
+        probe = run_child_probe(_PROBE, timeout_s)
+        if probe.timed_out:
+            return RuntimeProblem(
+                f"the NPU runtime hung: `{probe.last_step}` did not finish within {timeout_s:g} s "
+                f"(--device-init-timeout, ${DEVICE_INIT_TIMEOUT_ENV})",
+                _HANG_HINTS.get(probe.last_step, "see `tengyun doctor`")
+                + "; if the first start is only slow, raise --device-init-timeout",
+                installed=True)
+        if probe.result and probe.result.startswith("OK"):
+            return None
+        if probe.result:
+            return RuntimeProblem(f"torch_npu finds no NPU ({probe.result.split(' ', 1)[1]})", NO_NPU_FIX, True)
+        if probe.last_step == "import torch_npu":
+            return RuntimeProblem(f"torch_npu is not importable: {probe.error}",
+                                  f"run `source {SET_ENV}` (the CANN libraries torch_npu loads) and check that "
+                                  f"torch_npu is the build for your torch and CANN (`tengyun doctor`)", True)
+        return RuntimeProblem(f"`{probe.last_step}` failed: {probe.error}", NO_NPU_FIX, installed=True)
+
+    @classmethod
+    def _in_process_problem(cls) -> RuntimeProblem | None:
         try:
             import torch
             import torch_npu  # noqa: F401
+        except Exception as e:
+            return RuntimeProblem(f"torch_npu is not importable: {type(e).__name__}: {e}",
+                                  f"run `source {SET_ENV}` and check torch_npu matches torch and CANN "
+                                  f"(`tengyun doctor`)", installed=True)
+        try:
+            if torch.npu.is_available():
+                return None
+        except Exception as e:
+            return RuntimeProblem(f"torch.npu.is_available() failed: {type(e).__name__}: {e}", NO_NPU_FIX, True)
+        return RuntimeProblem("torch_npu finds no NPU", NO_NPU_FIX, installed=True)
 
-            return torch.npu.is_available()
-        except Exception:
-            return False
+    @classmethod
+    def check_versions(cls) -> None:
+        """torch / torch_npu / CANN / driver against compat_table.json, as `tengyun doctor` reads them."""
+        from tengyun.ops import doctor, probe
 
-    def check_available(self) -> None:
-        if importlib.util.find_spec("torch_npu") is None:
-            raise RuntimeError(
-                "--device npu was requested but torch_npu is not installed: install the torch_npu "
-                "build matching your torch and CANN versions, then `source "
-                "/usr/local/Ascend/ascend-toolkit/set_env.sh`."
-            )
-        if not self.is_available():
-            raise RuntimeError(
-                "--device npu was requested but torch_npu finds no NPU: run `source "
-                "/usr/local/Ascend/ascend-toolkit/set_env.sh`, check `npu-smi info`, and check "
-                "ASCEND_RT_VISIBLE_DEVICES."
-            )
+        bad = doctor.known_bad_versions(probe.collect_versions())
+        if bad:
+            raise DeviceStartupError(
+                "the NPU software stack is a known-bad version combination:\n"
+                + "\n".join(f"  - {f.detail}: {f.fix}" for f in bad)
+                + f"\nFix the versions (`tengyun doctor` checks them all), or {SKIP_HINT}.")
 
     def synchronize(self) -> None:
         import torch

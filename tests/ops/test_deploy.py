@@ -64,7 +64,8 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path):
     unit = tmp_path / "tengyun.service"
     unit.write_text(systemd_unit(SystemdUnit(
         [TENGYUN, "supervise", "--", "serve", str(tmp_path), "--chat-template", "{{ 'a b' }} 100%"],
-        env={"OMP_NUM_THREADS": "8", "TENGYUN_X": "with space"})))
+        env={"OMP_NUM_THREADS": "8", "TENGYUN_X": "with space"}, worker_numa_nodes=[6, 6],
+        worker_numa_lines=["worker 0: npu 0 -> node 6 (CPUs 144-167)", "worker 1: npu 1 -> node 6 (CPUs 144-167)"])))
     r = subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit)], capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr == "", r.stderr  # warnings (bad quoting, unknown keys) go to stderr
     bad = tmp_path / "bad.service"

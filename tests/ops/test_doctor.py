@@ -219,6 +219,53 @@ def test_gcc_findings():
     assert missing.status == Status.WARN and missing.detail == "gcc not found"
 
 
+def test_gcc_newer_than_the_cann_release_documents_warns():
+    cann_800 = fixture("ascend_toolkit_install.info").replace("version=8.5.0", "version=8.0.0")
+    gcc_12 = {"gcc --version": ran("gcc (Debian 12.2.0-14+deb12u1) 12.2.0\n")}
+    new = only(check_gcc(ascend_host(files=dict(ascend_host().files, cann=cann_800), commands=gcc_12)), "gcc")
+    assert new.status == Status.WARN
+    assert new.detail.startswith("gcc 12.2.0 is newer than the gcc 11 CANN 8.0.0 is documented with")
+    assert new.fix.startswith("build torch_npu extensions and custom operators with gcc 7.3.0 - 11.x")
+    gcc_11 = {"gcc --version": ran("gcc (Ubuntu 11.4.0-1ubuntu1~22.04) 11.4.0\n")}  # vllm-ascend #592's host
+    fits = only(check_gcc(ascend_host(files=dict(ascend_host().files, cann=cann_800), commands=gcc_11)), "gcc")
+    assert (fits.status, fits.detail) == (Status.OK, "gcc 11.4.0 (CANN 8.0.0 is documented with gcc 7.3.0 - 11.x)")
+    assert only(check_gcc(ascend_host(commands=gcc_12)), "gcc").status == Status.OK  # CANN 8.5.0: no ceiling
+    assert load_table().gcc_for("8.0.RC2").gcc_max == "11" and load_table().gcc_for("9.1.0") is None
+
+
+def test_npus_whose_memory_another_process_holds_warn_naming_the_free_ones():
+    busy_smi = ran(fixture("npu_smi_info_910b3_x8_busy.txt"))  # vllm-ascend issue #592's host
+    busy = ascend_host(commands={**ascend_host().commands, "npu-smi info": busy_smi})
+    f = only(run_checks(busy), "NPU memory")
+    assert f.status == Status.WARN
+    assert f.detail == ("6 of 8 NPUs already hold memory: NPU2 56631/65536 MB in use (pid 1036531); NPU3 56631/65536 "
+                        "MB in use (pid 1036533); NPU4 64750/65536 MB in use (pid 2729266); NPU5 64749/65536 MB in "
+                        "use (pid 2729268); NPU6 64750/65536 MB in use (pid 2729275); NPU7 64751/65536 MB in use "
+                        "(pid 2729282)")
+    assert "serve on the others with ASCEND_RT_VISIBLE_DEVICES=0,1" in f.fix
+    idle = only(run_checks(ascend_host()), "NPU memory")  # 3318 of 65536 MB: the idle reservation
+    assert (idle.status, idle.detail) == (Status.OK, "8 NPU(s) free (no process holds them)")
+
+
+def test_known_bad_versions_are_the_ones_serve_refuses():
+    from tengyun.ops.doctor import known_bad_versions
+
+    assert known_bad_versions(ascend_host()) == []
+    other_torch = known_bad_versions(ascend_host(torch_probe=dict(ascend_host().torch_probe, torch="2.5.1")))
+    assert [f.detail for f in other_torch] == ["torch_npu 2.6.0.post5 is built for torch 2.6.0 but torch 2.5.1 is "
+                                               "installed"]
+    old_driver = ascend_host(files=dict(ascend_host().files, driver=fixture("driver_version.info")))
+    assert [f.check for f in known_bad_versions(old_driver)] == ["driver"]
+    # torch_npu 2.6.0.post5 (CANN 8.5.0) on the older CANN 8.3.RC1 is refused; 2.6.0.post3 (8.3.RC1) on 8.5.0 warns only
+    cann_83 = fixture("ascend_toolkit_install.info").replace("version=8.5.0", "version=8.3.RC1")
+    older = ascend_host(files=dict(ascend_host().files, cann=cann_83,
+                                   driver=fixture("driver_version.info").replace("24.1.rc1", "25.5.0")))
+    assert [f.detail for f in known_bad_versions(older)] == [
+        "torch_npu 2.6.0.post5 is documented with CANN 8.5.0, not CANN 8.3.RC1 (an older CANN)"]
+    newer = ascend_host(torch_probe=dict(ascend_host().torch_probe, torch_npu="2.6.0.post3"))
+    assert known_bad_versions(newer) == []
+
+
 def test_old_python_and_hung_torch_import_fail():
     findings = run_checks(cpu_host(python_version="3.9.18"))
     assert only(findings, "python").status == Status.FAIL
@@ -230,7 +277,8 @@ def test_old_python_and_hung_torch_import_fail():
 
 def test_compat_table_rows_cite_sources_and_order_versions():
     table = load_table()
-    assert {r.source for r in table.torch_npu} | {r.source for r in table.cann_hdk} <= set(table.sources)
+    assert {r.source for r in table.torch_npu} | {r.source for r in table.cann_hdk} | \
+        {r.source for r in table.cann_gcc} <= set(table.sources)
     assert all(r.torch_npu.startswith(r.torch) for r in table.torch_npu)
     assert [r.torch_npu for r in table.rows_for("8.0.0", "2.1.0+cpu")] == ["2.1.0.post10"]
     assert [r.torch_npu for r in table.rows_for("9.1.2", "2.9.0")] == ["2.9.0.post8"]  # 9.1.X

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tengyun.ops import numa, probe
+from tengyun.ops import numa, probe, smi
 from tengyun.ops.numa import (
     bind_to_device_numa, decide_binding, format_cpulist, parse_cpulist, physical_device_index,
 )
@@ -87,3 +87,60 @@ def test_multi_node_decision_pins_threads_and_memory(monkeypatch, caplog):
     assert calls == [("cpus", list(range(48, 72))), ("mem", 2)]
     assert decision.reason.endswith("(libnuma not found: CPUs only; install libnuma1)")
     assert "npu device 1 (0000:42:00.0) is on node 2" in caplog.text
+
+
+# ----- each worker on its own device's node, from recorded npu-smi output ------------------------
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ops")
+# What the recorded Atlas 800T A2 says: NPU0/1 at C1/C2 (node 6), NPU2/3 at 81/82 (node 4), NPU4/5 at
+# 01/02 (node 0), NPU6/7 at 41/42 (node 2): npu-smi's NPU ids are not in PCI bus order.
+RECORDED = {0: 6, 1: 6, 2: 4, 3: 4, 4: 0, 5: 0, 6: 2, 7: 2}
+
+
+def recorded(name: str) -> str:
+    with open(os.path.join(FIXTURES, name)) as f:
+        return f.read()
+
+
+def lscpu_nodes(text: str) -> dict[int, str]:
+    """lscpu's 'NUMA nodeN CPU(s):   0-23' lines -> {N: '0-23'} (what sysfs's node*/cpulist hold)."""
+    return {int(line.split()[1][4:]): line.split()[-1] for line in text.splitlines() if line.startswith("NUMA node")
+            and "CPU(s):" in line}
+
+
+def test_device_nodes_from_sysfs_follow_npu_smis_numbering_not_bus_order():
+    buses = {d.npu_id: d.bus_id for d in smi.parse_npu_smi_info(recorded("npu_smi_info_910b3_x8.txt")).devices}
+    assert numa.device_numa_nodes(NODES, NPUS, buses, None) == RECORDED
+    assert numa.device_numa_nodes(NODES, NPUS, None, None)[0] == 0  # bus order: what CUDA's PCI_BUS_ID gives
+    d = decide_binding("auto", "npu", 0, NODES, NPUS, None, ALL_CPUS, device_buses=buses)
+    assert (d.node, d.bus_id) == (6, "0000:C1:00.0")
+
+
+def test_device_nodes_without_sysfs_come_from_the_topology_cpu_affinity():
+    nodes = lscpu_nodes(recorded("lscpu_numa_kunpeng920_x4.txt"))
+    topo = smi.parse_topology(recorded("npu_smi_topo_910b3_x8.txt"))
+    assert nodes == NODES
+    assert numa.device_numa_nodes(nodes, {}, None, topo) == RECORDED
+    assert numa.node_holding("144-167", nodes) == 6 and numa.node_holding("500-501", nodes) is None
+
+
+def test_each_worker_is_planned_on_its_own_devices_node():
+    plan = numa.plan_worker_nodes("npu", 8, None, NODES, RECORDED)
+    assert plan.nodes == [6, 6, 4, 4, 0, 0, 2, 2]
+    assert plan.lines[2] == "worker 2: npu 2 -> node 4 (CPUs 96-119)"
+    assert numa.plan_worker_nodes("npu", 2, "4,6", NODES, RECORDED).nodes == [0, 2]
+    assert numa.plan_worker_nodes("npu", 2, None, {0: "0-1"}, {0: 0, 1: 0}) is None  # one node: nothing to do
+    assert numa.plan_worker_nodes("npu", 2, None, NODES, {0: 6}) is None  # NPU1's node unknown: the worker decides
+
+
+def test_worker_binds_by_the_nodes_the_unit_pins(monkeypatch):
+    monkeypatch.setattr(probe, "read_numa_nodes", lambda: dict(NODES))
+    monkeypatch.setattr(probe, "allowed_cpus", lambda: set(ALL_CPUS))
+    monkeypatch.setattr(probe, "pin_process_cpus", lambda cpus: None)
+    monkeypatch.setattr(probe, "prefer_memory_node", lambda node: True)
+    monkeypatch.setenv("TENGYUN_NUMA_NODES", "6,6,4,4")
+    decision = numa.bind_to_device_numa(2, "auto", "npu")
+    assert decision.node == 4 and decision.cpus == tuple(range(96, 120))
+    assert decision.reason.startswith("NUMA binding: npu device 2 is on node 4 ($TENGYUN_NUMA_NODES)")
+    monkeypatch.setenv("TENGYUN_NUMA_NODES", "6,x")
+    with pytest.raises(ValueError, match=r"\$TENGYUN_NUMA_NODES must list one NUMA node per device"):
+        numa.bind_to_device_numa(0, "auto", "npu")

@@ -21,7 +21,7 @@ from tengyun.ops.monitoring import AlertThresholds, alert_rules, prometheus_conf
 
 # Carried into the unit from the shell it is generated in (after `source set_env.sh`).
 ENV_PREFIXES = ("ASCEND_", "HCCL_", "TENGYUN_", "OMP_")
-ENV_KEYS = ("LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HF_HOME")
+ENV_KEYS = ("LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HF_HOME", "RANK_TABLE_FILE")
 SECRET_KEYS = SECRET_ENV  # never written into a world-readable unit: they go to --secrets-file
 
 
@@ -67,7 +67,8 @@ def add_parser(subparsers) -> None:
     unit.add_argument("--no-capture-env", action="store_true",
                       help="do not copy ASCEND_*, HCCL_*, LD_LIBRARY_PATH, ... from this shell into the unit")
     unit.add_argument("--numa-node", type=int, default=None,
-                      help="run under numactl --cpunodebind=N --membind=N (hosts with several NUMA nodes)")
+                      help="run the whole service under numactl --cpunodebind=N --membind=N (default: each worker "
+                           "binds to its own device's node, written into the unit as TENGYUN_NUMA_NODES)")
     unit.add_argument("--supervise", action="store_true", help="run the server under `tengyun supervise`")
     unit.add_argument("--memory-threshold", type=float, default=None, help="with --supervise")
     unit.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- serve [MODEL] [flags]")
@@ -175,21 +176,40 @@ def run_systemd(args: argparse.Namespace) -> int:
         argv = [*exe, "serve", *serve_args]
     env = {} if args.no_capture_env else captured_env(dict(os.environ))
     env.update(dict(args.env))
-    if args.numa_node is None:
-        from tengyun.ops import probe
-
-        nodes = probe.read_numa_nodes()
-        if len(nodes) > 1:
-            print(f"# note: this host has {len(nodes)} NUMA nodes; tengyun binds each worker to its device's node "
-                  f"itself; pass --numa-node N to bind the whole service with numactl", file=sys.stderr)
+    placement = worker_placement(serve, env, args.numa_node)
     description = args.description or f"Tengyun LLM server: {shlex.join(serve_args)}"[:200]
     text = systemd_unit(SystemdUnit(argv, description, serve.shutdown_timeout, env, args.env_file, args.user,
                                     args.working_directory, args.numa_node,
-                                    secrets_file=secrets[0] if secrets else None))
+                                    secrets_file=secrets[0] if secrets else None,
+                                    worker_numa_nodes=placement.nodes if placement else None,
+                                    worker_numa_lines=placement.lines if placement else []))
     if secrets:
         write_secrets(*secrets)
     print(text, end="")
     return 0
+
+
+def worker_placement(serve: argparse.Namespace, env: dict[str, str], numa_node: int | None):
+    """Each of this node's workers on its device's NUMA node (ops/numa.py WorkerPlacement), None
+    where the host has one node or no accelerator; --numa-node N is refused when it would pin
+    workers whose devices sit on other nodes."""
+    from tengyun.ops import numa, probe
+
+    kind = numa.accelerator_kind(serve.device)
+    nodes, device_nodes = numa.host_device_nodes(kind) if kind else (probe.read_numa_nodes(), {})
+    workers = serve.tensor_parallel_size * serve.pipeline_parallel_size // max(serve.nnodes, 1)
+    visible = env.get(numa.VISIBLE_DEVICES_ENV[kind]) if kind else None
+    placement = numa.plan_worker_nodes(kind, workers, visible, nodes, device_nodes) if kind else None
+    if numa_node is not None:
+        if placement and set(placement.nodes) != {numa_node}:
+            raise ValueError(f"--numa-node {numa_node} would pin all {workers} workers to node {numa_node}, but their "
+                             f"devices sit on nodes {','.join(map(str, placement.nodes))}: drop --numa-node (the unit "
+                             f"then binds each worker to its own device's node).")
+        return None
+    if placement is None and len(nodes) > 1:
+        print(f"# note: this host has {len(nodes)} NUMA nodes but the devices' nodes are unknown here; each worker "
+              f"binds to its device's node itself when it starts", file=sys.stderr)
+    return placement
 
 
 def secrets_for_unit(path: str | None, flag_key: str | None, serve: argparse.Namespace) -> tuple[str, str]:

@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from tengyun.platforms.startup import DeviceStartupError
+
 # name -> module exposing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
     "generate": "tengyun.entrypoints.cli.generate",
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.command].run(args) or 0
-    except (ValueError, FileNotFoundError) as e:  # bad settings or paths: say what to change, no traceback
+    except (ValueError, FileNotFoundError, DeviceStartupError) as e:  # bad settings, paths or device: say what
+        # to change, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

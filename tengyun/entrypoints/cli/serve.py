@@ -17,9 +17,10 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from tengyun.entrypoints.openai.api_server import run_server
+    from tengyun.platforms.startup import DeviceStartupError
 
     try:
         return run_server(args)
-    except FileNotFoundError as e:  # a MODEL path that does not exist
+    except (FileNotFoundError, DeviceStartupError) as e:  # a MODEL path that does not exist; an unusable device
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,7 @@ from tengyun.entrypoints.openai.vllm_args import FrontendOptions, check_vllm_ser
 from tengyun.entrypoints.openai.vllm_routes import add_vllm_routes
 from tengyun.generation_config import sampling_defaults
 from tengyun.platforms import platform_class
+from tengyun.platforms.startup import DeviceStartupError
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
 from tengyun.tokenizer import get_tokenizer
 
@@ -462,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run_server(args)
-    except (ValueError, FileNotFoundError) as e:  # configuration errors: say what to change, no traceback
+    except (ValueError, FileNotFoundError, DeviceStartupError) as e:  # configuration errors: what to change
         print(f"error: {e}", file=sys.stderr)
         return 2
 
