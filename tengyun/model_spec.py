@@ -23,6 +23,13 @@ MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausa
                             "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Checkpoint tensors of the Qwen3.5 / Qwen3-Next releases that the text decoder does not load
+# (prefix -> why): the loader skips them, `tengyun plan` leaves them out of the weights.
+VISION_PREFIX, MTP_PREFIX = "model.visual.", "mtp."
+UNLOADED_CHECKPOINT_PREFIXES = {
+    VISION_PREFIX: "vision tower (Tengyun serves the text model only)",
+    MTP_PREFIX: "multi-token-prediction layers (not used for decoding yet)",
+}
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 

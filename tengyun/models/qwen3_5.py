@@ -19,11 +19,10 @@ from tengyun.layers.gated_delta_net import GatedDeltaNet
 from tengyun.layers.layernorm import ZeroCenteredRMSNorm
 from tengyun.layers.linear import QKVParallelLinear, RowParallelLinear
 from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from tengyun.model_spec import ModelSpec
+from tengyun.model_spec import UNLOADED_CHECKPOINT_PREFIXES, ModelSpec
 from tengyun.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 _TEXT_PREFIX = "model.language_model."
-VISION_PREFIX, MTP_PREFIX = "model.visual.", "mtp."
 
 
 class Qwen3_5Attention(nn.Module):
@@ -80,11 +79,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     norm_cls = ZeroCenteredRMSNorm
 
-    # Checkpoint tensors not loaded (prefix -> why); the loader logs how many of each.
-    skipped_checkpoint_prefixes = {
-        VISION_PREFIX: "vision tower (Tengyun serves the text model only)",
-        MTP_PREFIX: "multi-token-prediction layers (not used for decoding yet)",
-    }
+    # Checkpoint tensors not loaded (prefix -> why): vision tower, MTP layers; the loader logs how many of each.
+    skipped_checkpoint_prefixes = UNLOADED_CHECKPOINT_PREFIXES
 
     def layer_factory(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         return lambda i: Qwen3_5DecoderLayer(spec, i, max_position, dtype, self.make_mlp(spec, i, dtype))

@@ -56,3 +56,56 @@ def test_greedy_tokens_and_logprobs_equal_hf(layout_folders, caplog):
     fp8_line = ("FP8 block-quantized checkpoint (weight_block_size [16, 32]): weights dequantized to float32 "
                 "at load, since cpu has no FP8 matmul")
     assert (fp8_line in caplog.text) == layout.fp8
+
+
+def _loaded_tensors(folder):
+    """(parameters, bytes) of the tensors the engine loads: no vision, MTP or FP8 scale tensors."""
+    from safetensors import safe_open
+
+    params = stored_bytes = 0
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():
+                if name.startswith(("model.visual.", "mtp.")):
+                    continue
+                tensor = f.get_tensor(name)
+                stored_bytes += tensor.numel() * tensor.element_size()
+                params += 0 if name.endswith("_scale_inv") else tensor.numel()
+    return params, stored_bytes
+
+
+def test_plan_counts_the_decoder_as_loaded_and_fp8_as_held_and_as_served(layout_folders):
+    from tengyun.ops.model_size import total_params
+    from tengyun.ops.plan import PlanRequest, make_plan, read_model
+
+    name, folder, _ = layout_folders
+    cfg, checkpoint_bytes, _ = read_model(folder)
+    params, stored_bytes = _loaded_tensors(folder)
+    assert total_params(cfg) == params  # config.json's text_config, as the checkpoint holds the decoder
+    assert checkpoint_bytes == stored_bytes  # the vision tower and MTP layers left out
+    plan = make_plan(cfg, PlanRequest(device="cpu", kv_cache_memory=2**20, dtype="float32"), checkpoint_bytes)
+    assert plan.weight_scale == 1.0 and plan.stages[0].weight_bytes == plan.stages[0].params.total * 4
+    if LAYOUTS[name].fp8:
+        assert stored_bytes < params * 4
+        assert plan.notes == [f"FP8 block-quantized checkpoint (weight_block_size [16, 32]): it holds "
+                              f"{stored_bytes / 2**30:.2f} GiB as stored (FP8 weights, their scales and the "
+                              f"unquantized tensors); cpu has no FP8 matmul, so the engine dequantizes it at load and "
+                              f"its weights count in float32: {params * 4 / 2**30:.2f} GiB."]
+    else:
+        assert stored_bytes == params * 4 and plan.notes == []
+
+
+def test_the_wrappers_tie_word_embeddings_decides_as_in_hf():
+    """HF ties Qwen3_5ForConditionalGeneration's head by the wrapper's setting, whatever text_config says."""
+    import transformers
+
+    from tengyun.model_spec import ModelSpec
+    from conftest import QWEN3_5_TEXT
+
+    for wrapper, text in ((True, False), (False, True)):
+        config = transformers.Qwen3_5Config(text_config=dict(QWEN3_5_TEXT, tie_word_embeddings=text),
+                                            tie_word_embeddings=wrapper)
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+        hf_tied = model.lm_head.weight is model.model.language_model.embed_tokens.weight
+        config.architectures = ["Qwen3_5ForConditionalGeneration"]
+        assert ModelSpec.from_hf_config(json.loads(config.to_json_string())).tie_word_embeddings == hf_tied == wrapper
