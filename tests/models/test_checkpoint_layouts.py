@@ -19,11 +19,24 @@ HF_CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen
               "qwen3_next": "Qwen3NextForCausalLM"}
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def layout_folders(request, tmp_path_factory, tiny_tokenizer_dir):
+@pytest.fixture(scope="module")
+def build_layout(tmp_path_factory, tiny_tokenizer_dir):
+    """layout name -> (checkpoint folder, the folder HF loads as the reference), each written once."""
+    built = {}
+
+    def build(name: str):
+        if name not in built:
+            folder = tmp_path_factory.mktemp(name) / "checkpoint"
+            built[name] = folder, write_layout(folder, tiny_tokenizer_dir, LAYOUTS[name])
+        return built[name]
+
+    return build
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def layout_folders(request, build_layout):
     """(layout name, checkpoint folder, the folder HF loads as the reference)."""
-    folder = tmp_path_factory.mktemp(request.param) / "checkpoint"
-    return request.param, folder, write_layout(folder, tiny_tokenizer_dir, LAYOUTS[request.param])
+    return (request.param, *build_layout(request.param))
 
 
 def _hf_from_folder(family: str, folder):
@@ -56,6 +69,24 @@ def test_greedy_tokens_and_logprobs_equal_hf(layout_folders, caplog):
     fp8_line = ("FP8 block-quantized checkpoint (weight_block_size [16, 32]): weights dequantized to float32 "
                 "at load, since cpu has no FP8 matmul")
     assert (fp8_line in caplog.text) == layout.fp8
+
+
+@pytest.mark.parametrize("name, parallel", [("qwen3_5_moe-wrapper-fp8", dict(tensor_parallel_size=2)),
+                                            ("qwen3_5_moe-wrapper-fused", dict(pipeline_parallel_size=2))],
+                         ids=["fp8-tp2", "fused-pp2"])
+def test_tp_and_pp_ranks_load_their_share_of_the_layout(build_layout, name, parallel):
+    """TP 2: each rank keeps half the experts (dequantized, per expert) and half the heads; PP 2:
+    each stage reads its layers out of the wrapper's names, MTP and vision skipped on both."""
+    folder, reference = build_layout(name)
+    prompts = _prompts(300)[:4]
+    expected = _hf_reference(_hf_from_folder(LAYOUTS[name].family, reference), prompts, 8)
+    llm = LLM(str(folder), block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_batched_tokens=32,
+              **parallel)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
+    try:
+        _assert_matches(llm.generate(prompts, params), expected)
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def _loaded_tensors(folder):
