@@ -140,3 +140,32 @@ def test_the_wrappers_tie_word_embeddings_decides_as_in_hf():
         hf_tied = model.lm_head.weight is model.model.language_model.embed_tokens.weight
         config.architectures = ["Qwen3_5ForConditionalGeneration"]
         assert ModelSpec.from_hf_config(json.loads(config.to_json_string())).tie_word_embeddings == hf_tied == wrapper
+
+
+def test_qwen3_moe_with_fused_experts_matches_hf(tmp_path, tiny_tokenizer_dir):
+    """Qwen3-MoE's experts as HF's modules hold them (fused 3-D) load as the per-expert checkpoint does."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import ARCH_CONFIGS, TINY_VOCAB
+
+    fields = dict(ARCH_CONFIGS["qwen3_moe"], vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.3, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields)).eval()
+    tensors = model.state_dict()
+    assert tuple(tensors["model.layers.0.mlp.experts.gate_up_proj"].shape) == (8, 64, 64)  # [E, 2I, H]
+    save_file({n: t.contiguous() for n, t in tensors.items()}, tmp_path / "model.safetensors")
+    model.config.architectures = ["Qwen3MoeForCausalLM"]
+    model.config.save_pretrained(tmp_path)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    prompts = _prompts(300)[:4]
+    expected = _hf_reference(model, prompts, 8)
+    llm = LLM(str(tmp_path), block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
+    _assert_matches(llm.generate(prompts, params), expected)
