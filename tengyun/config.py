@@ -355,14 +355,28 @@ class EngineConfig:
             self.enable_prefix_caching = False
 
     def _check_quantization(self) -> None:
-        """Quantised checkpoints (config.json quantization_config) hold packed integer tensors no
-        layer here reads yet; say so rather than fail on the first unknown tensor name."""
-        method = self.model_spec.quantization
+        """Quantised checkpoints (config.json quantization_config) hold tensors no layer here reads,
+        except FP8 block-quantized ones (ModelSpec.fp8_block), dequantized at load where the platform
+        has no FP8 matmul (Platform.fp8_matmul): say so rather than fail on the first unknown name."""
+        method, block = self.model_spec.quantization, self.model_spec.fp8_block
+        if block is not None:
+            self._log_fp8_dequantization(block)
+            return
         if method and self.load_format != "dummy":
+            fp8_hint = ("; an fp8 checkpoint loads when it is block-quantized (weight_block_size, e.g. [128, 128]) "
+                        "with activation_scheme dynamic") if method == "fp8" else ""
             raise ValueError(
                 f"{self.model_path} is a quantized checkpoint (config.json quantization_config: quant_method "
-                f"{method!r}), which Tengyun cannot load yet: serve the unquantized (bf16 / fp16) checkpoint, "
-                f"or pass --load-format dummy for random weights of its shapes.")
+                f"{method!r}), which Tengyun cannot load yet{fp8_hint}: serve the unquantized (bf16 / fp16) "
+                f"checkpoint, or pass --load-format dummy for random weights of its shapes.")
+
+    def _log_fp8_dequantization(self, block: tuple[int, int]) -> None:
+        from tengyun.platforms import platform_class
+
+        why = ("Tengyun has no FP8 linear layer yet" if platform_class(self.device_type).fp8_matmul
+               else f"{self.device_type} has no FP8 matmul (Platform.fp8_matmul)")
+        logger.info("FP8 block-quantized checkpoint (weight_block_size %s): weights dequantized to %s at load, "
+                    "since %s", list(block), self.dtype, why)
 
     # ----- derived values -------------------------------------------------------------
     @property

@@ -6,7 +6,7 @@ MoE, how pipeline stages split the layers, the dtype "auto" means) is derived he
 
 Covers Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, Qwen3-Next and Qwen3.5 (dense and MoE; the text
 decoder of the multimodal checkpoints). A multimodal wrapper's ``text_config`` is lifted to the
-top level, keeping the wrapper's ``architectures``.
+top level, keeping the wrapper's ``architectures`` and ``tie_word_embeddings``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,13 @@ MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausa
                             "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Checkpoint tensors of the Qwen3.5 / Qwen3-Next releases that the text decoder does not load
+# (prefix -> why): the loader skips them, `tengyun plan` leaves them out of the weights.
+VISION_PREFIX, MTP_PREFIX = "model.visual.", "mtp."
+UNLOADED_CHECKPOINT_PREFIXES = {
+    VISION_PREFIX: "vision tower (Tengyun serves the text model only)",
+    MTP_PREFIX: "multi-token-prediction layers (not used for decoding yet)",
+}
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -41,14 +48,30 @@ def stage_layer_range(num_layers: int, stage: int, pp: int) -> tuple[int, int]:
 
 def text_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """The language model's fields at the top level: a multimodal wrapper's "text_config" (Qwen3.5)
-    lifted out, keeping the wrapper's architectures and top-level dtype / tie_word_embeddings when
-    the text config lacks them."""
+    lifted out, keeping the wrapper's architectures and its top-level dtype when the text config
+    lacks one. The wrapper's tie_word_embeddings, when given, wins over the text config's: HF ties
+    the wrapper's lm_head to its language model's embedding by the wrapper's own setting."""
     cfg = dict(hf_config)
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**{k: v for k, v in cfg.items() if not k.endswith("_config")}, **cfg["text_config"]}
-        if "architectures" in hf_config:
-            cfg["architectures"] = hf_config["architectures"]
+        for key in ("architectures", "tie_word_embeddings"):
+            if key in hf_config:
+                cfg[key] = hf_config[key]
     return cfg
+
+
+def fp8_weight_block(quant_config: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """(rows, cols) of the tiles of an FP8 block-quantized checkpoint (quant_method "fp8" with
+    weight_block_size, as Qwen/Qwen3.5-*-FP8: [128, 128]); None for anything else. The one
+    quantization Tengyun loads (tengyun/models/fp8_block.py dequantizes it)."""
+    if not isinstance(quant_config, Mapping) or quant_config.get("quant_method") != "fp8":
+        return None
+    block = quant_config.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        return None
+    if quant_config.get("activation_scheme", "dynamic") != "dynamic":
+        return None  # static activation scales: input_scale tensors no layer here reads
+    return int(block[0]), int(block[1])
 
 
 def _layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
@@ -148,6 +171,7 @@ class ModelSpec:
     mtp_num_layers: int  # multi-token-prediction layers in the checkpoint (Qwen3.5: mtp_num_hidden_layers)
     checkpoint_dtype: str | None  # config.json torch_dtype / dtype; None when absent
     quantization: str | None  # quantization_config's quant_method; None: unquantised
+    fp8_block: tuple[int, int] | None  # FP8 block-quantized weights: tile (rows, cols), dequantized at load
     # The text config (layer_types filled in) for fields only one model reads (rope, mlp_bias, ...);
     # read, never written. A plain dict: specs travel to rank processes pickled.
     hf: Mapping[str, Any] = field(repr=False, compare=False)
@@ -179,6 +203,7 @@ class ModelSpec:
             mtp_num_layers=int(cfg.get("mtp_num_hidden_layers") or 0),
             checkpoint_dtype=str(dtype) if dtype else None,
             quantization=(quant.get("quant_method") or "unknown") if isinstance(quant, dict) else None,
+            fp8_block=fp8_weight_block(quant),
             hf=cfg,
         )
 

@@ -66,6 +66,22 @@ class FusedMoE(nn.Module):
         param, block = _SHARDS[parts[1]]
         return f"{prefix}.experts.{param}", (int(parts[0]), block)
 
+    @staticmethod
+    def split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """The fused 3-D layout of Qwen3.5-MoE's released checkpoints (and HF's modules) as per-expert
+        tensors: '...mlp.experts.gate_up_proj' [E, 2I, H] (per expert: gate rows, then up) ->
+        '...mlp.experts.{e}.gate_proj.weight' and '.up_proj.weight' [I, H]; '...mlp.experts.down_proj'
+        [E, H, I] -> '...mlp.experts.{e}.down_proj.weight' [H, I]. Views, no copies. None: not fused."""
+        prefix, sep, leaf = name.rpartition(".experts.")
+        if not sep or leaf not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+            return None
+        experts = range(tensor.shape[0])
+        if leaf == "down_proj":
+            return [(f"{prefix}.experts.{e}.down_proj.weight", tensor[e]) for e in experts]
+        gate, up = tensor.chunk(2, dim=1)
+        return [(f"{prefix}.experts.{e}.{proj}.weight", half[e]) for e in experts
+                for proj, half in (("gate_proj", gate), ("up_proj", up))]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
         expert, block = shard_id
         local = expert - self.first_expert

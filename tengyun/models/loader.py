@@ -4,7 +4,9 @@ Checkpoint names map onto parameters through the model's `packed_modules_mapping
     model.layers.0.self_attn.k_proj.weight -> model.layers.0.self_attn.qkv_proj.weight, shard "k"
     model.layers.0.mlp.up_proj.bias        -> model.layers.0.mlp.gate_up_proj.bias,     shard 1
 every other name is kept as is. A model may also rename checkpoint tensors (`checkpoint_rename`),
-map them itself (`checkpoint_name_to_param`), or split one into several (`checkpoint_transform`).
+map them itself (`checkpoint_name_to_param`), split one into several (`checkpoint_transform`), or
+leave whole kinds unread (`skipped_checkpoint_prefixes`: prefix -> why, one log line each).
+FP8 block-quantized weights are dequantized as they are read (fp8_block.py), before all of that.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from tengyun.layers.weight_loading import WeightShapeError, default_weight_loader
+from tengyun.models import fp8_block as fp8
 from tengyun.models.pipeline import missing_prefixes
 
 logger = logging.getLogger(__name__)
@@ -39,12 +42,15 @@ class _Target:
     part: int = 0  # which of checkpoint_transform's outputs (0: the tensor itself)
 
 
-def load_weights(model: torch.nn.Module, folder: Path, load_format: str, seed: int = 0) -> None:
-    """Copy every checkpoint tensor in `folder` into its parameter, or fill with random values ("dummy")."""
+def load_weights(model: torch.nn.Module, folder: Path, load_format: str, seed: int = 0,
+                 fp8_block: tuple[int, int] | None = None) -> None:
+    """Copy every checkpoint tensor in `folder` into its parameter, or fill with random values ("dummy").
+    ``fp8_block``: the tile of an FP8 block-quantized checkpoint (ModelSpec.fp8_block), whose float8
+    weights are dequantized with their ``*_scale_inv`` tensors as they are read."""
     if load_format == "dummy":
         _fill_dummy(model, seed)  # `folder` is not read
     elif load_format in ("safetensors", "auto"):
-        _load_safetensors(model, Path(folder))
+        _load_safetensors(model, Path(folder), fp8_block)
     else:
         raise ValueError(f"--load-format {load_format!r} cannot load weights; use 'safetensors' or 'dummy'")
 
@@ -102,45 +108,105 @@ def _parts(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> list[tupl
     return (transform(name, tensor) if transform else None) or [(name, tensor)]
 
 
-def _plan(model: torch.nn.Module, files: list[Path]) -> list[tuple[Path, str, _Target]]:
-    """(file, checkpoint name, target) for every tensor to load; raises on unknown or missing names."""
+@dataclass(frozen=True)
+class _Stored:
+    file: Path
+    dtype: str  # safetensors' name: "F32", "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+
+
+def _stored_tensors(files: list[Path]) -> dict[str, _Stored]:
+    """Every checkpoint tensor, from the safetensors headers, in file then header order."""
+    stored = {}
+    for f in files:
+        with safe_open(f, framework="pt") as reader:
+            for name in reader.keys():
+                info = reader.get_slice(name)
+                stored[name] = _Stored(f, info.get_dtype(), tuple(info.get_shape()))
+    return stored
+
+
+def _fp8_scales(stored: dict[str, _Stored], block: tuple[int, int] | None, folder: Path) -> dict[str, str]:
+    """Weight name -> the name of its FP8 block scales (fp8.scale_name); checks that every
+    float8 weight has its scales and that config.json declares the block quantization."""
+    scales = {fp8.weight_of_scale(n): n for n in stored if fp8.is_scale(n)}
+    orphans = [n for w, n in scales.items() if w not in stored]
+    if orphans:
+        raise ValueError(f"{len(orphans)} FP8 scale tensor(s) in {folder} have no weight beside them, e.g. "
+                         f"{orphans[:3]}: the checkpoint is incomplete")
+    if scales and block is None:
+        raise ValueError(f"the checkpoint at {folder} holds FP8 block scales (e.g. {next(iter(scales.values()))}) "
+                         f"but config.json's quantization_config is not quant_method 'fp8' with weight_block_size: "
+                         f"use the config.json that came with these weights")
+    unscaled = [n for n, t in stored.items() if t.dtype in fp8.FP8_DTYPES and n not in scales]
+    if unscaled:
+        raise ValueError(f"{len(unscaled)} float8 checkpoint tensor(s) in {folder} have no "
+                         f"'{fp8.SCALE_SUFFIX}' block scales beside them, e.g. {unscaled[:3]}: Tengyun reads "
+                         f"FP8 weights only block-quantized (quant_method fp8 with weight_block_size)")
+    return scales
+
+
+def _skip_prefix(model: torch.nn.Module, name: str) -> str | None:
+    """The prefix of ``model.skipped_checkpoint_prefixes`` (prefix -> why) ``name`` starts with, if any."""
+    return next((p for p in getattr(model, "skipped_checkpoint_prefixes", {}) if name.startswith(p)), None)
+
+
+def _log_skipped(model: torch.nn.Module, stored: dict[str, _Stored]) -> None:
+    """One line per skipped kind of tensor: how many, and why (e.g. the vision tower)."""
+    counts: dict[str, int] = {}
+    for name in stored:
+        prefix = _skip_prefix(model, name)
+        if prefix is not None:
+            counts[prefix] = counts.get(prefix, 0) + 1
+    for prefix, count in counts.items():
+        logger.info("Skipping %d %s* checkpoint tensors: %s", count, prefix, model.skipped_checkpoint_prefixes[prefix])
+
+
+def _plan(model: torch.nn.Module, stored: dict[str, _Stored], folder: Path) -> list[tuple[Path, str, _Target]]:
+    """(file, checkpoint name, target) for every tensor to load; raises on unknown or missing names.
+    FP8 scale tensors are not planned: they are read with their weights."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
     tied = _is_tied(model, params)
     other_stages = missing_prefixes(model)  # pipeline parallel: layers another stage loads
     # Last pipeline stage of a tied model: the head has no embedding to share, so it loads the embedding's tensor.
     head_from_embed = tied and "lm_head.weight" in params and _EMBED not in params
-    # The model's own renaming (e.g. a multimodal wrapper's prefix off, None: not loaded), else names as is.
+    # The model's own renaming (e.g. a multimodal wrapper's prefix off; None: not loaded), else names as is.
     rename = getattr(model, "checkpoint_rename", None) or (lambda n: n)
+    custom = getattr(model, "checkpoint_name_to_param", None)
     plan, unexpected = [], []
-    for f in files:
-        with safe_open(f, framework="pt") as reader:
-            for stored_name in reader.keys():
-                renamed = rename(stored_name)
-                if renamed is None:
-                    continue
-                meta = torch.empty(reader.get_slice(stored_name).get_shape(), device="meta")
-                for part, (name, _) in enumerate(_parts(model, renamed, meta)):
-                    if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                        continue
-                    if head_from_embed and name == _EMBED:
-                        plan.append((f, stored_name, _Target("lm_head.weight", None, part)))
-                        continue
-                    if name.startswith(other_stages):
-                        continue
-                    target = _map_name(name, params, packed, getattr(model, "checkpoint_name_to_param", None))
-                    if target is None:
-                        shown = stored_name if name == stored_name else f"{stored_name} as {name}"
-                        unexpected.append(f"{shown} ({f.name})")
-                    else:
-                        plan.append((f, stored_name, _Target(target.param_name, target.shard_id, part)))
+    for stored_name, info in stored.items():
+        if fp8.is_scale(stored_name) or _skip_prefix(model, stored_name) is not None:
+            continue
+        renamed = rename(stored_name)
+        if renamed is None:  # the model's own choice not to load it
+            continue
+        for part, (name, _) in enumerate(_parts(model, renamed, torch.empty(info.shape, device="meta"))):
+            if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                continue
+            if head_from_embed and name == _EMBED:
+                plan.append((info.file, stored_name, _Target("lm_head.weight", None, part)))
+                continue
+            if name.startswith(other_stages):
+                continue
+            target = _map_name(name, params, packed, custom)
+            if target is None:
+                shown = stored_name if name == stored_name else f"{stored_name} as {name}"
+                unexpected.append(f"{shown} ({info.file.name})")
+            else:
+                plan.append((info.file, stored_name, _Target(target.param_name, target.shard_id, part)))
     if unexpected:
         raise ValueError(
-            f"{len(unexpected)} checkpoint tensor(s) in {files[0].parent} match no model parameter, e.g. "
+            f"{len(unexpected)} checkpoint tensor(s) in {folder} match no model parameter, e.g. "
             f"{unexpected[:5]}; config.json's architecture disagrees with the checkpoint"
         )
+    _check_complete(plan, params, packed, tied and not head_from_embed, folder)
+    return plan
 
-    expected = {(n, None) for n in params if not (tied and n == "lm_head.weight" and not head_from_embed)}
+
+def _check_complete(plan: list, params: dict, packed: dict[str, list[str]], head_shared: bool, folder: Path) -> None:
+    """Every parameter (every shard of a packed or stacked one) has a planned tensor."""
+    expected = {(n, None) for n in params if not (head_shared and n == "lm_head.weight")}
     for packed_name, shard_names in packed.items():
         for n in [n for n, _ in expected if f".{packed_name}." in n]:
             expected.discard((n, None))
@@ -152,32 +218,54 @@ def _plan(model: torch.nn.Module, files: list[Path]) -> list[tuple[Path, str, _T
     if missing:
         shown = [n if s is None else f"{n} (shard {s})" for n, s in missing[:5]]
         raise ValueError(
-            f"{len(missing)} model parameter(s) have no tensor in the checkpoint at {files[0].parent}, "
+            f"{len(missing)} model parameter(s) have no tensor in the checkpoint at {folder}, "
             f"e.g. {shown}; config.json disagrees with the checkpoint"
         )
-    return plan
 
 
-def _load_safetensors(model: torch.nn.Module, folder: Path) -> None:
+def _read(reader, stored: dict[str, _Stored], name: str, scales: dict[str, str],
+          block: tuple[int, int] | None) -> torch.Tensor:
+    """Checkpoint tensor ``name`` from the open file ``reader``; an FP8 weight dequantized (float32)
+    with its scales, which may sit in another shard."""
+    tensor = reader.get_tensor(name)
+    if name not in scales:
+        return tensor
+    scale_file = stored[scales[name]].file
+    if scale_file == stored[name].file:
+        scale = reader.get_tensor(scales[name])
+    else:
+        with safe_open(scale_file, framework="pt") as other:
+            scale = other.get_tensor(scales[name])
+    try:
+        return fp8.dequantize(tensor, scale, block)
+    except ValueError as e:
+        raise ValueError(f"FP8 block scales {scales[name]} in {scale_file} have {e}: config.json's "
+                         f"quantization_config weight_block_size disagrees with the checkpoint") from e
+
+
+def _load_safetensors(model: torch.nn.Module, folder: Path, block: tuple[int, int] | None) -> None:
     start = time.perf_counter()
     files = safetensors_files(folder)
-    plan = _plan(model, files)
+    stored = _stored_tensors(files)
+    scales = _fp8_scales(stored, block, folder)
+    plan = _plan(model, stored, folder)
+    _log_skipped(model, stored)
     params = dict(model.named_parameters(remove_duplicate=False))
     rename = getattr(model, "checkpoint_rename", None) or (lambda n: n)
     show_bar = len(files) > 1 and sys.stderr.isatty()
     with torch.no_grad():
         for f in tqdm(files, desc="Loading safetensors shards", disable=not show_bar):
             with safe_open(f, framework="pt") as reader:
-                # A tensor's entries are adjacent in the plan: read (and transform) it once.
+                # A tensor's entries are adjacent in the plan: read (dequantize, transform) it once.
                 for name, entries in itertools.groupby((p for p in plan if p[0] == f), key=lambda p: p[1]):
                     renamed = rename(name)
-                    parts = _parts(model, renamed, reader.get_tensor(name))
+                    parts = _parts(model, renamed, _read(reader, stored, name, scales, block))
                     for _, _, target in entries:
                         part_name, tensor = parts[target.part]
                         shown = name if part_name == renamed else f"{name} (as {part_name})"
                         _load_one(params[target.param_name], tensor, target, shown, f)
-    logger.info("loaded %d tensors from %d file(s) in %s in %.1fs", len(plan), len(files), folder,
-                time.perf_counter() - start)
+    logger.info("loaded %d tensors from %d file(s) in %s in %.1fs%s", len(plan), len(files), folder,
+                time.perf_counter() - start, f" ({len(scales)} FP8 weights dequantized)" if scales else "")
 
 
 def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, target: _Target, name: str, file: Path) -> None:

@@ -5,12 +5,12 @@ Full attention: q_proj yields per head [query D | gate D]; q/k RMSNorm per head;
 (``partial_rotary_factor`` of head_dim, neox halves; text-only positions make Qwen3.5's mrope
 this); output attn * sigmoid(gate) before o_proj. Every RMSNorm outside the Gated DeltaNet is
 zero-centred (x_norm * (1 + w)). Loads the text-only layout (``model.layers...``) and the
-multimodal one (``model.language_model.layers...``; vision and MTP tensors are skipped).
+multimodal one (``model.language_model.layers...``); vision (``model.visual.*``) and MTP (``mtp.*``)
+tensors are skipped, with one log line each saying how many.
 """
 
 from __future__ import annotations
 
-import logging
 import torch
 from torch import nn
 
@@ -19,13 +19,10 @@ from tengyun.layers.gated_delta_net import GatedDeltaNet
 from tengyun.layers.layernorm import ZeroCenteredRMSNorm
 from tengyun.layers.linear import QKVParallelLinear, RowParallelLinear
 from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from tengyun.model_spec import ModelSpec
+from tengyun.model_spec import UNLOADED_CHECKPOINT_PREFIXES, ModelSpec
 from tengyun.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-logger = logging.getLogger(__name__)
-
 _TEXT_PREFIX = "model.language_model."
-_SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # vision tower, multi-token-prediction head
 
 
 class Qwen3_5Attention(nn.Module):
@@ -82,22 +79,14 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     norm_cls = ZeroCenteredRMSNorm
 
-    def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
-        super().__init__(spec, max_position, dtype)
-        self._logged_skips: set[str] = set()
+    # Checkpoint tensors not loaded (prefix -> why): vision tower, MTP layers; the loader logs how many of each.
+    skipped_checkpoint_prefixes = UNLOADED_CHECKPOINT_PREFIXES
 
     def layer_factory(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         return lambda i: Qwen3_5DecoderLayer(spec, i, max_position, dtype, self.make_mlp(spec, i, dtype))
 
-    def checkpoint_rename(self, name: str) -> str | None:
-        """'model.language_model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj.weight';
-        vision and MTP tensors -> None (skipped, one log line per kind)."""
-        for prefix in _SKIPPED_PREFIXES:
-            if name.startswith(prefix):
-                if prefix not in self._logged_skips:
-                    self._logged_skips.add(prefix)
-                    logger.info("Skipping %s* checkpoint tensors: %s", prefix,
-                                "vision tower (text-only serving)" if prefix == "model.visual." else
-                                "multi-token-prediction head (no speculative decoding yet)")
-                return None
+    @staticmethod
+    def checkpoint_rename(name: str) -> str:
+        """'model.language_model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj.weight'
+        (the multimodal wrapper's text model); other names as they are."""
         return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name

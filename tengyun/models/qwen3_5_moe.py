@@ -33,7 +33,10 @@ def make_moe_mlp(spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> nn.Modu
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
-    """Also Qwen3_5MoeForConditionalGeneration (text weights only)."""
+    """Also Qwen3_5MoeForConditionalGeneration (text weights only). Experts load per expert
+    (``experts.N.gate_proj.weight``, as save_pretrained and the FP8 releases write them) or fused
+    (``experts.gate_up_proj`` / ``experts.down_proj`` 3-D, as the bf16 releases hold them)."""
 
     make_mlp = staticmethod(make_moe_mlp)
     checkpoint_name_to_param = staticmethod(FusedMoE.checkpoint_name_to_param)
+    checkpoint_transform = staticmethod(FusedMoE.split_fused_experts)

@@ -34,5 +34,6 @@ def make_moe_mlp(spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> nn.Modu
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     make_mlp = staticmethod(make_moe_mlp)
-    # Per-expert checkpoint tensors land in the stacked expert parameters.
+    # Per-expert checkpoint tensors land in the stacked expert parameters; fused 3-D ones are split first.
     checkpoint_name_to_param = staticmethod(FusedMoE.checkpoint_name_to_param)
+    checkpoint_transform = staticmethod(FusedMoE.split_fused_experts)

@@ -63,10 +63,11 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
 
     def checkpoint_transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
         """'...linear_attn.in_proj_qkvz.weight' -> in_proj_qkv and in_proj_z; '...linear_attn.in_proj_ba.weight'
-        -> in_proj_b and in_proj_a (full tensors, Qwen3.5's layout); None (as stored) for the rest."""
+        -> in_proj_b and in_proj_a (full tensors, Qwen3.5's layout); fused 3-D experts per expert
+        (FusedMoE.split_fused_experts); None (as stored) for the rest."""
         prefix, sep, leaf = name.rpartition(".linear_attn.")
         if not sep or leaf not in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
-            return None
+            return FusedMoE.split_fused_experts(name, tensor)
         qkvz = leaf == "in_proj_qkvz.weight"
         rows = self.num_k_heads * (2 * self.k_dim + 2 * self.group_v) if qkvz else 2 * self.num_v_heads
         if tensor.shape[0] != rows:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tengyun.kv_sizing import activation_estimate, kv_cache_shape, split_budget, state_shape
-from tengyun.model_spec import DTYPE_BYTES, ModelSpec, as_spec, canonical_dtype
+from tengyun.model_spec import DTYPE_BYTES, UNLOADED_CHECKPOINT_PREFIXES, ModelSpec, as_spec, canonical_dtype
 from tengyun.ops.model_size import StageParams, stage_params, total_params
 
 GiB, MiB = 2**30, 2**20
@@ -75,6 +75,7 @@ class Plan:
     stages: list[StagePlan]
     architecture: str = ""
     notes: list[str] = field(default_factory=list)
+    checkpoint_bytes: int | None = None  # the loaded tensors as stored (read_model); None: not read
 
     @property
     def blocks(self) -> int:
@@ -110,8 +111,9 @@ class Plan:
 # ----- reading the model ------------------------------------------------------------------
 def read_model(path: str | Path) -> tuple[dict[str, Any], int | None, str]:
     """MODEL (a HF folder, or a config.json alone) -> (config, checkpoint bytes or None, name).
-    Checkpoint bytes come from model.safetensors.index.json's total_size, or the headers of the
-    *.safetensors files when there is no index; None when only config.json is there."""
+    Checkpoint bytes are those of the tensors the engine loads, from the *.safetensors headers
+    (a vision tower and MTP layers, UNLOADED_CHECKPOINT_PREFIXES, left out); without the shards,
+    model.safetensors.index.json's total_size (all tensors); None when only config.json is there."""
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
@@ -121,19 +123,22 @@ def read_model(path: str | Path) -> tuple[dict[str, Any], int | None, str]:
     folder = config_path.parent
     name = folder.name if config_path.name == "config.json" else config_path.stem
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-        return cfg, (int(total) if total else None), name
-    shards = sorted(folder.glob("*.safetensors"))
-    return cfg, (sum(safetensors_bytes(s) for s in shards) if shards else None), name
+    index_json = json.loads(index.read_text()) if index.is_file() else None
+    shards = ([folder / f for f in sorted(set(index_json.get("weight_map", {}).values()))] if index_json
+              else sorted(folder.glob("*.safetensors")))
+    if shards and all(s.is_file() for s in shards):
+        return cfg, sum(safetensors_bytes(s, tuple(UNLOADED_CHECKPOINT_PREFIXES)) for s in shards), name
+    total = (index_json or {}).get("metadata", {}).get("total_size")
+    return cfg, (int(total) if total else None), name
 
 
-def safetensors_bytes(path: Path) -> int:
-    """Tensor bytes in a .safetensors file, from its JSON header (8-byte length, then JSON)."""
+def safetensors_bytes(path: Path, skip: tuple[str, ...] = ()) -> int:
+    """Tensor bytes in a .safetensors file, from its JSON header (8-byte length, then JSON), less
+    the tensors whose names start with one of ``skip``."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
-    return sum(end - start for key, meta in header.items() if key != "__metadata__"
+    return sum(end - start for key, meta in header.items() if key != "__metadata__" and not key.startswith(skip)
                for start, end in [meta["data_offsets"]])
 
 
@@ -151,7 +156,7 @@ def make_plan(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoi
     kv_dtype = dtype if request.kv_cache_dtype == "auto" else canonical_dtype(request.kv_cache_dtype)
     max_len = request.max_model_len or spec.max_position_embeddings
     total = total_params(spec)
-    scale, notes = _weight_scale(spec, total, dtype, checkpoint_bytes)
+    scale, notes = _weight_scale(spec, total, dtype, checkpoint_bytes, request.device)
     if max_len > spec.max_position_embeddings:
         notes.append(f"--max-model-len {max_len} is longer than max_position_embeddings "
                      f"{spec.max_position_embeddings}: the engine refuses it; lower it to "
@@ -165,13 +170,22 @@ def make_plan(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoi
                                                   DTYPE_BYTES[dtype])
     stages = [_stage_plan(spec, request, stage, dtype, kv_dtype, scale, activation, max_len) for stage in range(pp)]
     return Plan(request, name, dtype, kv_dtype, max_len, spec.max_position_embeddings, total, activation, formula,
-                scale, stages, spec.architecture or spec.model_type or "?", notes)
+                scale, stages, spec.architecture or spec.model_type or "?", notes, checkpoint_bytes)
 
 
-def _weight_scale(spec: ModelSpec, params: int, dtype: str, checkpoint_bytes: int | None) -> tuple[float, list[str]]:
+def _weight_scale(spec: ModelSpec, params: int, dtype: str, checkpoint_bytes: int | None,
+                  device: str) -> tuple[float, list[str]]:
     """(checkpoint bytes / config estimate, notes): weights follow the checkpoint's own size when it
-    differs by more than 2 % from ``params`` in the checkpoint's dtype (quantized weights, or vision
-    / MTP tensors); a float32 checkpoint served in bfloat16 is not scaled."""
+    differs by more than 2 % from ``params`` in the checkpoint's dtype (quantized weights); a float32
+    checkpoint served in bfloat16 is not scaled, nor an FP8 block-quantized one dequantized at load."""
+    from tengyun.platforms import platform_class
+
+    if spec.fp8_block and not platform_class(device).fp8_matmul:
+        held = (f"it holds {checkpoint_bytes / GiB:.2f} GiB as stored (FP8 weights, their scales and the "
+                f"unquantized tensors); " if checkpoint_bytes else "")
+        return 1.0, [f"FP8 block-quantized checkpoint (weight_block_size {list(spec.fp8_block)}): {held}{device} has "
+                     f"no FP8 matmul, so the engine dequantizes it at load and its weights count in {dtype}: "
+                     f"{params * DTYPE_BYTES[dtype] / GiB:.2f} GiB."]
     notes: list[str] = []
     scale = 1.0
     stored = spec.checkpoint_dtype if spec.checkpoint_dtype in DTYPE_BYTES else dtype
@@ -179,8 +193,8 @@ def _weight_scale(spec: ModelSpec, params: int, dtype: str, checkpoint_bytes: in
     if checkpoint_bytes and abs(checkpoint_bytes / estimate - 1) > 0.02:
         scale = checkpoint_bytes / estimate
         notes.append(f"The checkpoint holds {checkpoint_bytes / GiB:.2f} GiB but config.json's decoder is "
-                     f"{estimate / GiB:.2f} GiB in {stored} (quantized weights, or vision / MTP tensors): "
-                     f"weights per card scaled by {scale:.3f}.")
+                     f"{estimate / GiB:.2f} GiB in {stored} (quantized weights, or tensors the decoder does not "
+                     f"have): weights per card scaled by {scale:.3f}.")
     if spec.quantization and not checkpoint_bytes:
         notes.append(f"config.json has a quantization_config but no checkpoint files are here: weights are "
                      f"counted as {dtype}; plan the folder with its *.safetensors (or index) for real sizes.")
@@ -298,6 +312,7 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
         "device_memory": r.device_memory, "gpu_memory_utilization": r.gpu_memory_utilization,
         "kv_cache_memory": r.kv_cache_memory, "block_size": r.block_size, "max_model_len": plan.max_model_len,
         "activation_bytes": plan.activation_bytes, "weight_scale": plan.weight_scale,
+        "checkpoint_bytes": plan.checkpoint_bytes,
         "stages": [{
             "stage": s.stage, "layers": list(s.layers),
             "params": dataclasses.asdict(s.params) | {"total": s.params.total},

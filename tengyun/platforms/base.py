@@ -21,6 +21,10 @@ class Platform:
     kv_cache_in_host_memory: bool = False
     # Ranks compute on host cores (OpenMP threads): a node's ranks split its cores between them.
     ranks_share_host_cores: bool = False
+    # The device multiplies FP8 (e4m3) weights natively. Where it does not (CPU, Ascend 910B), an FP8
+    # block-quantized checkpoint is dequantized at load to --dtype, and `tengyun plan` counts its
+    # weights in that dtype rather than as the checkpoint holds them.
+    fp8_matmul: bool = False
 
     @classmethod
     def auto_dtype(cls, checkpoint_dtype: str | None) -> str:

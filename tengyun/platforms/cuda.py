@@ -15,6 +15,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     supports_graphs = True
+    fp8_matmul = False  # Hopper and later have FP8 GEMMs, but no linear kernel here calls them yet
 
     def __init__(self):
         self._graph_pool = None  # one memory pool shared by every captured graph

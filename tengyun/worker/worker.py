@@ -71,7 +71,8 @@ class Worker:
         model_cls = get_model_class(config.architecture)
         with torch.device(self.device):
             model = model_cls(config.model_spec, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
-        load_weights(model, config.model_path, config.load_format, seed=config.seed)
+        load_weights(model, config.model_path, config.load_format, seed=config.seed,
+                     fp8_block=config.model_spec.fp8_block)
         return model
 
     def _bind_kernels(self) -> KernelBundle:

@@ -89,6 +89,21 @@ def test_qwen3_5_397b_a17b_tp8_pp4_on_64g_cards_by_hand():
     assert smallest_fit(cfg, PlanRequest(max_model_len=32_768)) == (2, 7)
 
 
+def test_qwen3_5_397b_a17b_fp8_is_planned_as_served_dequantized_in_bf16_on_910b():
+    """Qwen/Qwen3.5-397B-A17B-FP8's quantization_config on the wrapper: the 910B has no FP8 matmul,
+    so the engine dequantizes and the weights per card are the bf16 checkpoint's."""
+    cfg = load("qwen3_5_397b_a17b")
+    fp8 = dict(cfg, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]})
+    request = PlanRequest(tp=8, pp=4, max_model_len=32_768)
+    plan, bf16 = make_plan(fp8, request), make_plan(cfg, request)
+    assert [s.weight_bytes for s in plan.stages] == [s.weight_bytes for s in bf16.stages]
+    assert plan.blocks == bf16.blocks == 534_764
+    assert plan.notes == ["FP8 block-quantized checkpoint (weight_block_size [128, 128]): npu has no FP8 matmul, so "
+                          "the engine dequantizes it at load and its weights count in bfloat16: 738.25 GiB."]
+    assert 396_346_350_336 * 2 / 2**30 == pytest.approx(738.25, abs=0.005)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_parameter_count_matches_the_checkpoint(tiny_checkpoints, arch):
     folder = tiny_checkpoints[arch]
