@@ -85,7 +85,7 @@ class SamplingMetadata:
         cls,
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
+        output_token_ids: list,  # per row its output ids, or anything with len() where the row has no penalties
         vocab_size: int,
         device: torch.device,
         token_bitmask: tuple[list[int], torch.Tensor] | None = None,  # (rows, [N, ceil(V / 32)] int32)

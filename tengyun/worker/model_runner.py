@@ -13,10 +13,11 @@ from torch import nn
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
-from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from tengyun.layers.sampler import Sampler, SamplerOutput, gather_logprobs
 from tengyun.sampling_params import SamplingParams
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
+from tengyun.worker.sampling_inputs import SamplingInputs
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ModelRunner:
         # Pipeline parallel: activations in from the previous stage, out to the next.
         self.stage = stage or PipelineStage(0, torch.float32, device)
         self.sampler = Sampler()
+        self.sampling_inputs = SamplingInputs(vocab_size, device)  # kept across steps
         self.states: dict[int, SeqState] = {}
         # Structured output: per-sequence grammar matchers; the compiler is built on first use.
         self.grammar = GrammarState(grammar_compiler_factory or _no_grammar_compiler, vocab_size)
@@ -92,14 +94,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if num_sampled:
             states = [self.states[i] for i in batch.sample_seq_ids]
-            metadata = SamplingMetadata.build(
-                [s.params for s in states],
-                [s.token_ids[: s.num_prompt_tokens] for s in states],
-                [s.token_ids[s.num_prompt_tokens:] for s in states],
-                self.vocab_size,
-                self.device,
-                token_bitmask=self.grammar.bitmask(batch.sample_seq_ids),
-            )
+            metadata = self.sampling_inputs.metadata(batch.sample_seq_ids, states,
+                                                     self.grammar.bitmask(batch.sample_seq_ids))
             result = self._collect(batch.sample_seq_ids, states, self.sampler(logits[:num_sampled], metadata))
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, logits[num_sampled:], result)
