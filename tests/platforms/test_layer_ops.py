@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tengyun.layers.attention import cpu_kernels
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
@@ -17,6 +18,7 @@ from tengyun.layers.layernorm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.rotary_embedding import RotaryEmbedding
 from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu_ops import CpuFusedLayerOps
 from tengyun.platforms.cuda import CudaPlatform
 from tengyun.platforms.npu import NpuPlatform
 
@@ -46,8 +48,13 @@ def _norm(cls, hidden, dtype, seed=0):
     return norm
 
 
-def test_cpu_and_cuda_platforms_use_the_pytorch_ops():
-    assert CpuPlatform().layer_ops() is TORCH_LAYER_OPS and CudaPlatform().layer_ops() is TORCH_LAYER_OPS
+def test_cuda_uses_the_pytorch_ops_and_cpu_its_compiled_ones_once_built():
+    assert CudaPlatform().layer_ops() is TORCH_LAYER_OPS
+    cpu = CpuPlatform().layer_ops()
+    if cpu_kernels.load_error() is None:
+        assert isinstance(cpu, CpuFusedLayerOps)  # tests/layers/test_cpu_layer_ops.py checks their arithmetic
+    else:
+        assert cpu is TORCH_LAYER_OPS
 
 
 @pytest.mark.parametrize("bind", [False, True])

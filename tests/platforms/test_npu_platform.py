@@ -72,6 +72,7 @@ def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
 
     fake = fake_torch_npu.module()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)  # importable, but the CPU platform does not select it
+    monkeypatch.setattr(CpuPlatform, "layer_ops", lambda self: TORCH_LAYER_OPS)  # the reference: PyTorch's ops
     plain = LLM(folder, **args)
     assert {id(m.ops) for m in layers(plain, RMSNorm) + layers(plain, RotaryEmbedding)} == {id(TORCH_LAYER_OPS)}
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
