@@ -24,6 +24,7 @@ NON_DEFAULTS = dict(
     generation_config="vllm", max_logprobs=-1, tensor_parallel_size=2, pipeline_parallel_size=2,
     distributed_executor_backend="mp", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500,
     headless=True, distributed_timeout=60.5, numa_bind="off",
+    speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}',
 )
 
 
