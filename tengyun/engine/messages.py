@@ -27,6 +27,8 @@ class CachedSeqData:
     seq_id: int
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Speculative decoding: drafts to verify after the last token (scheduled as 1 + len tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -63,11 +65,13 @@ class PromptLogprobsChunk:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per sequence that sampled this step. Logprob lists are [sampled, top-1, ..., top-k]."""
+    """Per sequence that sampled this step, one entry per new token: one token, or with
+    speculative decoding the accepted drafts and the token after them ([d1, d2, x] when 2 of
+    3 drafts held). Logprob rows are [token, top-1, ..., top-k]."""
 
-    sampled_token_ids: dict[int, int] = field(default_factory=dict)
-    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, list[float]] = field(default_factory=dict)
-    sampled_ranks: dict[int, int] = field(default_factory=dict)
+    sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprob_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    logprobs: dict[int, list[list[float]]] = field(default_factory=dict)
+    sampled_ranks: dict[int, list[int]] = field(default_factory=dict)
     # Sequences with SamplingParams.prompt_logprobs whose prompt was (partly) computed this step.
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)

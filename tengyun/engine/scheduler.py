@@ -10,10 +10,12 @@ from tengyun.engine.block_manager import BlockManager
 from tengyun.engine.messages import CachedSeqData, NewSeqData, SchedulerOutput
 from tengyun.engine.sequence import Sequence, SequenceStatus
 from tengyun.engine.state_pool import StatePool
+from tengyun.spec_decode.drafter import Drafter
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0):
+    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0,
+                 drafter: Drafter | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
@@ -25,6 +27,9 @@ class Scheduler:
         self._seqs_on_worker: set[int] = set()
         self._freed_seq_ids: list[int] = []
         self.num_preemptions = 0
+        # Speculative decoding (ngram): drafts proposed here, verified by the worker in one step.
+        self.drafter = drafter
+        self.spec_stats = drafter.stats if drafter else None
 
     # ----- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -78,6 +83,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            decoding = self.drafter is not None and num_new == seq.num_uncomputed_tokens == 1
+            drafts = self.drafter.propose(seq, budget) if decoding else []
+            if drafts and self.block_manager.can_allocate(seq, 1 + len(drafts)):
+                num_new = 1 + len(drafts)
+            else:
+                drafts = []
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -87,9 +98,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             num_blocks_before = len(seq.block_table)
-            self.block_manager.allocate(seq, num_new)
+            self.block_manager.allocate(seq, num_new, num_unverified=len(drafts))
+            seq.spec_token_ids = drafts
             out.cached_seqs.append(
-                CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens)
+                CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens, drafts)
             )
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
@@ -133,6 +145,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self._free_state(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -149,6 +162,17 @@ class Scheduler:
             self._freed_seq_ids.append(seq.seq_id)
 
     # ----- after the model ran ------------------------------------------------------------
-    def advance(self, out: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+    def advance(self, out: SchedulerOutput, seqs: dict[int, Sequence],
+                sampled: dict[int, list[int]] | None = None) -> None:
+        """Count this step's tokens as computed, less the rejected drafts: a sequence that
+        verified K drafts and got back ``sampled`` [d1, ..., da, x] keeps KV for its last token
+        and d1..da, and frees the blocks past them."""
         for seq_id, num_new in out.num_scheduled_tokens.items():
-            seqs[seq_id].num_computed_tokens += num_new
+            seq = seqs[seq_id]
+            seq.num_computed_tokens += num_new
+            if seq.spec_token_ids:
+                num_accepted = len(sampled[seq_id]) - 1
+                seq.num_computed_tokens -= len(seq.spec_token_ids) - num_accepted
+                self.spec_stats.record(len(seq.spec_token_ids), num_accepted)
+                self.block_manager.roll_back(seq)
+                seq.spec_token_ids = []

@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from tengyun.distributed.pipeline_stage import PipelineStage
+from tengyun.engine.block_manager import blocks_to_keep
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
 from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from tengyun.sampling_params import SamplingParams
+from tengyun.spec_decode.verify import accepted_tokens
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
 
@@ -35,7 +37,9 @@ class BatchInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_seq_ids: list[int]  # sequences that sample, in logits row order
-    logits_indices: torch.Tensor  # [len(sample_seq_ids)]: last token of each in the flat batch
+    # [S] rows: the last token of each sequence in the flat batch, then (speculative decoding)
+    # one row per draft: a sequence verifying drafts [d1, d2] owns 3 consecutive rows.
+    logits_indices: torch.Tensor
     # Prompt logprobs: the R rows whose next token is a prompt token, of sequences that asked.
     prompt_rows: list[tuple[int, int, int]]  # (seq_id, first prompt token scored, rows), in row order
     prompt_indices: torch.Tensor | None = None  # [R] rows of the flat batch
@@ -58,6 +62,7 @@ class ModelRunner:
         self.grammar = GrammarState(grammar_compiler_factory or _no_grammar_compiler, vocab_size)
         # Decode-only steps replayed from captured graphs (worker/decode_graphs.py); None: eager.
         self.decode_graphs: DecodeGraphs | None = None
+        self.spec_drafts: dict[int, list[int]] = {}  # this step's drafts per sequence (speculative decoding)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -65,9 +70,9 @@ class ModelRunner:
         """Run one step. Returns None on ranks that do not sample (an earlier pipeline stage,
         a TP rank other than 0); ``sampled_elsewhere``: the tokens the sampling rank drew last
         step, which such ranks append before this step's inputs are built."""
-        for seq_id, token in (sampled_elsewhere or {}).items():
+        for seq_id, tokens in (sampled_elsewhere or {}).items():
             if seq_id in self.states:
-                self.states[seq_id].token_ids.append(token)
+                self.states[seq_id].token_ids.extend(tokens)
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
@@ -88,19 +93,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])  # [B + R, V] float32; None off TP rank 0
         if logits is None:
             return None
-        num_sampled = len(batch.sample_seq_ids)
+        num_sampled = len(batch.logits_indices)
         result = ModelRunnerOutput()
         if num_sampled:
-            states = [self.states[i] for i in batch.sample_seq_ids]
-            metadata = SamplingMetadata.build(
-                [s.params for s in states],
-                [s.token_ids[: s.num_prompt_tokens] for s in states],
-                [s.token_ids[s.num_prompt_tokens:] for s in states],
-                self.vocab_size,
-                self.device,
-                token_bitmask=self.grammar.bitmask(batch.sample_seq_ids),
-            )
-            result = self._collect(batch.sample_seq_ids, states, self.sampler(logits[:num_sampled], metadata))
+            result = self._sample(batch.sample_seq_ids, logits[:num_sampled])
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, logits[num_sampled:], result)
         return result
@@ -115,10 +111,13 @@ class ModelRunner:
                 new.num_computed_tokens, new.sampling_params, new.state_slot,
             )
             self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
+        self.spec_drafts = {}
         for cached in sched.cached_seqs:
             state = self.states[cached.seq_id]
             state.block_table.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.spec_token_ids:
+                self.spec_drafts[cached.seq_id] = cached.spec_token_ids
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
         """Flat batch: single-token sequences first (batched decode attention), then chunks."""
@@ -132,10 +131,11 @@ class ModelRunner:
         offset = 0
         for seq_id in order:
             state, n = self.states[seq_id], counts[seq_id]
+            drafts = self.spec_drafts.get(seq_id, [])
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             pos = np.arange(start, end)
             table = np.asarray(state.block_table, dtype=np.int64)
-            input_ids.append(state.token_ids[start:end])
+            input_ids.append(state.token_ids[start:end] + drafts)  # drafts: after the last known token
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             if n == 1:
@@ -146,9 +146,9 @@ class ModelRunner:
                 num_blocks = -(-end // bs)
                 prefills.append(PrefillChunk(offset, n, start, torch.from_numpy(table[:num_blocks]).to(self.device),
                                              state.state_slot))
-            if end == len(state.token_ids):
+            if end - len(drafts) == len(state.token_ids):
                 sample_seq_ids.append(seq_id)
-                logits_indices.append(offset + n - 1)
+                logits_indices.extend(range(offset + n - 1 - len(drafts), offset + n))
             if state.params.prompt_logprobs is not None:
                 # Positions [start, last) predict prompt tokens start + 1 .. last.
                 last = min(end, state.num_prompt_tokens - 1)
@@ -180,21 +180,43 @@ class ModelRunner:
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _collect(self, seq_ids: list[int], states: list[SeqState], out: SamplerOutput) -> ModelRunnerOutput:
+    def _sample(self, seq_ids: list[int], logits: torch.Tensor) -> ModelRunnerOutput:
+        """logits [S, V]: one row per sampling sequence, plus one per draft it verifies
+        (BatchInputs.logits_indices). Row j of a sequence with drafts [d1..dK] is sampled as if
+        d1..dj were its outputs already (penalties, min_tokens, the seed's step); see
+        tengyun/spec_decode/verify.py for why that keeps the output distribution."""
+        states = [self.states[i] for i in seq_ids]
+        rows = [_draft_rows(state, self.spec_drafts.get(seq_id, [])) for seq_id, state in zip(seq_ids, states)]
+        first_row = np.cumsum([0] + [len(r) for r in rows[:-1]]).tolist()
+        bitmask = self.grammar.bitmask(seq_ids)  # speculating sequences have no grammar: one row each
+        if bitmask is not None:
+            bitmask = ([first_row[i] for i in bitmask[0]], bitmask[1])
+        flat = [row for seq_rows in rows for row in seq_rows]  # (params, prompt ids, output ids)
+        metadata = SamplingMetadata.build([r[0] for r in flat], [r[1] for r in flat], [r[2] for r in flat],
+                                          self.vocab_size, self.device, token_bitmask=bitmask)
+        return self._collect(seq_ids, states, first_row, self.sampler(logits, metadata))
+
+    def _collect(self, seq_ids: list[int], states: list[SeqState], first_row: list[int],
+                 out: SamplerOutput) -> ModelRunnerOutput:
+        """Each sequence's new tokens: its accepted drafts and the token after them."""
         result = ModelRunnerOutput()
         sampled = out.sampled_token_ids.tolist()
-        for seq_id, state, token in zip(seq_ids, states, sampled):
-            state.token_ids.append(token)
-            self.grammar.accept(seq_id, token)
-            result.sampled_token_ids[seq_id] = token
-        if out.logprobs is not None:
-            ids, logprobs, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
-            for row, (seq_id, state) in enumerate(zip(seq_ids, states)):
-                if state.params.logprobs is not None:
-                    k = 1 + state.params.logprobs
-                    result.logprob_token_ids[seq_id] = ids[row][:k]
-                    result.logprobs[seq_id] = logprobs[row][:k]
-                    result.sampled_ranks[seq_id] = ranks[row]
+        lists = (out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()) \
+            if out.logprobs is not None else None
+        for seq_id, state, row in zip(seq_ids, states, first_row):
+            drafts = self.spec_drafts.get(seq_id, [])
+            tokens = accepted_tokens(drafts, sampled[row:row + 1 + len(drafts)])
+            state.token_ids.extend(tokens)
+            if drafts:  # KV of the rejected drafts is dropped with the blocks past the kept tokens
+                del state.block_table[blocks_to_keep(len(state.token_ids) - 1, self.block_size):]
+            for token in tokens:
+                self.grammar.accept(seq_id, token)
+            result.sampled_token_ids[seq_id] = tokens
+            if lists is not None and state.params.logprobs is not None:
+                k, used = 1 + state.params.logprobs, range(row, row + len(tokens))
+                result.logprob_token_ids[seq_id] = [lists[0][r][:k] for r in used]
+                result.logprobs[seq_id] = [lists[1][r][:k] for r in used]
+                result.sampled_ranks[seq_id] = [lists[2][r] for r in used]
         return result
 
     def _collect_prompt_logprobs(self, batch: BatchInputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
@@ -210,6 +232,13 @@ class ModelRunner:
             result.prompt_logprobs[seq_id] = PromptLogprobsChunk(
                 start, [r[:k] for r in ids[rows]], [r[:k] for r in logprobs[rows]], ranks[rows])
             row += count
+
+
+def _draft_rows(state: SeqState, drafts: list[int]) -> list[tuple[SamplingParams, list[int], list[int]]]:
+    """(params, prompt ids, output ids) of a sequence's sampling rows, one for its last token
+    and one per draft: outputs o, drafts [d1, d2] -> outputs o, o + [d1], o + [d1, d2]."""
+    prompt, outputs = state.token_ids[: state.num_prompt_tokens], state.token_ids[state.num_prompt_tokens:]
+    return [(state.params, prompt, outputs + drafts[:j]) for j in range(1 + len(drafts))]
 
 
 def _no_grammar_compiler() -> Any:

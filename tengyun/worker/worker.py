@@ -178,7 +178,7 @@ class Worker:
         return int(total * config.gpu_memory_utilization) - (total - free) - activation
 
     def execute_model(self, sched: SchedulerOutput,
-                      sampled_elsewhere: dict[int, int] | None = None) -> ModelRunnerOutput | None:
+                      sampled_elsewhere: dict[int, list[int]] | None = None) -> ModelRunnerOutput | None:
         if self.step_threads is None:
             return self.runner.execute(sched, sampled_elsewhere)
         with self.step_threads(sched.total_num_scheduled_tokens):

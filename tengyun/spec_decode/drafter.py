@@ -1,0 +1,33 @@
+"""Drafter: the scheduler's side of speculative decoding: drafts for a decoding sequence, capped
+so they fit its limits, and the counters of how many the target accepted."""
+
+from __future__ import annotations
+
+from tengyun.engine.sequence import Sequence
+from tengyun.spec_decode.config import SpeculativeConfig
+from tengyun.spec_decode.ngram import NgramProposer
+from tengyun.spec_decode.stats import SpecDecodeStats
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.num_spec_tokens = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config)
+        self.stats = SpecDecodeStats(self.num_spec_tokens)
+
+    @classmethod
+    def from_config(cls, config) -> "Drafter | None":
+        """A Drafter for --speculative-config method ngram; None without speculation."""
+        spec = config.speculative_config
+        return cls(spec, config.max_model_len) if spec is not None and spec.method == "ngram" else None
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Drafts for a sequence whose next step computes its last token alone: at most K,
+        budget - 1, and what its max_tokens and --max-model-len leave after the token the step
+        samples anyway. None under structured output (its grammar would have to step through them)."""
+        if seq.sampling_params.structured_outputs is not None:
+            return []
+        room = min(budget, seq.sampling_params.max_tokens - seq.num_output_tokens,
+                   self.max_model_len - seq.num_tokens)
+        return self.proposer.propose(seq.token_ids, min(self.num_spec_tokens, room - 1))
