@@ -353,10 +353,6 @@ class EngineConfig:
         if spec.method == "mtp":
             raise ValueError("--speculative-config method mtp is not built yet (docs/speculative_decoding.md): "
                              "use method ngram.")
-        if self.model_spec.is_hybrid:
-            raise ValueError(
-                f"--speculative-config on {self.architecture} is not supported yet: its linear-attention "
-                f"state cannot be rolled back over rejected drafts; drop --speculative-config.")
         if self.world_size > 1:
             raise ValueError(
                 f"--speculative-config runs on one rank only for now, but --tensor-parallel-size x "

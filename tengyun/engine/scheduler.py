@@ -83,10 +83,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            decoding = self.drafter is not None and num_new == seq.num_uncomputed_tokens == 1
-            drafts = self.drafter.propose(seq, budget) if decoding else []
-            if drafts and self.block_manager.can_allocate(seq, 1 + len(drafts)):
-                num_new = 1 + len(drafts)
+            # Drafts follow a sequence's outputs when all its uncomputed tokens fit: a decode, or
+            # on hybrid models the recompute after a rejection (see advance).
+            decoding = num_new == seq.num_uncomputed_tokens and seq.num_computed_tokens >= seq.num_prompt_tokens
+            drafts = self.drafter.propose(seq, budget) if self.drafter is not None and decoding else []
+            if drafts and self.block_manager.can_allocate(seq, num_new + len(drafts)):
+                num_new += len(drafts)
             else:
                 drafts = []
             while not self.block_manager.can_allocate(seq, num_new):
@@ -166,13 +168,19 @@ class Scheduler:
                 sampled: dict[int, list[int]] | None = None) -> None:
         """Count this step's tokens as computed, less the rejected drafts: a sequence that
         verified K drafts and got back ``sampled`` [d1, ..., da, x] keeps KV for its last token
-        and d1..da, and frees the blocks past them."""
+        and d1..da, and frees the blocks past them. On hybrid models (a state pool) a rejection
+        counts none of the step's tokens: the worker restored the recurrent state of before the
+        step, so they are recomputed, accepted drafts included, with the next step's."""
         for seq_id, num_new in out.num_scheduled_tokens.items():
             seq = seqs[seq_id]
+            computed_before = seq.num_computed_tokens
             seq.num_computed_tokens += num_new
             if seq.spec_token_ids:
                 num_accepted = len(sampled[seq_id]) - 1
-                seq.num_computed_tokens -= len(seq.spec_token_ids) - num_accepted
+                num_rejected = len(seq.spec_token_ids) - num_accepted
+                seq.num_computed_tokens -= num_rejected
+                if num_rejected and self.state_pool is not None:
+                    seq.num_computed_tokens = computed_before
                 self.spec_stats.record(len(seq.spec_token_ids), num_accepted)
                 self.block_manager.roll_back(seq)
                 seq.spec_token_ids = []

@@ -23,11 +23,12 @@ class Drafter:
         return cls(spec, config.max_model_len) if spec is not None and spec.method == "ngram" else None
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Drafts for a sequence whose next step computes its last token alone: at most K,
-        budget - 1, and what its max_tokens and --max-model-len leave after the token the step
-        samples anyway. None under structured output (its grammar would have to step through them)."""
+        """Drafts to follow a sequence's uncomputed tokens (its last one, in a decode): at most K,
+        what the step's budget leaves after those tokens, and what its max_tokens and
+        --max-model-len leave after the token the step samples anyway. None under structured
+        output (its grammar would have to step through them)."""
         if seq.sampling_params.structured_outputs is not None:
             return []
-        room = min(budget, seq.sampling_params.max_tokens - seq.num_output_tokens,
-                   self.max_model_len - seq.num_tokens)
-        return self.proposer.propose(seq.token_ids, min(self.num_spec_tokens, room - 1))
+        room = min(budget - seq.num_uncomputed_tokens, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.propose(seq.token_ids, min(self.num_spec_tokens, room))

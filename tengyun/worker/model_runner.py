@@ -19,6 +19,7 @@ from tengyun.sampling_params import SamplingParams
 from tengyun.spec_decode.verify import accepted_tokens
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
+from tengyun.worker.spec_state import RecurrentStateSnapshots
 
 
 @dataclass
@@ -63,6 +64,7 @@ class ModelRunner:
         # Decode-only steps replayed from captured graphs (worker/decode_graphs.py); None: eager.
         self.decode_graphs: DecodeGraphs | None = None
         self.spec_drafts: dict[int, list[int]] = {}  # this step's drafts per sequence (speculative decoding)
+        self.state_snapshots = RecurrentStateSnapshots(model)  # hybrid models: undo rejected drafts
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -77,6 +79,8 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
+        if self.spec_drafts and self.state_snapshots.layers:
+            self.state_snapshots.save([self.states[i].state_slot for i in self.spec_drafts])
         if self.decode_graphs is not None and self.decode_graphs.fits(batch.meta):
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
@@ -206,9 +210,9 @@ class ModelRunner:
         for seq_id, state, row in zip(seq_ids, states, first_row):
             drafts = self.spec_drafts.get(seq_id, [])
             tokens = accepted_tokens(drafts, sampled[row:row + 1 + len(drafts)])
+            if drafts:
+                self._roll_back(state, num_rejected=len(drafts) + 1 - len(tokens), num_new=len(tokens))
             state.token_ids.extend(tokens)
-            if drafts:  # KV of the rejected drafts is dropped with the blocks past the kept tokens
-                del state.block_table[blocks_to_keep(len(state.token_ids) - 1, self.block_size):]
             for token in tokens:
                 self.grammar.accept(seq_id, token)
             result.sampled_token_ids[seq_id] = tokens
@@ -218,6 +222,16 @@ class ModelRunner:
                 result.logprobs[seq_id] = [lists[1][r][:k] for r in used]
                 result.sampled_ranks[seq_id] = [lists[2][r] for r in used]
         return result
+
+    def _roll_back(self, state: SeqState, num_rejected: int, num_new: int) -> None:
+        """Drop what rejected drafts left, by Scheduler.advance's rule: the blocks past the tokens
+        still computed (all but the newest; on a hybrid model with a rejection, the tokens before
+        this step, its recurrent state restored to then)."""
+        computed = len(state.token_ids) + num_new - 1
+        if num_rejected and self.state_snapshots.layers:
+            self.state_snapshots.restore(state.state_slot)
+            computed = state.num_computed_tokens
+        del state.block_table[blocks_to_keep(computed, self.block_size):]
 
     def _collect_prompt_logprobs(self, batch: BatchInputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """logits [R, V] (raw, as vLLM) of batch.prompt_rows -> one PromptLogprobsChunk per sequence.
