@@ -341,7 +341,7 @@ class EngineConfig:
                 f"or pass --load-format dummy for random weights of its shapes.")
 
     def _check_speculative(self) -> None:
-        """--speculative-config against the model and the parallel layout (docs/speculative_decoding.md)."""
+        """--speculative-config against the model (docs/speculative_decoding.md)."""
         spec = self.speculative_config
         if spec is None:
             return
@@ -353,10 +353,6 @@ class EngineConfig:
         if spec.method == "mtp":
             raise ValueError("--speculative-config method mtp is not built yet (docs/speculative_decoding.md): "
                              "use method ngram.")
-        if self.world_size > 1:
-            raise ValueError(
-                f"--speculative-config runs on one rank only for now, but --tensor-parallel-size x "
-                f"--pipeline-parallel-size is {self.world_size}: drop --speculative-config or use 1 rank.")
 
     # ----- derived values -------------------------------------------------------------
     @property

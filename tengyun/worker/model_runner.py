@@ -68,13 +68,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
-                sampled_elsewhere: dict[int, int] | None = None) -> ModelRunnerOutput | None:
+                sampled_elsewhere: dict[int, list[int]] | None = None) -> ModelRunnerOutput | None:
         """Run one step. Returns None on ranks that do not sample (an earlier pipeline stage,
         a TP rank other than 0); ``sampled_elsewhere``: the tokens the sampling rank drew last
-        step, which such ranks append before this step's inputs are built."""
+        step, which such ranks append (rolling back rejected drafts as it did) before this
+        step's inputs are built."""
         for seq_id, tokens in (sampled_elsewhere or {}).items():
-            if seq_id in self.states:
-                self.states[seq_id].token_ids.extend(tokens)
+            state = self.states.get(seq_id)
+            if state is None:
+                continue
+            drafts = self.spec_drafts.get(seq_id)  # last step's, until _update_states
+            if drafts:
+                self._roll_back(state, num_rejected=len(drafts) + 1 - len(tokens), num_new=len(tokens))
+            state.token_ids.extend(tokens)
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
