@@ -350,9 +350,12 @@ class EngineConfig:
                 f"--speculative-config method mtp needs the model's multi-token-prediction layers, but "
                 f"{self.model_path} has none (config.json mtp_num_hidden_layers is 0 or missing): use "
                 f'{{"method": "ngram", "num_speculative_tokens": {spec.num_speculative_tokens}}} instead.')
-        if spec.method == "mtp":
-            raise ValueError("--speculative-config method mtp is not built yet (docs/speculative_decoding.md): "
-                             "use method ngram.")
+        if spec.method == "mtp" and not self.architecture.startswith("Qwen3_5"):
+            raise ValueError(f"--speculative-config method mtp drafts with Qwen3.5's MTP layers; {self.architecture} "
+                             f"has none Tengyun can run: use method ngram.")
+        if spec.method == "mtp" and self.world_size > 1:
+            raise ValueError(f"--speculative-config method mtp runs on one rank for now, but --tensor-parallel-size x "
+                             f"--pipeline-parallel-size is {self.world_size}: use method ngram, or one rank.")
 
     # ----- derived values -------------------------------------------------------------
     @property

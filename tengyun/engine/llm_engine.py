@@ -182,6 +182,7 @@ class LLMEngine:
                 if seq.is_finished:
                     break  # a stop among them drops the rest
                 self._append_token(seq, request, token_id, result, now, index)
+            seq.proposed_token_ids = result.draft_token_ids.get(seq_id, [])
             changed[request.request_id] = request
         for request in changed.values():
             self._report(request, outputs, progress)

@@ -73,5 +73,7 @@ class ModelRunnerOutput:
     logprob_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
     logprobs: dict[int, list[list[float]]] = field(default_factory=dict)
     sampled_ranks: dict[int, list[int]] = field(default_factory=dict)
+    # Speculative decoding with a draft model (mtp): drafts to verify after each sequence's new tokens.
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Sequences with SamplingParams.prompt_logprobs whose prompt was (partly) computed this step.
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)

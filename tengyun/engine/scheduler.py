@@ -147,7 +147,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self._free_state(seq)
         seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.proposed_token_ids = [], []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -98,6 +98,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                     self._logged_skips.add(prefix)
                     logger.info("Skipping %s* checkpoint tensors: %s", prefix,
                                 "vision tower (text-only serving)" if prefix == "model.visual." else
-                                "multi-token-prediction head (no speculative decoding yet)")
+                                "multi-token-prediction head (loaded apart with --speculative-config method mtp)")
                 return None
         return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name

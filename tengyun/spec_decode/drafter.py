@@ -1,5 +1,7 @@
 """Drafter: the scheduler's side of speculative decoding: drafts for a decoding sequence, capped
-so they fit its limits, and the counters of how many the target accepted."""
+so they fit its limits, and the counters of how many the target accepted. ngram drafts are
+looked up here; mtp drafts come from the worker (Sequence.proposed_token_ids, set by the engine
+after each step)."""
 
 from __future__ import annotations
 
@@ -13,14 +15,14 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.num_spec_tokens = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config)
+        self.ngram = NgramProposer(config) if config.method == "ngram" else None
         self.stats = SpecDecodeStats(self.num_spec_tokens)
 
     @classmethod
     def from_config(cls, config) -> "Drafter | None":
-        """A Drafter for --speculative-config method ngram; None without speculation."""
+        """A Drafter for --speculative-config; None without speculation."""
         spec = config.speculative_config
-        return cls(spec, config.max_model_len) if spec is not None and spec.method == "ngram" else None
+        return cls(spec, config.max_model_len) if spec is not None else None
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Drafts to follow a sequence's uncomputed tokens (its last one, in a decode): at most K,
@@ -31,4 +33,8 @@ class Drafter:
             return []
         room = min(budget - seq.num_uncomputed_tokens, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
-        return self.proposer.propose(seq.token_ids, min(self.num_spec_tokens, room))
+        k = min(self.num_spec_tokens, room)
+        if self.ngram is not None:
+            return self.ngram.propose(seq.token_ids, k)
+        drafts, seq.proposed_token_ids = seq.proposed_token_ids[:max(k, 0)], []
+        return drafts

@@ -3,7 +3,7 @@ runs the model, and samples only at positions that end a sequence's known tokens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -43,6 +43,8 @@ class BatchInputs:
     logits_indices: torch.Tensor
     # Prompt logprobs: the R rows whose next token is a prompt token, of sequences that asked.
     prompt_rows: list[tuple[int, int, int]]  # (seq_id, first prompt token scored, rows), in row order
+    # (seq_id, first row, rows, first position) of each sequence in the flat batch, in row order
+    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)
     prompt_indices: torch.Tensor | None = None  # [R] rows of the flat batch
     prompt_targets: torch.Tensor | None = None  # [R] the prompt token each row predicts
 
@@ -65,6 +67,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.spec_drafts: dict[int, list[int]] = {}  # this step's drafts per sequence (speculative decoding)
         self.state_snapshots = RecurrentStateSnapshots(model)  # hybrid models: undo rejected drafts
+        self.mtp = None  # MtpProposer with --speculative-config method mtp (worker/mtp_proposer.py)
+        self.step_tables: dict[int, list[int]] = {}  # block tables held this step, before rollbacks
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -109,7 +113,15 @@ class ModelRunner:
             result = self._sample(batch.sample_seq_ids, logits[:num_sampled])
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, logits[num_sampled:], result)
+        if self.mtp is not None and result.sampled_token_ids:
+            result.draft_token_ids = self._propose_drafts(batch, hidden, list(result.sampled_token_ids))
         return result
+
+    def _propose_drafts(self, batch: BatchInputs, hidden: torch.Tensor, sampled: list[int]) -> dict[int, list[int]]:
+        """The MTP head's drafts for the sequences that got tokens, from this step's hidden [T, H]."""
+        tables = {seq_id: self.step_tables.get(seq_id, self.states[seq_id].block_table) for seq_id in sampled}
+        token_ids = {seq_id: self.states[seq_id].token_ids for seq_id, _, _, _ in batch.chunks}
+        return self.mtp.propose(batch.chunks, batch.positions, batch.meta, hidden, token_ids, tables, sampled)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for seq_id in sched.freed_seq_ids:
@@ -121,7 +133,7 @@ class ModelRunner:
                 new.num_computed_tokens, new.sampling_params, new.state_slot,
             )
             self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
-        self.spec_drafts = {}
+        self.spec_drafts, self.step_tables = {}, {}
         for cached in sched.cached_seqs:
             state = self.states[cached.seq_id]
             state.block_table.extend(cached.new_block_ids)
@@ -137,7 +149,7 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         decode_tables, decode_lens, decode_slots, prefills = [], [], [], []
         sample_seq_ids, logits_indices = [], []
-        prompt_rows, prompt_indices, prompt_targets = [], [], []
+        prompt_rows, prompt_indices, prompt_targets, chunks = [], [], [], []
         offset = 0
         for seq_id in order:
             state, n = self.states[seq_id], counts[seq_id]
@@ -146,6 +158,7 @@ class ModelRunner:
             pos = np.arange(start, end)
             table = np.asarray(state.block_table, dtype=np.int64)
             input_ids.append(state.token_ids[start:end] + drafts)  # drafts: after the last known token
+            chunks.append((seq_id, offset, n, start))
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             if n == 1:
@@ -183,6 +196,7 @@ class ModelRunner:
             sample_seq_ids=sample_seq_ids,
             logits_indices=self._tensor(np.asarray(logits_indices, dtype=np.int64)),
             prompt_rows=prompt_rows,
+            chunks=chunks,
             prompt_indices=self._tensor(np.asarray(prompt_indices, dtype=np.int64)) if prompt_rows else None,
             prompt_targets=self._tensor(np.asarray(prompt_targets, dtype=np.int64)) if prompt_rows else None,
         )
@@ -217,6 +231,7 @@ class ModelRunner:
             drafts = self.spec_drafts.get(seq_id, [])
             tokens = accepted_tokens(drafts, sampled[row:row + 1 + len(drafts)])
             if drafts:
+                self.step_tables[seq_id] = list(state.block_table)
                 self._roll_back(state, num_rejected=len(drafts) + 1 - len(tokens), num_new=len(tokens))
             state.token_ids.extend(tokens)
             for token in tokens:

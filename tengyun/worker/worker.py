@@ -24,6 +24,7 @@ from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.model_runner import ModelRunner
+from tengyun.worker.mtp_proposer import MtpProposer
 from tengyun.worker.state_cache import allocate_state_cache
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ class Worker:
         graphs = self._use_decode_graphs()
         self.state_cache, self.kv_cache = self._allocate_caches(extra=int(graphs))
         self.runner = self._build_runner(graphs)
+        if config.speculative_config is not None and config.speculative_config.method == "mtp":
+            self.runner.mtp = MtpProposer.build(config, self.model, self.kernels, self.num_blocks + int(graphs),
+                                                TORCH_DTYPES[config.dtype], TORCH_DTYPES[config.kv_cache_dtype],
+                                                self.device)
         self.step_threads = self.platform.step_threads(rank.world_size if rank else 1)
 
     def _init_device(self) -> tuple[Platform, torch.device]:
