@@ -27,10 +27,7 @@ class Drafter:
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Drafts to follow a sequence's uncomputed tokens (its last one, in a decode): at most K,
         what the step's budget leaves after those tokens, and what its max_tokens and
-        --max-model-len leave after the token the step samples anyway. None under structured
-        output (its grammar would have to step through them)."""
-        if seq.sampling_params.structured_outputs is not None:
-            return []
+        --max-model-len leave after the token the step samples anyway."""
         room = min(budget - seq.num_uncomputed_tokens, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
         k = min(self.num_spec_tokens, room)

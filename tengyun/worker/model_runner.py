@@ -212,9 +212,7 @@ class ModelRunner:
         states = [self.states[i] for i in seq_ids]
         rows = [_draft_rows(state, self.spec_drafts.get(seq_id, [])) for seq_id, state in zip(seq_ids, states)]
         first_row = np.cumsum([0] + [len(r) for r in rows[:-1]]).tolist()
-        bitmask = self.grammar.bitmask(seq_ids)  # speculating sequences have no grammar: one row each
-        if bitmask is not None:
-            bitmask = ([first_row[i] for i in bitmask[0]], bitmask[1])
+        bitmask = self.grammar.draft_bitmask(seq_ids, [self.spec_drafts.get(i, []) for i in seq_ids], first_row)
         flat = [row for seq_rows in rows for row in seq_rows]  # (params, prompt ids, output ids)
         metadata = SamplingMetadata.build([r[0] for r in flat], [r[1] for r in flat], [r[2] for r in flat],
                                           self.vocab_size, self.device, token_bitmask=bitmask)
