@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -95,7 +96,17 @@ class Worker:
         self.kv_shape = kv_cache_shape(config.model_spec, DTYPE_BYTES[config.kv_cache_dtype], tp, start, end)
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
         self.state_shape = state_shape(config.model_spec, DTYPE_BYTES[config.dtype], start, end, tp)
-        self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
+        self.num_blocks, self.num_state_slots = self._count_kv_blocks(self._budgeted_kv_shape(),
+                                                                      self.state_shape.bytes_per_slot)
+
+    def _budgeted_kv_shape(self) -> KVCacheShape:
+        """The KV shape the budget is split by: with --speculative-config method mtp, the MTP head's
+        attention layers too (its own cache holds one layer each under the engine's block ids)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "mtp":
+            return self.kv_shape
+        return dataclasses.replace(self.kv_shape,
+                                   num_layers=self.kv_shape.num_layers + self.config.model_spec.mtp_num_layers)
 
     def _allocate_caches(self, extra: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(state cache, KV cache) with ``extra`` blocks and slots beyond those the scheduler hands out."""

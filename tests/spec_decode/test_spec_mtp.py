@@ -162,3 +162,41 @@ def test_mtp_with_two_ranks_is_refused_naming_the_field(mtp_checkpoint):
     config = EngineConfig(str(mtp_checkpoint[0]), speculative_config=_mtp(1), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="--speculative-config method mtp runs on one rank"):
         config.finalize()
+
+
+def test_the_heads_kv_cache_comes_out_of_the_kv_budget(mtp_checkpoint):
+    """Tiny Qwen3.5 has one attention layer; the head adds one: the same budget holds about half
+    the blocks (the state slots come first and are the same)."""
+    folder = str(mtp_checkpoint[0])
+    blocks = {spec is not None: LLM(folder, block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_seqs=2,
+                                    speculative_config=spec).llm_engine.get_stats().num_kv_blocks
+              for spec in (None, _mtp(1))}
+    assert blocks[True] in (blocks[False] // 2, blocks[False] // 2 + 1)
+
+
+def test_server_with_mtp_answers_the_openai_client_as_without_it(mtp_checkpoint, tmp_path):
+    """`--speculative-config '{"method": "mtp", ...}'` on the real API server, the openai SDK as client."""
+    import sys
+    from pathlib import Path
+
+    import httpx
+    import openai
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
+    from remote_server import RemoteServer
+
+    folder = mtp_checkpoint[0]
+    server = RemoteServer(folder, ["--served-model-name", "m", "--speculative-config", json.dumps(_mtp(2)),
+                                   "--max-model-len", "104"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        texts = [client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text for prompt in PROMPTS]
+        scraped = httpx.get(server.url + "/metrics", timeout=30).text
+    finally:
+        server.stop()
+    expected = LLM(str(folder), max_model_len=104, kv_cache_memory="1MiB").generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert texts == [e.outputs[0].text for e in expected]
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"}' in scraped
