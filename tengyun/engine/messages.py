@@ -29,6 +29,9 @@ class CachedSeqData:
     num_computed_tokens: int
     # Speculative decoding: drafts to verify after the last token (scheduled as 1 + len tokens).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Hybrid models with drafts: a free state slot for this step, where the worker copies the
+    # sequence's state before the step and restores it from on a rejection.
+    backup_state_slot: int = -1
 
 
 @dataclass

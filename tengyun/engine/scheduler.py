@@ -83,14 +83,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            # Drafts follow a sequence's outputs when all its uncomputed tokens fit: a decode, or
-            # on hybrid models the recompute after a rejection (see advance).
-            decoding = num_new == seq.num_uncomputed_tokens and seq.num_computed_tokens >= seq.num_prompt_tokens
-            drafts = self.drafter.propose(seq, budget) if self.drafter is not None and decoding else []
-            if drafts and self.block_manager.can_allocate(seq, num_new + len(drafts)):
-                num_new += len(drafts)
-            else:
-                drafts = []
+            drafts = self._drafts_for(seq, num_new, budget)
+            num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -102,13 +96,30 @@ class Scheduler:
             num_blocks_before = len(seq.block_table)
             self.block_manager.allocate(seq, num_new, num_unverified=len(drafts))
             seq.spec_token_ids = drafts
+            backup = self.state_pool.allocate(_backup_key(seq)) if drafts and self.state_pool is not None else -1
             out.cached_seqs.append(
-                CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens, drafts)
+                CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens, drafts, backup)
             )
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
             i += 1
         return preempted
+
+    def _drafts_for(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Drafts to verify after the sequence's uncomputed tokens: only when all of them fit (a
+        decode, or on hybrid models the recompute after a rejection, see advance), their blocks
+        are free, and on hybrid models a state slot waiting sequences cannot use is free for the
+        copy of its state the worker restores on a rejection."""
+        if (self.drafter is None or num_new != seq.num_uncomputed_tokens
+                or seq.num_computed_tokens < seq.num_prompt_tokens):
+            return []
+        drafts = self.drafter.propose(seq, budget)
+        if not drafts or not self.block_manager.can_allocate(seq, num_new + len(drafts)):
+            return []
+        pool = self.state_pool
+        if pool is not None and pool.num_free <= min(len(self.waiting), self.max_num_seqs - len(self.running)):
+            return []
+        return drafts
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -179,8 +190,16 @@ class Scheduler:
                 num_accepted = len(sampled[seq_id]) - 1
                 num_rejected = len(seq.spec_token_ids) - num_accepted
                 seq.num_computed_tokens -= num_rejected
-                if num_rejected and self.state_pool is not None:
-                    seq.num_computed_tokens = computed_before
+                if self.state_pool is not None:
+                    self.state_pool.free(_backup_key(seq))
+                    if num_rejected:
+                        seq.num_computed_tokens = computed_before
                 self.spec_stats.record(len(seq.spec_token_ids), num_accepted)
                 self.block_manager.roll_back(seq)
                 seq.spec_token_ids = []
+
+
+def _backup_key(seq: Sequence) -> int:
+    """The StatePool key of the slot holding a copy of seq's recurrent state during a verification
+    step (negative: never a sequence id)."""
+    return -1 - seq.seq_id

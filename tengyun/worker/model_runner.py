@@ -66,6 +66,7 @@ class ModelRunner:
         # Decode-only steps replayed from captured graphs (worker/decode_graphs.py); None: eager.
         self.decode_graphs: DecodeGraphs | None = None
         self.spec_drafts: dict[int, list[int]] = {}  # this step's drafts per sequence (speculative decoding)
+        self.spec_backups: dict[int, int] = {}  # hybrid models: the spare state slot of each (spec_state.py)
         self.state_snapshots = RecurrentStateSnapshots(model)  # hybrid models: undo rejected drafts
         self.mtp = None  # MtpProposer with --speculative-config method mtp (worker/mtp_proposer.py)
         self.step_tables: dict[int, list[int]] = {}  # block tables held this step, before rollbacks
@@ -90,7 +91,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         if self.spec_drafts and self.state_snapshots.layers:
-            self.state_snapshots.save([self.states[i].state_slot for i in self.spec_drafts])
+            self.state_snapshots.save([self.states[i].state_slot for i in self.spec_drafts],
+                                      [self.spec_backups[i] for i in self.spec_drafts])
         if self.decode_graphs is not None and self.decode_graphs.fits(batch.meta):
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
@@ -133,13 +135,14 @@ class ModelRunner:
                 new.num_computed_tokens, new.sampling_params, new.state_slot,
             )
             self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
-        self.spec_drafts, self.step_tables = {}, {}
+        self.spec_drafts, self.spec_backups, self.step_tables = {}, {}, {}
         for cached in sched.cached_seqs:
             state = self.states[cached.seq_id]
             state.block_table.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.spec_token_ids:
                 self.spec_drafts[cached.seq_id] = cached.spec_token_ids
+                self.spec_backups[cached.seq_id] = cached.backup_state_slot
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
         """Flat batch: single-token sequences first (batched decode attention), then chunks."""

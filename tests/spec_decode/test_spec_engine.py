@@ -110,10 +110,35 @@ def test_structured_output_with_drafts_keeps_its_grammar(pair, temperature):
     assert stats.num_draft_tokens - before.num_draft_tokens > stats.num_accepted_tokens - before.num_accepted_tokens
 
 
-def _scheduler(**overrides) -> Scheduler:
+def _scheduler(num_state_slots: int = 0, **overrides) -> Scheduler:
     config = EngineConfig(block_size=2, max_model_len=64, max_num_batched_tokens=64, speculative_config=NGRAM,
                           **overrides)
-    return Scheduler(config, num_blocks=32, drafter=Drafter.from_config(config))
+    return Scheduler(config, num_blocks=32, num_state_slots=num_state_slots, drafter=Drafter.from_config(config))
+
+
+def _decoding(scheduler: Scheduler, seq_id: int, prompt: list[int]) -> Sequence:
+    """A sequence whose prompt ran and whose first output is the prompt's first token."""
+    seq = Sequence(seq_id, str(seq_id), 0, prompt, SamplingParams(max_tokens=20), arrival_order=seq_id)
+    scheduler.add(seq)
+    scheduler.advance(scheduler.schedule(), {seq_id: seq}, {seq_id: [prompt[0]]})
+    seq.append_token(prompt[0])
+    return seq
+
+
+def test_hybrid_drafts_borrow_a_spare_state_slot_that_waiting_sequences_cannot_use():
+    scheduler = _scheduler(num_state_slots=3, max_num_seqs=3)
+    pool = scheduler.state_pool
+    first = _decoding(scheduler, 0, [1, 2, 1, 2, 1])
+    step = scheduler.schedule()  # 2 of 3 slots free, nothing waits: a backup slot for the drafts
+    assert step.cached_seqs[0].spec_token_ids and step.cached_seqs[0].backup_state_slot == 1
+    assert pool.num_free == 1
+    scheduler.advance(step, {0: first}, {0: [7]})  # rejected: nothing of the step counts, backup back
+    first.append_token(7)
+    assert pool.num_free == 2 and first.num_computed_tokens == 5
+    scheduler.add(Sequence(1, "1", 0, [3, 4], SamplingParams(max_tokens=20), arrival_order=1))
+    scheduler.add(Sequence(2, "2", 0, [5, 6], SamplingParams(max_tokens=20), arrival_order=2))
+    step = scheduler.schedule()  # two wait for the two free slots: no backup, no drafts
+    assert [c.spec_token_ids for c in step.cached_seqs] == [[]] and pool.num_free == 0
 
 
 def test_rejected_drafts_free_their_blocks_and_stay_out_of_the_prefix_cache():
