@@ -158,6 +158,9 @@ class ModelRunner:
             state, n = self.states[seq_id], counts[seq_id]
             drafts = self.spec_drafts.get(seq_id, [])
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            # The scheduler's table covers exactly the tokens up to this step's last: a longer one
+            # here means a rollback disagreed with Scheduler.advance.
+            assert len(state.block_table) == -(-end // bs), (seq_id, len(state.block_table), end)
             pos = np.arange(start, end)
             table = np.asarray(state.block_table, dtype=np.int64)
             input_ids.append(state.token_ids[start:end] + drafts)  # drafts: after the last known token
@@ -248,10 +251,12 @@ class ModelRunner:
     def _roll_back(self, state: SeqState, num_rejected: int, num_new: int) -> None:
         """Drop what rejected drafts left, by Scheduler.advance's rule: the blocks past the tokens
         still computed (all but the newest; on a hybrid model with a rejection, the tokens before
-        this step, its recurrent state restored to then)."""
+        this step, its recurrent state restored to then; a hybrid model's sequences hold state
+        slots, also on a pipeline stage without linear-attention layers)."""
         computed = len(state.token_ids) + num_new - 1
-        if num_rejected and self.state_snapshots.layers:
-            self.state_snapshots.restore(state.state_slot)
+        if num_rejected and state.state_slot >= 0:
+            if self.state_snapshots.layers:
+                self.state_snapshots.restore(state.state_slot)
             computed = state.num_computed_tokens
         del state.block_table[blocks_to_keep(computed, self.block_size):]
 
