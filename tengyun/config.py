@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype
+from tengyun.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -121,6 +122,11 @@ class EngineConfig:
     max_logprobs: int = setting(  # vLLM's default 20
         20, help="most logprobs / top_logprobs / prompt_logprobs a request may ask for; -1 allows "
                  "the whole vocabulary (and a request's -1)")
+    speculative_config: SpeculativeConfig | dict | str | None = setting(  # a JSON object; parsed by __post_init__
+        None, help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                   '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (prompt lookup, any model) or '
+                   '\'{"method": "mtp", "num_speculative_tokens": 1}\' (the model\'s multi-token-prediction '
+                   'layers); docs/speculative_decoding.md')
     # Parallelism (docs/parallelism.md). World size = tp * pp, split evenly over --nnodes.
     tensor_parallel_size: int = setting(
         1, aliases=("-tp",), group=PARALLELISM, help="tensor-parallel ranks: each layer's weights split over them")
@@ -199,6 +205,7 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be an integer >= 0, or -1 for the whole vocabulary (try 20); "
                              f"got {self.max_logprobs!r}.")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._validate_generation_config()
         self._validate_parallel_values()
 
@@ -292,6 +299,7 @@ class EngineConfig:
         self._check_parallel_fits_model()
         self._check_hybrid()
         self._check_quantization()
+        self._check_speculative()
         if self.served_model_name is None:
             self.served_model_name = self.model or source.default_name
         self._frozen = True
@@ -377,6 +385,23 @@ class EngineConfig:
                else f"{self.device_type} has no FP8 matmul (Platform.fp8_matmul)")
         logger.info("FP8 block-quantized checkpoint (weight_block_size %s): weights dequantized to %s at load, "
                     "since %s", list(block), self.dtype, why)
+
+    def _check_speculative(self) -> None:
+        """--speculative-config against the model (docs/speculative_decoding.md)."""
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if spec.method == "mtp" and not self.model_spec.mtp_num_layers:
+            raise ValueError(
+                f"--speculative-config method mtp needs the model's multi-token-prediction layers, but "
+                f"{self.model_path} has none (config.json mtp_num_hidden_layers is 0 or missing): use "
+                f'{{"method": "ngram", "num_speculative_tokens": {spec.num_speculative_tokens}}} instead.')
+        if spec.method == "mtp" and not self.architecture.startswith("Qwen3_5"):
+            raise ValueError(f"--speculative-config method mtp drafts with Qwen3.5's MTP layers; {self.architecture} "
+                             f"has none Tengyun can run: use method ngram.")
+        if spec.method == "mtp" and self.world_size > 1:
+            raise ValueError(f"--speculative-config method mtp runs on one rank for now, but --tensor-parallel-size x "
+                             f"--pipeline-parallel-size is {self.world_size}: use method ngram, or one rank.")
 
     # ----- derived values -------------------------------------------------------------
     @property

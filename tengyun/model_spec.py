@@ -28,7 +28,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 VISION_PREFIX, MTP_PREFIX = "model.visual.", "mtp."
 UNLOADED_CHECKPOINT_PREFIXES = {
     VISION_PREFIX: "vision tower (Tengyun serves the text model only)",
-    MTP_PREFIX: "multi-token-prediction layers (not used for decoding yet)",
+    MTP_PREFIX: "multi-token-prediction layers (the draft model of --speculative-config method mtp, loaded apart)",
 }
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 

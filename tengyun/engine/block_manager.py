@@ -16,6 +16,12 @@ from tengyun.engine.sequence import Sequence
 _NO_PARENT = 0
 
 
+def blocks_to_keep(num_computed_tokens: int, block_size: int) -> int:
+    """Blocks a sequence keeps after speculative drafts were rejected: those holding its computed
+    tokens (the worker trims its copy of the block table by the same rule). 17 tokens, 8 per block -> 3."""
+    return -(-num_computed_tokens // block_size)
+
+
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     # Python's tuple-of-int hash is deterministic (no PYTHONHASHSEED salt for ints).
     return hash((parent_hash, token_ids))
@@ -94,13 +100,15 @@ class BlockManager:
         new_blocks = self.blocks_needed(seq, cached_tokens + num_new_tokens) - len(cached_blocks)
         return new_blocks + reused_free <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),
+                 num_unverified: int = 0) -> None:
         """Give ``seq`` blocks for tokens up to num_computed + cached + num_new_tokens.
 
         ``cached_blocks`` (from find_cached_blocks, first schedule only) are shared, and the
         caller advances num_computed_tokens past them. Blocks that become full with this step's
         tokens are registered in the prefix cache right away: their KV is written in the same
-        forward pass, before any attention reads it.
+        forward pass, before any attention reads it. The last ``num_unverified`` new tokens are
+        speculative drafts: blocks they fill are registered once the drafts are accepted.
         """
         assert self.can_allocate(seq, num_new_tokens, cached_blocks)
         for block_id in cached_blocks:
@@ -113,7 +121,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         if self.enable_prefix_caching:
             cached_tokens = len(cached_blocks) * self.block_size
-            num_full = (seq.num_computed_tokens + cached_tokens + num_new_tokens) // self.block_size
+            num_full = (seq.num_computed_tokens + cached_tokens + num_new_tokens - num_unverified) // self.block_size
             self._register_full_blocks(seq, num_full)
 
     def free(self, seq: Sequence) -> None:
@@ -128,6 +136,18 @@ class BlockManager:
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
         seq.block_table.clear()
+
+    def roll_back(self, seq: Sequence) -> None:
+        """Free the blocks past ``seq``'s computed tokens: the tail that held rejected drafts.
+        Those blocks were never registered (allocate's num_unverified), so nothing cached goes."""
+        keep = blocks_to_keep(seq.num_computed_tokens, self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.block_hash is None, f"rolled back block {block_id} is shared"
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
 
     # ----- internals --------------------------------------------------------------------
     def _take_free_block(self) -> int:

@@ -19,6 +19,8 @@ from tengyun.engine.scheduler import Scheduler
 from tengyun.engine.sequence import Sequence
 from tengyun.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput, RequestProgress
 from tengyun.sampling_params import SamplingParams
+from tengyun.spec_decode.drafter import Drafter
+from tengyun.spec_decode.stats import SpecDecodeStats
 
 
 class Executor(Protocol):
@@ -40,6 +42,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_kv_blocks: int = 0  # blocks the KV cache holds (fixed once the engine is built)
+    spec_decode: SpecDecodeStats | None = None  # totals so far; None without --speculative-config
 
 
 class LLMEngine:
@@ -52,7 +55,7 @@ class LLMEngine:
         self.executor = executor
         self.eos_token_ids = eos_token_ids
         self.vocab_size = config.model_spec.vocab_size
-        self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots)
+        self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots, Drafter.from_config(config))
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -167,15 +170,19 @@ class LLMEngine:
             metrics = self.requests[self.seqs[new.seq_id].request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         result = self.executor.execute_model(sched)
-        self.scheduler.advance(sched, self.seqs)
+        self.scheduler.advance(sched, self.seqs, result.sampled_token_ids)
         for seq_id, chunk in result.prompt_logprobs.items():
             self._record_prompt_logprobs(self.requests[self.seqs[seq_id].request_id], chunk)
         now = time.time()
         changed: dict[str, Request] = {}
-        for seq_id, token_id in result.sampled_token_ids.items():
+        for seq_id, token_ids in result.sampled_token_ids.items():
             seq = self.seqs[seq_id]
             request = self.requests[seq.request_id]
-            self._append_token(seq, request, token_id, result, now)
+            for index, token_id in enumerate(token_ids):  # > 1 token: accepted speculative drafts
+                if seq.is_finished:
+                    break  # a stop among them drops the rest
+                self._append_token(seq, request, token_id, result, now, index)
+            seq.proposed_token_ids = result.draft_token_ids.get(seq_id, [])
             changed[request.request_id] = request
         for request in changed.values():
             self._report(request, outputs, progress)
@@ -191,14 +198,14 @@ class LLMEngine:
         progress.append(request.progress())
 
     def _append_token(self, seq: Sequence, request: Request, token_id: int,
-                      result: ModelRunnerOutput, now: float) -> None:
+                      result: ModelRunnerOutput, now: float, index: int = 0) -> None:
         seq.append_token(token_id)
         self.generation_tokens += 1
         metrics = request.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
         if seq.seq_id in result.logprobs:
-            self._record_logprobs(seq, result, seq.seq_id)
+            self._record_logprobs(seq, result, seq.seq_id, index)
         reason, stop = self._check_stop(seq, request, token_id)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop
@@ -217,10 +224,11 @@ class LLMEngine:
             return FinishReason.LENGTH, None
         return None, None
 
-    def _record_logprobs(self, seq: Sequence, result: ModelRunnerOutput, seq_id: int) -> None:
-        values = result.logprobs[seq_id]
-        seq.output_logprobs.append(self._logprob_entry(result.logprob_token_ids[seq_id], values,
-                                                       result.sampled_ranks[seq_id]))
+    def _record_logprobs(self, seq: Sequence, result: ModelRunnerOutput, seq_id: int, index: int) -> None:
+        """The logprobs of seq_id's index-th new token this step."""
+        values = result.logprobs[seq_id][index]
+        seq.output_logprobs.append(self._logprob_entry(result.logprob_token_ids[seq_id][index], values,
+                                                       result.sampled_ranks[seq_id][index]))
         seq.cumulative_logprob += values[0]
 
     def _record_prompt_logprobs(self, request: Request, chunk: PromptLogprobsChunk) -> None:
@@ -275,4 +283,5 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_kv_blocks=bm.num_blocks,
+            spec_decode=self.scheduler.spec_stats.snapshot() if self.scheduler.spec_stats else None,
         )

@@ -27,6 +27,11 @@ class CachedSeqData:
     seq_id: int
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Speculative decoding: drafts to verify after the last token (scheduled as 1 + len tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Hybrid models with drafts: a free state slot for this step, where the worker copies the
+    # sequence's state before the step and restores it from on a rejection.
+    backup_state_slot: int = -1
 
 
 @dataclass
@@ -63,11 +68,15 @@ class PromptLogprobsChunk:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per sequence that sampled this step. Logprob lists are [sampled, top-1, ..., top-k]."""
+    """Per sequence that sampled this step, one entry per new token: one token, or with
+    speculative decoding the accepted drafts and the token after them ([d1, d2, x] when 2 of
+    3 drafts held). Logprob rows are [token, top-1, ..., top-k]."""
 
-    sampled_token_ids: dict[int, int] = field(default_factory=dict)
-    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, list[float]] = field(default_factory=dict)
-    sampled_ranks: dict[int, int] = field(default_factory=dict)
+    sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprob_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    logprobs: dict[int, list[list[float]]] = field(default_factory=dict)
+    sampled_ranks: dict[int, list[int]] = field(default_factory=dict)
+    # Speculative decoding with a draft model (mtp): drafts to verify after each sequence's new tokens.
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Sequences with SamplingParams.prompt_logprobs whose prompt was (partly) computed this step.
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)

@@ -10,10 +10,12 @@ from tengyun.engine.block_manager import BlockManager
 from tengyun.engine.messages import CachedSeqData, NewSeqData, SchedulerOutput
 from tengyun.engine.sequence import Sequence, SequenceStatus
 from tengyun.engine.state_pool import StatePool
+from tengyun.spec_decode.drafter import Drafter
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0):
+    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0,
+                 drafter: Drafter | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
@@ -25,6 +27,9 @@ class Scheduler:
         self._seqs_on_worker: set[int] = set()
         self._freed_seq_ids: list[int] = []
         self.num_preemptions = 0
+        # Speculative decoding (ngram): drafts proposed here, verified by the worker in one step.
+        self.drafter = drafter
+        self.spec_stats = drafter.stats if drafter else None
 
     # ----- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -78,6 +83,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._drafts_for(seq, num_new, budget)
+            num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -87,14 +94,32 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             num_blocks_before = len(seq.block_table)
-            self.block_manager.allocate(seq, num_new)
+            self.block_manager.allocate(seq, num_new, num_unverified=len(drafts))
+            seq.spec_token_ids = drafts
+            backup = self.state_pool.allocate(_backup_key(seq)) if drafts and self.state_pool is not None else -1
             out.cached_seqs.append(
-                CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens)
+                CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens, drafts, backup)
             )
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
             i += 1
         return preempted
+
+    def _drafts_for(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Drafts to verify after the sequence's uncomputed tokens: only when all of them fit (a
+        decode, or on hybrid models the recompute after a rejection, see advance), their blocks
+        are free, and on hybrid models a state slot waiting sequences cannot use is free for the
+        copy of its state the worker restores on a rejection."""
+        if (self.drafter is None or num_new != seq.num_uncomputed_tokens
+                or seq.num_computed_tokens < seq.num_prompt_tokens):
+            return []
+        drafts = self.drafter.propose(seq, budget)
+        if not drafts or not self.block_manager.can_allocate(seq, num_new + len(drafts)):
+            return []
+        pool = self.state_pool
+        if pool is not None and pool.num_free <= min(len(self.waiting), self.max_num_seqs - len(self.running)):
+            return []
+        return drafts
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -133,6 +158,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self._free_state(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids, seq.proposed_token_ids = [], []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -149,6 +175,31 @@ class Scheduler:
             self._freed_seq_ids.append(seq.seq_id)
 
     # ----- after the model ran ------------------------------------------------------------
-    def advance(self, out: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+    def advance(self, out: SchedulerOutput, seqs: dict[int, Sequence],
+                sampled: dict[int, list[int]] | None = None) -> None:
+        """Count this step's tokens as computed, less the rejected drafts: a sequence that
+        verified K drafts and got back ``sampled`` [d1, ..., da, x] keeps KV for its last token
+        and d1..da, and frees the blocks past them. On hybrid models (a state pool) a rejection
+        counts none of the step's tokens: the worker restored the recurrent state of before the
+        step, so they are recomputed, accepted drafts included, with the next step's."""
         for seq_id, num_new in out.num_scheduled_tokens.items():
-            seqs[seq_id].num_computed_tokens += num_new
+            seq = seqs[seq_id]
+            computed_before = seq.num_computed_tokens
+            seq.num_computed_tokens += num_new
+            if seq.spec_token_ids:
+                num_accepted = len(sampled[seq_id]) - 1
+                num_rejected = len(seq.spec_token_ids) - num_accepted
+                seq.num_computed_tokens -= num_rejected
+                if self.state_pool is not None:
+                    self.state_pool.free(_backup_key(seq))
+                    if num_rejected:
+                        seq.num_computed_tokens = computed_before
+                self.spec_stats.record(len(seq.spec_token_ids), num_accepted)
+                self.block_manager.roll_back(seq)
+                seq.spec_token_ids = []
+
+
+def _backup_key(seq: Sequence) -> int:
+    """The StatePool key of the slot holding a copy of seq's recurrent state during a verification
+    step (negative: never a sequence id)."""
+    return -1 - seq.seq_id

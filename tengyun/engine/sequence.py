@@ -44,6 +44,11 @@ class Sequence:
     output_logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    # Speculative decoding: drafts scheduled after the last token this step (their KV is written,
+    # and kept only for the drafts the target accepts; see Scheduler.advance).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Drafts the worker's draft model (mtp) proposed after the last step, for the next one.
+    proposed_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

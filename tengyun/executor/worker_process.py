@@ -59,7 +59,7 @@ def _serve(worker, rank: RankInfo, pipe: Connection | None) -> None:
     )
 
     sampler = sampler_rank(rank.tp_size, rank.pp_size)
-    sampled: dict[int, int] = {}  # last step's tokens, known to rank 0
+    sampled: dict[int, list[int]] = {}  # last step's tokens, known to rank 0
     while True:
         if rank.rank == 0:
             message = pipe.recv()

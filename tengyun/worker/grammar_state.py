@@ -53,15 +53,33 @@ class GrammarState:
                            token_id)
             self.matchers.pop(seq_id)
 
+    def draft_bitmask(self, seq_ids: list[int], drafts: list[list[int]],
+                      first_rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
+        """The bitmask of sampling rows where sequence i owns rows first_rows[i] .. + len(drafts[i]):
+        row j is masked for the grammar's state after drafts[i][:j]. The matcher steps through the
+        drafts and is rolled back. A draft the grammar refuses is sure to be rejected (the token
+        sampled at its row is allowed), and the rows after it are never used: left free."""
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        words = -(-self.vocab_size // 32)
+        for seq_id, seq_drafts, first in zip(seq_ids, drafts, first_rows):
+            matcher = self.matchers.get(seq_id)
+            accepted = 0
+            for j in range(len(seq_drafts) + 1):
+                if matcher is None or matcher.is_terminated():
+                    break
+                mask = torch.empty(1, words, dtype=torch.int32)
+                matcher.fill_next_token_bitmask(mask, 0)
+                rows.append(first + j)
+                masks.append(mask)
+                if j == len(seq_drafts) or not matcher.accept_token(seq_drafts[j]):
+                    break
+                accepted += 1
+            if accepted:
+                matcher.rollback(accepted)
+        return (rows, torch.cat(masks)) if rows else None
+
     def bitmask(self, seq_ids: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """(rows, bitmask [len(rows), ceil(V / 32)] int32 on CPU) for the constrained rows of this
         batch, in logits row order; None when no row is constrained."""
-        rows = [i for i, seq_id in enumerate(seq_ids)
-                if seq_id in self.matchers and not self.matchers[seq_id].is_terminated()]
-        if not rows:
-            return None
-        words = -(-self.vocab_size // 32)
-        bitmask = torch.empty(len(rows), words, dtype=torch.int32)
-        for k, row in enumerate(rows):
-            self.matchers[seq_ids[row]].fill_next_token_bitmask(bitmask, k)
-        return rows, bitmask
+        return self.draft_bitmask(seq_ids, [[] for _ in seq_ids], list(range(len(seq_ids))))

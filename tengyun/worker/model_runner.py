@@ -3,7 +3,7 @@ runs the model, and samples only at positions that end a sequence's known tokens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -11,13 +11,16 @@ import torch
 from torch import nn
 
 from tengyun.distributed.pipeline_stage import PipelineStage
+from tengyun.engine.block_manager import blocks_to_keep
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
-from tengyun.layers.sampler import Sampler, SamplerOutput, gather_logprobs
+from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from tengyun.sampling_params import SamplingParams
+from tengyun.spec_decode.verify import accepted_tokens
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
 from tengyun.worker.sampling_inputs import SamplingInputs
+from tengyun.worker.spec_state import RecurrentStateSnapshots
 
 
 @dataclass
@@ -36,9 +39,13 @@ class BatchInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_seq_ids: list[int]  # sequences that sample, in logits row order
-    logits_indices: torch.Tensor  # [len(sample_seq_ids)]: last token of each in the flat batch
+    # [S] rows: the last token of each sequence in the flat batch, then (speculative decoding)
+    # one row per draft: a sequence verifying drafts [d1, d2] owns 3 consecutive rows.
+    logits_indices: torch.Tensor
     # Prompt logprobs: the R rows whose next token is a prompt token, of sequences that asked.
     prompt_rows: list[tuple[int, int, int]]  # (seq_id, first prompt token scored, rows), in row order
+    # (seq_id, first row, rows, first position) of each sequence in the flat batch, in row order
+    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)
     prompt_indices: torch.Tensor | None = None  # [R] rows of the flat batch
     prompt_targets: torch.Tensor | None = None  # [R] the prompt token each row predicts
 
@@ -60,20 +67,34 @@ class ModelRunner:
         self.grammar = GrammarState(grammar_compiler_factory or _no_grammar_compiler, vocab_size)
         # Decode-only steps replayed from captured graphs (worker/decode_graphs.py); None: eager.
         self.decode_graphs: DecodeGraphs | None = None
+        self.spec_drafts: dict[int, list[int]] = {}  # this step's drafts per sequence (speculative decoding)
+        self.spec_backups: dict[int, int] = {}  # hybrid models: the spare state slot of each (spec_state.py)
+        self.state_snapshots = RecurrentStateSnapshots(model)  # hybrid models: undo rejected drafts
+        self.mtp = None  # MtpProposer with --speculative-config method mtp (worker/mtp_proposer.py)
+        self.step_tables: dict[int, list[int]] = {}  # block tables held this step, before rollbacks
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
-                sampled_elsewhere: dict[int, int] | None = None) -> ModelRunnerOutput | None:
+                sampled_elsewhere: dict[int, list[int]] | None = None) -> ModelRunnerOutput | None:
         """Run one step. Returns None on ranks that do not sample (an earlier pipeline stage,
         a TP rank other than 0); ``sampled_elsewhere``: the tokens the sampling rank drew last
-        step, which such ranks append before this step's inputs are built."""
-        for seq_id, token in (sampled_elsewhere or {}).items():
-            if seq_id in self.states:
-                self.states[seq_id].token_ids.append(token)
+        step, which such ranks append (rolling back rejected drafts as it did) before this
+        step's inputs are built."""
+        for seq_id, tokens in (sampled_elsewhere or {}).items():
+            state = self.states.get(seq_id)
+            if state is None:
+                continue
+            drafts = self.spec_drafts.get(seq_id)  # last step's, until _update_states
+            if drafts:
+                self._roll_back(state, num_rejected=len(drafts) + 1 - len(tokens), num_new=len(tokens))
+            state.token_ids.extend(tokens)
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
+        if self.spec_drafts and self.state_snapshots.layers:
+            self.state_snapshots.save([self.states[i].state_slot for i in self.spec_drafts],
+                                      [self.spec_backups[i] for i in self.spec_drafts])
         if self.decode_graphs is not None and self.decode_graphs.fits(batch.meta):
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
@@ -90,16 +111,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])  # [B + R, V] float32; None off TP rank 0
         if logits is None:
             return None
-        num_sampled = len(batch.sample_seq_ids)
+        num_sampled = len(batch.logits_indices)
         result = ModelRunnerOutput()
         if num_sampled:
-            states = [self.states[i] for i in batch.sample_seq_ids]
-            metadata = self.sampling_inputs.metadata(batch.sample_seq_ids, states,
-                                                     self.grammar.bitmask(batch.sample_seq_ids))
-            result = self._collect(batch.sample_seq_ids, states, self.sampler(logits[:num_sampled], metadata))
+            result = self._sample(batch.sample_seq_ids, logits[:num_sampled])
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, logits[num_sampled:], result)
+        if self.mtp is not None and result.sampled_token_ids:
+            result.draft_token_ids = self._propose_drafts(batch, hidden, list(result.sampled_token_ids))
         return result
+
+    def _propose_drafts(self, batch: BatchInputs, hidden: torch.Tensor, sampled: list[int]) -> dict[int, list[int]]:
+        """The MTP head's drafts for the sequences that got tokens, from this step's hidden [T, H]."""
+        tables = {seq_id: self.step_tables.get(seq_id, self.states[seq_id].block_table) for seq_id in sampled}
+        token_ids = {seq_id: self.states[seq_id].token_ids for seq_id, _, _, _ in batch.chunks}
+        return self.mtp.propose(batch.chunks, batch.positions, batch.meta, hidden, token_ids, tables, sampled)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for seq_id in sched.freed_seq_ids:
@@ -111,10 +137,14 @@ class ModelRunner:
                 new.num_computed_tokens, new.sampling_params, new.state_slot,
             )
             self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
+        self.spec_drafts, self.spec_backups, self.step_tables = {}, {}, {}
         for cached in sched.cached_seqs:
             state = self.states[cached.seq_id]
             state.block_table.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.spec_token_ids:
+                self.spec_drafts[cached.seq_id] = cached.spec_token_ids
+                self.spec_backups[cached.seq_id] = cached.backup_state_slot
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
         """Flat batch: single-token sequences first (batched decode attention), then chunks."""
@@ -124,14 +154,19 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         decode_tables, decode_lens, decode_slots, prefills = [], [], [], []
         sample_seq_ids, logits_indices = [], []
-        prompt_rows, prompt_indices, prompt_targets = [], [], []
+        prompt_rows, prompt_indices, prompt_targets, chunks = [], [], [], []
         offset = 0
         for seq_id in order:
             state, n = self.states[seq_id], counts[seq_id]
+            drafts = self.spec_drafts.get(seq_id, [])
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            # The scheduler's table covers exactly the tokens up to this step's last: a longer one
+            # here means a rollback disagreed with Scheduler.advance.
+            assert len(state.block_table) == -(-end // bs), (seq_id, len(state.block_table), end)
             pos = np.arange(start, end)
             table = np.asarray(state.block_table, dtype=np.int64)
-            input_ids.append(state.token_ids[start:end])
+            input_ids.append(state.token_ids[start:end] + drafts)  # drafts: after the last known token
+            chunks.append((seq_id, offset, n, start))
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             if n == 1:
@@ -142,9 +177,9 @@ class ModelRunner:
                 num_blocks = -(-end // bs)
                 prefills.append(PrefillChunk(offset, n, start, torch.from_numpy(table[:num_blocks]).to(self.device),
                                              state.state_slot))
-            if end == len(state.token_ids):
+            if end - len(drafts) == len(state.token_ids):
                 sample_seq_ids.append(seq_id)
-                logits_indices.append(offset + n - 1)
+                logits_indices.extend(range(offset + n - 1 - len(drafts), offset + n))
             if state.params.prompt_logprobs is not None:
                 # Positions [start, last) predict prompt tokens start + 1 .. last.
                 last = min(end, state.num_prompt_tokens - 1)
@@ -169,6 +204,7 @@ class ModelRunner:
             sample_seq_ids=sample_seq_ids,
             logits_indices=self._tensor(np.asarray(logits_indices, dtype=np.int64)),
             prompt_rows=prompt_rows,
+            chunks=chunks,
             prompt_indices=self._tensor(np.asarray(prompt_indices, dtype=np.int64)) if prompt_rows else None,
             prompt_targets=self._tensor(np.asarray(prompt_targets, dtype=np.int64)) if prompt_rows else None,
         )
@@ -176,22 +212,58 @@ class ModelRunner:
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _collect(self, seq_ids: list[int], states: list[SeqState], out: SamplerOutput) -> ModelRunnerOutput:
+    def _sample(self, seq_ids: list[int], logits: torch.Tensor) -> ModelRunnerOutput:
+        """logits [S, V]: one row per sampling sequence, plus one per draft it verifies
+        (BatchInputs.logits_indices). Row j of a sequence with drafts [d1..dK] is sampled as if
+        d1..dj were its outputs already (penalties, min_tokens, the seed's step); see
+        tengyun/spec_decode/verify.py for why that keeps the output distribution."""
+        states = [self.states[i] for i in seq_ids]
+        drafts = [self.spec_drafts.get(seq_id, []) for seq_id in seq_ids]
+        first_row = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]]).tolist()
+        bitmask = self.grammar.draft_bitmask(seq_ids, drafts, first_row)
+        if not any(drafts):  # one row per sequence: the kept metadata while the same rows sample
+            metadata = self.sampling_inputs.metadata(seq_ids, states, bitmask)
+        else:
+            flat = [row for state, d in zip(states, drafts) for row in _draft_rows(state, d)]  # (params, ids, ids)
+            metadata = SamplingMetadata.build([r[0] for r in flat], [r[1] for r in flat], [r[2] for r in flat],
+                                              self.vocab_size, self.device, token_bitmask=bitmask)
+        return self._collect(seq_ids, states, first_row, self.sampler(logits, metadata))
+
+    def _collect(self, seq_ids: list[int], states: list[SeqState], first_row: list[int],
+                 out: SamplerOutput) -> ModelRunnerOutput:
+        """Each sequence's new tokens: its accepted drafts and the token after them."""
         result = ModelRunnerOutput()
         sampled = out.sampled_token_ids.tolist()
-        for seq_id, state, token in zip(seq_ids, states, sampled):
-            state.token_ids.append(token)
-            self.grammar.accept(seq_id, token)
-            result.sampled_token_ids[seq_id] = token
-        if out.logprobs is not None:
-            ids, logprobs, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
-            for row, (seq_id, state) in enumerate(zip(seq_ids, states)):
-                if state.params.logprobs is not None:
-                    k = 1 + state.params.logprobs
-                    result.logprob_token_ids[seq_id] = ids[row][:k]
-                    result.logprobs[seq_id] = logprobs[row][:k]
-                    result.sampled_ranks[seq_id] = ranks[row]
+        lists = (out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()) \
+            if out.logprobs is not None else None
+        for seq_id, state, row in zip(seq_ids, states, first_row):
+            drafts = self.spec_drafts.get(seq_id, [])
+            tokens = accepted_tokens(drafts, sampled[row:row + 1 + len(drafts)])
+            if drafts:
+                self.step_tables[seq_id] = list(state.block_table)
+                self._roll_back(state, num_rejected=len(drafts) + 1 - len(tokens), num_new=len(tokens))
+            state.token_ids.extend(tokens)
+            for token in tokens:
+                self.grammar.accept(seq_id, token)
+            result.sampled_token_ids[seq_id] = tokens
+            if lists is not None and state.params.logprobs is not None:
+                k, used = 1 + state.params.logprobs, range(row, row + len(tokens))
+                result.logprob_token_ids[seq_id] = [lists[0][r][:k] for r in used]
+                result.logprobs[seq_id] = [lists[1][r][:k] for r in used]
+                result.sampled_ranks[seq_id] = [lists[2][r] for r in used]
         return result
+
+    def _roll_back(self, state: SeqState, num_rejected: int, num_new: int) -> None:
+        """Drop what rejected drafts left, by Scheduler.advance's rule: the blocks past the tokens
+        still computed (all but the newest; on a hybrid model with a rejection, the tokens before
+        this step, its recurrent state restored to then; a hybrid model's sequences hold state
+        slots, also on a pipeline stage without linear-attention layers)."""
+        computed = len(state.token_ids) + num_new - 1
+        if num_rejected and state.state_slot >= 0:
+            if self.state_snapshots.layers:
+                self.state_snapshots.restore(state.state_slot)
+            computed = state.num_computed_tokens
+        del state.block_table[blocks_to_keep(computed, self.block_size):]
 
     def _collect_prompt_logprobs(self, batch: BatchInputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """logits [R, V] (raw, as vLLM) of batch.prompt_rows -> one PromptLogprobsChunk per sequence.
@@ -206,6 +278,13 @@ class ModelRunner:
             result.prompt_logprobs[seq_id] = PromptLogprobsChunk(
                 start, [r[:k] for r in ids[rows]], [r[:k] for r in logprobs[rows]], ranks[rows])
             row += count
+
+
+def _draft_rows(state: SeqState, drafts: list[int]) -> list[tuple[SamplingParams, list[int], list[int]]]:
+    """(params, prompt ids, output ids) of a sequence's sampling rows, one for its last token
+    and one per draft: outputs o, drafts [d1, d2] -> outputs o, o + [d1], o + [d1, d2]."""
+    prompt, outputs = state.token_ids[: state.num_prompt_tokens], state.token_ids[state.num_prompt_tokens:]
+    return [(state.params, prompt, outputs + drafts[:j]) for j in range(1 + len(drafts))]
 
 
 def _no_grammar_compiler() -> Any:

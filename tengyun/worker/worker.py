@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -24,6 +25,7 @@ from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.model_runner import ModelRunner
+from tengyun.worker.mtp_proposer import MtpProposer
 from tengyun.worker.state_cache import allocate_state_cache
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,10 @@ class Worker:
         graphs = self._use_decode_graphs()
         self.state_cache, self.kv_cache = self._allocate_caches(extra=int(graphs))
         self.runner = self._build_runner(graphs)
+        if config.speculative_config is not None and config.speculative_config.method == "mtp":
+            self.runner.mtp = MtpProposer.build(config, self.model, self.kernels, self.num_blocks + int(graphs),
+                                                TORCH_DTYPES[config.dtype], TORCH_DTYPES[config.kv_cache_dtype],
+                                                self.device)
         self.step_threads = self.platform.step_threads(rank.world_size if rank else 1)
 
     def _init_device(self) -> tuple[Platform, torch.device]:
@@ -91,7 +97,17 @@ class Worker:
         self.kv_shape = kv_cache_shape(config.model_spec, DTYPE_BYTES[config.kv_cache_dtype], tp, start, end)
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
         self.state_shape = state_shape(config.model_spec, DTYPE_BYTES[config.dtype], start, end, tp)
-        self.num_blocks, self.num_state_slots = self._count_kv_blocks(self.kv_shape, self.state_shape.bytes_per_slot)
+        self.num_blocks, self.num_state_slots = self._count_kv_blocks(self._budgeted_kv_shape(),
+                                                                      self.state_shape.bytes_per_slot)
+
+    def _budgeted_kv_shape(self) -> KVCacheShape:
+        """The KV shape the budget is split by: with --speculative-config method mtp, the MTP head's
+        attention layers too (its own cache holds one layer each under the engine's block ids)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "mtp":
+            return self.kv_shape
+        return dataclasses.replace(self.kv_shape,
+                                   num_layers=self.kv_shape.num_layers + self.config.model_spec.mtp_num_layers)
 
     def _allocate_caches(self, extra: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(state cache, KV cache) with ``extra`` blocks and slots beyond those the scheduler hands out."""
@@ -179,7 +195,7 @@ class Worker:
         return int(total * config.gpu_memory_utilization) - (total - free) - activation
 
     def execute_model(self, sched: SchedulerOutput,
-                      sampled_elsewhere: dict[int, int] | None = None) -> ModelRunnerOutput | None:
+                      sampled_elsewhere: dict[int, list[int]] | None = None) -> ModelRunnerOutput | None:
         if self.step_threads is None:
             return self.runner.execute(sched, sampled_elsewhere)
         with self.step_threads(sched.total_num_scheduled_tokens):

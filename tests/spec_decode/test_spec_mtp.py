@@ -1,0 +1,202 @@
+"""--speculative-config method mtp on a tiny Qwen3.5 whose checkpoint carries ``mtp.*`` tensors
+(config.json mtp_num_hidden_layers 1): the head's drafts equal a reference built from HF's own
+Qwen3.5 modules; greedy tokens and logprobs are those without speculation (drafts rejected, and
+with a head that copies the target, accepted) under chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, make_tiny_qwen3_5, randomize_norms_and_routers
+from tengyun import LLM, SamplingParams
+
+PROMPTS = [[7, 7, 9, 7, 7, 9, 7], [5, 17, 29, 41, 5, 17, 29, 41, 5, 17], list(range(10, 50)),
+           [100, 7, 101, 9, 102, 7, 103, 9]]
+SMALL = dict(block_size=8, max_model_len=104, num_gpu_blocks_override=13, max_num_batched_tokens=16, max_num_seqs=8)
+
+
+class ReferenceMtp(torch.nn.Module):
+    """The MTP head from HF modules: fc over [norm(embed) | norm(hidden)], then a one-layer
+    Qwen3.5 text model (a full-attention layer and its final norm) over inputs_embeds."""
+
+    def __init__(self, arch: str = "qwen3_5", seed: int = 1):
+        import transformers
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+        super().__init__()
+        torch.manual_seed(seed)
+        one_layer = {**QWEN3_5_TEXT, "num_hidden_layers": 1, "layer_types": ["full_attention"]}
+        if arch == "qwen3_5":
+            wrapper = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**one_layer))
+        else:  # the MoE model's MTP layer is an MoE layer too
+            wrapper = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**one_layer, **QWEN3_5_MOE))
+        self.wrapper = randomize_norms_and_routers(wrapper).eval()  # saved by HF: its checkpoint names
+        self.body = self.wrapper.model
+        hidden = QWEN3_5_TEXT["hidden_size"]
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(hidden, QWEN3_5_TEXT["rms_norm_eps"])
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(hidden, QWEN3_5_TEXT["rms_norm_eps"])
+        with torch.no_grad():
+            for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden):
+                norm.weight.normal_(0.0, 0.1)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's mtp.* tensors: the one-layer model's as HF saves them (per expert)."""
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory() as folder:
+            self.wrapper.save_pretrained(folder)
+            saved = load_file(f"{folder}/model.safetensors")
+        out = {"mtp." + k[len("model."):]: v for k, v in saved.items()
+               if k.startswith(("model.layers.", "model.norm."))}
+        out["mtp.fc.weight"] = self.fc.weight
+        out["mtp.pre_fc_norm_embedding.weight"] = self.pre_fc_norm_embedding.weight
+        out["mtp.pre_fc_norm_hidden.weight"] = self.pre_fc_norm_hidden.weight
+        return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+    @torch.no_grad()
+    def drafts(self, target, token_ids: list[int], k: int) -> list[int]:
+        """K greedy drafts after ``token_ids`` (L tokens): the head over positions 0..L-2, then
+        one position per further draft, reading its own previous output."""
+        ids = torch.tensor([token_ids])
+        hidden = target.model(ids).last_hidden_state[0, :-1]  # h_0 .. h_{L-2}, final-normed
+        embeds = target.model.embed_tokens(ids[0, 1:])  # t_1 .. t_{L-1}
+        rows, drafts = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)), []
+        for _ in range(k):
+            out = self.body(inputs_embeds=rows[None]).last_hidden_state[0, -1]
+            drafts.append(int(target.lm_head(out).argmax()))
+            step = torch.cat([self.pre_fc_norm_embedding(target.model.embed_tokens(torch.tensor(drafts[-1]))),
+                              self.pre_fc_norm_hidden(out)])
+            rows = torch.cat([rows, self.fc(step)[None]])
+        return drafts
+
+
+def save_with_mtp(folder, tokenizer_dir, head_tensors: dict, arch: str = "qwen3_5"):
+    target = make_tiny_qwen3_5(arch)
+    target.save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    save_file(head_tensors, folder / "mtp.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return target
+
+
+def copying_head(reference: ReferenceMtp) -> dict[str, torch.Tensor]:
+    """A head whose output is its hidden input (fc = [0 | I], attention and MLP outputs zero,
+    norms plain): the draft is the target's own prediction at the position before, so in a run
+    of repeated tokens drafts hold."""
+    tensors = reference.tensors()
+    hidden = QWEN3_5_TEXT["hidden_size"]
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")) or "norm" in name and "layernorm" not in name:
+            tensors[name] = torch.zeros_like(tensors[name])
+    tensors["mtp.fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)
+    return tensors
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def mtp_checkpoint(request, tmp_path_factory, tiny_tokenizer_dir):
+    reference = ReferenceMtp(request.param)
+    folder = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    return folder, save_with_mtp(folder, tiny_tokenizer_dir, reference.tensors(), request.param).eval(), reference
+
+
+def _mtp(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_drafts_equal_the_hf_reference_head(mtp_checkpoint, k):
+    folder, target, reference = mtp_checkpoint
+    llm = LLM(str(folder), block_size=8, max_model_len=104, kv_cache_memory="1MiB", speculative_config=_mtp(k))
+    engine = llm.llm_engine
+    engine.add_request("r", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.seqs.values():
+            if seq.proposed_token_ids:
+                assert seq.proposed_token_ids == reference.drafts(target, seq.token_ids, k), seq.token_ids
+                checked += 1
+    assert checked >= 4
+
+
+def test_greedy_tokens_and_logprobs_unchanged_with_rejected_mtp_drafts(mtp_checkpoint):
+    folder, _, _ = mtp_checkpoint
+    _assert_same_as_without_speculation(str(folder), accepted_at_least=0)
+
+
+def test_greedy_tokens_unchanged_with_accepted_mtp_drafts(tmp_path, tiny_tokenizer_dir):
+    save_with_mtp(tmp_path, tiny_tokenizer_dir, copying_head(ReferenceMtp()))
+    _assert_same_as_without_speculation(str(tmp_path), accepted_at_least=5)
+
+
+def _assert_same_as_without_speculation(path: str, accepted_at_least: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    outputs = {}
+    for spec in (None, _mtp(2)):
+        llm = LLM(path, speculative_config=spec, **SMALL)
+        outputs[spec is not None] = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    stats, engine_stats = llm.llm_engine.scheduler.spec_stats, llm.llm_engine.get_stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= accepted_at_least
+    assert stats.num_accepted_tokens < stats.num_draft_tokens
+    assert engine_stats.num_preemptions > 0 and engine_stats.kv_cache_usage == 0.0
+    for expected, got in zip(outputs[False], outputs[True]):
+        assert got.token_ids == expected.token_ids
+        for e_step, g_step in zip(expected.logprobs, got.logprobs):
+            assert list(g_step) == list(e_step)
+            assert [x.logprob for x in g_step.values()] == pytest.approx([x.logprob for x in e_step.values()],
+                                                                        abs=1e-4)
+
+
+def test_mtp_with_two_ranks_is_refused_naming_the_field(mtp_checkpoint):
+    from tengyun.config import EngineConfig
+
+    config = EngineConfig(str(mtp_checkpoint[0]), speculative_config=_mtp(1), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--speculative-config method mtp runs on one rank"):
+        config.finalize()
+
+
+def test_the_heads_kv_cache_comes_out_of_the_kv_budget(mtp_checkpoint):
+    """Tiny Qwen3.5 has one attention layer; the head adds one: the same budget holds about half
+    the blocks (the state slots come first and are the same)."""
+    folder = str(mtp_checkpoint[0])
+    blocks = {spec is not None: LLM(folder, block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_seqs=2,
+                                    speculative_config=spec).llm_engine.get_stats().num_kv_blocks
+              for spec in (None, _mtp(1))}
+    assert blocks[True] in (blocks[False] // 2, blocks[False] // 2 + 1)
+
+
+def test_server_with_mtp_answers_the_openai_client_as_without_it(mtp_checkpoint, tmp_path):
+    """`--speculative-config '{"method": "mtp", ...}'` on the real API server, the openai SDK as client."""
+    import sys
+    from pathlib import Path
+
+    import httpx
+    import openai
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
+    from remote_server import RemoteServer
+
+    folder = mtp_checkpoint[0]
+    server = RemoteServer(folder, ["--served-model-name", "m", "--speculative-config", json.dumps(_mtp(2)),
+                                   "--max-model-len", "104"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        texts = [client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text for prompt in PROMPTS]
+        scraped = httpx.get(server.url + "/metrics", timeout=30).text
+    finally:
+        server.stop()
+    expected = LLM(str(folder), max_model_len=104, kv_cache_memory="1MiB").generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert texts == [e.outputs[0].text for e in expected]
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"}' in scraped
