@@ -97,14 +97,23 @@ def state_shape(spec: ModelSpec, dtype_bytes: int, start: int = 0, end: int | No
     )
 
 
+def num_state_snapshots(num_slots: int, enable_prefix_caching: bool) -> int:
+    """Recurrent-state snapshot rows kept for prefix-cache hits (docs/hybrid_cache.md): one per
+    state slot with prefix caching on, none otherwise (or without linear-attention layers)."""
+    return num_slots if enable_prefix_caching else 0
+
+
 def split_budget(budget_bytes: int, block_size: int, shape: KVCacheShape, slot_bytes: int,
-                 max_num_seqs: int, max_model_len: int) -> tuple[int, int]:
+                 max_num_seqs: int, max_model_len: int, prefix_caching: bool = False) -> tuple[int, int]:
     """(KV blocks, state slots) from one budget. Slots first, max_num_seqs of them, fewer when
     the budget would then not hold one max_model_len sequence of KV (at least 1); blocks get
-    the rest. slot_bytes 0 (no linear-attention layers): every byte to blocks, 0 slots."""
+    the rest. With prefix caching a slot also pays for its snapshot row (num_state_snapshots),
+    so it costs 2 x slot_bytes. slot_bytes 0 (no linear-attention layers): every byte to
+    blocks, 0 slots."""
     block_bytes = shape.bytes_per_block(block_size) if shape.num_layers else 0
     if slot_bytes == 0:
         return budget_bytes // block_bytes, 0
+    slot_bytes *= 1 + num_state_snapshots(1, prefix_caching)
     one_sequence = -(-max_model_len // block_size) * block_bytes
     slots = max(1, min(max_num_seqs, (budget_bytes - one_sequence) // slot_bytes))
     rest = max(budget_bytes - slots * slot_bytes, 0)

@@ -10,6 +10,8 @@ from tengyun.engine.block_manager import BlockManager
 from tengyun.engine.messages import CachedSeqData, NewSeqData, SchedulerOutput
 from tengyun.engine.sequence import Sequence, SequenceStatus
 from tengyun.engine.state_pool import StatePool
+from tengyun.engine.state_snapshots import StateSnapshots
+from tengyun.kv_sizing import num_state_snapshots
 
 
 class Scheduler:
@@ -20,6 +22,12 @@ class Scheduler:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Hybrid models: a sequence runs only while it holds a recurrent-state slot too.
         self.state_pool = StatePool(num_state_slots) if num_state_slots else None
+        # ... and with prefix caching, a hit restores the state kept at its last block.
+        self.snapshots: StateSnapshots | None = None
+        num_snapshots = num_state_snapshots(num_state_slots, config.enable_prefix_caching)
+        if num_snapshots:
+            self.snapshots = StateSnapshots(num_snapshots, config.block_size)
+            self.block_manager.on_evict = self.snapshots.evict
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order; the last is preempted first
         self._seqs_on_worker: set[int] = set()
@@ -70,6 +78,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(out, budget)
         out.freed_seq_ids, self._freed_seq_ids = self._freed_seq_ids, []
+        if self.snapshots is not None:
+            out.state_restores, out.state_saves = self.snapshots.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
@@ -77,7 +87,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._align(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -88,6 +98,7 @@ class Scheduler:
                 break
             num_blocks_before = len(seq.block_table)
             self.block_manager.allocate(seq, num_new)
+            self._save_state(seq, num_new)
             out.cached_seqs.append(
                 CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens)
             )
@@ -100,12 +111,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached_blocks = self.block_manager.find_cached_blocks(seq)
+            kv_hit_tokens = len(cached_blocks) * self.block_manager.block_size
+            if self.snapshots is not None:  # a hybrid hit needs the recurrent state at its end too
+                cached_blocks = self.snapshots.trim_hit(seq, cached_blocks)
             num_cached = len(cached_blocks) * self.block_manager.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not self.chunked_prefill:
                     break
                 num_new = budget
+            num_new = self._align(seq, num_cached, num_new, kv_hit_tokens)
             if not self.block_manager.can_allocate(seq, num_new, cached_blocks):
                 break
             if self.state_pool is not None and not self.state_pool.can_allocate():
@@ -120,6 +135,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_order)
             slot = self.state_pool.allocate(seq.seq_id) if self.state_pool is not None else -1
+            if self.snapshots is not None and cached_blocks:
+                self.snapshots.restore(seq, len(cached_blocks), slot)
+            self._save_state(seq, num_new)
             out.new_seqs.append(
                 NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
                            list(seq.block_table), num_cached, seq.sampling_params, slot)
@@ -127,6 +145,17 @@ class Scheduler:
             self._seqs_on_worker.add(seq.seq_id)
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
+
+    def _align(self, seq: Sequence, start: int, num_new: int, kv_hit_tokens: int = 0) -> int:
+        """Hybrid prefix caching: end prefill chunks where a state snapshot can be kept."""
+        if self.snapshots is None:
+            return num_new
+        return self.snapshots.align_chunk(seq, start, num_new, kv_hit_tokens)
+
+    def _save_state(self, seq: Sequence, num_new: int) -> None:
+        """After allocate (the chunk's full blocks are hashed): snapshot at the chunk's end if useful."""
+        if self.snapshots is not None:
+            self.snapshots.save_after(seq, self.state_pool.slot_of(seq.seq_id), seq.num_computed_tokens, num_new)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -152,3 +181,5 @@ class Scheduler:
     def advance(self, out: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
         for seq_id, num_new in out.num_scheduled_tokens.items():
             seqs[seq_id].num_computed_tokens += num_new
+        if self.snapshots is not None:
+            self.snapshots.commit()

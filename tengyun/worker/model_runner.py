@@ -17,6 +17,7 @@ from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gat
 from tengyun.sampling_params import SamplingParams
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
+from tengyun.worker.state_cache import StateSnapshotRows
 
 
 @dataclass
@@ -58,6 +59,8 @@ class ModelRunner:
         self.grammar = GrammarState(grammar_compiler_factory or _no_grammar_compiler, vocab_size)
         # Decode-only steps replayed from captured graphs (worker/decode_graphs.py); None: eager.
         self.decode_graphs: DecodeGraphs | None = None
+        # Hybrid models with prefix caching: recurrent-state snapshot copies; None: none kept.
+        self.snapshot_rows: StateSnapshotRows | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -72,11 +75,15 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
+        if sched.state_restores:
+            self.snapshot_rows.restore(sched.state_restores)
         if self.decode_graphs is not None and self.decode_graphs.fits(batch.meta):
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
             with attention_metadata(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions, self.stage.receive(len(batch.input_ids)))
+        if sched.state_saves:
+            self.snapshot_rows.save(sched.state_saves)
         if not self.stage.is_last:
             self.stage.send(hidden)  # [hidden, residual]
             return None

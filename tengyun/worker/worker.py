@@ -13,7 +13,9 @@ from tengyun.distributed.parallel_state import (
 )
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
-from tengyun.kv_sizing import KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape
+from tengyun.kv_sizing import (
+    KVCacheShape, activation_estimate, kv_cache_shape, num_state_snapshots, split_budget, state_shape,
+)
 from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
@@ -24,7 +26,7 @@ from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.model_runner import ModelRunner
-from tengyun.worker.state_cache import allocate_state_cache
+from tengyun.worker.state_cache import StateSnapshotRows, allocate_state_cache
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +97,14 @@ class Worker:
     def _allocate_caches(self, extra: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(state cache, KV cache) with ``extra`` blocks and slots beyond those the scheduler hands out."""
         config = self.config
-        state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots + extra,
+        # Rows: running slots, `extra` padding slots, then the prefix cache's snapshot rows.
+        self.num_state_snapshots = num_state_snapshots(self.num_state_slots, config.enable_prefix_caching)
+        state_cache = allocate_state_cache(self.model, self.state_shape,
+                                           self.num_state_slots + extra + self.num_state_snapshots,
                                            TORCH_DTYPES[config.dtype], self.device)
         if self.num_state_slots:
-            logger.info("Recurrent state: %d slots x %.1f MiB", self.num_state_slots,
-                        self.state_shape.bytes_per_slot / 2**20)
+            logger.info("Recurrent state: %d slots + %d prefix-cache snapshots x %.1f MiB", self.num_state_slots,
+                        self.num_state_snapshots, self.state_shape.bytes_per_slot / 2**20)
         kv_cache = allocate_kv_cache(self.model, self.kv_shape, self.num_blocks + extra, config.block_size,
                                      TORCH_DTYPES[config.kv_cache_dtype], self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.num_blocks,
@@ -117,6 +122,8 @@ class Worker:
                 self.model, self.platform.capture_graph, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                 -(-config.max_model_len // config.block_size), config.block_size, pad_block=self.num_blocks,
                 pad_slot=self.num_state_slots, device=self.device)
+        if self.num_state_snapshots:  # a stage without linear-attention layers copies nothing
+            runner.snapshot_rows = StateSnapshotRows(self.state_cache, self.num_state_slots + int(graphs))
         return runner
 
     def _use_decode_graphs(self) -> bool:
@@ -140,7 +147,7 @@ class Worker:
         the same block and slot ids. ``slot_bytes``: one sequence's recurrent state (0: none)."""
         config = self.config
         split = lambda budget: split_budget(max(budget, 0), config.block_size, shape, slot_bytes,  # noqa: E731
-                                            config.max_num_seqs, config.max_model_len)
+                                            config.max_num_seqs, config.max_model_len, config.enable_prefix_caching)
         if config.num_gpu_blocks_override is not None:
             num_blocks, num_slots = config.num_gpu_blocks_override, config.max_num_seqs
             source = "--num-gpu-blocks-override"

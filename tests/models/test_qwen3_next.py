@@ -8,7 +8,6 @@ and at TP 2 and PP 2."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import pytest
@@ -78,12 +77,11 @@ def test_unpacked_projections_give_hf_query_key_value_z_b_a():
         torch.testing.assert_close(x @ a_w.T, a, rtol=0, atol=1e-6)
 
 
-def test_config_without_layer_types_is_hybrid_from_full_attention_interval(checkpoints, caplog):
-    with caplog.at_level(logging.INFO, logger="tengyun.config"):
-        config = EngineConfig(str(checkpoints[True]), enable_prefix_caching=True).finalize()
+def test_config_without_layer_types_is_hybrid_from_full_attention_interval(checkpoints):
+    config = EngineConfig(str(checkpoints[True])).finalize()
     assert config.model_spec.layer_types == ("linear_attention", "full_attention") * 2
     assert config.architecture == "Qwen3NextForCausalLM"
-    assert not config.enable_prefix_caching and "Prefix caching is off" in caplog.text
+    assert config.enable_prefix_caching  # on by default: hits restore the recurrent state too
 
 
 def test_greedy_matches_hf_under_chunked_prefill_and_preemption(checkpoint):
