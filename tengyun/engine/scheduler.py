@@ -113,7 +113,10 @@ class Scheduler:
             cached_blocks = self.block_manager.find_cached_blocks(seq)
             kv_hit_tokens = len(cached_blocks) * self.block_manager.block_size
             if self.snapshots is not None:  # a hybrid hit needs the recurrent state at its end too
-                cached_blocks = self.snapshots.trim_hit(seq, cached_blocks)
+                hit = self.snapshots.trim_hit(seq, cached_blocks)
+                if self.snapshots.writes_longer_hit(seq, len(hit), len(cached_blocks)):
+                    break  # a longer hit is being written this step: take it next step
+                cached_blocks = hit
             num_cached = len(cached_blocks) * self.block_manager.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:

@@ -10,7 +10,8 @@ covers the whole prefix, so equal hashes mean equal states). Invariants:
 - copy-on-restore: the worker copies the row into the sequence's own slot before the step; the
   sequence then updates only its slot, so no sequence's update reaches a row or another slot;
 - a row is written by the worker after the step whose chunk ended on that block boundary
-  (``saves``: slot -> row) and is hittable only once that step ran (``commit``);
+  (``saves``: slot -> row) and is hittable only once that step ran (``commit``); a sequence
+  that would hit it waits for that step rather than compute the same prefix beside it;
 - a row is dropped when its block leaves the prefix cache (``evict``) and reused least recently
   used first when none is free; a row being written is never reused in the same step.
 
@@ -50,6 +51,11 @@ class StateSnapshots:
             if seq.block_hashes[n - 1] in self._ready:
                 return cached_blocks[:n]
         return []
+
+    def writes_longer_hit(self, seq: Sequence, num_hit_blocks: int, num_cached_blocks: int) -> bool:
+        """Whether this step writes a snapshot after one of ``seq``'s cached blocks past its hit:
+        then ``seq`` had better wait a step for it than compute the prefix again."""
+        return any(h in self._pending for h in seq.block_hashes[num_hit_blocks:num_cached_blocks])
 
     def restore(self, seq: Sequence, num_hit_blocks: int, slot: int) -> None:
         """Copy the snapshot after ``seq``'s first ``num_hit_blocks`` blocks (a trim_hit result)
