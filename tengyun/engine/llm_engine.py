@@ -52,7 +52,7 @@ class LLMEngine:
         self.executor = executor
         self.eos_token_ids = eos_token_ids
         self.vocab_size = config.model_spec.vocab_size
-        self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots)
+        self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots, executor.num_state_snapshots)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()

@@ -11,22 +11,21 @@ from tengyun.engine.messages import CachedSeqData, NewSeqData, SchedulerOutput
 from tengyun.engine.sequence import Sequence, SequenceStatus
 from tengyun.engine.state_pool import StatePool
 from tengyun.engine.state_snapshots import StateSnapshots
-from tengyun.kv_sizing import num_state_snapshots
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0):
+    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0, num_state_snapshots: int = 0):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Hybrid models: a sequence runs only while it holds a recurrent-state slot too.
         self.state_pool = StatePool(num_state_slots) if num_state_slots else None
-        # ... and with prefix caching, a hit restores the state kept at its last block.
+        # ... and with prefix caching, a hit restores the state kept at its last block (no rows:
+        # no hits; the KV blocks alone would resume from another sequence's state).
         self.snapshots: StateSnapshots | None = None
-        num_snapshots = num_state_snapshots(num_state_slots, config.enable_prefix_caching)
-        if num_snapshots:
-            self.snapshots = StateSnapshots(num_snapshots, config.block_size)
+        if num_state_slots and config.enable_prefix_caching:
+            self.snapshots = StateSnapshots(num_state_snapshots, config.block_size)
             self.block_manager.on_evict = self.snapshots.evict
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order; the last is preempted first

@@ -70,8 +70,8 @@ class StateSnapshots:
         block_size 16, 100 prompt tokens: budget 40 -> [0, 32), [32, 64), [64, 96), [96, 100);
         budget 512 -> [0, 96), [96, 100). A hit of 32 tokens with cached KV up to 64 -> [32, 64)
         first. Decodes and chunks shorter than a block are left alone."""
-        if start >= max(seq.num_prompt_tokens, seq.num_tokens - 1):
-            return num_new  # a decode
+        if start >= max(seq.num_prompt_tokens, seq.num_tokens - 1) or not self.num_rows:
+            return num_new  # a decode, or no snapshots to take
         end, bs = start + num_new, self.block_size
         if start < kv_hit_tokens < end:
             return kv_hit_tokens - start

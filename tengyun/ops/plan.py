@@ -4,8 +4,8 @@ Per card: budget = device memory x --gpu-memory-utilization - weights - activati
 the KV cache takes the budget in blocks of --block-size tokens, each token costing
 2 (K, V) x attention layers x KV heads per rank x head dim x dtype bytes (kv_sizing, the
 function the engine's allocator uses); hybrid models first set aside per-sequence recurrent
-state for their linear-attention layers, and with prefix caching as many snapshot rows of it
-(kv_sizing.split_budget, as the engine does). Every
+state for their linear-attention layers, and with prefix caching snapshot rows of it from what
+is left (kv_sizing.split_budget, as the engine does). Every
 pipeline stage is planned; the engine keeps the same block count on every rank, so the
 smallest stage decides. With --kv-cache-memory the budget is given, as on CPU.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tengyun.kv_sizing import activation_estimate, kv_cache_shape, num_state_snapshots, split_budget, state_shape
+from tengyun.kv_sizing import activation_estimate, kv_cache_shape, split_budget, state_shape
 from tengyun.model_spec import DTYPE_BYTES, ModelSpec, as_spec, canonical_dtype
 from tengyun.ops.model_size import StageParams, stage_params, total_params
 
@@ -209,15 +209,12 @@ def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, k
         budget = int(request.device_memory * request.gpu_memory_utilization) - weights - activation
     shape = kv_cache_shape(spec, DTYPE_BYTES[kv_dtype], tp, start, end)
     state = state_shape(spec, DTYPE_BYTES[dtype], start, end, tp).bytes_per_slot
-    caching = request.enable_prefix_caching
+    blocks, slots, snapshots = split_budget(max(budget, 0), request.block_size, shape, state, request.max_num_seqs,
+                                            max_len, request.enable_prefix_caching)
     if shape.num_layers == 0:  # no KV on this stage: it never limits the block count
-        slot_cost = state * (1 + num_state_snapshots(1, caching))
-        blocks, slots = (2**62, max(1, min(request.max_num_seqs, max(budget, 0) // slot_cost)) if state else 0)
-    else:
-        blocks, slots = split_budget(max(budget, 0), request.block_size, shape, state, request.max_num_seqs, max_len,
-                                     caching)
+        blocks = 2**62
     return StagePlan(stage, (start, end), params, weights, budget, shape.num_layers, shape.num_kv_heads,
-                     shape.head_dim, shape.bytes_per_token, state, blocks, slots, num_state_snapshots(slots, caching))
+                     shape.head_dim, shape.bytes_per_token, state, blocks, slots, snapshots)
 
 
 def tp_candidates(config: ModelSpec | dict[str, Any], limit: int) -> list[int]:

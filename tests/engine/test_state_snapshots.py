@@ -56,7 +56,7 @@ def test_chunks_end_on_block_boundaries_and_the_last_partial_block_runs_alone():
 
 
 def test_a_hit_restores_the_snapshot_of_its_last_block_once_written():
-    sched = Scheduler(_config(), num_blocks=32, num_state_slots=3)
+    sched = Scheduler(_config(), num_blocks=32, num_state_slots=3, num_state_snapshots=3)
     shared = [9, 8, 7, 6, 5, 4, 3, 2]  # two blocks
     seqs = {0: _seq(0, shared + [1, 1, 1]), 1: _seq(1, shared + [2, 2])}
     sched.add(seqs[0])
@@ -77,7 +77,7 @@ def test_a_hit_restores_the_snapshot_of_its_last_block_once_written():
 def test_prefix_without_a_snapshot_is_no_hit_but_its_end_gets_one():
     """Seq 0 (prompt 12) leaves a snapshot after 12 tokens only; seq 1 shares 8 tokens: its KV is
     cached but no state after it, so seq 1 computes from 0 and stops at 8 to snapshot there."""
-    sched = Scheduler(_config(), num_blocks=32, num_state_slots=2)
+    sched = Scheduler(_config(), num_blocks=32, num_state_slots=2, num_state_snapshots=2)
     seqs = {0: _seq(0, list(range(1, 13)) + [50])}
     sched.add(seqs[0])
     _run_to_end(sched, seqs)
@@ -102,7 +102,7 @@ def test_snapshots_leave_with_their_blocks_and_the_least_recently_used_goes_firs
 
 
 def test_evicting_a_block_drops_its_snapshot():
-    sched = Scheduler(_config(), num_blocks=4, num_state_slots=2)  # two snapshot rows
+    sched = Scheduler(_config(), num_blocks=4, num_state_slots=2, num_state_snapshots=2)
     seqs = {0: _seq(0, [1, 2, 3, 4, 5])}
     sched.add(seqs[0])
     _run_to_end(sched, seqs)
@@ -115,6 +115,21 @@ def test_evicting_a_block_drops_its_snapshot():
     assert sched.snapshots.num_cached == 1 and sched.snapshots.trim_hit(seqs[0], [0]) == []
 
 
+def test_no_snapshot_rows_means_no_hits_on_a_hybrid_model():
+    """Prefix caching on, but the budget left no snapshot row: cached KV alone would resume from
+    whatever state the slot last held, so a hybrid model takes no hit at all."""
+    sched = Scheduler(_config(), num_blocks=32, num_state_slots=2, num_state_snapshots=0)
+    seqs = {0: _seq(0, list(range(1, 11)))}
+    sched.add(seqs[0])
+    _run_to_end(sched, seqs)
+    sched.finish(seqs[0])
+    seqs[1] = _seq(1, list(range(1, 11)))
+    sched.add(seqs[1])
+    out = sched.schedule()
+    assert out.new_seqs[0].num_computed_tokens == 0 and out.num_scheduled_tokens == {1: 10}
+    assert sched.block_manager.prefix_hits == 0
+
+
 class SimulatedHybridWorker(RuleBasedStateMachine):
     """The real Scheduler against a worker whose recurrent state is the token prefix itself: a
     slot or snapshot row holds the tuple of tokens its state has consumed. A hit is only correct
@@ -122,7 +137,8 @@ class SimulatedHybridWorker(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.sched = Scheduler(_config(budget=10, max_num_seqs=4), num_blocks=14, num_state_slots=3)
+        self.sched = Scheduler(_config(budget=10, max_num_seqs=4), num_blocks=14, num_state_slots=3,
+                               num_state_snapshots=2)
         self.seqs: dict[int, Sequence] = {}
         self.slots: dict[int, tuple] = {}  # slot -> consumed tokens
         self.rows: dict[int, tuple] = {}  # snapshot row -> consumed tokens

@@ -6,6 +6,7 @@ on a real engine whose every finished sequence equals the prefix-cache-off engin
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -69,29 +70,31 @@ class CachedStatesStayIntact(RuleBasedStateMachine):
 
     cached: LLM
     reference: LLM
+    request_ids = itertools.count()
     expected: dict[tuple[int, ...], list[int]]
     prefixes: list[list[int]]
 
     @initialize()
     def start(self):
         self.engine = self.cached.llm_engine
+        self.engine.abort_request(list(self.engine.requests))  # left by a failed example
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
         self.prompts: dict[str, list[int]] = {}
         self.max_tokens: dict[str, int] = {}
-        self.next_id = 0
 
     @rule(prefix=st.integers(0, 3), suffix=st.lists(st.integers(1, 299), min_size=1, max_size=16),
-          max_tokens=st.integers(1, 6))
+          max_tokens=st.integers(1, 10))
     def add(self, prefix, suffix, max_tokens):
         self._add((self.prefixes[prefix] if prefix < 3 else []) + suffix, max_tokens)
 
     @rule(pick=st.integers(0, 50))
     def add_an_earlier_prompt(self, pick):
         if self.prompts:
-            self._add(list(self.prompts.values())[pick % len(self.prompts)], 6)
+            self._add(list(self.prompts.values())[pick % len(self.prompts)], 10)
 
     def _add(self, prompt, max_tokens):
-        request_id = f"r{self.next_id}"
-        self.next_id += 1
+        request_id = f"r{next(self.request_ids)}"  # unique over examples: one engine serves them all
         self.prompts[request_id], self.max_tokens[request_id] = prompt, max_tokens
         self.engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                    ignore_eos=True))
@@ -116,7 +119,7 @@ class CachedStatesStayIntact(RuleBasedStateMachine):
     def _expected(self, prompt: list[int]) -> list[int]:
         key = tuple(prompt)
         if key not in self.expected:
-            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
             self.expected[key] = self.reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         return self.expected[key]
 
@@ -134,9 +137,13 @@ def test_cached_states_are_never_corrupted(tiny_hybrid_checkpoints):
     folder = str(tiny_hybrid_checkpoints["qwen3_5"])
     rng = random.Random(2)
     shared = [rng.randrange(1, 300) for _ in range(20)]
-    # 40 KiB at max_model_len 64: 2 slots + 2 snapshots and 9 blocks (72 tokens) for two ~40-token sequences.
-    CachedStatesStayIntact.cached = LLM(folder, **{**SMALL_BUDGET, "max_model_len": 64, "kv_cache_memory": "40KiB"})
-    CachedStatesStayIntact.reference = LLM(folder, block_size=8, max_model_len=64, enable_prefix_caching=False)
+    # 34 KiB at max_model_len 48: 2 slots + 2 snapshots and 6 blocks (48 tokens) for two sequences
+    # of up to 46 tokens.
+    CachedStatesStayIntact.cached = LLM(folder, **{**SMALL_BUDGET, "max_model_len": 48, "kv_cache_memory": "34KiB",
+                                                   "max_num_seqs": 2})
+    sched = CachedStatesStayIntact.cached.llm_engine.scheduler
+    assert (sched.state_pool.num_slots, sched.snapshots.num_rows, sched.block_manager.num_blocks) == (2, 2, 6)
+    CachedStatesStayIntact.reference = LLM(folder, block_size=8, max_model_len=48, enable_prefix_caching=False)
     CachedStatesStayIntact.expected = {}
     CachedStatesStayIntact.prefixes = [shared[:8], shared, shared[:13] + [rng.randrange(1, 300) for _ in range(9)]]
     run_state_machine_as_test(CachedStatesStayIntact, settings=settings(max_examples=12, stateful_step_count=25,
