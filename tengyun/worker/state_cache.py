@@ -43,9 +43,9 @@ class StateSnapshotRows:
         self._copy([slot for slot, _ in pairs], [self.snapshot_base + row for _, row in pairs])
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
-        if not src or not self.tensors:
-            return
-        src_rows = torch.tensor(src, device=self.tensors[0].device)
-        dst_rows = torch.tensor(dst, device=self.tensors[0].device)
+        """Row by row: each row is one contiguous block (a layer's SSM state is Hv x Dk x Dv floats),
+        and a step copies a few rows; on CPU index_select + index_copy_ over the same rows ran 100x
+        slower (its parallel path stalls when other processes hold the cores)."""
         for tensor in self.tensors:
-            tensor.index_copy_(0, dst_rows, tensor.index_select(0, src_rows))
+            for s, d in zip(src, dst):
+                tensor[d].copy_(tensor[s])
