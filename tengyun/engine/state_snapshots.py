@@ -35,6 +35,7 @@ class StateSnapshots:
         self._free = list(range(num_rows - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._ready: OrderedDict[int, int] = OrderedDict()  # block hash -> row; least recently used first
         self._pending: dict[int, int] = {}  # block hash -> row the step in flight writes
+        self._free_after_step: list[int] = []  # rows of evicted pending snapshots, still being written
         # This step's copies, read by the worker: (row, slot) before the model, (slot, row) after it.
         self.restores: list[tuple[int, int]] = []
         self.saves: list[tuple[int, int]] = []
@@ -70,8 +71,8 @@ class StateSnapshots:
         block_size 16, 100 prompt tokens: budget 40 -> [0, 32), [32, 64), [64, 96), [96, 100);
         budget 512 -> [0, 96), [96, 100). A hit of 32 tokens with cached KV up to 64 -> [32, 64)
         first. Decodes and chunks shorter than a block are left alone."""
-        if start >= max(seq.num_prompt_tokens, seq.num_tokens - 1) or not self.num_rows:
-            return num_new  # a decode, or no snapshots to take
+        if _is_decode(seq, start) or not self.num_rows:
+            return num_new  # no snapshots to take
         end, bs = start + num_new, self.block_size
         if start < kv_hit_tokens < end:
             return kv_hit_tokens - start
@@ -87,7 +88,7 @@ class StateSnapshots:
         """Snapshot ``slot`` after this step when the prefill chunk [start, start + num_new) ends on
         a block boundary whose block is hashed and has no snapshot yet."""
         end = start + num_new
-        if end % self.block_size or start >= max(seq.num_prompt_tokens, seq.num_tokens - 1):
+        if end % self.block_size or _is_decode(seq, start):
             return
         index = end // self.block_size - 1
         if index >= len(seq.block_hashes):
@@ -110,15 +111,16 @@ class StateSnapshots:
         """The step ran: the snapshots it wrote become hittable."""
         self._ready.update(self._pending)
         self._pending.clear()
+        self._free += self._free_after_step
+        self._free_after_step.clear()
 
     # ----- eviction ---------------------------------------------------------------------------
     def evict(self, block_hash: int) -> None:
         """The block with this hash left the prefix cache: its snapshot goes with it."""
-        row = self._ready.pop(block_hash, None)
-        if row is None:
-            row = self._pending.pop(block_hash, None)
-        if row is not None:
-            self._free.append(row)
+        if block_hash in self._ready:
+            self._free.append(self._ready.pop(block_hash))
+        elif block_hash in self._pending:
+            self._free_after_step.append(self._pending.pop(block_hash))
 
     def _take_row(self) -> int | None:
         if self._free:
@@ -127,3 +129,8 @@ class StateSnapshots:
             _, row = self._ready.popitem(last=False)
             return row
         return None
+
+
+def _is_decode(seq: Sequence, start: int) -> bool:
+    """A step from ``start`` computes only the newest token (a resumed sequence's outputs are prefill)."""
+    return start >= max(seq.num_prompt_tokens, seq.num_tokens - 1)
