@@ -297,7 +297,6 @@ class EngineConfig:
         self._resolve_dtypes()
         self._resolve_lengths()
         self._check_parallel_fits_model()
-        self._check_hybrid()
         self._check_quantization()
         self._check_speculative()
         if self.served_model_name is None:
@@ -351,16 +350,6 @@ class EngineConfig:
         if pp > spec.num_layers:
             raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers {spec.num_layers}: "
                              f"use at most {spec.num_layers}.")
-
-    def _check_hybrid(self) -> None:
-        """Models with linear-attention layers (Qwen3.5) keep recurrent state per sequence, which a
-        prefix-cache hit cannot restore (docs/hybrid_cache.md)."""
-        if not self.model_spec.is_hybrid:
-            return
-        if self.enable_prefix_caching:
-            logger.info("Prefix caching is off for %s: its linear-attention layers keep recurrent state "
-                        "that cached KV blocks cannot restore.", self.architecture)
-            self.enable_prefix_caching = False
 
     def _check_quantization(self) -> None:
         """Quantised checkpoints (config.json quantization_config) hold tensors no layer here reads,

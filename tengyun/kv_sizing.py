@@ -98,14 +98,21 @@ def state_shape(spec: ModelSpec, dtype_bytes: int, start: int = 0, end: int | No
 
 
 def split_budget(budget_bytes: int, block_size: int, shape: KVCacheShape, slot_bytes: int,
-                 max_num_seqs: int, max_model_len: int) -> tuple[int, int]:
-    """(KV blocks, state slots) from one budget. Slots first, max_num_seqs of them, fewer when
-    the budget would then not hold one max_model_len sequence of KV (at least 1); blocks get
-    the rest. slot_bytes 0 (no linear-attention layers): every byte to blocks, 0 slots."""
+                 max_num_seqs: int, max_model_len: int, prefix_caching: bool = False) -> tuple[int, int, int]:
+    """(KV blocks, state slots, state snapshots) from one budget. Slots first, max_num_seqs of
+    them, fewer when the budget would then not hold one max_model_len sequence of KV (at least
+    1). With prefix caching, snapshot rows of the state (docs/hybrid_cache.md) take at most half
+    of what is left, never the last max_model_len sequence of KV, and at most one per slot;
+    blocks get the rest. E.g. 2 GiB, 6.28 MiB per slot, 256 KiB blocks, max_model_len 2048, 256
+    seqs: 256 slots (1.57 GiB), 35 snapshots (0.21 GiB), 880 blocks (1,760 with prefix caching
+    off). slot_bytes 0 (no linear-attention layers): every byte to blocks, no slots or snapshots."""
     block_bytes = shape.bytes_per_block(block_size) if shape.num_layers else 0
     if slot_bytes == 0:
-        return budget_bytes // block_bytes, 0
+        return budget_bytes // block_bytes, 0, 0
     one_sequence = -(-max_model_len // block_size) * block_bytes
     slots = max(1, min(max_num_seqs, (budget_bytes - one_sequence) // slot_bytes))
     rest = max(budget_bytes - slots * slot_bytes, 0)
-    return (rest // block_bytes if block_bytes else rest), slots  # no KV layers here: blocks cost nothing
+    snapshots = max(0, min(slots, min(rest // 2, rest - one_sequence) // slot_bytes)) if prefix_caching else 0
+    rest -= snapshots * slot_bytes
+    # No KV layers here (a pipeline stage): blocks cost nothing.
+    return (rest // block_bytes if block_bytes else rest), slots, snapshots

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from tengyun.engine.sequence import Sequence
 
@@ -54,6 +55,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found
+        # Called with a block's hash when the block leaves the prefix cache (hybrid models drop
+        # the recurrent-state snapshot kept with it: engine/state_snapshots.py).
+        self.on_evict: Callable[[int], None] | None = None
 
     # ----- queries ------------------------------------------------------------------------
     @property
@@ -155,6 +159,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
             del self.hash_to_block[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash)
         block.reset()
         block.ref_count = 1
         return block_id

@@ -55,7 +55,9 @@ class LLMEngine:
         self.executor = executor
         self.eos_token_ids = eos_token_ids
         self.vocab_size = config.model_spec.vocab_size
-        self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots, Drafter.from_config(config))
+        self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots,
+                                   num_state_snapshots=executor.num_state_snapshots,
+                                   drafter=Drafter.from_config(config))
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()

@@ -40,6 +40,10 @@ class SchedulerOutput:
     cached_seqs: list[CachedSeqData] = field(default_factory=list)
     num_scheduled_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens this step
     freed_seq_ids: list[int] = field(default_factory=list)  # finished, aborted or preempted
+    # Hybrid prefix caching (engine/state_snapshots.py): recurrent-state copies between slots and
+    # snapshot rows, (snapshot row, slot) before the model runs and (slot, snapshot row) after.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

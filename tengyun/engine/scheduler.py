@@ -10,11 +10,12 @@ from tengyun.engine.block_manager import BlockManager
 from tengyun.engine.messages import CachedSeqData, NewSeqData, SchedulerOutput
 from tengyun.engine.sequence import Sequence, SequenceStatus
 from tengyun.engine.state_pool import StatePool
+from tengyun.engine.state_snapshots import StateSnapshots
 from tengyun.spec_decode.drafter import Drafter
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0,
+    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0, num_state_snapshots: int = 0,
                  drafter: Drafter | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -22,6 +23,12 @@ class Scheduler:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Hybrid models: a sequence runs only while it holds a recurrent-state slot too.
         self.state_pool = StatePool(num_state_slots) if num_state_slots else None
+        # ... and with prefix caching, a hit restores the state kept at its last block (no rows:
+        # no hits; the KV blocks alone would resume from another sequence's state).
+        self.snapshots: StateSnapshots | None = None
+        if num_state_slots and config.enable_prefix_caching:
+            self.snapshots = StateSnapshots(num_state_snapshots, config.block_size)
+            self.block_manager.on_evict = self.snapshots.evict
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order; the last is preempted first
         self._seqs_on_worker: set[int] = set()
@@ -75,6 +82,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(out, budget)
         out.freed_seq_ids, self._freed_seq_ids = self._freed_seq_ids, []
+        if self.snapshots is not None:
+            out.state_restores, out.state_saves = self.snapshots.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
@@ -82,7 +91,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._align(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             drafts = self._drafts_for(seq, num_new, budget)
             num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
@@ -97,6 +106,8 @@ class Scheduler:
             self.block_manager.allocate(seq, num_new, num_unverified=len(drafts))
             seq.spec_token_ids = drafts
             backup = self.state_pool.allocate(_backup_key(seq)) if drafts and self.state_pool is not None else -1
+            if not drafts:  # a step with drafts ends on unverified tokens: no snapshot of its state
+                self._save_state(seq, num_new)
             out.cached_seqs.append(
                 CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens, drafts, backup)
             )
@@ -125,12 +136,19 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached_blocks = self.block_manager.find_cached_blocks(seq)
+            kv_hit_tokens = len(cached_blocks) * self.block_manager.block_size
+            if self.snapshots is not None:  # a hybrid hit needs the recurrent state at its end too
+                hit = self.snapshots.trim_hit(seq, cached_blocks)
+                if self.snapshots.writes_longer_hit(seq, len(hit), len(cached_blocks)):
+                    break  # a longer hit is being written this step: take it next step
+                cached_blocks = hit
             num_cached = len(cached_blocks) * self.block_manager.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not self.chunked_prefill:
                     break
                 num_new = budget
+            num_new = self._align(seq, num_cached, num_new, kv_hit_tokens)
             if not self.block_manager.can_allocate(seq, num_new, cached_blocks):
                 break
             if self.state_pool is not None and not self.state_pool.can_allocate():
@@ -145,6 +163,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_order)
             slot = self.state_pool.allocate(seq.seq_id) if self.state_pool is not None else -1
+            if self.snapshots is not None and cached_blocks:
+                self.snapshots.restore(seq, len(cached_blocks), slot)
+            self._save_state(seq, num_new)
             out.new_seqs.append(
                 NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
                            list(seq.block_table), num_cached, seq.sampling_params, slot)
@@ -152,6 +173,17 @@ class Scheduler:
             self._seqs_on_worker.add(seq.seq_id)
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
+
+    def _align(self, seq: Sequence, start: int, num_new: int, kv_hit_tokens: int = 0) -> int:
+        """Hybrid prefix caching: end prefill chunks where a state snapshot can be kept."""
+        if self.snapshots is None:
+            return num_new
+        return self.snapshots.align_chunk(seq, start, num_new, kv_hit_tokens)
+
+    def _save_state(self, seq: Sequence, num_new: int) -> None:
+        """After allocate (the chunk's full blocks are hashed): snapshot at the chunk's end if useful."""
+        if self.snapshots is not None:
+            self.snapshots.save_after(seq, self.state_pool.slot_of(seq.seq_id), seq.num_computed_tokens, num_new)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -197,6 +229,8 @@ class Scheduler:
                 self.spec_stats.record(len(seq.spec_token_ids), num_accepted)
                 self.block_manager.roll_back(seq)
                 seq.spec_token_ids = []
+        if self.snapshots is not None:
+            self.snapshots.commit()
 
 
 def _backup_key(seq: Sequence) -> int:

@@ -1,5 +1,6 @@
 """Executors run the model for the engine: ``execute_model(SchedulerOutput) -> ModelRunnerOutput``,
-``num_blocks``, ``num_state_slots`` (0 without linear-attention layers), ``check_health()``, ``shutdown()``."""
+``num_blocks``, ``num_state_slots`` and ``num_state_snapshots`` (0 without linear-attention layers),
+``check_health()``, ``shutdown()``."""
 
 from __future__ import annotations
 

@@ -93,6 +93,7 @@ class MultiprocExecutor:
             raise
         self.num_blocks = infos[0]["num_blocks"]  # already the minimum over all ranks
         self.num_state_slots = infos[0]["num_state_slots"]  # likewise (0: no linear-attention layers)
+        self.num_state_snapshots = infos[0]["num_state_snapshots"]  # likewise (0 also: prefix caching off)
         self.weight_bytes = {r.rank: info["weight_bytes"] for r, info in zip(self.ranks, infos)}
         for r, info in zip(self.ranks, infos):
             logger.info("rank %d (pid %d) holds %.2f MiB of weights", r.rank, info["pid"],

@@ -41,6 +41,7 @@ def worker_main(config, rank: RankInfo, pipe: Connection | None, threads: int) -
 
         worker = Worker(config, rank)
         _reply(pipe, ("ready", rank.rank, {"num_blocks": worker.num_blocks, "num_state_slots": worker.num_state_slots,
+                                           "num_state_snapshots": worker.num_state_snapshots,
                                            "weight_bytes": worker.weight_bytes,
                                            "pid": os.getpid()}))
         _serve(worker, rank, pipe)

@@ -4,7 +4,8 @@ Per card: budget = device memory x --gpu-memory-utilization - weights - activati
 the KV cache takes the budget in blocks of --block-size tokens, each token costing
 2 (K, V) x attention layers x KV heads per rank x head dim x dtype bytes (kv_sizing, the
 function the engine's allocator uses); hybrid models first set aside per-sequence recurrent
-state for their linear-attention layers (kv_sizing.split_budget, as the engine does). Every
+state for their linear-attention layers, and with prefix caching snapshot rows of it from what
+is left (kv_sizing.split_budget, as the engine does). Every
 pipeline stage is planned; the engine keeps the same block count on every rank, so the
 smallest stage decides. With --kv-cache-memory the budget is given, as on CPU.
 """
@@ -42,6 +43,7 @@ class PlanRequest:
     device: str = "npu"  # the platform planned for: cpu, cuda or npu
     activation_reserve: int | None = None  # None: estimated (activation_estimate)
     devices_per_node: int = 8  # TP stays inside a node when searching the smallest fit
+    enable_prefix_caching: bool = True  # hybrid models keep recurrent-state snapshots for it
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StagePlan:
     state_bytes_per_seq: int
     blocks: int
     state_slots: int
+    state_snapshots: int = 0  # hybrid prefix caching: snapshot rows of state_bytes_per_seq each
 
 
 @dataclass
@@ -220,12 +223,12 @@ def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, k
         budget = int(request.device_memory * request.gpu_memory_utilization) - weights - activation
     shape = kv_cache_shape(spec, DTYPE_BYTES[kv_dtype], tp, start, end)
     state = state_shape(spec, DTYPE_BYTES[dtype], start, end, tp).bytes_per_slot
+    blocks, slots, snapshots = split_budget(max(budget, 0), request.block_size, shape, state, request.max_num_seqs,
+                                            max_len, request.enable_prefix_caching)
     if shape.num_layers == 0:  # no KV on this stage: it never limits the block count
-        blocks, slots = (2**62, max(1, min(request.max_num_seqs, max(budget, 0) // state)) if state else 0)
-    else:
-        blocks, slots = split_budget(max(budget, 0), request.block_size, shape, state, request.max_num_seqs, max_len)
+        blocks = 2**62
     return StagePlan(stage, (start, end), params, weights, budget, shape.num_layers, shape.num_kv_heads,
-                     shape.head_dim, shape.bytes_per_token, state, blocks, slots)
+                     shape.head_dim, shape.bytes_per_token, state, blocks, slots, snapshots)
 
 
 def tp_candidates(config: ModelSpec | dict[str, Any], limit: int) -> list[int]:
@@ -280,8 +283,9 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
                  f"{s.kv_bytes_per_token:,} B")
     if s.state_bytes_per_seq:
         lines.append(f"Recurrent state per sequence per card ({s.layers[1] - s.layers[0] - s.attention_layers} "
-                     f"linear-attention layers): {s.state_bytes_per_seq:,} B; {s.state_slots} slots set aside "
-                     f"= {_size(s.state_slots * s.state_bytes_per_seq)}")
+                     f"linear-attention layers): {s.state_bytes_per_seq:,} B; {s.state_slots} slots + "
+                     f"{s.state_snapshots} prefix-cache snapshots set aside "
+                     f"= {_size((s.state_slots + s.state_snapshots) * s.state_bytes_per_seq)}")
     if not plan.weights_fit:
         lines.append(f"Does not fit: the weights and activations alone exceed the budget by "
                      f"{_size(-s.budget_bytes)} per card.")
@@ -319,6 +323,7 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
             "weight_bytes": s.weight_bytes, "budget_bytes": s.budget_bytes, "attention_layers": s.attention_layers,
             "kv_bytes_per_token": s.kv_bytes_per_token, "state_bytes_per_seq": s.state_bytes_per_seq,
             "blocks": s.blocks if s.attention_layers else None, "state_slots": s.state_slots,
+            "state_snapshots": s.state_snapshots,
         } for s in plan.stages],
         "blocks": plan.blocks, "cache_tokens": plan.cache_tokens, "max_concurrency": plan.max_concurrency,
         "fits": plan.fits, "smallest_fit": list(fit) if fit else None, "notes": plan.notes,

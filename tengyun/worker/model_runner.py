@@ -21,6 +21,7 @@ from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
 from tengyun.worker.sampling_inputs import SamplingInputs
 from tengyun.worker.spec_state import RecurrentStateSnapshots
+from tengyun.worker.state_cache import StateSnapshotRows
 
 
 @dataclass
@@ -72,6 +73,8 @@ class ModelRunner:
         self.state_snapshots = RecurrentStateSnapshots(model)  # hybrid models: undo rejected drafts
         self.mtp = None  # MtpProposer with --speculative-config method mtp (worker/mtp_proposer.py)
         self.step_tables: dict[int, list[int]] = {}  # block tables held this step, before rollbacks
+        # Hybrid models with prefix caching: recurrent-state snapshot copies; None: none kept.
+        self.snapshot_rows: StateSnapshotRows | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -92,6 +95,8 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
+        if sched.state_restores:
+            self.snapshot_rows.restore(sched.state_restores)
         if self.spec_drafts and self.state_snapshots.layers:
             self.state_snapshots.save([self.states[i].state_slot for i in self.spec_drafts],
                                       [self.spec_backups[i] for i in self.spec_drafts])
@@ -100,6 +105,8 @@ class ModelRunner:
         else:
             with attention_metadata(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions, self.stage.receive(len(batch.input_ids)))
+        if sched.state_saves:
+            self.snapshot_rows.save(sched.state_saves)
         if not self.stage.is_last:
             self.stage.send(hidden)  # [hidden, residual]
             return None

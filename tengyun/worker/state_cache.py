@@ -22,3 +22,30 @@ def allocate_state_cache(model: nn.Module, shape: StateShape, num_slots: int, dt
                                       dtype=torch.float32, device=device)
         tensors += [layer.conv_state, layer.ssm_state]
     return tensors
+
+
+class StateSnapshotRows:
+    """Hybrid prefix caching (engine/state_snapshots.py): copies every Gated DeltaNet layer's conv
+    and SSM state between running slots and snapshot rows. Snapshot row r is row
+    ``snapshot_base + r`` of the same tensors, after the running slots (and the decode graphs'
+    padding slot)."""
+
+    def __init__(self, tensors: list[torch.Tensor], snapshot_base: int):
+        self.tensors = tensors
+        self.snapshot_base = snapshot_base
+
+    def restore(self, pairs: list[tuple[int, int]]) -> None:
+        """(snapshot row, slot) pairs: before the model runs, each slot starts from its snapshot."""
+        self._copy([self.snapshot_base + row for row, _ in pairs], [slot for _, slot in pairs])
+
+    def save(self, pairs: list[tuple[int, int]]) -> None:
+        """(slot, snapshot row) pairs: after the model ran, keep each slot's state in its row."""
+        self._copy([slot for slot, _ in pairs], [self.snapshot_base + row for _, row in pairs])
+
+    def _copy(self, src: list[int], dst: list[int]) -> None:
+        """Row by row: each row is one contiguous block (a layer's SSM state is Hv x Dk x Dv floats),
+        and a step copies a few rows; on CPU index_select + index_copy_ over the same rows ran 100x
+        slower (its parallel path stalls when other processes hold the cores)."""
+        for tensor in self.tensors:
+            for s, d in zip(src, dst):
+                tensor[d].copy_(tensor[s])

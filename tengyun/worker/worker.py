@@ -14,7 +14,9 @@ from tengyun.distributed.parallel_state import (
 )
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
-from tengyun.kv_sizing import KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape
+from tengyun.kv_sizing import (
+    KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape,
+)
 from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
@@ -26,7 +28,7 @@ from tengyun.worker.kv_cache import allocate_kv_cache
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.model_runner import ModelRunner
 from tengyun.worker.mtp_proposer import MtpProposer
-from tengyun.worker.state_cache import allocate_state_cache
+from tengyun.worker.state_cache import StateSnapshotRows, allocate_state_cache
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,8 @@ class Worker:
         self.kv_shape = kv_cache_shape(config.model_spec, DTYPE_BYTES[config.kv_cache_dtype], tp, start, end)
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
         self.state_shape = state_shape(config.model_spec, DTYPE_BYTES[config.dtype], start, end, tp)
-        self.num_blocks, self.num_state_slots = self._count_kv_blocks(self._budgeted_kv_shape(),
-                                                                      self.state_shape.bytes_per_slot)
+        self.num_blocks, self.num_state_slots, self.num_state_snapshots = self._count_kv_blocks(
+            self._budgeted_kv_shape(), self.state_shape.bytes_per_slot)
 
     def _budgeted_kv_shape(self) -> KVCacheShape:
         """The KV shape the budget is split by: with --speculative-config method mtp, the MTP head's
@@ -112,11 +114,17 @@ class Worker:
     def _allocate_caches(self, extra: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(state cache, KV cache) with ``extra`` blocks and slots beyond those the scheduler hands out."""
         config = self.config
-        state_cache = allocate_state_cache(self.model, self.state_shape, self.num_state_slots + extra,
+        # Rows: running slots, `extra` padding slots, then the prefix cache's snapshot rows.
+        state_cache = allocate_state_cache(self.model, self.state_shape,
+                                           self.num_state_slots + extra + self.num_state_snapshots,
                                            TORCH_DTYPES[config.dtype], self.device)
         if self.num_state_slots:
-            logger.info("Recurrent state: %d slots x %.1f MiB", self.num_state_slots,
-                        self.state_shape.bytes_per_slot / 2**20)
+            logger.info("Recurrent state: %d slots + %d prefix-cache snapshots x %.1f MiB", self.num_state_slots,
+                        self.num_state_snapshots, self.state_shape.bytes_per_slot / 2**20)
+        if self.num_state_slots and config.enable_prefix_caching and not self.num_state_snapshots:
+            logger.warning("Prefix caching finds no hits: the budget left no room for a recurrent-state snapshot "
+                           "(%s B each); raise the KV budget or lower --max-num-seqs.",
+                           f"{self.state_shape.bytes_per_slot:,}")
         kv_cache = allocate_kv_cache(self.model, self.kv_shape, self.num_blocks + extra, config.block_size,
                                      TORCH_DTYPES[config.kv_cache_dtype], self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.num_blocks,
@@ -134,6 +142,8 @@ class Worker:
                 self.model, self.platform.capture_graph, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                 -(-config.max_model_len // config.block_size), config.block_size, pad_block=self.num_blocks,
                 pad_slot=self.num_state_slots, device=self.device)
+        if self.num_state_snapshots:  # a stage without linear-attention layers copies nothing
+            runner.snapshot_rows = StateSnapshotRows(self.state_cache, self.num_state_slots + int(graphs))
         return runner
 
     def _use_decode_graphs(self) -> bool:
@@ -152,24 +162,27 @@ class Worker:
             logger.info("Decode graphs off: %s cannot be captured; running eager.", reason)
         return reason is None
 
-    def _count_kv_blocks(self, shape: KVCacheShape, slot_bytes: int = 0) -> tuple[int, int]:
-        """(KV blocks, state slots) that fit here, then the fewest over all ranks: every rank holds
-        the same block and slot ids. ``slot_bytes``: one sequence's recurrent state (0: none)."""
+    def _count_kv_blocks(self, shape: KVCacheShape, slot_bytes: int = 0) -> tuple[int, int, int]:
+        """(KV blocks, state slots, state snapshots) that fit here, then the fewest over all ranks:
+        every rank holds the same ids. ``slot_bytes``: one sequence's recurrent state (0: none)."""
         config = self.config
         split = lambda budget: split_budget(max(budget, 0), config.block_size, shape, slot_bytes,  # noqa: E731
-                                            config.max_num_seqs, config.max_model_len)
+                                            config.max_num_seqs, config.max_model_len, config.enable_prefix_caching)
+        hybrid, caching = config.model_spec.is_hybrid, config.enable_prefix_caching
         if config.num_gpu_blocks_override is not None:
             num_blocks, num_slots = config.num_gpu_blocks_override, config.max_num_seqs
+            num_snapshots = num_slots if caching else 0
             source = "--num-gpu-blocks-override"
         elif self.platform.kv_cache_in_host_memory:
-            num_blocks, num_slots = split(config.kv_cache_budget_bytes())
+            num_blocks, num_slots, num_snapshots = split(config.kv_cache_budget_bytes())
             source = "--kv-cache-memory / TENGYUN_CPU_KVCACHE_SPACE"
         else:
-            num_blocks, num_slots = split(self._device_kv_budget())
+            num_blocks, num_slots, num_snapshots = split(self._device_kv_budget())
             source = "--gpu-memory-utilization"
-        if not slot_bytes:  # no linear-attention layers on this stage: it never limits the slots
-            num_slots = config.max_num_seqs if config.model_spec.is_hybrid else 0
-        num_blocks, num_slots = all_reduce_min(num_blocks), all_reduce_min(num_slots)
+        if not slot_bytes:  # no linear-attention layers on this stage: it never limits slots or snapshots
+            num_slots = config.max_num_seqs if hybrid else 0
+            num_snapshots = num_slots if caching else 0
+        num_blocks, num_slots, num_snapshots = (all_reduce_min(n) for n in (num_blocks, num_slots, num_snapshots))
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:
             need = -(-config.max_model_len // config.block_size) * shape.bytes_per_block(config.block_size)
@@ -179,7 +192,7 @@ class Worker:
                 f"or raise {source} (one sequence of {config.max_model_len} tokens needs "
                 f"{need / 2**20:.1f} MiB)."
             )
-        return num_blocks, num_slots
+        return num_blocks, num_slots, num_snapshots
 
     def _device_kv_budget(self) -> int:
         """Bytes for KV and state on an accelerator: its memory x --gpu-memory-utilization, less what

@@ -61,6 +61,8 @@ def test_parallel_greedy_matches_single_process(tiny_checkpoints, tiny_hybrid_ch
     reference = _single_process(folder)
     outputs, stats = _generate(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     assert stats.num_preemptions > 0
+    if arch.startswith("qwen3_5"):  # every rank restores its own layers' state snapshots
+        assert stats.prefix_cache_hits > 0
     for got, want in zip(outputs, reference):
         assert got.token_ids == want.token_ids
         for step, (got_top, want_top) in enumerate(zip(got.logprobs, want.logprobs)):

@@ -105,12 +105,11 @@ def assert_64_token_decode_matches(hf_model, folder):
     _assert_matches(llm.generate([prompt], params), reference)
 
 
-def test_greedy_matches_hf_under_chunked_prefill_and_preemption(arch_checkpoint, caplog):
+def test_greedy_matches_hf_under_chunked_prefill_and_preemption(arch_checkpoint):
     arch, folder = arch_checkpoint
-    with caplog.at_level(logging.INFO, logger="tengyun.config"):
-        engine = assert_batch_matches_under_preemption(_hf_text_model(arch), folder, enable_prefix_caching=True)
-    assert "Prefix caching is off" in caplog.text
-    assert engine.get_stats().prefix_cache_hits == 0  # four prompts share 40 tokens, but the hybrid cache is off
+    engine = assert_batch_matches_under_preemption(_hf_text_model(arch), folder)
+    assert engine.config.enable_prefix_caching  # on by default, as for dense models
+    assert engine.get_stats().prefix_cache_hits > 0  # four prompts share 40 tokens
 
 
 def test_single_sequence_decode_of_64_tokens_matches_hf(arch_checkpoint):
@@ -147,11 +146,22 @@ def test_state_bytes_per_slot_of_qwen3_5_27b():
 def test_budget_gives_slots_first_then_blocks_and_fewer_slots_when_tight():
     kv = KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype_bytes=4)  # 64 bytes/token, 1 KiB/block
     # Roomy: max_num_seqs slots, the rest in blocks.
-    assert split_budget(100 * 1024, 16, kv, 1000, max_num_seqs=4, max_model_len=64) == (96, 4)
+    assert split_budget(100 * 1024, 16, kv, 1000, max_num_seqs=4, max_model_len=64) == (96, 4, 0)
     # Tight: keep one max_model_len sequence of KV (4 blocks); 3 slots fit in the other 6 KiB.
-    assert split_budget(10 * 1024, 16, kv, 2048, max_num_seqs=8, max_model_len=64) == (4, 3)
+    assert split_budget(10 * 1024, 16, kv, 2048, max_num_seqs=8, max_model_len=64) == (4, 3, 0)
     # Not a hybrid model: everything in blocks.
-    assert split_budget(10 * 1024, 16, kv, 0, max_num_seqs=8, max_model_len=64) == (10, 0)
+    assert split_budget(10 * 1024, 16, kv, 0, max_num_seqs=8, max_model_len=64) == (10, 0, 0)
+
+
+def test_prefix_caching_snapshots_take_at_most_half_the_rest_and_one_per_slot():
+    kv = KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype_bytes=4)  # 1 KiB/block
+    # 4 slots (3.9 KiB) leave 96.1 KiB: 4 snapshots (one per slot), 92 blocks.
+    assert split_budget(100 * 1024, 16, kv, 1000, max_num_seqs=4, max_model_len=64, prefix_caching=True) == (92, 4, 4)
+    # 30 KiB: 8 slots of 2 KiB leave 14 KiB; half of it holds 3 snapshots, 8 blocks stay.
+    assert split_budget(30 * 1024, 16, kv, 2048, max_num_seqs=8, max_model_len=64, prefix_caching=True) == (8, 8, 3)
+    # 20 KiB: 8 slots leave 4 KiB, the one max_model_len sequence's KV: no snapshot (and the
+    # slots are never cut for snapshots).
+    assert split_budget(20 * 1024, 16, kv, 2048, max_num_seqs=8, max_model_len=64, prefix_caching=True) == (4, 8, 0)
 
 
 def test_tp_that_does_not_divide_the_linear_heads_names_the_field(tmp_path, tiny_tokenizer_dir):

@@ -54,7 +54,7 @@ def test_qwen3_0_6b_context_that_does_not_fit_names_the_limit():
 
 def test_qwen3_5_397b_a17b_tp8_pp4_on_64g_cards_by_hand():
     cfg = load("qwen3_5_397b_a17b")
-    plan = make_plan(cfg, PlanRequest(tp=8, pp=4, max_model_len=32_768))
+    plan = make_plan(cfg, PlanRequest(tp=8, pp=4, max_model_len=32_768, enable_prefix_caching=False))
     # 60 layers, 15 per stage; full attention at layers 3, 7, ..., 59: 3 on stage 0, 4 on stages 1-3.
     assert [s.layers for s in plan.stages] == [(0, 15), (15, 30), (30, 45), (45, 60)]
     assert [s.attention_layers for s in plan.stages] == [3, 4, 4, 4]
@@ -85,6 +85,11 @@ def test_qwen3_5_397b_a17b_tp8_pp4_on_64g_cards_by_hand():
     assert plan.stages[0].blocks == (BUDGET_64G - 2 * stage0 - activation - 256 * state0) // (16 * 3072) == 710_237
     assert plan.blocks == 534_764 and plan.cache_tokens == 8_556_224
     assert plan.max_concurrency == 256 and plan.fits
+    # Prefix caching (the default) keeps a snapshot row per slot: 512 sequences' state come first.
+    cached = make_plan(cfg, PlanRequest(tp=8, pp=4, max_model_len=32_768))
+    assert (cached.stages[3].state_slots, cached.stages[3].state_snapshots) == (256, 256)
+    assert cached.blocks == (budget3 - 512 * state) // (16 * 4096) == 511_840
+    assert cached.max_concurrency == 511_840 // (32_768 // 16) == 249
     # The whole decoder in bf16 is 792.7 GB: 14 cards of 61.8 GB usable is the fewest that also hold KV.
     assert smallest_fit(cfg, PlanRequest(max_model_len=32_768)) == (2, 7)
 
@@ -163,6 +168,18 @@ def test_plan_command_prints_the_arithmetic_and_json():
     assert missing.returncode == 2
     assert missing.stderr.strip().endswith("nowhere not found: MODEL must be a Hugging Face folder with config.json, "
                                            "or a config.json file.")
+
+
+def test_plan_command_counts_hybrid_state_snapshots_unless_prefix_caching_is_off():
+    def stage3(*args):
+        proc = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "plan",
+                               str(FIXTURES / "qwen3_5_397b_a17b"), "-tp", "8", "-pp", "4", "--max-model-len",
+                               "32768", "--json", *args], capture_output=True, text=True, timeout=120)
+        stage = json.loads(proc.stdout)["stages"][3]
+        return stage["state_slots"], stage["state_snapshots"], stage["blocks"]
+
+    assert stage3() == (256, 256, 63_980)  # 128-token blocks on npu
+    assert stage3("--no-enable-prefix-caching") == (256, 0, 66_845)
 
 
 def test_plan_command_defaults_are_the_engines_on_the_planned_device():

@@ -1,5 +1,6 @@
 """`tengyun plan` and the engine give one answer: the same dtype, KV bytes per token, recurrent
-state per sequence, weights per rank and KV blocks, for every model family, with the engine's
+state per sequence and its slots and prefix-cache snapshots, weights per rank and KV blocks, for
+every model family, with the engine's
 real Worker (random-weight tiny checkpoints) on this CPU: with the CPU's --kv-cache-memory budget,
 and with a simulated accelerator's (device memory x --gpu-memory-utilization - weights -
 activation reserve)."""
@@ -51,7 +52,8 @@ def _plan_for(folder, config: EngineConfig, **request) -> Plan:
     return make_plan(hf_config, PlanRequest(
         device=config.device_type, dtype=request.pop("dtype", "auto"), block_size=config.block_size,
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, **request), checkpoint_bytes, name)
+        max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=config.enable_prefix_caching,
+        **request), checkpoint_bytes, name)
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
@@ -66,8 +68,25 @@ def test_plan_matches_the_engine_on_cpu(folders, family, dtype):
     assert stage.kv_bytes_per_token == worker.kv_shape.bytes_per_token
     assert stage.state_bytes_per_seq == worker.state_shape.bytes_per_slot
     assert stage.weight_bytes == worker.weight_bytes
-    assert (plan.blocks, stage.state_slots) == (worker.num_blocks, worker.num_state_slots)
+    assert (plan.blocks, stage.state_slots, stage.state_snapshots) == (
+        worker.num_blocks, worker.num_state_slots, worker.num_state_snapshots)
     assert plan.weight_scale == 1.0 and plan.notes == []  # a float32 checkpoint served as bfloat16 is not "scaled"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_plan_counts_hybrid_state_snapshots_only_with_prefix_caching(folders, family):
+    """Prefix caching on (the default): every state slot has a snapshot row, paid from the same
+    budget, so fewer KV blocks fit than with it off; the plan follows both ways."""
+    counts = {}
+    for caching in (True, False):
+        config = EngineConfig(str(folders[family]), kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN,
+                              max_num_seqs=64, block_size=16, enable_prefix_caching=caching).finalize()
+        worker = Worker(config)
+        [stage] = _plan_for(folders[family], config, kv_cache_memory=config.kv_cache_budget_bytes()).stages
+        counts[caching] = (stage.blocks, stage.state_slots, stage.state_snapshots)
+        assert counts[caching] == (worker.num_blocks, worker.num_state_slots, worker.num_state_snapshots)
+    assert counts[True][2] == counts[True][1] > 0 and counts[False][2] == 0
+    assert counts[True][0] < counts[False][0]  # the snapshot rows came out of the KV blocks
 
 
 class SimulatedAccelerator(CpuPlatform):
@@ -95,4 +114,5 @@ def test_plan_matches_the_engine_on_a_simulated_device_budget(folders, family, m
     [stage] = plan.stages
     assert stage.weight_bytes == worker.weight_bytes == weights
     assert stage.budget_bytes == int(device.total * 0.5) - weights - plan.activation_bytes
-    assert (plan.blocks, stage.state_slots) == (worker.num_blocks, worker.num_state_slots)
+    assert (plan.blocks, stage.state_slots, stage.state_snapshots) == (
+        worker.num_blocks, worker.num_state_slots, worker.num_state_snapshots)

@@ -72,7 +72,9 @@ def test_graph_replay_gives_the_eager_tokens(tiny_checkpoints, tiny_hybrid_check
     assert graphs_llm.llm_engine.get_stats().kv_cache_usage == 0.0
     if arch == "qwen3_5":
         assert graphs.pad_slot == worker.num_state_slots
-        assert worker.state_cache[0].shape[0] == worker.num_state_slots + 1
+        # Rows: slots, the padding slot, then the prefix cache's snapshot rows.
+        assert worker.state_cache[0].shape[0] == worker.num_state_slots + 1 + worker.num_state_snapshots
+        assert worker.runner.snapshot_rows.snapshot_base == worker.num_state_slots + 1
 
 
 def test_moe_models_run_eager_with_one_log_line(tiny_checkpoints, cpu_graphs, caplog):

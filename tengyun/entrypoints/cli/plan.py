@@ -11,7 +11,7 @@ import json
 # EngineConfig fields `tengyun plan` takes, as `tengyun serve` spells them.
 ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
                    "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
-                   "tensor_parallel_size", "pipeline_parallel_size")
+                   "tensor_parallel_size", "pipeline_parallel_size", "enable_prefix_caching")
 PLANNED_DEVICES = ("npu", "cuda", "cpu")
 
 
@@ -54,7 +54,7 @@ def plan_request(args: argparse.Namespace):
         block_size=block_size, dtype=settings.dtype, kv_cache_dtype=settings.kv_cache_dtype, device=device,
         activation_reserve=parse_size(args.activation_reserve, "--activation-reserve") if args.activation_reserve
         else None,
-        devices_per_node=args.devices_per_node,
+        devices_per_node=args.devices_per_node, enable_prefix_caching=settings.enable_prefix_caching,
     )
 
 
