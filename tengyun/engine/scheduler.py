@@ -103,7 +103,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             num_blocks_before = len(seq.block_table)
-            self.block_manager.allocate(seq, num_new, num_unverified=len(drafts))
+            # Hybrid models roll a rejected step back whole (advance): none of its tokens is verified yet.
+            unverified = num_new if drafts and self.state_pool is not None else len(drafts)
+            self.block_manager.allocate(seq, num_new, num_unverified=unverified)
             seq.spec_token_ids = drafts
             backup = self.state_pool.allocate(_backup_key(seq)) if drafts and self.state_pool is not None else -1
             if not drafts:  # a step with drafts ends on unverified tokens: no snapshot of its state
