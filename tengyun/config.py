@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype
+from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -102,6 +103,10 @@ class EngineConfig:
         help="weights: auto (safetensors, or the .gguf file given as MODEL), safetensors, gguf, or dummy "
              "(random weights of config.json's shapes)")
     enforce_eager: bool = setting(False, help="never capture decode steps as device graphs (CUDA); run each eagerly")
+    quantization: str | None = setting(
+        None, aliases=("-q",), choices=tuple(QUANT_METHODS),
+        help="the checkpoint's quantisation format (default: config.json's quantization_config.quant_method; "
+             "docs/quantization.md)")
     trust_remote_code: bool = setting(False, help="let the tokenizer run Python code from the model folder")
     device: str = setting("auto", choices=SUPPORTED_DEVICES,
                           help="auto: the first of npu, cuda, cpu that works here")
@@ -140,6 +145,7 @@ class EngineConfig:
     model_path: Path | None = field(default=None, init=False)
     tokenizer_path: Path | None = field(default=None, init=False)
     model_spec: ModelSpec | None = field(default=None, init=False, repr=False)  # the one description of the model
+    quant_config: QuantConfig | None = field(default=None, init=False, repr=False)  # None: not quantised
     device_type: str = field(default="", init=False)
     _frozen: bool = field(default=False, init=False, repr=False)
 
@@ -323,14 +329,17 @@ class EngineConfig:
             self.enable_prefix_caching = False
 
     def _check_quantization(self) -> None:
-        """Quantised checkpoints (config.json quantization_config) hold packed integer tensors no
-        layer here reads yet; say so rather than fail on the first unknown tensor name."""
-        method = self.model_spec.quantization
-        if method and self.load_format != "dummy":
-            raise ValueError(
-                f"{self.model_path} is a quantized checkpoint (config.json quantization_config: quant_method "
-                f"{method!r}), which Tengyun cannot load yet: serve the unquantized (bf16 / fp16) checkpoint, "
-                f"or pass --load-format dummy for random weights of its shapes.")
+        """The checkpoint's quantisation (config.json quantization_config, or --quantization), read
+        once here: a format or scheme Tengyun cannot run is refused before any weight loads.
+        --load-format dummy of a format Tengyun does not read fills dense random weights."""
+        if self.load_format == "dummy" and self.model_spec.quantization not in (None, *QUANT_METHODS):
+            logger.info("--load-format dummy: %s's %r quantization is not read; random dense weights", self.model,
+                        self.model_spec.quantization)
+            return
+        hf_config = json.loads((self.model_path / "config.json").read_text())
+        self.quant_config = detect_quantization(hf_config, self.quantization, self.model_path)
+        if self.quant_config:
+            logger.info("Quantized checkpoint: %s", self.quant_config.describe())
 
     # ----- derived values -------------------------------------------------------------
     @property

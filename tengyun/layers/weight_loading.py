@@ -14,6 +14,11 @@ class WeightShapeError(ValueError):
         super().__init__(f"expected shape {list(self.expected)} from config.json, got {list(self.actual)}")
 
 
+class WeightFormatError(ValueError):
+    """A checkpoint tensor of the right shape but the wrong kind (an integer tensor stored as
+    floats, a weight_shape that disagrees): the message continues "checkpoint tensor X ..."."""
+
+
 def check_shape(target: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(target.shape) != tuple(loaded.shape):
         raise WeightShapeError(tuple(target.shape), tuple(loaded.shape))

@@ -20,6 +20,11 @@ class NpuPlatform(Platform):
 
         return NpuLayerOps()
 
+    def quant_linear_kernel(self, scheme, dtype):
+        from tengyun.platforms.npu_quant import npu_quant_kernel
+
+        return npu_quant_kernel(scheme)
+
     @classmethod
     def is_available(cls) -> bool:
         if importlib.util.find_spec("torch_npu") is None:

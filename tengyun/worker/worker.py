@@ -15,6 +15,7 @@ from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.kv_sizing import KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape
 from tengyun.layers.kernels import KernelBundle, bind_kernels
+from tengyun.layers.quantized import apply_quant_config
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
@@ -70,6 +71,9 @@ class Worker:
         model_cls = get_model_class(config.architecture)
         with torch.device(self.device):
             model = model_cls(config.model_spec, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
+        # Quantised layers swap their dense weight for the scheme's tensors; on CPU the dense one
+        # was never touched, so it never became resident.
+        self.quant_schemes = apply_quant_config(model, config.quant_config) if config.quant_config else ()
         load_weights(model, config.model_path, config.load_format, seed=config.seed)
         return model
 
@@ -77,7 +81,7 @@ class Worker:
         """The platform's kernels, handed to every layer once its weights are loaded."""
         config = self.config
         kernels = self.platform.kernels(TORCH_DTYPES[config.dtype], config.block_size, config.kv_cache_dtype,
-                                        linear_attention=config.model_spec.is_hybrid)
+                                        linear_attention=config.model_spec.is_hybrid, quant_schemes=self.quant_schemes)
         bind_kernels(self.model, kernels)
         return kernels
 
@@ -188,7 +192,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights this rank holds: parameters and repacked kernel weights, shared storage once."""
     seen, total = set(), 0
     tensors = [p.data for p in model.parameters()]
-    tensors += [m.kernel_weight for m in model.modules() if getattr(m, "kernel_weight", None) is not None]
+    for m in model.modules():  # a quantised layer's kernel keeps a dict of tensors
+        prepared = getattr(m, "kernel_weight", None)
+        tensors += list(prepared.values()) if isinstance(prepared, dict) else [prepared] if prepared is not None else []
     for t in tensors:
         if not isinstance(t, torch.Tensor) or not t.numel():
             continue

@@ -1,0 +1,46 @@
+"""Give each linear layer the quantisation scheme its checkpoint tensors are stored in.
+
+Called once on a freshly built model, before its weights load: a layer whose checkpoint module
+(config.json's targets and ignore list, matched against checkpoint names) is quantised swaps its
+dense ``weight`` for the scheme's tensors (LinearBase.use_quant_scheme). Fused layers match
+through the model's packed_modules_mapping: qkv_proj is quantised when q_proj, k_proj and
+v_proj are, all with one scheme.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tengyun.layers.linear import LinearBase
+from tengyun.quantization.config import QuantConfig, QuantizationError
+from tengyun.quantization.scheme import LinearScheme
+
+
+def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
+    """A layer's name -> the checkpoint modules stored for it:
+    model.layers.0.self_attn.qkv_proj -> [...q_proj, ...k_proj, ...v_proj]."""
+    prefix, _, last = name.rpartition(".")
+    shards = getattr(model, "packed_modules_mapping", {}).get(last)
+    return [f"{prefix}.{shard}" if prefix else shard for shard in shards] if shards else [name]
+
+
+def apply_quant_config(model: nn.Module, quant: QuantConfig) -> tuple[LinearScheme, ...]:
+    """-> the schemes the model's layers now hold (what the platform picks kernels for)."""
+    used: set[LinearScheme] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        stored = checkpoint_modules(model, name)
+        schemes = {quant.scheme_for(part) for part in stored}
+        if len(schemes) > 1:
+            raise QuantizationError(
+                f"{', '.join(stored)} are quantised differently ({quant.method} config_groups / ignore), but "
+                f"Tengyun runs them as one layer {name}: give them one scheme, or ignore all of them.")
+        scheme = schemes.pop()
+        if scheme is not None:
+            module.use_quant_scheme(scheme, name)
+            used.add(scheme)
+    if not used:
+        raise QuantizationError(f"config.json's quantization_config ({quant.method}) targets none of this "
+                                f"model's linear layers: check its config_groups targets and ignore list.")
+    return tuple(sorted(used, key=lambda s: s.description))
