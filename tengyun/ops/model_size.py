@@ -98,3 +98,34 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: 
 def total_params(config: ModelSpec | Mapping[str, Any]) -> int:
     """All decoder parameters (tp = pp = 1)."""
     return stage_params(as_spec(config), 1, 1, 0).total
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear layer on one rank, as a quantised checkpoint names it: ``parts`` are the
+    checkpoint modules fused into it (q/k/v_proj -> qkv_proj); ``out`` x ``in_`` its features on
+    this rank, ``in_total`` its inputs before a row-parallel split."""
+
+    parts: tuple[str, ...]
+    out: int
+    in_: int
+    in_total: int
+
+
+def decoder_linears(spec: ModelSpec, tp: int, layer: int) -> list[LinearShape]:
+    """The attention and dense-MLP linear layers of decoder layer ``layer`` a quantised checkpoint
+    may store packed (Llama / Qwen2 / Qwen3 families); other layers (MoE experts, Gated DeltaNet)
+    are not listed: they are counted unquantised."""
+    h, d, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
+    prefix = f"model.layers.{layer}"
+    linears = []
+    if spec.layer_is_attention(layer):
+        q_out = heads * d * (2 if spec.gated_attention else 1)
+        qkv = tuple(f"{prefix}.self_attn.{p}_proj" for p in "qkv")
+        linears += [LinearShape(qkv, q_out // tp + 2 * spec.kv_heads_per_rank(tp) * d, h, h),
+                    LinearShape((f"{prefix}.self_attn.o_proj",), h, heads * d // tp, heads * d)]
+    if not spec.sparse_layers[layer] and spec.intermediate_size:
+        inter = spec.intermediate_size
+        linears += [LinearShape((f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), 2 * inter // tp, h, h),
+                    LinearShape((f"{prefix}.mlp.down_proj",), h, inter // tp, inter)]
+    return linears
