@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from tengyun.model_spec import ModelSpec
 from tengyun.models.loader import INDEX_FILE, safetensors_files
 from tengyun.quantization import compressed_tensors
 from tengyun.quantization.packing import pack_int32, quantize_symmetric
@@ -61,7 +62,7 @@ def check_model(config: dict, scheme: str, group_size: int | None) -> None:
     if config.get("quantization_config"):
         raise ValueError("MODEL_DIR is already quantized (config.json has a quantization_config): "
                          "quantize the unquantized checkpoint.")
-    arch = (config.get("architectures") or ["?"])[0]
+    arch = ModelSpec.from_hf_config(config).architecture  # GGUF conversions name only model_type
     if arch not in DENSE_ARCHITECTURES:
         raise ValueError(f"`tengyun quantize` handles the dense architectures {', '.join(DENSE_ARCHITECTURES)}; "
                          f"config.json says {arch}.")
