@@ -4,21 +4,26 @@ Called once on a freshly built model, before its weights load: a layer whose che
 (config.json's targets and ignore list, matched against checkpoint names) is quantised swaps its
 dense ``weight`` for the scheme's tensors (LinearBase.use_quant_scheme). Fused layers match
 through the model's packed_modules_mapping: qkv_proj is quantised when q_proj, k_proj and
-v_proj are, all with one scheme.
+v_proj are, all with one scheme; stacked MoE experts (FusedMoE) when expert 0's projections are.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from tengyun.layers.fused_moe import FusedMoE
 from tengyun.layers.linear import LinearBase
 from tengyun.quantization.config import QuantConfig, QuantizationError
 from tengyun.quantization.scheme import LinearScheme
 
 
-def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
+def checkpoint_modules(model: nn.Module, name: str, module: nn.Module | None = None) -> list[str]:
     """A layer's name -> the checkpoint modules stored for it:
-    model.layers.0.self_attn.qkv_proj -> [...q_proj, ...k_proj, ...v_proj]."""
+    model.layers.0.self_attn.qkv_proj -> [...q_proj, ...k_proj, ...v_proj]; the stacked experts
+    model.layers.0.mlp.experts -> expert 0's [...experts.0.gate_proj, ...up_proj, ...down_proj]
+    (every expert takes expert 0's scheme)."""
+    if isinstance(module, FusedMoE):
+        return [f"{name}.0.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
     prefix, _, last = name.rpartition(".")
     shards = getattr(model, "packed_modules_mapping", {}).get(last)
     return [f"{prefix}.{shard}" if prefix else shard for shard in shards] if shards else [name]
@@ -28,9 +33,9 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig) -> tuple[LinearSche
     """-> the schemes the model's layers now hold (what the platform picks kernels for)."""
     used: set[LinearScheme] = set()
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
+        if not isinstance(module, (LinearBase, FusedMoE)):
             continue
-        stored = checkpoint_modules(model, name)
+        stored = checkpoint_modules(model, name, module)
         schemes = {quant.scheme_for(part) for part in stored}
         if len(schemes) > 1:
             raise QuantizationError(

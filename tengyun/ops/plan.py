@@ -210,8 +210,9 @@ def _quantized_weight_bytes(spec: ModelSpec, request: PlanRequest, dtype: str, s
         for linear in decoder_linears(spec, request.tp, layer):
             scheme = next((s for s in map(quant.scheme_for, linear.parts) if s), None)
             if scheme is not None:
-                dense_bytes += (platform.quantized_weight_bytes(scheme, linear.out, linear.in_, dtype, linear.in_total)
-                                - linear.out * linear.in_ * DTYPE_BYTES[dtype])
+                dense_bytes += linear.count * (
+                    platform.quantized_weight_bytes(scheme, linear.out, linear.in_, dtype, linear.in_total)
+                    - linear.out * linear.in_ * DTYPE_BYTES[dtype])
     return dense_bytes
 
 

@@ -1,12 +1,12 @@
 """`tengyun quantize`: round-to-nearest W8A8 or W4A16 into a compressed-tensors folder.
 
-Every linear weight of the decoder layers (the q/k/v/o and gate/up/down projections) is
-quantised as llm-compressor's W8A8 / W4A16 presets with its default ignore list (lm_head; the
-embeddings are not linear layers): symmetric min-max scales, round to nearest (no calibration
-data). Everything else is copied as stored. The folder holds config.json with the
-quantization_config compressed-tensors 0.20.1 writes, the safetensors (one per input shard, same
-names, with an index when the input had one) and every other file of the input (tokenizer,
-generation_config.json, ...).
+Every linear weight of the decoder layers (the q/k/v/o and gate/up/down projections, MoE
+experts' included) is quantised as llm-compressor's W8A8 / W4A16 presets do, with its default
+ignore list (lm_head; the embeddings are not linear layers; MoE routers kept, as its Qwen3-MoE
+examples do): symmetric min-max scales, round to nearest (no calibration data). Everything else
+is copied as stored. The folder holds config.json with the quantization_config compressed-tensors
+0.20.1 writes, the safetensors (one per input shard, same names, with an index when the input had
+one) and every other file of the input (tokenizer, generation_config.json, ...).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from tengyun.quantization.packing import pack_int32, quantize_symmetric
 from tengyun.quantization.scheme import LinearScheme
 
 SCHEMES = ("w8a8", "w4a16")
-DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# llm-compressor's default ignore list, plus the MoE routers its Qwen3-MoE examples keep in 16 bits
+IGNORE = ("lm_head", "re:.*mlp.gate$")
 _LINEAR_SUFFIXES = tuple(f".{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 
 
@@ -63,9 +65,8 @@ def check_model(config: dict, scheme: str, group_size: int | None) -> None:
         raise ValueError("MODEL_DIR is already quantized (config.json has a quantization_config): "
                          "quantize the unquantized checkpoint.")
     arch = ModelSpec.from_hf_config(config).architecture  # GGUF conversions name only model_type
-    if arch not in DENSE_ARCHITECTURES:
-        raise ValueError(f"`tengyun quantize` handles the dense architectures {', '.join(DENSE_ARCHITECTURES)}; "
-                         f"config.json says {arch}.")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"`tengyun quantize` handles {', '.join(ARCHITECTURES)}; config.json says {arch}.")
 
 
 def quantize_folder(model_dir: Path, out_dir: Path, scheme: str, group_size: int | None = 128,
@@ -136,7 +137,9 @@ def _quantize_weight(module: str, weight: torch.Tensor, layout: LinearScheme) ->
 
 def _write_metadata(model_dir: Path, out_dir: Path, config: dict, scheme: str, group_size: int | None,
                     weight_map: dict[str, str], total_size: int) -> None:
-    config["quantization_config"] = compressed_tensors.quantization_config(scheme, group_size)
+    moe = ModelSpec.from_hf_config(config).moe is not None
+    config["quantization_config"] = compressed_tensors.quantization_config(scheme, group_size,
+                                                                           IGNORE if moe else IGNORE[:1])
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if (model_dir / INDEX_FILE).is_file():
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}

@@ -192,9 +192,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights this rank holds: parameters and repacked kernel weights, shared storage once."""
     seen, total = set(), 0
     tensors = [p.data for p in model.parameters()]
-    for m in model.modules():  # a quantised layer's kernel keeps a dict of tensors
-        prepared = getattr(m, "kernel_weight", None)
-        tensors += list(prepared.values()) if isinstance(prepared, dict) else [prepared] if prepared is not None else []
+    for m in model.modules():  # quantised layers' kernels keep dicts of tensors (a list of them per expert)
+        tensors += _tensors_in(getattr(m, "kernel_weight", None))
     for t in tensors:
         if not isinstance(t, torch.Tensor) or not t.numel():
             continue
@@ -206,3 +205,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
+
+
+def _tensors_in(prepared) -> list:
+    """The tensors of a kernel's prepared weight: a tensor, or dicts and lists of them."""
+    if isinstance(prepared, dict):
+        prepared = list(prepared.values())
+    if isinstance(prepared, list):
+        return [t for item in prepared for t in _tensors_in(item)]
+    return [] if prepared is None else [prepared]

@@ -104,12 +104,12 @@ def quantized_folders(folders, tmp_path_factory) -> dict:
 
     out = tmp_path_factory.mktemp("plan_quantized")
     return {(family, scheme): quantize_folder(folders[family], out / f"{family}_{scheme}", scheme, 32).out_dir
-            for family in ("llama", "qwen2") for scheme in ("w8a8", "w4a16")}
+            for family in ("llama", "qwen2", "qwen3_moe") for scheme in ("w8a8", "w4a16")}
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])  # bfloat16: torch's int4 CPU layout (scales + zeros)
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_plan_counts_quantized_weights_as_the_engine_holds_them(quantized_folders, family, scheme, dtype):
     from tengyun.ops.plan import read_quantization
 

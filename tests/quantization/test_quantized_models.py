@@ -1,6 +1,6 @@
 """Quantised checkpoints end to end on tiny random models (fp32): W4A16 greedy tokens equal HF's
-on an fp32 twin holding the exact dequantized weights (for a `tengyun quantize` folder and for one
-written by hand in the public layout, asymmetric), W8A8 logprobs within a stated tolerance of that
+on an fp32 twin holding the exact dequantized weights (for `tengyun quantize` folders, MoE experts
+included, and for one written by hand in the public layout, asymmetric), W8A8 logprobs within a stated tolerance of that
 twin, TP=2 over gloo gives the single process's tokens, and a checkpoint that does not hold what
 its config.json claims stops start-up with exit 2 naming the tensor."""
 
@@ -118,14 +118,14 @@ def _tengyun(folder, **engine):
 def quantized(tiny_checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("quantized")
     folders = {}
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         for scheme in ("w4a16", "w8a8"):
             q = quantize_folder(tiny_checkpoints[arch], out / f"{arch}_{scheme}", scheme, 32).out_dir
             folders[arch, scheme] = (q, dequantized_twin(q, out / f"{arch}_{scheme}_twin"))
     return folders
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])  # qwen3_moe: quantised experts
 def test_w4a16_greedy_equals_hf_on_the_dequantized_twin(quantized, arch):
     folder, twin = quantized[arch, "w4a16"]
     assert [o.token_ids for o in _tengyun(folder)] == _hf_greedy(twin, _prompts())
@@ -147,8 +147,9 @@ def test_w8a8_logprobs_match_hf_with_the_same_activation_rounding(quantized, arc
     assert worst < W8A8_LOGPROB_TOLERANCE
 
 
-def test_w4a16_tp2_over_gloo_gives_the_single_process_tokens(quantized):
-    folder, _ = quantized["llama", "w4a16"]
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])  # qwen3_moe: each rank holds half the experts
+def test_w4a16_tp2_over_gloo_gives_the_single_process_tokens(quantized, arch):
+    folder, _ = quantized[arch, "w4a16"]
     single = [o.token_ids for o in _tengyun(folder)]
     assert [o.token_ids for o in _tengyun(folder, tensor_parallel_size=2)] == single
 
