@@ -24,12 +24,12 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
-    """pack_int32's inverse: int32 -> int8 values with ``dim`` grown 32 / bits times."""
-    per = 32 // bits
-    words = packed.to(torch.int64).movedim(dim, -1) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64, device=packed.device) * bits
-    v = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per]
-    v = v.reshape(*v.shape[:-2], -1) - (1 << (bits - 1))
+    """pack_int32's inverse: int32 -> int8 values with ``dim`` grown 32 / bits times. In int32: an
+    arithmetic shift drags the sign bit in from the top, and the mask drops it."""
+    words = packed.movedim(dim, -1)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    v = (words.unsqueeze(-1) >> shifts).bitwise_and_((1 << bits) - 1)  # [..., words, 32 / bits]
+    v = v.reshape(*v.shape[:-2], -1).sub_(1 << (bits - 1))
     return v.to(torch.int8).movedim(-1, dim).contiguous()
 
 
