@@ -272,3 +272,17 @@ def test_quantize_cli_writes_a_loadable_folder_and_refuses_a_group_that_cuts_the
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     assert config["quantization_config"] == compressed_tensors.quantization_config("w8a8")
     assert (tmp_path / "ok" / "tokenizer.json").is_file()
+
+
+def test_plan_command_reads_the_quantization_and_counts_packed_bytes(quantized, tiny_checkpoints):
+    def plan(folder):
+        proc = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "plan", str(folder), "--device",
+                               "cpu", "--kv-cache-memory", "1MiB", "--max-model-len", "128", "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    packed, dense = plan(quantized["llama", "w4a16"][0]), plan(tiny_checkpoints["llama"])
+    assert packed["quantization"] == "compressed-tensors W4A16 (int4, group 32, symmetric)"
+    assert packed["weight_scale"] == 1.0 and dense["quantization"] is None
+    assert packed["stages"][0]["weight_bytes"] < dense["stages"][0]["weight_bytes"]
