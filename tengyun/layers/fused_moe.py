@@ -18,7 +18,7 @@ from torch import nn
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.quant_kernels import reference_kernel
-from tengyun.layers.weight_loading import WeightFormatError, check_shape, set_weight_loader
+from tengyun.layers.weight_loading import WeightFormatError, check_shape, set_weight_loader, weight_device
 from tengyun.quantization.scheme import OUT, LinearScheme, TensorLayout
 
 # Checkpoint projection -> (stacked parameter prefix, row block inside it)
@@ -53,10 +53,11 @@ class FusedMoE(nn.Module):
         self.num_local = num_experts // self.tp_size
         self.first_expert = get_tp_rank() * self.num_local
         self.intermediate_size = intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size, dtype=dtype),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size, dtype=dtype),
-                                      requires_grad=False)
+        device = weight_device()  # meta until the worker knows the quantisation
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size, dtype=dtype,
+                                                   device=device), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size, dtype=dtype,
+                                                  device=device), requires_grad=False)
         local = range(self.first_expert, self.first_expert + self.num_local)
         # What the loader must find for this rank: (expert id, row block) per stacked parameter.
         self.w13_weight.shard_ids = [(e, block) for e in local for block in (0, 1)]
@@ -112,15 +113,16 @@ class FusedMoE(nn.Module):
         target.copy_(loaded)
 
     # ----- quantisation -------------------------------------------------------------------------
-    def use_quant_scheme(self, scheme: LinearScheme, name: str) -> None:
-        """Hold ``scheme``'s tensors per expert instead of the dense w13 / w2 (before loading)."""
+    def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
+        """Hold ``scheme``'s tensors per expert, on ``device`` (default: the dense weights'), instead
+        of the dense w13 / w2 (before loading)."""
         hidden, inter = self.w2_features
         for out, in_ in ((inter, hidden), (hidden, inter)):
             problem = scheme.shape_problem(out, in_)
             if problem:
                 raise ValueError(f"{name}: {scheme.description} cannot hold an expert's {out} x {in_} "
                                  f"features: {problem}.")
-        device = self.w13_weight.device
+        device = device or self.w13_weight.device
         for prefix, (out, in_) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
             shard_ids = getattr(self, f"{prefix}_weight").shard_ids
             delattr(self, f"{prefix}_weight")

@@ -19,7 +19,7 @@ from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.quant_kernels import reference_kernel
-from tengyun.layers.weight_loading import WeightFormatError, check_shape, set_weight_loader
+from tengyun.layers.weight_loading import WeightFormatError, check_shape, set_weight_loader, weight_device
 from tengyun.quantization.scheme import ACT, BIAS, DENSE_WEIGHT, IN, OUT, LinearScheme, TensorLayout
 
 _INT_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
@@ -43,9 +43,9 @@ class LinearBase(nn.Module):
         self.in_total = input_total or input_size
         self.params_dtype = dtype
         self.scheme: LinearScheme | None = None  # set by use_quant_scheme
-        self._add_tensor(DENSE_WEIGHT)
+        self._add_tensor(DENSE_WEIGHT, weight_device())  # meta until the worker knows the quantisation
         if bias:
-            self._add_tensor(BIAS)
+            self._add_tensor(BIAS, weight_device())
         else:
             self.register_parameter("bias", None)
         self.kernel = DenseLinearKernel()  # the platform's once bound (bind_kernels)
@@ -96,16 +96,17 @@ class LinearBase(nn.Module):
             param.data.narrow(dim, dst // per, count // per).copy_(loaded.narrow(dim, src // per, count // per))
 
     # ----- quantisation -------------------------------------------------------------------------
-    def use_quant_scheme(self, scheme: LinearScheme, name: str) -> None:
-        """Hold ``scheme``'s tensors instead of the dense weight (before loading). ``name``: the
-        layer's name, for the error when its shape (this rank's part) cannot hold the scheme."""
+    def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
+        """Hold ``scheme``'s tensors, on ``device`` (default: the dense weight's), instead of the
+        dense weight (before loading). ``name``: the layer's name, for the error when its shape
+        (this rank's part) cannot hold the scheme."""
         for out in self._shard_out_counts():
             problem = scheme.shape_problem(out, self.in_features)
             if problem:
                 split = f" (this rank's part at --tensor-parallel-size {self.tp_size})" if self.tp_size > 1 else ""
                 raise ValueError(f"{name}: {scheme.description} cannot hold {out} x {self.in_features} "
                                  f"features{split}: {problem}.")
-        device = self.weight.device
+        device = device or self.weight.device
         del self.weight
         for layout in scheme.tensors:
             self._add_tensor(layout, device)

@@ -2,7 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+# Inside deferred_weights(): layers whose tensors depend on the checkpoint's quantisation
+# (linear layers, MoE experts) allocate them on the meta device until they are told.
+_DEFERRED = contextvars.ContextVar("tengyun_deferred_weights", default=False)
+
+
+@contextlib.contextmanager
+def deferred_weights(enabled: bool = True):
+    """Build a model whose linear weights are allocated later (tengyun/layers/quantized.py): a
+    quantised layer then never holds its dense weight, not even briefly."""
+    token = _DEFERRED.set(enabled)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def weight_device() -> str | None:
+    """The device a deferrable weight is built on: "meta" inside deferred_weights(), else the default."""
+    return "meta" if _DEFERRED.get() else None
+
+
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give ``module``'s own meta parameters real (uninitialised) storage on ``device``, keeping
+    their attributes (weight_loader, ...)."""
+    for name, param in list(module._parameters.items()):
+        if param is not None and param.is_meta:
+            real = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+            real.__dict__.update(param.__dict__)
+            module._parameters[name] = real
 
 
 class WeightShapeError(ValueError):

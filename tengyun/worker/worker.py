@@ -16,6 +16,7 @@ from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.kv_sizing import KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape
 from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.layers.quantized import apply_quant_config
+from tengyun.layers.weight_loading import deferred_weights
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
@@ -69,11 +70,11 @@ class Worker:
     def _load_model(self) -> torch.nn.Module:
         config = self.config
         model_cls = get_model_class(config.architecture)
-        with torch.device(self.device):
+        # Linear and MoE weights wait on the meta device until the checkpoint's quantisation says
+        # what they hold: a quantised layer never allocates its dense weight.
+        with torch.device(self.device), deferred_weights():
             model = model_cls(config.model_spec, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
-        # Quantised layers swap their dense weight for the scheme's tensors; on CPU the dense one
-        # was never touched, so it never became resident.
-        self.quant_schemes = apply_quant_config(model, config.quant_config) if config.quant_config else ()
+        self.quant_schemes = apply_quant_config(model, config.quant_config, self.device)
         load_weights(model, config.model_path, config.load_format, seed=config.seed)
         return model
 

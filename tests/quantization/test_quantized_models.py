@@ -286,3 +286,27 @@ def test_plan_command_reads_the_quantization_and_counts_packed_bytes(quantized, 
     assert packed["quantization"] == "compressed-tensors W4A16 (int4, group 32, symmetric)"
     assert packed["weight_scale"] == 1.0 and dense["quantization"] is None
     assert packed["stages"][0]["weight_bytes"] < dense["stages"][0]["weight_bytes"]
+
+
+def test_quantized_layers_never_allocate_their_dense_weight(quantized, monkeypatch):
+    """The worker builds linear and MoE weights on the meta device (deferred_weights); a quantised
+    layer swaps that for its scheme's tensors, an unquantised one gets real storage."""
+    from tengyun.config import EngineConfig
+    from tengyun.layers.fused_moe import FusedMoE
+    from tengyun.layers.linear import LinearBase
+    from tengyun.worker.worker import Worker
+
+    dense_was_meta = []
+    for cls in (LinearBase, FusedMoE):
+        original = cls.use_quant_scheme
+
+        def spy(self, *args, _original=original, **kwargs):
+            dense = self.weight if isinstance(self, LinearBase) else self.w13_weight
+            dense_was_meta.append(dense.is_meta)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "use_quant_scheme", spy)
+    config = EngineConfig(str(quantized["qwen3_moe", "w4a16"][0]), kv_cache_memory="1MiB", max_model_len=128)
+    worker = Worker(config.finalize())
+    assert dense_was_meta and all(dense_was_meta)  # 2 layers x (qkv, o, experts) + the dense layer's MLP
+    assert not any(p.is_meta for p in worker.model.parameters())
