@@ -310,3 +310,24 @@ def test_quantized_layers_never_allocate_their_dense_weight(quantized, monkeypat
     worker = Worker(config.finalize())
     assert dense_was_meta and all(dense_was_meta)  # 2 layers x (qkv, o, experts) + the dense layer's MLP
     assert not any(p.is_meta for p in worker.model.parameters())
+
+
+def test_quantize_keeps_the_shards_and_writes_their_index(tiny_tokenizer_dir, tmp_path):
+    from conftest import make_tiny_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    source = make_tiny_checkpoint(tmp_path / "one", tiny_tokenizer_dir, "llama")
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(source).save_pretrained(sharded, max_shard_size="100KB")
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, sharded / f.name)
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 1
+    out = quantize_folder(sharded, tmp_path / "w4a16", "w4a16", 32).out_dir
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert index["weight_map"]["model.layers.1.mlp.down_proj.weight_packed"] in shards
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for s in shards for t in load_file(out / s).values())
+    single = quantize_folder(source, tmp_path / "single", "w4a16", 32).out_dir
+    assert [o.token_ids for o in _tengyun(out)] == [o.token_ids for o in _tengyun(single)]
