@@ -86,6 +86,9 @@ class CpuPlatform(Platform):
         dtype_name = str(dtype).removeprefix("torch.")
         if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             return cpu_quant.CpuInt4PackKernel(scheme)  # layers whose outputs torch cannot pack: the reference
+        if scheme.weight_bits == 4 and dtype_name != "bfloat16" and native_bf16():
+            logger.info("%s in %s runs the dequantizing reference on CPU; --dtype bfloat16 runs torch's int4 "
+                        "matmul (docs/quantization.md)", scheme.description, dtype_name)
         return super().quant_linear_kernel(scheme, dtype)
 
     @classmethod
