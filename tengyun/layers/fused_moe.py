@@ -18,12 +18,13 @@ from torch import nn
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.quant_kernels import reference_kernel
-from tengyun.layers.weight_loading import WeightFormatError, check_shape, set_weight_loader, weight_device
+from tengyun.layers.weight_loading import (
+    WeightFormatError, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
+)
 from tengyun.quantization.scheme import OUT, LinearScheme, TensorLayout
 
 # Checkpoint projection -> (stacked parameter prefix, row block inside it)
 _SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
-_INT_DTYPES = {"int8": torch.int8, "int32": torch.int32, "int64": torch.int64}
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +101,7 @@ class FusedMoE(nn.Module):
             return
         out, in_ = self._features(param.expert_param)
         check_shape(torch.empty(layout.shape(out, in_), device="meta"), loaded)
-        if target.dtype in _INT_DTYPES.values() and loaded.dtype != target.dtype:
-            raise WeightFormatError(f"is {loaded.dtype}, but {self.scheme.description} stores {layout.name} as "
-                                    f"{target.dtype}: the checkpoint does not hold the format config.json claims")
+        check_integer_dtype(target, loaded, layout, self.scheme.description)
         if not layout.kept:
             if loaded.tolist() != [out, in_]:
                 raise WeightFormatError(f"says the expert is {loaded.tolist()}, but config.json makes it {[out, in_]}")
@@ -127,7 +126,7 @@ class FusedMoE(nn.Module):
             shard_ids = getattr(self, f"{prefix}_weight").shard_ids
             delattr(self, f"{prefix}_weight")
             for layout in scheme.tensors:
-                dtype = self.params_dtype if layout.dtype == "act" else _INT_DTYPES[layout.dtype]
+                dtype = layout_dtype(layout, self.params_dtype)
                 param = nn.Parameter(torch.empty(self.num_local, *layout.shape(out, in_), dtype=dtype, device=device),
                                      requires_grad=False)
                 param.tensor_layout, param.expert_param, param.shard_ids = layout, prefix, shard_ids

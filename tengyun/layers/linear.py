@@ -19,10 +19,11 @@ from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.quant_kernels import reference_kernel
-from tengyun.layers.weight_loading import WeightFormatError, check_shape, set_weight_loader, weight_device
-from tengyun.quantization.scheme import ACT, BIAS, DENSE_WEIGHT, IN, OUT, LinearScheme, TensorLayout
+from tengyun.layers.weight_loading import (
+    WeightFormatError, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
+)
+from tengyun.quantization.scheme import BIAS, DENSE_WEIGHT, IN, OUT, LinearScheme, TensorLayout
 
-_INT_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
 OutParts = tuple[list[tuple[int, int, int]], int]  # ([(param start, count, checkpoint start)], checkpoint total)
 
 
@@ -52,9 +53,9 @@ class LinearBase(nn.Module):
         self.kernel_weight = None  # the kernel's form of the weight (a dict when quantised), once bound
 
     def _add_tensor(self, layout: TensorLayout, device: torch.device | None = None) -> None:
-        dtype = self.params_dtype if layout.dtype == ACT else _INT_DTYPES[layout.dtype]
         shape = layout.shape(self.out_features, self.in_features if layout.split_in else self.in_total)
-        param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        param = nn.Parameter(torch.empty(shape, dtype=layout_dtype(layout, self.params_dtype), device=device),
+                             requires_grad=False)
         param.tensor_layout = layout  # type: ignore[attr-defined]
         set_weight_loader(param, self.weight_loader)
         self.register_parameter(layout.name, param)
@@ -75,9 +76,8 @@ class LinearBase(nn.Module):
         layout: TensorLayout = param.tensor_layout  # type: ignore[attr-defined]
         parts, out_total = self._out_parts(shard_id)
         check_shape(torch.empty(layout.shape(out_total, self.in_total), device="meta"), loaded)
-        if param.dtype in _INT_DTYPES.values() and loaded.dtype != param.dtype:
-            raise WeightFormatError(f"is {loaded.dtype}, but {self.scheme.description} stores {layout.name} as "
-                                    f"{param.dtype}: the checkpoint does not hold the format config.json claims")
+        if self.scheme is not None:
+            check_integer_dtype(param, loaded, layout, self.scheme.description)
         if not layout.kept:  # weight_shape: the dense shape this tensor's shard stands for
             if loaded.tolist() != [out_total, self.in_total]:
                 raise WeightFormatError(f"says the layer is {loaded.tolist()}, but config.json makes it "

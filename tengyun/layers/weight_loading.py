@@ -28,6 +28,21 @@ def weight_device() -> str | None:
     return "meta" if _DEFERRED.get() else None
 
 
+INTEGER_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
+
+
+def layout_dtype(layout, act_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of a TensorLayout (tengyun/quantization/scheme.py): "act" is ``act_dtype``."""
+    return act_dtype if layout.dtype == "act" else INTEGER_DTYPES[layout.dtype]
+
+
+def check_integer_dtype(param: torch.Tensor, loaded: torch.Tensor, layout, description: str) -> None:
+    """An integer (packed) tensor must be stored as the format says: copy_ would cast floats silently."""
+    if param.dtype in INTEGER_DTYPES.values() and loaded.dtype != param.dtype:
+        raise WeightFormatError(f"is {loaded.dtype}, but {description} stores {layout.name} as {param.dtype}: "
+                                f"the checkpoint does not hold the format config.json claims")
+
+
 def materialize(module: torch.nn.Module, device: torch.device) -> None:
     """Give ``module``'s own meta parameters real (uninitialised) storage on ``device``, keeping
     their attributes (weight_loader, ...)."""
