@@ -104,8 +104,10 @@ class LinearBase(nn.Module):
             problem = scheme.shape_problem(out, self.in_features)
             if problem:
                 split = f" (this rank's part at --tensor-parallel-size {self.tp_size})" if self.tp_size > 1 else ""
+                fix = "a smaller --tensor-parallel-size, or " if self.tp_size > 1 else ""
                 raise ValueError(f"{name}: {scheme.description} cannot hold {out} x {self.in_features} "
-                                 f"features{split}: {problem}.")
+                                 f"features{split}: {problem}; use {fix}a checkpoint quantised with a group size "
+                                 f"that divides them.")
         device = device or self.weight.device
         del self.weight
         for layout in scheme.tensors:

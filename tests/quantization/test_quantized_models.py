@@ -331,3 +331,10 @@ def test_quantize_keeps_the_shards_and_writes_their_index(tiny_tokenizer_dir, tm
         t.numel() * t.element_size() for s in shards for t in load_file(out / s).values())
     single = quantize_folder(source, tmp_path / "single", "w4a16", 32).out_dir
     assert [o.token_ids for o in _tengyun(out)] == [o.token_ids for o in _tengyun(single)]
+
+
+def test_tp_that_cuts_a_group_names_the_layer_and_what_to_change(tiny_checkpoints, tmp_path):
+    folder = quantize_folder(tiny_checkpoints["llama"], tmp_path / "g64", "w4a16", 64).out_dir
+    with pytest.raises(ValueError, match=r"self_attn\.o_proj: .*group 64.* cannot hold 64 x 32 features \(this "
+                                         r"rank's part at --tensor-parallel-size 2\).*smaller --tensor-parallel-size"):
+        LLM(str(folder), tensor_parallel_size=2, kv_cache_memory="1MiB", max_model_len=64)
