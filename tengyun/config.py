@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype
 from tengyun.spec_decode.config import SpeculativeConfig
+from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -103,6 +104,10 @@ class EngineConfig:
         help="weights: auto (safetensors, or the .gguf file given as MODEL), safetensors, gguf, or dummy "
              "(random weights of config.json's shapes)")
     enforce_eager: bool = setting(False, help="never capture decode steps as device graphs (CUDA); run each eagerly")
+    quantization: str | None = setting(
+        None, aliases=("-q",), choices=tuple(QUANT_METHODS),
+        help="the checkpoint's quantisation format (default: config.json's quantization_config.quant_method; "
+             "docs/quantization.md)")
     trust_remote_code: bool = setting(False, help="let the tokenizer run Python code from the model folder")
     device: str = setting("auto", choices=SUPPORTED_DEVICES,
                           help="auto: the first of npu, cuda, cpu that works here (the log says why)")
@@ -156,6 +161,7 @@ class EngineConfig:
     model_path: Path | None = field(default=None, init=False)
     tokenizer_path: Path | None = field(default=None, init=False)
     model_spec: ModelSpec | None = field(default=None, init=False, repr=False)  # the one description of the model
+    quant_config: QuantConfig | None = field(default=None, init=False, repr=False)  # None: not quantised
     device_type: str = field(default="", init=False)
     hccl_node: Any = field(default=None, init=False, repr=False)  # ops.ranktable.HcclNode of --rank-table
     _frozen: bool = field(default=False, init=False, repr=False)
@@ -391,6 +397,17 @@ class EngineConfig:
         if spec.method == "mtp" and self.world_size > 1:
             raise ValueError(f"--speculative-config method mtp runs on one rank for now, but --tensor-parallel-size x "
                              f"--pipeline-parallel-size is {self.world_size}: use method ngram, or one rank.")
+        """The checkpoint's quantisation (config.json quantization_config, or --quantization), read
+        once here: a format or scheme Tengyun cannot run is refused before any weight loads.
+        --load-format dummy of a format Tengyun does not read fills dense random weights."""
+        if self.load_format == "dummy" and self.model_spec.quantization not in (None, *QUANT_METHODS):
+            logger.info("--load-format dummy: %s's %r quantization is not read; random dense weights", self.model,
+                        self.model_spec.quantization)
+            return
+        hf_config = json.loads((self.model_path / "config.json").read_text())
+        self.quant_config = detect_quantization(hf_config, self.quantization, self.model_path)
+        if self.quant_config:
+            logger.info("Quantized checkpoint: %s", self.quant_config.describe())
 
     # ----- derived values -------------------------------------------------------------
     @property

@@ -108,6 +108,20 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(tiny_checkpoints, t
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantized checkpoint .*quant_method 'awq'.*cannot load yet"):
+    with pytest.raises(ValueError, match="quantization method 'awq'.*not supported; Tengyun reads: compressed-tensors"):
         EngineConfig(str(folder)).finalize()
     assert EngineConfig(str(folder), load_format="dummy").finalize().model_spec.quantization == "awq"
+
+
+def test_quantization_flag_is_vllms_and_forcing_it_on_a_dense_checkpoint_says_what_is_missing(tiny_checkpoints):
+    import argparse
+
+    from tengyun.entrypoints.cli.engine_args import add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args(["-q", "compressed-tensors"])).quantization == "compressed-tensors"
+    assert config_from_args(parser.parse_args([])).quantization is None
+    with pytest.raises(ValueError, match="config_groups is missing"):
+        EngineConfig(str(tiny_checkpoints["llama"]), quantization="compressed-tensors").finalize()
+    assert EngineConfig(str(tiny_checkpoints["llama"])).finalize().quant_config is None

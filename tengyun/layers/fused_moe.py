@@ -3,6 +3,10 @@
 Experts are split across tensor-parallel ranks by expert id (rank r holds experts
 [r * E / tp, (r + 1) * E / tp)); each rank computes the tokens routed to its experts and the
 partial outputs are all-reduced, so every rank ends with the full result.
+
+Quantised experts (``use_quant_scheme``) stack each of the scheme's tensors per expert:
+``w13_weight_packed`` [E_local, *layout of a 2I x H layer], ``w2_weight_scale`` [E_local, *layout
+of an H x I layer], ...; a quantised linear kernel runs each expert (tengyun/layers/quant_kernels.py).
 """
 
 from __future__ import annotations
@@ -12,10 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from tengyun.layers.weight_loading import check_shape, set_weight_loader
+from tengyun.layers.kernels import KernelBundle
+from tengyun.layers.quant_kernels import reference_kernel
+from tengyun.layers.weight_loading import (
+    WeightFormatError, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
+)
+from tengyun.quantization.scheme import OUT, LinearScheme, TensorLayout
 
-# Checkpoint projection -> (stacked parameter, row block inside it)
-_SHARDS = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", None)}
+# Checkpoint projection -> (stacked parameter prefix, row block inside it)
+_SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,26 +54,36 @@ class FusedMoE(nn.Module):
         self.num_local = num_experts // self.tp_size
         self.first_expert = get_tp_rank() * self.num_local
         self.intermediate_size = intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size, dtype=dtype),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size, dtype=dtype),
-                                      requires_grad=False)
+        device = weight_device()  # meta until the worker knows the quantisation
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size, dtype=dtype,
+                                                   device=device), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size, dtype=dtype,
+                                                  device=device), requires_grad=False)
         local = range(self.first_expert, self.first_expert + self.num_local)
         # What the loader must find for this rank: (expert id, row block) per stacked parameter.
         self.w13_weight.shard_ids = [(e, block) for e in local for block in (0, 1)]
         self.w2_weight.shard_ids = [(e, None) for e in local]
         set_weight_loader(self.w13_weight, self.weight_loader)
         set_weight_loader(self.w2_weight, self.weight_loader)
+        self.params_dtype, self.w2_features = dtype, (hidden_size, intermediate_size)
+        self.scheme: LinearScheme | None = None  # set by use_quant_scheme
+        self.kernel, self.kernel_weight = None, None  # quantised experts' kernel and its prepared tensors
 
     @staticmethod
     def checkpoint_name_to_param(name: str) -> tuple[str, tuple[int, int | None]] | None:
-        """'...mlp.experts.5.up_proj.weight' -> ('...mlp.experts.w13_weight', (5, 1))."""
+        """'...mlp.experts.5.up_proj.weight' -> ('...mlp.experts.w13_weight', (5, 1));
+        '...experts.5.down_proj.weight_scale' -> ('...experts.w2_weight_scale', (5, None))."""
         prefix, sep, rest = name.partition(".experts.")
         parts = rest.split(".")
-        if not sep or len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _SHARDS or parts[2] != "weight":
+        if not sep or len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _SHARDS:
             return None
         param, block = _SHARDS[parts[1]]
-        return f"{prefix}.experts.{param}", (int(parts[0]), block)
+        return f"{prefix}.experts.{param}_{parts[2]}", (int(parts[0]), block)
+
+    def _features(self, param_name: str) -> tuple[int, int]:
+        """(output features of one checkpoint tensor, input features) of w13 (gate or up) or w2."""
+        hidden, inter = self.w2_features
+        return (inter, hidden) if param_name.startswith("w13") else (hidden, inter)
 
     @staticmethod
     def split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
@@ -88,11 +107,73 @@ class FusedMoE(nn.Module):
         if not 0 <= local < self.num_local:
             return  # another rank's expert
         target = param.data[local]
+        layout: TensorLayout | None = getattr(param, "tensor_layout", None)
+        if layout is None:  # dense: [2I, H] or [H, I]
+            if block is not None:
+                rows = self.intermediate_size
+                target = target.narrow(0, block * rows, rows)
+            check_shape(target, loaded)
+            target.copy_(loaded)
+            return
+        out, in_ = self._features(param.expert_param)
+        check_shape(torch.empty(layout.shape(out, in_), device="meta"), loaded)
+        check_integer_dtype(target, loaded, layout, self.scheme.description)
+        if not layout.kept:
+            if loaded.tolist() != [out, in_]:
+                raise WeightFormatError(f"says the expert is {loaded.tolist()}, but config.json makes it {[out, in_]}")
+            return
         if block is not None:
-            rows = self.intermediate_size
-            target = target.narrow(0, block * rows, rows)
-        check_shape(target, loaded)
+            dim, per = layout.axis(OUT)
+            target = target.narrow(dim, block * out // per, out // per)
         target.copy_(loaded)
+
+    # ----- quantisation -------------------------------------------------------------------------
+    def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
+        """Hold ``scheme``'s tensors per expert, on ``device`` (default: the dense weights'), instead
+        of the dense w13 / w2 (before loading)."""
+        hidden, inter = self.w2_features
+        for out, in_ in ((inter, hidden), (hidden, inter)):
+            problem = scheme.shape_problem(out, in_)
+            if problem:
+                raise ValueError(f"{name}: {scheme.description} cannot hold an expert's {out} x {in_} "
+                                 f"features: {problem}.")
+        device = device or self.w13_weight.device
+        for prefix, (out, in_) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+            shard_ids = getattr(self, f"{prefix}_weight").shard_ids
+            delattr(self, f"{prefix}_weight")
+            for layout in scheme.tensors:
+                dtype = layout_dtype(layout, self.params_dtype)
+                param = nn.Parameter(torch.empty(self.num_local, *layout.shape(out, in_), dtype=dtype, device=device),
+                                     requires_grad=False)
+                param.tensor_layout, param.expert_param, param.shard_ids = layout, prefix, shard_ids
+                param.described_as = scheme.description
+                set_weight_loader(param, self.weight_loader)
+                self.register_parameter(f"{prefix}_{layout.name}", param)
+        self.scheme, self.kernel = scheme, reference_kernel(scheme)
+
+    def _expert_tensors(self, prefix: str, local: int) -> dict[str, torch.Tensor]:
+        return {t.name: getattr(self, f"{prefix}_{t.name}").data[local] for t in self.scheme.tensors if t.kept}
+
+    def bind_kernels(self, kernels: KernelBundle) -> None:
+        """Quantised experts: the platform's kernel prepares each expert once."""
+        if self.scheme is None:
+            return
+        kernel = self.kernel = kernels.quant_linear.get(self.scheme) or reference_kernel(self.scheme)
+        self.kernel_weight = {prefix: [kernel.prepare(self._expert_tensors(prefix, local))
+                                       for local in range(self.num_local)] for prefix in ("w13", "w2")}
+        for prefix in ("w13", "w2"):
+            for layout in self.scheme.tensors:
+                if kernel.frees_original or not layout.kept:
+                    param = getattr(self, f"{prefix}_{layout.name}")
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def _expert(self, prefix: str, local: int, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] through local expert ``local``'s w13 or w2."""
+        if self.scheme is None:
+            return F.linear(x, getattr(self, f"{prefix}_weight")[local])
+        prepared = (self.kernel_weight[prefix][local] if self.kernel_weight is not None
+                    else self._expert_tensors(prefix, local))
+        return self.kernel.apply(x, prepared, None)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
@@ -108,8 +189,8 @@ class FusedMoE(nn.Module):
             count = counts[self.first_expert + local]
             if count:
                 rows = slice(start, start + count)
-                gate, up = F.linear(sorted_x[rows], self.w13_weight[local]).chunk(2, dim=-1)
-                out[rows] = F.linear(F.silu(gate) * up, self.w2_weight[local])
+                gate, up = self._expert("w13", local, sorted_x[rows]).chunk(2, dim=-1)
+                out[rows] = self._expert("w2", local, F.silu(gate) * up)
                 start += count
         out *= weights.flatten()[order].unsqueeze(1)
         y = torch.zeros_like(x).index_add_(0, tokens, out)

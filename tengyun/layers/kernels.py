@@ -9,7 +9,8 @@ runs as HF's arithmetic does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 from torch import nn
 
@@ -17,6 +18,8 @@ from tengyun.layers.attention.backend import AttentionBackend
 from tengyun.layers.gated_delta_rule import GatedDeltaRuleKernel
 from tengyun.layers.layer_ops import TorchLayerOps
 from tengyun.layers.linear_kernel import DenseLinearKernel
+from tengyun.layers.quant_kernels import QuantLinearKernel
+from tengyun.quantization.scheme import LinearScheme
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,9 @@ class KernelBundle:
     layer_ops: TorchLayerOps  # RMSNorm, rotary embedding, SiLU-and-mul (layer_ops.py)
     # Gated DeltaNet's recurrence (gated_delta_rule.py); None for a model without those layers.
     gated_delta_rule: GatedDeltaRuleKernel | None
+    # Quantised linear layers: a kernel per scheme the checkpoint holds (quant_kernels.py);
+    # a scheme missing here runs its plain-PyTorch reference.
+    quant_linear: Mapping[LinearScheme, QuantLinearKernel] = field(default_factory=dict)
 
 
 def bind_kernels(model: nn.Module, kernels: KernelBundle) -> None:

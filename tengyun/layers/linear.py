@@ -2,6 +2,12 @@
 
 Column-parallel splits the output dim across TP ranks, row-parallel the input dim (and
 all-reduces). Merged layers (qkv, gate_up) take each HF checkpoint tensor as a shard.
+
+Every tensor a layer holds is described by a TensorLayout (tengyun/quantization/scheme.py): the
+dense ``weight`` [out, in] and ``bias`` [out], or a quantised scheme's packed weight, scales and
+zeros (``use_quant_scheme``). One loader places them all: along each tensor's OUT dim the layer
+says which output features this rank keeps (``_out_parts``), along its IN dim which inputs
+(``_in_part``), counted in features and divided by the tensor's features per element.
 """
 
 from __future__ import annotations
@@ -12,7 +18,13 @@ from torch import nn
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
-from tengyun.layers.weight_loading import check_shape, rank_slice_of_segments, set_weight_loader
+from tengyun.layers.quant_kernels import reference_kernel
+from tengyun.layers.weight_loading import (
+    WeightFormatError, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
+)
+from tengyun.quantization.scheme import BIAS, DENSE_WEIGHT, IN, OUT, LinearScheme, TensorLayout
+
+OutParts = tuple[list[tuple[int, int, int]], int]  # ([(param start, count, checkpoint start)], checkpoint total)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -22,32 +34,113 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+    """``input_size`` x ``output_size``: this rank's features; ``input_total``: all ranks' inputs."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 input_total: int | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
-        set_weight_loader(self.weight, self.weight_loader)
+        self.in_features, self.out_features = input_size, output_size
+        self.in_total = input_total or input_size
+        self.params_dtype = dtype
+        self.scheme: LinearScheme | None = None  # set by use_quant_scheme
+        self._add_tensor(DENSE_WEIGHT, weight_device())  # meta until the worker knows the quantisation
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
-            set_weight_loader(self.bias, self.weight_loader)
+            self._add_tensor(BIAS, weight_device())
         else:
             self.register_parameter("bias", None)
         self.kernel = DenseLinearKernel()  # the platform's once bound (bind_kernels)
-        self.kernel_weight: torch.Tensor | None = None  # the kernel's form of weight, once loaded
+        self.kernel_weight = None  # the kernel's form of the weight (a dict when quantised), once bound
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_shape(param.data, loaded)
-        param.data.copy_(loaded)
+    def _add_tensor(self, layout: TensorLayout, device: torch.device | None = None) -> None:
+        shape = layout.shape(self.out_features, self.in_features if layout.split_in else self.in_total)
+        param = nn.Parameter(torch.empty(shape, dtype=layout_dtype(layout, self.params_dtype), device=device),
+                             requires_grad=False)
+        param.tensor_layout = layout  # type: ignore[attr-defined]
+        set_weight_loader(param, self.weight_loader)
+        self.register_parameter(layout.name, param)
+
+    # ----- where this rank's part of a checkpoint tensor lies, in features -------------------
+    def _out_parts(self, shard_id) -> OutParts:
+        return [(0, self.out_features, 0)], self.out_features
+
+    def _in_part(self) -> tuple[int, int]:
+        """(first input feature, count) this rank holds of in_total."""
+        return 0, self.in_features
+
+    def _shard_out_counts(self) -> list[int]:
+        """Output features of every shard this rank places (each must hold whole packed elements)."""
+        return [self.out_features]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        layout: TensorLayout = param.tensor_layout  # type: ignore[attr-defined]
+        parts, out_total = self._out_parts(shard_id)
+        check_shape(torch.empty(layout.shape(out_total, self.in_total), device="meta"), loaded)
+        if self.scheme is not None:
+            check_integer_dtype(param, loaded, layout, self.scheme.description)
+        if not layout.kept:  # weight_shape: the dense shape this tensor's shard stands for
+            if loaded.tolist() != [out_total, self.in_total]:
+                raise WeightFormatError(f"says the layer is {loaded.tolist()}, but config.json makes it "
+                                        f"{[out_total, self.in_total]}")
+            return
+        in_axis = layout.axis(IN)
+        if in_axis and layout.split_in and self.in_features != self.in_total:
+            start, count = self._in_part()
+            loaded = loaded.narrow(in_axis[0], start // in_axis[1], count // in_axis[1])
+        out_axis = layout.axis(OUT)
+        if out_axis is None:
+            param.data.copy_(loaded)
+            return
+        dim, per = out_axis
+        for dst, count, src in parts:
+            param.data.narrow(dim, dst // per, count // per).copy_(loaded.narrow(dim, src // per, count // per))
+
+    # ----- quantisation -------------------------------------------------------------------------
+    def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
+        """Hold ``scheme``'s tensors, on ``device`` (default: the dense weight's), instead of the
+        dense weight (before loading). ``name``: the layer's name, for the error when its shape
+        (this rank's part) cannot hold the scheme."""
+        for out in self._shard_out_counts():
+            problem = scheme.shape_problem(out, self.in_features)
+            if problem:
+                split = f" (this rank's part at --tensor-parallel-size {self.tp_size})" if self.tp_size > 1 else ""
+                fix = "a smaller --tensor-parallel-size, or " if self.tp_size > 1 else ""
+                raise ValueError(f"{name}: {scheme.description} cannot hold {out} x {self.in_features} "
+                                 f"features{split}: {problem}; use {fix}a checkpoint quantised with a group size "
+                                 f"that divides them.")
+        device = device or self.weight.device
+        del self.weight
+        for layout in scheme.tensors:
+            self._add_tensor(layout, device)
+            getattr(self, layout.name).described_as = scheme.description  # named in loading errors
+        self.scheme = scheme
+        self.kernel = reference_kernel(scheme)
+
+    def _quant_tensors(self) -> dict[str, torch.Tensor]:
+        return {t.name: getattr(self, t.name).data for t in self.scheme.tensors if t.kept}
 
     def bind_kernels(self, kernels: KernelBundle) -> None:
         """Hand the loaded weight to the linear kernel; a repacking kernel frees the original."""
+        if self.scheme is not None:
+            self._bind_quant_kernel(kernels)
+            return
         kernel = self.kernel = kernels.linear
         self.kernel_weight = kernel.prepare(self.weight.data)
         if kernel.frees_original:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
-    def _weight(self) -> torch.Tensor:
-        return self.weight if self.kernel_weight is None else self.kernel_weight
+    def _bind_quant_kernel(self, kernels: KernelBundle) -> None:
+        kernel = self.kernel = kernels.quant_linear.get(self.scheme) or reference_kernel(self.scheme)
+        self.kernel_weight = kernel.prepare(self._quant_tensors())
+        for layout in self.scheme.tensors:
+            if kernel.frees_original or not layout.kept:
+                param = getattr(self, layout.name)
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def _weight(self):
+        if self.kernel_weight is not None:
+            return self.kernel_weight
+        return self.weight if self.scheme is None else self._quant_tensors()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.apply(x, self._weight(), self.bias)
@@ -64,33 +157,30 @@ class ColumnParallelLinear(LinearBase):
         tp = get_tp_size()
         super().__init__(input_size, _divide(output_size, tp, "output size"), bias, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        rows = param.shape[0]
-        full = (rows * self.tp_size,) + tuple(param.shape[1:])
-        check_shape(torch.empty(full, device="meta"), loaded)
-        param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
+    def _out_parts(self, shard_id) -> OutParts:
+        rows = self.out_features
+        return [(0, rows, self.tp_rank * rows)], rows * self.tp_size
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored as one weight, e.g. gate_up = [gate; up]. Each output
     is split over the ranks; the checkpoint holds them as separate tensors (shard_id = their index)
-    or as one tensor back to back (shard_id None)."""
+    or as one tensor back to back (shard_id None, e.g. Qwen3.5's in_proj_qkv: q | k | v)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        if shard_id is None:  # one checkpoint tensor holding every output, e.g. Qwen3.5's in_proj_qkv
-            part = rank_slice_of_segments(loaded, self.output_sizes, self.tp_rank, self.tp_size)
-            check_shape(param.data, part)
-            param.data.copy_(part)
-            return
-        shard_rows = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        full = (self.output_sizes[shard_id],) + tuple(param.shape[1:])
-        check_shape(torch.empty(full, device="meta"), loaded)
-        param.data.narrow(0, offset, shard_rows).copy_(loaded.narrow(0, self.tp_rank * shard_rows, shard_rows))
+    def _out_parts(self, shard_id) -> OutParts:
+        tp, rank, sizes = self.tp_size, self.tp_rank, self.output_sizes
+        if shard_id is None:  # every output back to back: this rank's 1/tp of each
+            return [(sum(sizes[:i]) // tp, size // tp, sum(sizes[:i]) + rank * (size // tp))
+                    for i, size in enumerate(sizes)], sum(sizes)
+        rows = sizes[shard_id] // tp
+        return [(sum(sizes[:shard_id]) // tp, rows, rank * rows)], sizes[shard_id]
+
+    def _shard_out_counts(self) -> list[int]:
+        return [size // self.tp_size for size in self.output_sizes]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -110,18 +200,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         output = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
         super().__init__(hidden_size, output, bias, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def _out_parts(self, shard_id: str) -> OutParts:
         q_rows = self.num_heads * self.head_size
         kv_rows = self.num_kv_heads * self.head_size
         if shard_id == "q":
-            offset, rows, full_rows, start = 0, q_rows, q_rows * self.tp_size, self.tp_rank * q_rows
-        else:
-            offset = q_rows if shard_id == "k" else q_rows + kv_rows
-            rows, full_rows = kv_rows, self.total_num_kv_heads * self.head_size
-            start = (self.tp_rank // self.kv_replicas) * kv_rows
-        full = (full_rows,) + tuple(param.shape[1:])
-        check_shape(torch.empty(full, device="meta"), loaded)
-        param.data.narrow(0, offset, rows).copy_(loaded.narrow(0, start, rows))
+            return [(0, q_rows, self.tp_rank * q_rows)], q_rows * self.tp_size
+        offset = q_rows if shard_id == "k" else q_rows + kv_rows
+        start = (self.tp_rank // self.kv_replicas) * kv_rows
+        return [(offset, kv_rows, start)], self.total_num_kv_heads * self.head_size
+
+    def _shard_out_counts(self) -> list[int]:
+        return [self.num_heads * self.head_size, self.num_kv_heads * self.head_size]
 
 
 class RowParallelLinear(LinearBase):
@@ -129,16 +218,10 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
         tp = get_tp_size()
-        super().__init__(_divide(input_size, tp, "input size"), output_size, bias, dtype)
+        super().__init__(_divide(input_size, tp, "input size"), output_size, bias, dtype, input_total=input_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param.dim() == 1:  # bias: added once, after the reduce
-            check_shape(param.data, loaded)
-            param.data.copy_(loaded)
-            return
-        cols = param.shape[1]
-        check_shape(torch.empty((param.shape[0], cols * self.tp_size), device="meta"), loaded)
-        param.data.copy_(loaded.narrow(1, self.tp_rank * cols, cols))
+    def _in_part(self) -> tuple[int, int]:
+        return self.tp_rank * self.in_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.apply(x, self._weight(), None)

@@ -2,7 +2,55 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+# Inside deferred_weights(): layers whose tensors depend on the checkpoint's quantisation
+# (linear layers, MoE experts) allocate them on the meta device until they are told.
+_DEFERRED = contextvars.ContextVar("tengyun_deferred_weights", default=False)
+
+
+@contextlib.contextmanager
+def deferred_weights(enabled: bool = True):
+    """Build a model whose linear weights are allocated later (tengyun/layers/quantized.py): a
+    quantised layer then never holds its dense weight, not even briefly."""
+    token = _DEFERRED.set(enabled)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def weight_device() -> str | None:
+    """The device a deferrable weight is built on: "meta" inside deferred_weights(), else the default."""
+    return "meta" if _DEFERRED.get() else None
+
+
+INTEGER_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
+
+
+def layout_dtype(layout, act_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of a TensorLayout (tengyun/quantization/scheme.py): "act" is ``act_dtype``."""
+    return act_dtype if layout.dtype == "act" else INTEGER_DTYPES[layout.dtype]
+
+
+def check_integer_dtype(param: torch.Tensor, loaded: torch.Tensor, layout, description: str) -> None:
+    """An integer (packed) tensor must be stored as the format says: copy_ would cast floats silently."""
+    if param.dtype in INTEGER_DTYPES.values() and loaded.dtype != param.dtype:
+        raise WeightFormatError(f"is {loaded.dtype}, but {description} stores {layout.name} as {param.dtype}: "
+                                f"the checkpoint does not hold the format config.json claims")
+
+
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give ``module``'s own meta parameters real (uninitialised) storage on ``device``, keeping
+    their attributes (weight_loader, ...)."""
+    for name, param in list(module._parameters.items()):
+        if param is not None and param.is_meta:
+            real = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+            real.__dict__.update(param.__dict__)
+            module._parameters[name] = real
 
 
 class WeightShapeError(ValueError):
@@ -12,6 +60,11 @@ class WeightShapeError(ValueError):
         self.expected = tuple(expected)
         self.actual = tuple(actual)
         super().__init__(f"expected shape {list(self.expected)} from config.json, got {list(self.actual)}")
+
+
+class WeightFormatError(ValueError):
+    """A checkpoint tensor of the right shape but the wrong kind (an integer tensor stored as
+    floats, a weight_shape that disagrees): the message continues "checkpoint tensor X ..."."""
 
 
 def check_shape(target: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from tengyun.layers.weight_loading import WeightShapeError, default_weight_loader
+from tengyun.layers.weight_loading import WeightFormatError, WeightShapeError, default_weight_loader
 from tengyun.models import fp8_block as fp8
 from tengyun.models.pipeline import missing_prefixes
 
@@ -279,11 +279,15 @@ def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, target: _Target, 
             (loader or default_weight_loader)(param, tensor)
     except WeightShapeError as e:
         shard = "" if target.shard_id is None else f" (shard {target.shard_id})"
+        scheme = getattr(param, "described_as", None)  # a quantised layer's format (tengyun/layers/linear.py)
         raise ValueError(
             f"checkpoint tensor {name} in {file} has shape {list(e.actual)}, but parameter "
-            f"{target.param_name}{shard} built from config.json expects {list(e.expected)}: "
+            f"{target.param_name}{shard} built from config.json" + (f" as {scheme}" if scheme else "")
+            + f" expects {list(e.expected)}: "
             f"config.json disagrees with the checkpoint; use the config.json that came with these weights"
         ) from e
+    except WeightFormatError as e:
+        raise ValueError(f"checkpoint tensor {name} in {file} {e}.") from e
 
 
 def _fill_dummy(model: torch.nn.Module, seed: int) -> None:

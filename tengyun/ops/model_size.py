@@ -98,3 +98,56 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: 
 def total_params(config: ModelSpec | Mapping[str, Any]) -> int:
     """All decoder parameters (tp = pp = 1)."""
     return stage_params(as_spec(config), 1, 1, 0).total
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A linear layer on one rank, as a quantised checkpoint names it: ``parts`` are the
+    checkpoint modules fused into it (q/k/v_proj -> qkv_proj); ``out`` x ``in_`` its features on
+    this rank, ``in_total`` its inputs before a row-parallel split; ``count`` of them (a rank's MoE
+    experts, all named and quantised as expert 0)."""
+
+    parts: tuple[str, ...]
+    out: int
+    in_: int
+    in_total: int
+    count: int = 1
+
+
+def _mlp_linears(prefix: str, inter: int, h: int, tp: int) -> list[LinearShape]:
+    """gate/up (column-parallel, fused) and down (row-parallel) of a SwiGLU MLP at ``prefix``."""
+    return [LinearShape((f"{prefix}.gate_proj", f"{prefix}.up_proj"), 2 * inter // tp, h, h),
+            LinearShape((f"{prefix}.down_proj",), h, inter // tp, inter)]
+
+
+def decoder_linears(spec: ModelSpec, tp: int, layer: int) -> list[LinearShape]:
+    """Every linear layer of decoder layer ``layer`` a quantised checkpoint may store packed:
+    attention or Gated DeltaNet projections, the dense MLP, or the MoE block's experts (split by
+    expert id), router, shared expert and its gate."""
+    h, d, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
+    prefix = f"model.layers.{layer}"
+    if spec.layer_is_attention(layer):
+        q_out = heads * d * (2 if spec.gated_attention else 1)
+        qkv = tuple(f"{prefix}.self_attn.{p}_proj" for p in "qkv")
+        linears = [LinearShape(qkv, q_out // tp + 2 * spec.kv_heads_per_rank(tp) * d, h, h),
+                   LinearShape((f"{prefix}.self_attn.o_proj",), h, heads * d // tp, heads * d)]
+    else:
+        la, at = spec.linear_attention, f"{prefix}.linear_attn"
+        linears = [LinearShape((f"{at}.in_proj_qkv",), la.conv_dim // tp, h, h),
+                   LinearShape((f"{at}.in_proj_z",), la.value_dim // tp, h, h),
+                   LinearShape((f"{at}.in_proj_b",), la.num_value_heads // tp, h, h),
+                   LinearShape((f"{at}.in_proj_a",), la.num_value_heads // tp, h, h),
+                   LinearShape((f"{at}.out_proj",), h, la.value_dim // tp, la.value_dim)]
+    if not spec.sparse_layers[layer]:
+        dense = spec.intermediate_size
+        return linears + (_mlp_linears(f"{prefix}.mlp", dense, h, tp) if dense else [])
+    moe, experts = spec.moe, f"{prefix}.mlp.experts.0"
+    linears += [LinearShape((f"{experts}.gate_proj", f"{experts}.up_proj"), 2 * moe.intermediate_size, h, h,
+                            moe.num_experts // tp),
+                LinearShape((f"{experts}.down_proj",), h, moe.intermediate_size, moe.intermediate_size,
+                            moe.num_experts // tp),
+                LinearShape((f"{prefix}.mlp.gate",), moe.num_experts, h, h)]
+    if moe.shared_intermediate_size:
+        linears += _mlp_linears(f"{prefix}.mlp.shared_expert", moe.shared_intermediate_size, h, tp)
+        linears.append(LinearShape((f"{prefix}.mlp.shared_expert_gate",), 1, h, h))
+    return linears

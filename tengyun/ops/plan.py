@@ -21,7 +21,8 @@ from typing import Any
 
 from tengyun.kv_sizing import activation_estimate, kv_cache_shape, split_budget, state_shape
 from tengyun.model_spec import DTYPE_BYTES, UNLOADED_CHECKPOINT_PREFIXES, ModelSpec, as_spec, canonical_dtype
-from tengyun.ops.model_size import StageParams, stage_params, total_params
+from tengyun.ops.model_size import StageParams, decoder_linears, stage_params, total_params
+from tengyun.quantization.config import QuantConfig, detect_quantization
 
 GiB, MiB = 2**30, 2**20
 MAX_CARDS = 128  # the search for the smallest TP x PP stops here
@@ -79,6 +80,7 @@ class Plan:
     architecture: str = ""
     notes: list[str] = field(default_factory=list)
     checkpoint_bytes: int | None = None  # the loaded tensors as stored (read_model); None: not read
+    quantization: str | None = None  # the quantised layers' schemes, counted exactly
 
     @property
     def blocks(self) -> int:
@@ -135,6 +137,12 @@ def read_model(path: str | Path) -> tuple[dict[str, Any], int | None, str]:
     return cfg, (int(total) if total else None), name
 
 
+def read_quantization(path: str | Path, hf_config: dict[str, Any], forced: str | None = None) -> QuantConfig | None:
+    """The checkpoint's quantisation as the engine reads it (config.json, --quantization ``forced``)."""
+    path = Path(path)
+    return detect_quantization(hf_config, forced, path if path.is_dir() else path.parent)
+
+
 def safetensors_bytes(path: Path, skip: tuple[str, ...] = ()) -> int:
     """Tensor bytes in a .safetensors file, from its JSON header (8-byte length, then JSON), less
     the tensors whose names start with one of ``skip``."""
@@ -147,7 +155,9 @@ def safetensors_bytes(path: Path, skip: tuple[str, ...] = ()) -> int:
 
 # ----- the arithmetic ---------------------------------------------------------------------
 def make_plan(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoint_bytes: int | None = None,
-              name: str = "model") -> Plan:
+              name: str = "model", quant: QuantConfig | None = None) -> Plan:
+    """``quant``: the checkpoint's quantisation (read_quantization): its layers count as the
+    platform's kernels hold them (packed weights, scales, zeros), not scaled from the files."""
     spec = as_spec(config)
     tp, pp = request.tp, request.pp
     if tp < 1 or pp < 1:
@@ -159,7 +169,7 @@ def make_plan(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoi
     kv_dtype = dtype if request.kv_cache_dtype == "auto" else canonical_dtype(request.kv_cache_dtype)
     max_len = request.max_model_len or spec.max_position_embeddings
     total = total_params(spec)
-    scale, notes = _weight_scale(spec, total, dtype, checkpoint_bytes, request.device)
+    scale, notes = (1.0, []) if quant else _weight_scale(spec, total, dtype, checkpoint_bytes, request.device)
     if max_len > spec.max_position_embeddings:
         notes.append(f"--max-model-len {max_len} is longer than max_position_embeddings "
                      f"{spec.max_position_embeddings}: the engine refuses it; lower it to "
@@ -171,9 +181,11 @@ def make_plan(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoi
     else:
         activation, formula = activation_estimate(spec, tp, request.max_num_batched_tokens, request.max_num_seqs,
                                                   DTYPE_BYTES[dtype])
-    stages = [_stage_plan(spec, request, stage, dtype, kv_dtype, scale, activation, max_len) for stage in range(pp)]
+    stages = [_stage_plan(spec, request, stage, dtype, kv_dtype, scale, activation, max_len, quant)
+              for stage in range(pp)]
     return Plan(request, name, dtype, kv_dtype, max_len, spec.max_position_embeddings, total, activation, formula,
-                scale, stages, spec.architecture or spec.model_type or "?", notes, checkpoint_bytes)
+                scale, stages, spec.architecture or spec.model_type or "?", notes, checkpoint_bytes,
+                quant.describe() if quant else None)
 
 
 def _weight_scale(spec: ModelSpec, params: int, dtype: str, checkpoint_bytes: int | None,
@@ -204,8 +216,25 @@ def _weight_scale(spec: ModelSpec, params: int, dtype: str, checkpoint_bytes: in
     return scale, notes
 
 
+def _quantized_weight_bytes(spec: ModelSpec, request: PlanRequest, dtype: str, start: int, end: int,
+                            dense_bytes: int, quant: QuantConfig) -> int:
+    """``dense_bytes`` with every quantised linear layer of layers [start, end) counted as the
+    platform's kernel holds it instead of as a dense weight."""
+    from tengyun.platforms import platform_class
+
+    platform = platform_class(request.device)
+    for layer in range(start, end):
+        for linear in decoder_linears(spec, request.tp, layer):
+            scheme = next((s for s in map(quant.scheme_for, linear.parts) if s), None)
+            if scheme is not None:
+                dense_bytes += linear.count * (
+                    platform.quantized_weight_bytes(scheme, linear.out, linear.in_, dtype, linear.in_total)
+                    - linear.out * linear.in_ * DTYPE_BYTES[dtype])
+    return dense_bytes
+
+
 def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, kv_dtype: str, scale: float,
-                activation: int, max_len: int) -> StagePlan:
+                activation: int, max_len: int, quant: QuantConfig | None = None) -> StagePlan:
     """One pipeline stage on one TP rank: its weights, budget, KV blocks and state slots, with the
     functions the engine's worker sizes its caches by (kv_sizing)."""
     tp, pp = request.tp, request.pp
@@ -214,6 +243,8 @@ def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, k
     params = stage_params(spec, tp, pp, stage, platform_class(request.device).repacks_linear_weights)
     start, end = params.layers
     weights = int(params.total * DTYPE_BYTES[dtype] * scale)
+    if quant:
+        weights = _quantized_weight_bytes(spec, request, dtype, start, end, weights, quant)
     if request.kv_cache_memory is not None:
         budget = request.kv_cache_memory
     else:
@@ -237,15 +268,15 @@ def tp_candidates(config: ModelSpec | dict[str, Any], limit: int) -> list[int]:
     return as_spec(config).tp_sizes(limit)
 
 
-def smallest_fit(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoint_bytes: int | None = None
-                 ) -> tuple[int, int] | None:
+def smallest_fit(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoint_bytes: int | None = None,
+                 quant: QuantConfig | None = None) -> tuple[int, int] | None:
     """The (tp, pp) with the fewest cards that fits max_model_len (ties: fewer pipeline stages);
     TP stays within --devices-per-node."""
     spec = as_spec(config)
     candidates = [(tp, pp) for tp in spec.tp_sizes(request.devices_per_node)
                   for pp in range(1, spec.num_layers + 1) if tp * pp <= MAX_CARDS]
     for tp, pp in sorted(candidates, key=lambda c: (c[0] * c[1], c[1])):
-        if make_plan(spec, dataclasses.replace(request, tp=tp, pp=pp), checkpoint_bytes).fits:
+        if make_plan(spec, dataclasses.replace(request, tp=tp, pp=pp), checkpoint_bytes, quant=quant).fits:
             return tp, pp
     return None
 
@@ -268,7 +299,9 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
     p = s.params
     lines.append(f"Weights per card: {p.total:,} params x {DTYPE_BYTES[plan.dtype]} B"
                  + (f" x {plan.weight_scale:.3f}" if plan.weight_scale != 1.0 else "")
-                 + f" = {_size(s.weight_bytes)}")
+                 + f" = {_size(s.weight_bytes)}"
+                 + (f" with the quantised linear layers as their kernels hold them ({plan.quantization})"
+                    if plan.quantization else ""))
     lines.append(f"  embedding {p.embedding:,} + attention {p.attention:,} + linear attention "
                  f"{p.linear_attention:,} + MLP/MoE {p.mlp:,} + norms {p.norms:,} + LM head {p.lm_head:,}")
     if r.kv_cache_memory is not None:
@@ -317,6 +350,7 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
         "kv_cache_memory": r.kv_cache_memory, "block_size": r.block_size, "max_model_len": plan.max_model_len,
         "activation_bytes": plan.activation_bytes, "weight_scale": plan.weight_scale,
         "checkpoint_bytes": plan.checkpoint_bytes,
+        "quantization": plan.quantization,
         "stages": [{
             "stage": s.stage, "layers": list(s.layers),
             "params": dataclasses.asdict(s.params) | {"total": s.params.total},

@@ -117,19 +117,21 @@ class Platform:
         raise NotImplementedError(f"{self.device_type} has no graph capture")
 
     def kernels(self, dtype, block_size: int | None = None, kv_cache_dtype: str | None = None,
-                linear_attention: bool = False):
+                linear_attention: bool = False, quant_schemes=()):
         """Everything the model's layers compute through here, chosen once per worker and bound
         in one pass (``tengyun.layers.kernels.bind_kernels``): the attention backend for KV blocks
         of ``block_size`` tokens in ``kv_cache_dtype``, the linear kernel for weights of ``dtype``
-        (torch.dtype), the norm/rotary ops and, where the model has Gated DeltaNet layers
-        (``linear_attention``), the gated-delta-rule kernel. -> KernelBundle"""
+        (torch.dtype), a kernel per quantised scheme in ``quant_schemes`` (LinearScheme), the
+        norm/rotary ops and, where the model has Gated DeltaNet layers (``linear_attention``), the
+        gated-delta-rule kernel. -> KernelBundle"""
         from tengyun.layers.attention.registry import get_attention_backend
         from tengyun.layers.kernels import KernelBundle
 
         return KernelBundle(
             attention=get_attention_backend(self.attention_backend(block_size, kv_cache_dtype)),
             linear=self.linear_kernel(dtype), layer_ops=self.layer_ops(),
-            gated_delta_rule=self.gated_delta_rule_kernel() if linear_attention else None)
+            gated_delta_rule=self.gated_delta_rule_kernel() if linear_attention else None,
+            quant_linear={scheme: self.quant_linear_kernel(scheme, dtype) for scheme in quant_schemes})
 
     # The four choices ``kernels`` bundles; a platform overrides the ones it does differently.
     def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
@@ -148,6 +150,22 @@ class Platform:
         from tengyun.layers.linear_kernel import DenseLinearKernel
 
         return DenseLinearKernel()
+
+    def quant_linear_kernel(self, scheme, dtype):
+        """The kernel for linear layers quantised as ``scheme`` (tengyun/quantization/scheme.py
+        LinearScheme) with activations in ``dtype`` (torch.dtype): here the plain-PyTorch
+        reference (tengyun/layers/quant_kernels.py)."""
+        from tengyun.layers.quant_kernels import reference_kernel
+
+        return reference_kernel(scheme)
+
+    @classmethod
+    def quantized_weight_bytes(cls, scheme, out: int, in_: int, dtype: str, in_total: int | None = None) -> int:
+        """Bytes one rank's quant_linear_kernel holds for an ``out`` x ``in_`` layer quantised as
+        ``scheme`` served in ``dtype`` ("bfloat16"): what `tengyun plan` counts. Torch-free."""
+        from tengyun.model_spec import DTYPE_BYTES
+
+        return scheme.nbytes(out, in_, DTYPE_BYTES[dtype], in_total)
 
     def layer_ops(self):
         """How RMSNorm and rotary embedding compute (tengyun/layers/layer_ops.py)."""

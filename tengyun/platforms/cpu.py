@@ -98,6 +98,37 @@ class CpuPlatform(Platform):
 
         return OneDNNPackedLinearKernel() if onednn_available(dtype) else DenseLinearKernel()
 
+    def quant_linear_kernel(self, scheme, dtype):
+        """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI). 4-bit weight-only served in
+        bfloat16: torch's int4 CPU matmul. Anything else (float32 activations included, which
+        torch's int4 matmul runs ~50x slower): the reference, dequantizing per call. Measured in
+        benchmarks/README.md."""
+        import torch
+
+        from tengyun.platforms import cpu_quant
+
+        if scheme.kernel == "w8a8_int8":
+            return cpu_quant.CpuW8A8Kernel(scheme)
+        dtype_name = str(dtype).removeprefix("torch.")
+        if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            return cpu_quant.CpuInt4PackKernel(scheme)  # layers whose outputs torch cannot pack: the reference
+        if scheme.weight_bits == 4 and dtype_name != "bfloat16" and native_bf16():
+            logger.info("%s in %s runs the dequantizing reference on CPU; --dtype bfloat16 runs torch's int4 "
+                        "matmul (docs/quantization.md)", scheme.description, dtype_name)
+        return super().quant_linear_kernel(scheme, dtype)
+
+    @classmethod
+    def quantized_weight_bytes(cls, scheme, out: int, in_: int, dtype: str, in_total: int | None = None) -> int:
+        """torch's int4 layout keeps the packed bytes and stores a zero term beside every scale
+        ([in / group, out, 2] in ``dtype``); a zero point, if any, is folded into it."""
+        from tengyun.model_spec import DTYPE_BYTES
+
+        if not int4pack_fits(scheme, dtype, out):
+            return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
+        act = DTYPE_BYTES[dtype]
+        return (scheme.tensor("weight_packed").nbytes(out, in_, act)
+                + 2 * scheme.tensor("weight_scale").nbytes(out, in_, act))
+
     def memory_info(self) -> tuple[int, int]:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -114,6 +145,16 @@ class CpuPlatform(Platform):
         cpu_s = probe.process_tree_cpu_s(pid)
         use = None if cpu_s is None else self._cpu_use.ratio(cpu_s, time.monotonic(), len(probe.allowed_cpus()))
         return [cpu_reading(process_tree_rss(pid), parse_meminfo(probe.meminfo()), use)]
+
+
+INT4PACK_GROUP_SIZES = (32, 64, 128, 256)  # what torch's _weight_int4pack_mm_for_cpu takes
+
+
+def int4pack_fits(scheme, dtype: str, out: int) -> bool:
+    """Does torch's int4 CPU matmul run this layer: 4-bit weight-only in groups it takes, served in
+    bfloat16, ``out`` (this rank's outputs) a multiple of 16? Torch-free: the planner asks too."""
+    return (scheme.kernel == "wna16_int" and scheme.weight_bits == 4 and dtype == "bfloat16"
+            and scheme.group_size in INT4PACK_GROUP_SIZES and out % 16 == 0)
 
 
 def native_bf16() -> bool:

@@ -60,6 +60,11 @@ class NpuPlatform(Platform):
 
         return NpuLayerOps()
 
+    def quant_linear_kernel(self, scheme, dtype):
+        from tengyun.platforms.npu_quant import npu_quant_kernel
+
+        return npu_quant_kernel(scheme)
+
     @classmethod
     def is_available(cls) -> bool:
         return cls.runtime_installed() and cls._in_process_problem() is None

@@ -195,15 +195,7 @@ class ModelRunner:
                     prompt_indices.extend(range(offset, offset + last - start))
                     prompt_targets.extend(state.token_ids[start + 1:last + 1])
             offset += n
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)),
-            num_decode_tokens=len(decode_lens),
-            prefills=prefills,
-        )
-        if decode_lens:
-            meta.decode_block_tables = self._tensor(_pad_rows(decode_tables))
-            meta.decode_seq_lens = self._tensor(np.asarray(decode_lens, dtype=np.int64))
-            meta.decode_state_slots = self._tensor(np.asarray(decode_slots, dtype=np.int64))
+        meta = self._attention_metadata(slots, prefills, decode_tables, decode_lens, decode_slots)
         return BatchInputs(
             input_ids=self._tensor(np.fromiter((t for ids in input_ids for t in ids), dtype=np.int64)),
             positions=self._tensor(np.concatenate(positions)),
@@ -215,6 +207,17 @@ class ModelRunner:
             prompt_indices=self._tensor(np.asarray(prompt_indices, dtype=np.int64)) if prompt_rows else None,
             prompt_targets=self._tensor(np.asarray(prompt_targets, dtype=np.int64)) if prompt_rows else None,
         )
+
+    def _attention_metadata(self, slots: list[np.ndarray], prefills: list[PrefillChunk], decode_tables: list,
+                            decode_lens: list[int], decode_slots: list[int]) -> AttentionMetadata:
+        """The step's attention inputs: KV slots of every token, prefill chunks, decode rows."""
+        meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slots)), num_decode_tokens=len(decode_lens),
+                                 prefills=prefills)
+        if decode_lens:
+            meta.decode_block_tables = self._tensor(_pad_rows(decode_tables))
+            meta.decode_seq_lens = self._tensor(np.asarray(decode_lens, dtype=np.int64))
+            meta.decode_state_slots = self._tensor(np.asarray(decode_slots, dtype=np.int64))
+        return meta
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

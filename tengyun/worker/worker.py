@@ -18,6 +18,8 @@ from tengyun.kv_sizing import (
     KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape,
 )
 from tengyun.layers.kernels import KernelBundle, bind_kernels
+from tengyun.layers.quantized import apply_quant_config
+from tengyun.layers.weight_loading import deferred_weights
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
@@ -77,8 +79,11 @@ class Worker:
     def _load_model(self) -> torch.nn.Module:
         config = self.config
         model_cls = get_model_class(config.architecture)
-        with torch.device(self.device):
+        # Linear and MoE weights wait on the meta device until the checkpoint's quantisation says
+        # what they hold: a quantised layer never allocates its dense weight.
+        with torch.device(self.device), deferred_weights():
             model = model_cls(config.model_spec, config.max_model_len, TORCH_DTYPES[config.dtype]).eval()
+        self.quant_schemes = apply_quant_config(model, config.quant_config, self.device)
         load_weights(model, config.model_path, config.load_format, seed=config.seed,
                      fp8_block=config.model_spec.fp8_block)
         return model
@@ -87,7 +92,7 @@ class Worker:
         """The platform's kernels, handed to every layer once its weights are loaded."""
         config = self.config
         kernels = self.platform.kernels(TORCH_DTYPES[config.dtype], config.block_size, config.kv_cache_dtype,
-                                        linear_attention=config.model_spec.is_hybrid)
+                                        linear_attention=config.model_spec.is_hybrid, quant_schemes=self.quant_schemes)
         bind_kernels(self.model, kernels)
         return kernels
 
@@ -222,7 +227,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights this rank holds: parameters and repacked kernel weights, shared storage once."""
     seen, total = set(), 0
     tensors = [p.data for p in model.parameters()]
-    tensors += [m.kernel_weight for m in model.modules() if getattr(m, "kernel_weight", None) is not None]
+    for m in model.modules():  # quantised layers' kernels keep dicts of tensors (a list of them per expert)
+        tensors += _tensors_in(getattr(m, "kernel_weight", None))
     for t in tensors:
         if not isinstance(t, torch.Tensor) or not t.numel():
             continue
@@ -234,3 +240,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
+
+
+def _tensors_in(prepared) -> list:
+    """The tensors of a kernel's prepared weight: a tensor, or dicts and lists of them."""
+    if isinstance(prepared, dict):
+        prepared = list(prepared.values())
+    if isinstance(prepared, list):
+        return [t for item in prepared for t in _tensors_in(item)]
+    return [] if prepared is None else [prepared]

@@ -229,3 +229,26 @@ def test_tp_candidates_split_linear_heads_and_experts_evenly():
     hybrid = dict(dense, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
                   linear_value_head_dim=128, num_experts=64, moe_intermediate_size=512)
     assert tp_candidates(hybrid, 16) == [1, 2, 4]  # 8 would split 4 key heads unevenly
+
+
+def test_w4a16_qwen3_5_397b_a17b_counts_packed_weights_and_needs_fewer_cards():
+    """compressed-tensors W4A16, group 128, routers kept in bf16: every other linear weight of a
+    rank costs out x in x (1/2 B packed + 2 B / 128 scale) instead of 2 B, i.e. 95/64 B less per
+    weight; the rest (embeddings, norms, conv, routers) is unchanged."""
+    from tengyun.quantization import compressed_tensors
+    from tengyun.quantization.config import detect_quantization
+
+    cfg = load("qwen3_5_397b_a17b")
+    cfg["quantization_config"] = compressed_tensors.quantization_config("w4a16", 128, ("lm_head", "re:.*mlp.gate$"))
+    quant = detect_quantization(cfg)
+    request = PlanRequest(tp=8, pp=4, max_model_len=32_768)
+    dense, packed = make_plan(cfg, request), make_plan(cfg, request, quant=quant)
+    h, tp = 4096, 8
+    attention = h * 32 * 256 * 2 // tp + 2 * h * 1 * 256 + 32 * 256 * h // tp  # q (gated), k, v, o
+    linear = h * (2 * 2048 + 8192) // tp + h * 8192 // tp + 2 * h * 64 // tp + 8192 * h // tp  # qkv, z, b, a, out
+    moe = 512 * 3 * h * 1024 // tp + 3 * h * 1024 // tp + h  # experts, shared expert and its gate (not the router)
+    quantized = 4 * attention + 11 * linear + 15 * moe  # stage 3: layers 45-59, 4 of them full attention
+    assert quantized * 95 % 64 == 0
+    assert dense.stages[3].weight_bytes - packed.stages[3].weight_bytes == quantized * 95 // 64
+    assert packed.quantization == "compressed-tensors W4A16 (int4, group 128, symmetric)"
+    assert smallest_fit(cfg, PlanRequest(max_model_len=32_768), quant=quant) == (4, 1)  # 14 cards in bf16

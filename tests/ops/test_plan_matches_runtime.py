@@ -116,3 +116,36 @@ def test_plan_matches_the_engine_on_a_simulated_device_budget(folders, family, m
     assert stage.budget_bytes == int(device.total * 0.5) - weights - plan.activation_bytes
     assert (plan.blocks, stage.state_slots, stage.state_snapshots) == (
         worker.num_blocks, worker.num_state_slots, worker.num_state_snapshots)
+
+
+@pytest.fixture(scope="module")
+def quantized_folders(folders, tmp_path_factory) -> dict:
+    from tengyun.quantization.quantize import quantize_folder
+
+    out = tmp_path_factory.mktemp("plan_quantized")
+    return {(family, scheme): quantize_folder(folders[family], out / f"{family}_{scheme}", scheme, 32).out_dir
+            for family in ("llama", "qwen2", "qwen3_moe") for scheme in ("w8a8", "w4a16")}
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])  # bfloat16: torch's int4 CPU layout (scales + zeros)
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
+def test_plan_counts_quantized_weights_as_the_engine_holds_them(quantized_folders, family, scheme, dtype):
+    from tengyun.ops.plan import read_quantization
+
+    folder = quantized_folders[family, scheme]
+    config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN,
+                          max_num_seqs=4, block_size=16).finalize()
+    worker = Worker(config)
+    hf_config, checkpoint_bytes, name = read_model(folder)
+    quant = read_quantization(folder, hf_config)
+    plan = make_plan(hf_config, PlanRequest(
+        device="cpu", dtype=dtype, block_size=16, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
+        checkpoint_bytes, name, quant)
+    [stage] = plan.stages
+    assert quant is not None and plan.quantization == quant.describe()
+    assert stage.weight_bytes == worker.weight_bytes
+    assert plan.blocks == worker.num_blocks
+    dense = make_plan(hf_config, PlanRequest(device="cpu", dtype=dtype, kv_cache_memory=2**21))
+    assert stage.weight_bytes < dense.stages[0].weight_bytes  # the quantised layers are smaller

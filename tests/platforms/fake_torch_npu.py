@@ -88,12 +88,63 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
     return r1 * input + r2 * torch.cat((-x2, x1), dim=-1)
 
 
+def npu_dynamic_quant(x, smooth_scales=None):
+    # per-token symmetric int8: (round(x / s) int8, s float32 [tokens]) with s = max|x| / 127
+    assert x.dtype in _FLOATS and smooth_scales is None
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-10) / 127.0
+    return torch.clamp(torch.round(x.float() / scale.unsqueeze(-1)), -128, 127).to(torch.int8), scale
+
+
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None):
+    # x1 int8 [M, K], x2 int8 [K, N], scale [N] (or [1]), pertoken_scale float32 [M]:
+    # (x1 @ x2) in int32, times scale per column and pertoken_scale per row, in output_dtype
+    assert x1.dtype == x2.dtype == torch.int8 and x1.shape[1] == x2.shape[0] and offset is None
+    assert scale.dim() == 1 and scale.shape[0] in (1, x2.shape[1])
+    assert pertoken_scale.dtype == torch.float32 and pertoken_scale.shape == x1.shape[:1]
+    acc = (x1.to(torch.int64) @ x2.to(torch.int64)).float()
+    y = acc * scale.float() * pertoken_scale.unsqueeze(-1)
+    return (y if bias is None else y + bias.float()).to(output_dtype or torch.int8)
+
+
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    # int32 [K, N] of int4 values (-8..7) -> int32 [K, N / 8]: 8 values per int32 along N, value j
+    # of a word in bits 4j..4j+3 (two's complement nibbles)
+    assert weight.dtype == torch.int32 and weight.shape[1] % 8 == 0
+    assert int(weight.min()) >= -8 and int(weight.max()) <= 7
+    nibbles = (weight.to(torch.int64) & 0xF).reshape(weight.shape[0], -1, 8)
+    words = (nibbles << (torch.arange(8) * 4)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+                                 quant_offset=None, bias=None, antiquant_group_size=0):
+    # x [M, K]; weight int8 [K, N] or int4 packed int32 [K, N / 8]; antiquant_scale [N] per channel
+    # or [K / group, N] per group: y = x @ ((weight + offset) * scale) in x's dtype
+    assert x.dtype in (torch.float16, torch.bfloat16) and antiquant_scale.dtype == x.dtype
+    if weight.dtype == torch.int32:
+        words = weight.to(torch.int64) & 0xFFFFFFFF
+        nibbles = (words.unsqueeze(-1) >> (torch.arange(8) * 4)) & 0xF
+        weight = torch.where(nibbles >= 8, nibbles - 16, nibbles).reshape(weight.shape[0], -1)
+    k, n = weight.shape
+    assert x.shape[-1] == k
+    if antiquant_group_size:
+        assert antiquant_scale.shape == (k // antiquant_group_size, n)
+        scale = antiquant_scale.float().repeat_interleave(antiquant_group_size, dim=0)
+    else:
+        assert antiquant_scale.shape == (n,)
+        scale = antiquant_scale.float()
+    w = weight.float() + (0 if antiquant_offset is None else antiquant_offset.float())
+    y = x.float() @ (w * scale)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 def module() -> types.ModuleType:
     fake = types.ModuleType("torch_npu")
     fake.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # no torch.npu: the platform stays CPU
     fake.calls = collections.Counter()
     for op in (_npu_reshape_and_cache, npu_fused_infer_attention_score, npu_rms_norm, npu_add_rms_norm,
-               npu_rotary_mul):
+               npu_rotary_mul, npu_dynamic_quant, npu_quant_matmul, npu_convert_weight_to_int4pack,
+               npu_weight_quant_batchmatmul):
         setattr(fake, op.__name__, _counted(op, fake.calls))
     return fake
 

@@ -83,3 +83,22 @@ def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
     assert all(isinstance(m.ops, NpuLayerOps) for m in layers(llm, RMSNorm) + layers(llm, RotaryEmbedding))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
     assert set(fake.calls) == {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul"}
+
+
+def test_npu_w8a8_kernels_give_the_cpu_engines_tokens(tiny_checkpoints, tmp_path, monkeypatch):
+    """A W8A8 checkpoint through npu_dynamic_quant + npu_quant_matmul (tengyun/platforms/npu_quant.py)
+    gives the CPU kernels' tokens: both sum int8 products exactly and scale in float32."""
+    from tengyun.platforms.npu_quant import npu_quant_kernel
+    from tengyun.quantization.quantize import quantize_folder
+
+    folder = str(quantize_folder(tiny_checkpoints["qwen2"], tmp_path / "w8a8", "w8a8").out_dir)
+    prompts = [[5, 6, 7], list(range(1, 60))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    args = dict(block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    reference = [o.outputs[0].token_ids for o in LLM(folder, **args).generate(prompts, params)]
+
+    fake = fake_torch_npu.module()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(CpuPlatform, "quant_linear_kernel", lambda self, scheme, dtype: npu_quant_kernel(scheme))
+    assert [o.outputs[0].token_ids for o in LLM(folder, **args).generate(prompts, params)] == reference
+    assert fake.calls["npu_quant_matmul"] > 0 and fake.calls["npu_dynamic_quant"] == fake.calls["npu_quant_matmul"]

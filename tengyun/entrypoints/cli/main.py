@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "supervise": "tengyun.entrypoints.cli.supervise",
     "deploy": "tengyun.entrypoints.cli.deploy",
     "launch": "tengyun.entrypoints.cli.launch",
+    "quantize": "tengyun.entrypoints.cli.quantize",
 }
 
 

@@ -11,7 +11,7 @@ import json
 # EngineConfig fields `tengyun plan` takes, as `tengyun serve` spells them.
 ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
                    "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
-                   "tensor_parallel_size", "pipeline_parallel_size", "enable_prefix_caching")
+                   "tensor_parallel_size", "pipeline_parallel_size", "enable_prefix_caching", "quantization")
 PLANNED_DEVICES = ("npu", "cuda", "cpu")
 
 
@@ -59,12 +59,13 @@ def plan_request(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from tengyun.ops.plan import make_plan, plan_json, read_model, report_lines, smallest_fit
+    from tengyun.ops.plan import make_plan, plan_json, read_model, read_quantization, report_lines, smallest_fit
 
     hf_config, checkpoint_bytes, name = read_model(args.model)
+    quant = read_quantization(args.model, hf_config, args.quantization)
     request = plan_request(args)
-    plan = make_plan(hf_config, request, checkpoint_bytes, name)
-    fit = smallest_fit(hf_config, request, checkpoint_bytes)
+    plan = make_plan(hf_config, request, checkpoint_bytes, name, quant)
+    fit = smallest_fit(hf_config, request, checkpoint_bytes, quant)
     if args.json:
         print(json.dumps(plan_json(plan, fit), indent=2))
     else:

@@ -1,0 +1,31 @@
+"""`tengyun quantize MODEL OUT_DIR --scheme w8a8|w4a16`: write a compressed-tensors checkpoint
+(tengyun/quantization/quantize.py) that Tengyun and vLLM load."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "quantize", help="round-to-nearest W8A8 (int8) or W4A16 (int4) quantization into a compressed-tensors "
+                         "folder, as llm-compressor writes it")
+    parser.add_argument("model", help="an HF folder (safetensors), a .gguf file, or an embedded model name")
+    parser.add_argument("out_dir", help="the folder to write (new or empty)")
+    parser.add_argument("--scheme", required=True, choices=("w8a8", "w4a16"),
+                        help="w8a8: int8 per-channel weights, int8 per-token activations at run time; "
+                             "w4a16: int4 weights in groups, 16-bit activations")
+    parser.add_argument("--group-size", type=int, default=128,
+                        help="input features per int4 scale (w4a16): 32, 64, 128 or 256, or 0 for one scale per "
+                             "output channel (default 128)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tengyun.models.model_source import resolve_model
+    from tengyun.quantization.quantize import quantize_folder
+
+    source = resolve_model(args.model)
+    result = quantize_folder(source.folder, args.out_dir, args.scheme, args.group_size or None)
+    print(f"Wrote {result.out_dir}: {result.quantized} linear weights quantized ({args.scheme}), "
+          f"{result.copied} tensors copied; {result.bytes_in / 2**20:.1f} MiB -> {result.bytes_out / 2**20:.1f} MiB")
+    return 0

@@ -1,0 +1,63 @@
+"""Give each linear layer the quantisation scheme its checkpoint tensors are stored in.
+
+Called once on a freshly built model, before its weights load: a layer whose checkpoint module
+(config.json's targets and ignore list, matched against checkpoint names) is quantised swaps its
+dense ``weight`` for the scheme's tensors (LinearBase.use_quant_scheme). The worker builds the
+model inside ``deferred_weights()``, so those dense weights were only ever meta tensors; the
+layers left unquantised get real storage here. Fused layers match
+through the model's packed_modules_mapping: qkv_proj is quantised when q_proj, k_proj and
+v_proj are, all with one scheme; stacked MoE experts (FusedMoE) when expert 0's projections are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tengyun.layers.fused_moe import FusedMoE
+from tengyun.layers.linear import LinearBase
+from tengyun.layers.weight_loading import materialize
+from tengyun.quantization.config import QuantConfig, QuantizationError
+from tengyun.quantization.scheme import LinearScheme
+
+
+def checkpoint_modules(model: nn.Module, name: str, module: nn.Module | None = None) -> list[str]:
+    """A layer's name -> the checkpoint modules stored for it:
+    model.layers.0.self_attn.qkv_proj -> [...q_proj, ...k_proj, ...v_proj]; the stacked experts
+    model.layers.0.mlp.experts -> expert 0's [...experts.0.gate_proj, ...up_proj, ...down_proj]
+    (every expert takes expert 0's scheme)."""
+    if isinstance(module, FusedMoE):
+        return [f"{name}.0.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
+    prefix, _, last = name.rpartition(".")
+    shards = getattr(model, "packed_modules_mapping", {}).get(last)
+    return [f"{prefix}.{shard}" if prefix else shard for shard in shards] if shards else [name]
+
+
+def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torch.device) -> tuple[LinearScheme, ...]:
+    """Every linear layer and MoE block of ``model`` (built inside deferred_weights(): their
+    tensors on the meta device) takes its scheme's tensors, or its dense ones, on ``device``.
+    -> the schemes the model's layers now hold (what the platform picks kernels for)."""
+    used: set[LinearScheme] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, (LinearBase, FusedMoE)):
+            continue
+        if quant is not None:
+            scheme = _scheme_of(model, name, module, quant)
+            if scheme is not None:
+                module.use_quant_scheme(scheme, name, device)
+                used.add(scheme)
+        materialize(module, device)
+    if quant is not None and not used:
+        raise QuantizationError(f"config.json's quantization_config ({quant.method}) targets none of this "
+                                f"model's linear layers: check its config_groups targets and ignore list.")
+    return tuple(sorted(used, key=lambda s: s.description))
+
+
+def _scheme_of(model: nn.Module, name: str, module: nn.Module, quant: QuantConfig) -> LinearScheme | None:
+    stored = checkpoint_modules(model, name, module)
+    schemes = {quant.scheme_for(part) for part in stored}
+    if len(schemes) > 1:
+        raise QuantizationError(
+            f"{', '.join(stored)} are quantised differently ({quant.method} config_groups / ignore), but "
+            f"Tengyun runs them as one layer {name}: give them one scheme, or ignore all of them.")
+    return schemes.pop()

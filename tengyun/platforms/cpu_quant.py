@@ -1,0 +1,50 @@
+"""CPU kernels for quantised linear layers, arithmetic as tengyun/layers/quant_kernels.py's
+references (which they fall back to for a layer they cannot run).
+
+- W8A8: activations quantised per token, then torch._int_mm (oneDNN's int8 GEMM, VNNI where the
+  cores have it) on the int8 weight's transposed view, int32 sums scaled back in float32.
+- 4-bit weight-only in bfloat16: torch's int4 CPU matmul (_weight_int4pack_mm_for_cpu) on the
+  weight repacked once (_convert_weight_to_int4pack_for_cpu: unsigned nibbles q + 8, outputs a
+  multiple of 16) with scales_and_zeros [in / group, out, 2]: w = (q + 8 - 8) * scale + zero,
+  zero = -zero_point * scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tengyun.layers.quant_kernels import (
+    QuantLinearKernel, ReferenceWNA16Kernel, Tensors, quantize_per_token, unpacked_weight,
+)
+
+
+class CpuW8A8Kernel(QuantLinearKernel):
+    def apply(self, x, prepared, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        x_q, s_x = quantize_per_token(x2)
+        acc = torch._int_mm(x_q, prepared["weight"].t())  # [M, out] int32
+        y = (acc.float() * s_x * prepared["weight_scale"].float().t()).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+class CpuInt4PackKernel(ReferenceWNA16Kernel):
+    frees_original = True
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        scale = tensors["weight_scale"]  # [out, in / group]
+        if scale.shape[0] % 16:  # torch packs outputs in blocks of 16: this layer stays on the reference
+            return tensors
+        q, zero = unpacked_weight(tensors, self.scheme)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 1)
+        zero_term = torch.zeros_like(scale) if zero is None else (-zero.float() * scale.float()).to(scale.dtype)
+        return {"int4pack": packed, "scales_and_zeros": torch.stack([scale.t(), zero_term.t()], dim=-1).contiguous()}
+
+    def apply(self, x, prepared, bias):
+        if "int4pack" not in prepared:
+            return super().apply(x, prepared, bias)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, prepared["int4pack"], self.scheme.group_size,
+                                                        prepared["scales_and_zeros"])
+        y = y.reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias

@@ -1,0 +1,71 @@
+"""Quantised linear layers through torch_npu, as vLLM-Ascend runs them.
+
+NOT YET RUN ON HARDWARE: written against the documented torch_npu APIs and tested on CPU
+against a reference of those documented semantics (tests/platforms/fake_torch_npu.py).
+
+- W8A8: ``npu_dynamic_quant(x) -> (x_q int8 [M, K], s_x float32 [M])`` per token, then
+  ``npu_quant_matmul(x_q, w [K, N] int8, scale [N], pertoken_scale=s_x, output_dtype=x.dtype)``
+  = (x_q @ w) * s_x * scale.
+- W4A16 / W8A16 (symmetric): ``npu_weight_quant_batchmatmul(x, w, antiquant_scale [G, N] (or [N]
+  per channel), antiquant_group_size=group)`` = x @ (w * scale), with w int8 [K, N], or for 4
+  bits ``npu_convert_weight_to_int4pack(w int32 [K, N]) -> int32 [K, N / 8]``. Asymmetric
+  checkpoints run the reference (dequantize, then matmul).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from tengyun.layers.quant_kernels import QuantLinearKernel, Tensors, reference_kernel, unpacked_weight
+
+
+class NpuW8A8Kernel(QuantLinearKernel):
+    frees_original = True
+
+    def __init__(self, scheme):
+        super().__init__(scheme)
+        self.npu = importlib.import_module("torch_npu")
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        return {"weight": tensors["weight"].t().contiguous(), "weight_scale": tensors["weight_scale"].flatten()}
+
+    def apply(self, x, prepared, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        x_q, s_x = self.npu.npu_dynamic_quant(x2)
+        y = self.npu.npu_quant_matmul(x_q, prepared["weight"], prepared["weight_scale"], pertoken_scale=s_x,
+                                      output_dtype=x.dtype)
+        y = y.reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+class NpuWNA16Kernel(QuantLinearKernel):
+    frees_original = True
+
+    def __init__(self, scheme):
+        super().__init__(scheme)
+        self.npu = importlib.import_module("torch_npu")
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        q, _ = unpacked_weight(tensors, self.scheme)
+        weight = q.t().contiguous()  # [in, out] int8
+        if self.scheme.weight_bits == 4:
+            weight = self.npu.npu_convert_weight_to_int4pack(weight.to(torch.int32))  # [in, out / 8]
+        scale = tensors["weight_scale"]  # [out, groups]
+        return {"weight": weight, "scale": scale.t().contiguous() if self.scheme.group_size else scale.flatten()}
+
+    def apply(self, x, prepared, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self.npu.npu_weight_quant_batchmatmul(x2, prepared["weight"], antiquant_scale=prepared["scale"],
+                                                  antiquant_group_size=self.scheme.group_size or 0)
+        y = y.reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+def npu_quant_kernel(scheme) -> QuantLinearKernel:
+    if scheme.kernel == "w8a8_int8":
+        return NpuW8A8Kernel(scheme)
+    if scheme.kernel == "wna16_int" and scheme.symmetric:
+        return NpuWNA16Kernel(scheme)
+    return reference_kernel(scheme)

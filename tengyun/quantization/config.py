@@ -1,0 +1,97 @@
+"""Which quantisation format a checkpoint is in, and the registry of the formats Tengyun reads.
+
+Detected as vLLM does: config.json's ``quantization_config.quant_method`` names the format;
+``--quantization`` forces one (it must agree with config.json when config.json names one; a
+format whose description lives in a side file, such as ModelSlim's quant_model_description.json,
+is read from the model folder). A format registers ``(quantization_config dict, model folder) ->
+QuantConfig`` in QUANT_METHODS; the QuantConfig says per checkpoint module which LinearScheme it
+holds (scheme.py). Torch-free: `tengyun plan` reads it too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from tengyun.quantization.scheme import LinearScheme
+
+
+class QuantizationError(ValueError):
+    """A checkpoint's quantisation that Tengyun cannot run, or that disagrees with its tensors."""
+
+
+@dataclass(frozen=True)
+class QuantGroup:
+    targets: tuple[str, ...]  # "Linear" (every linear layer), a module name, or "re:<regex>"
+    scheme: LinearScheme
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # the registry key, e.g. "compressed-tensors"
+    groups: tuple[QuantGroup, ...]
+    ignore: tuple[str, ...] = ()  # module names or "re:<regex>" kept unquantised (e.g. "lm_head")
+
+    def scheme_for(self, module: str) -> LinearScheme | None:
+        """The scheme of the linear layer the checkpoint stores as ``module``
+        (model.layers.0.mlp.down_proj); None: it is stored unquantised."""
+        if any(_matches(module, pattern) for pattern in self.ignore):
+            return None
+        for group in self.groups:
+            if any(target == "Linear" or _matches(module, target) for target in group.targets):
+                return group.scheme
+        return None
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernel kinds this checkpoint's layers need (LinearScheme.kernel)."""
+        return tuple(sorted({g.scheme.kernel for g in self.groups}))
+
+    def describe(self) -> str:
+        return "; ".join(sorted({g.scheme.description for g in self.groups}))
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """compressed-tensors / vLLM target matching: "re:<regex>" matches from the start, anything
+    else matches the whole name."""
+    return bool(re.match(pattern[3:], name)) if pattern.startswith("re:") else name == pattern
+
+
+def _compressed_tensors(quant: Mapping[str, Any], folder: Path | None) -> QuantConfig:
+    from tengyun.quantization import compressed_tensors
+
+    return compressed_tensors.from_config(quant)
+
+
+# quant_method (--quantization) -> reader of its quantization_config
+QUANT_METHODS: dict[str, Callable[[Mapping[str, Any], Path | None], QuantConfig]] = {
+    "compressed-tensors": _compressed_tensors,
+}
+
+
+def quantization_section(hf_config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """config.json's quantization_config (top level, or in a multimodal model's text_config)."""
+    section = hf_config.get("quantization_config") or (hf_config.get("text_config") or {}).get("quantization_config")
+    return section if isinstance(section, Mapping) else None
+
+
+def detect_quantization(hf_config: Mapping[str, Any], forced: str | None = None,
+                        folder: Path | None = None) -> QuantConfig | None:
+    """config.json (and --quantization ``forced``) -> the checkpoint's QuantConfig; None when it
+    is not quantised. Raises QuantizationError naming the field and the supported values."""
+    section = quantization_section(hf_config)
+    stated = (section.get("quant_method") or "unknown") if section else None
+    if forced and stated and forced != stated:
+        raise QuantizationError(
+            f"--quantization {forced} disagrees with config.json's quantization_config.quant_method "
+            f"{stated!r}: drop --quantization (the checkpoint says what it holds) or pass --quantization {stated}.")
+    method = forced or stated
+    if method is None:
+        return None
+    if method not in QUANT_METHODS:
+        raise QuantizationError(
+            f"quantization method {method!r} (config.json quantization_config.quant_method, or --quantization) "
+            f"is not supported; Tengyun reads: {', '.join(sorted(QUANT_METHODS))}.")
+    return QUANT_METHODS[method](section or {}, folder)

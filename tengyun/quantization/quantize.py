@@ -1,0 +1,149 @@
+"""`tengyun quantize`: round-to-nearest W8A8 or W4A16 into a compressed-tensors folder.
+
+Every linear weight of the decoder layers (the q/k/v/o and gate/up/down projections, MoE
+experts' included) is quantised as llm-compressor's W8A8 / W4A16 presets do, with its default
+ignore list (lm_head; the embeddings are not linear layers; MoE routers kept, as its Qwen3-MoE
+examples do): symmetric min-max scales, round to nearest (no calibration data). Everything else
+is copied as stored. The folder holds config.json with the quantization_config compressed-tensors
+0.20.1 writes, the safetensors (one per input shard, same names, with an index when the input had
+one) and every other file of the input (tokenizer, generation_config.json, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from tengyun.model_spec import ModelSpec
+from tengyun.models.loader import INDEX_FILE, safetensors_files
+from tengyun.quantization import compressed_tensors
+from tengyun.quantization.packing import pack_int32, quantize_symmetric
+from tengyun.quantization.scheme import LinearScheme
+
+SCHEMES = ("w8a8", "w4a16")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# llm-compressor's default ignore list, plus the MoE routers its Qwen3-MoE examples keep in 16 bits
+IGNORE = ("lm_head", "re:.*mlp.gate$")
+_LINEAR_SUFFIXES = tuple(f".{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    out_dir: Path
+    quantized: int  # linear weights quantised
+    copied: int  # tensors copied as stored
+    bytes_in: int
+    bytes_out: int
+
+
+def scheme_for(scheme: str, group_size: int | None) -> LinearScheme:
+    if scheme == "w8a8":
+        return compressed_tensors.w8a8_scheme()
+    return compressed_tensors.weight_only_scheme(4, group_size, symmetric=True)
+
+
+def is_quantized_linear(name: str, tensor_dims: int) -> bool:
+    return tensor_dims == 2 and name.startswith("model.layers.") and name.endswith(_LINEAR_SUFFIXES)
+
+
+def check_model(config: dict, scheme: str, group_size: int | None) -> None:
+    """Refuse what Tengyun would not run: another architecture, an unknown scheme or group size."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"--scheme {scheme!r} is not one of {', '.join(SCHEMES)}.")
+    if scheme == "w4a16" and group_size is not None and group_size not in compressed_tensors.GROUP_SIZES:
+        raise ValueError(f"--group-size {group_size} is not supported; use one of "
+                         f"{', '.join(map(str, compressed_tensors.GROUP_SIZES))} (or 0 for one scale per channel).")
+    if config.get("quantization_config"):
+        raise ValueError("MODEL_DIR is already quantized (config.json has a quantization_config): "
+                         "quantize the unquantized checkpoint.")
+    arch = ModelSpec.from_hf_config(config).architecture  # GGUF conversions name only model_type
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"`tengyun quantize` handles {', '.join(ARCHITECTURES)}; config.json says {arch}.")
+
+
+def quantize_folder(model_dir: Path, out_dir: Path, scheme: str, group_size: int | None = 128,
+                    progress: bool | None = None) -> QuantizeResult:
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    check_model(config, scheme, group_size)
+    group_size = group_size if scheme == "w4a16" else None
+    layout = scheme_for(scheme, group_size)
+    files = safetensors_files(model_dir)
+    _check_shapes(files, layout, group_size)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"OUT_DIR {out_dir} exists and is not empty: pass a new folder.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = {"quantized": 0, "copied": 0, "in": 0, "out": 0}
+    weight_map: dict[str, str] = {}
+    total = sum(len(safe_open(f, framework="pt").keys()) for f in files)
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=total, desc=f"Quantizing to {scheme.upper()}", unit="tensor", disable=not show) as bar:
+        for f in files:
+            tensors = _quantize_file(f, layout, counts, bar)
+            save_file(tensors, str(out_dir / f.name), metadata={"format": "pt"})
+            weight_map.update({name: f.name for name in tensors})
+    _write_metadata(model_dir, out_dir, config, scheme, group_size, weight_map, counts["out"])
+    return QuantizeResult(out_dir, counts["quantized"], counts["copied"], counts["in"], counts["out"])
+
+
+def _check_shapes(files: list[Path], layout: LinearScheme, group_size: int | None) -> None:
+    for f in files:
+        with safe_open(f, framework="pt") as reader:
+            for name in reader.keys():
+                shape = reader.get_slice(name).get_shape()
+                if not is_quantized_linear(name, len(shape)):
+                    continue
+                problem = layout.shape_problem(*shape)
+                if problem:
+                    fits = [g for g in compressed_tensors.GROUP_SIZES if shape[1] % g == 0]
+                    hint = (f"; pass --group-size {fits[-1]}" if fits and group_size else "")
+                    raise ValueError(f"{name} [{shape[0]}, {shape[1]}] cannot be quantized: {problem}{hint}.")
+
+
+def _quantize_file(path: Path, layout: LinearScheme, counts: dict, bar) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(path, framework="pt") as reader:
+        for name in reader.keys():
+            tensor = reader.get_tensor(name)
+            counts["in"] += tensor.numel() * tensor.element_size()
+            if is_quantized_linear(name, tensor.dim()):
+                out.update(_quantize_weight(name.removesuffix(".weight"), tensor, layout))
+                counts["quantized"] += 1
+            else:
+                out[name] = tensor.contiguous()
+                counts["copied"] += 1
+            bar.update(1)
+    counts["out"] += sum(t.numel() * t.element_size() for t in out.values())
+    return out
+
+
+def _quantize_weight(module: str, weight: torch.Tensor, layout: LinearScheme) -> dict[str, torch.Tensor]:
+    """weight [out, in] -> the scheme's tensors (compressed_tensors.py), scales in weight's dtype."""
+    q, scale = quantize_symmetric(weight, layout.weight_bits, layout.group_size)
+    if layout.kernel == "w8a8_int8":
+        return {f"{module}.weight": q, f"{module}.weight_scale": scale.reshape(-1, 1).contiguous()}
+    return {f"{module}.weight_packed": pack_int32(q, layout.weight_bits),
+            f"{module}.weight_scale": scale.reshape(weight.shape[0], -1).contiguous(),
+            f"{module}.weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64)}
+
+
+def _write_metadata(model_dir: Path, out_dir: Path, config: dict, scheme: str, group_size: int | None,
+                    weight_map: dict[str, str], total_size: int) -> None:
+    moe = ModelSpec.from_hf_config(config).moe is not None
+    config["quantization_config"] = compressed_tensors.quantization_config(scheme, group_size,
+                                                                           IGNORE if moe else IGNORE[:1])
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if (model_dir / INDEX_FILE).is_file():
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX_FILE):
+            shutil.copy2(f, out_dir / f.name)
