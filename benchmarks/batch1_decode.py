@@ -7,8 +7,8 @@ bf16 and f16 GGUFs written from the same HF folder by llama.cpp's own convert_hf
 
 Set-up, once, under ${TENGYUN_CACHE_DIR:-~/.cache/tengyun}: bench-venvs/llama-cpp-python-VERSION
 (pip builds llama.cpp from the PyPI sdist with Debian's g++ and cmake, GGML_NATIVE: ~15 min on
-2 cores) and gguf/MODEL-TYPE.gguf (converted with the HF venv benchmarks/compare made, plus
-the `gguf` package). vLLM runs from benchmarks/compare's venv with its recommended CPU set-up.
+2 cores) and gguf/MODEL-TYPE.gguf (converted with the HF venv benchmarks/compare made and the
+converter's own gguf-py). vLLM runs from benchmarks/compare's venv with its recommended CPU set-up.
 
 Per run: a fresh process; TTFT (prompt in, first token out), decode tok/s over the other
 OUTPUT_LEN - 1 tokens, output tok/s over the whole request, peak RSS. vLLM's LLM class gives
@@ -132,10 +132,28 @@ def gguf_file(model: str, folder: str, outtype: str, hf_python: Path) -> Path:
                     f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(sdist)], check=True, capture_output=True)
     subprocess.run(["tar", "xzf", next(sdist.glob("*.tar.gz")), "-C", str(sdist)], check=True)
     llama = next(sdist.glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
-    subprocess.run([str(hf_python), "-m", "pip", "install", "-q", "gguf", "sentencepiece"], check=True)
-    subprocess.run([str(hf_python), str(llama / "convert_hf_to_gguf.py"), folder, "--outtype", outtype,
-                    "--outfile", str(target)], check=True, env={**os.environ, "NO_LOCAL_GGUF": "1"})
+    subprocess.run([str(hf_python), "-m", "pip", "install", "-q", "sentencepiece", "pyyaml"], check=True)
+    subprocess.run([str(hf_python), str(llama / "convert_hf_to_gguf.py"), str(_with_architectures(folder, sdist)),
+                    "--outtype", outtype,
+                    "--outfile", str(target)], check=True,
+                   env={**os.environ, "PYTHONPATH": str(llama / "gguf-py")})  # the converter's own gguf-py
     return target
+
+
+def _with_architectures(folder: str, scratch: Path) -> Path:
+    """The folder as llama.cpp's converter reads it: config.json must name `architectures`, which
+    the GGUF conversion Tengyun caches leaves out (transformers goes by model_type)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config.get("architectures"):
+        return Path(folder)
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    copy = scratch / "hf"
+    copy.mkdir()
+    for item in Path(folder).iterdir():
+        (copy / item.name).symlink_to(item)
+    (copy / "config.json").unlink()
+    (copy / "config.json").write_text(json.dumps({**config, "architectures": [names[config["model_type"]]]}))
+    return copy
 
 
 def compare_module():
