@@ -27,6 +27,7 @@ NON_DEFAULTS = dict(
     headless=True, distributed_timeout=60.5, numa_bind="off", device_init_timeout=30.0, skip_version_check=True,
     rank_table=str(Path(__file__).parents[1] / "fixtures" / "ops" / "hccl_2x2.json"),  # 2 servers x 2 NPUs
     speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}',
+    quantization="compressed-tensors",
 )
 
 
