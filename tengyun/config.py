@@ -358,20 +358,23 @@ class EngineConfig:
                              f"use at most {spec.num_layers}.")
 
     def _check_quantization(self) -> None:
-        """Quantised checkpoints (config.json quantization_config) hold tensors no layer here reads,
-        except FP8 block-quantized ones (ModelSpec.fp8_block), dequantized at load where the platform
-        has no FP8 matmul (Platform.fp8_matmul): say so rather than fail on the first unknown name."""
-        method, block = self.model_spec.quantization, self.model_spec.fp8_block
+        """The checkpoint's quantisation (config.json quantization_config, or --quantization), read
+        once here: a format or scheme Tengyun cannot run is refused before any weight loads.
+        FP8 block-quantized checkpoints (ModelSpec.fp8_block) are dequantized at load where the
+        platform has no FP8 matmul (Platform.fp8_matmul). --load-format dummy of a format Tengyun
+        does not read fills dense random weights."""
+        block = self.model_spec.fp8_block
         if block is not None:
             self._log_fp8_dequantization(block)
             return
-        if method and self.load_format != "dummy":
-            fp8_hint = ("; an fp8 checkpoint loads when it is block-quantized (weight_block_size, e.g. [128, 128]) "
-                        "with activation_scheme dynamic") if method == "fp8" else ""
-            raise ValueError(
-                f"{self.model_path} is a quantized checkpoint (config.json quantization_config: quant_method "
-                f"{method!r}), which Tengyun cannot load yet{fp8_hint}: serve the unquantized (bf16 / fp16) "
-                f"checkpoint, or pass --load-format dummy for random weights of its shapes.")
+        if self.load_format == "dummy" and self.model_spec.quantization not in (None, *QUANT_METHODS):
+            logger.info("--load-format dummy: %s's %r quantization is not read; random dense weights", self.model,
+                        self.model_spec.quantization)
+            return
+        hf_config = json.loads((self.model_path / "config.json").read_text())
+        self.quant_config = detect_quantization(hf_config, self.quantization, self.model_path)
+        if self.quant_config:
+            logger.info("Quantized checkpoint: %s", self.quant_config.describe())
 
     def _log_fp8_dequantization(self, block: tuple[int, int]) -> None:
         from tengyun.platforms import platform_class
@@ -397,17 +400,6 @@ class EngineConfig:
         if spec.method == "mtp" and self.world_size > 1:
             raise ValueError(f"--speculative-config method mtp runs on one rank for now, but --tensor-parallel-size x "
                              f"--pipeline-parallel-size is {self.world_size}: use method ngram, or one rank.")
-        """The checkpoint's quantisation (config.json quantization_config, or --quantization), read
-        once here: a format or scheme Tengyun cannot run is refused before any weight loads.
-        --load-format dummy of a format Tengyun does not read fills dense random weights."""
-        if self.load_format == "dummy" and self.model_spec.quantization not in (None, *QUANT_METHODS):
-            logger.info("--load-format dummy: %s's %r quantization is not read; random dense weights", self.model,
-                        self.model_spec.quantization)
-            return
-        hf_config = json.loads((self.model_path / "config.json").read_text())
-        self.quant_config = detect_quantization(hf_config, self.quantization, self.model_path)
-        if self.quant_config:
-            logger.info("Quantized checkpoint: %s", self.quant_config.describe())
 
     # ----- derived values -------------------------------------------------------------
     @property
