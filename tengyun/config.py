@@ -371,6 +371,12 @@ class EngineConfig:
             logger.info("--load-format dummy: %s's %r quantization is not read; random dense weights", self.model,
                         self.model_spec.quantization)
             return
+        if self.model_spec.quantization == "fp8" and self.load_format != "dummy":
+            raise ValueError(
+                f"{self.model_path} is a quantized checkpoint (config.json quantization_config: quant_method 'fp8'), "
+                "which Tengyun cannot load yet; an fp8 checkpoint loads when it is block-quantized "
+                "(weight_block_size, e.g. [128, 128]) with activation_scheme dynamic: serve the unquantized "
+                "(bf16 / fp16) checkpoint, or pass --load-format dummy for random weights of its shapes.")
         hf_config = json.loads((self.model_path / "config.json").read_text())
         self.quant_config = detect_quantization(hf_config, self.quantization, self.model_path)
         if self.quant_config:
