@@ -9,7 +9,8 @@ reference (what float32 W4A16 runs). Milliseconds per call, best of 3 rounds of 
 from __future__ import annotations
 
 import functools
-import time
+import os
+import sys
 
 import torch
 
@@ -19,19 +20,11 @@ from tengyun.platforms.cpu_quant import CpuInt4PackKernel, CpuW8A8Kernel
 from tengyun.quantization.compressed_tensors import w8a8_scheme, weight_only_scheme
 from tengyun.quantization.packing import pack_int32, quantize_symmetric
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from linear_kernels import _ms  # noqa: E402 - the same best-of-3 timer
+
 SHAPES = {"qkv 576->960": (960, 576), "gate_up 576->3072": (3072, 576), "down 1536->576": (576, 1536)}
 COLUMNS = ("fp32 oneDNN", "bf16 oneDNN", "W8A8 int_mm", "W4A16 int4 bf16", "W4A16 int4 fp32", "W4A16 dequant fp32")
-
-
-def _ms(fn, calls: int = 20) -> float:
-    best = float("inf")
-    for _ in range(3):
-        fn()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e3)
-    return best
 
 
 def _kernels(weight: torch.Tensor) -> dict:
@@ -61,7 +54,7 @@ def main() -> None:
         kernels = _kernels(torch.randn(out_features, in_features))
         for rows in (1, 32):
             x = torch.randn(rows, in_features)
-            times = [_ms(functools.partial(kernel.apply, x.to(dtype), prepared, None))
+            times = [_ms(functools.partial(kernel.apply, x.to(dtype), prepared, None), calls=20)
                      for kernel, prepared, dtype in (kernels[c] for c in COLUMNS)]
             print(f"| {name} | {rows} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
 

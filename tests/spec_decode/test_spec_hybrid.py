@@ -9,6 +9,8 @@ import pytest
 
 from tengyun import LLM, SamplingParams
 
+from spec_checks import assert_same_tokens_and_logprobs
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [[7, 7, 9, 7, 7, 9, 7], [9, 9, 9, 9, 9, 2, 9], [5, 17, 29, 41, 5, 17, 29, 41, 5, 17], list(range(10, 50)),
            [100, 7, 101, 9, 102, 7, 103, 9]]
@@ -31,9 +33,4 @@ def test_greedy_tokens_and_logprobs_identical_with_rejected_drafts(tiny_hybrid_c
     assert engine_stats.num_preemptions > 0 and engine_stats.kv_cache_usage == 0.0
     pool = llm.llm_engine.scheduler.state_pool
     assert pool.num_free == pool.num_slots
-    for expected, got in zip(outputs[False], outputs[True]):
-        assert got.token_ids == expected.token_ids
-        for e_step, g_step in zip(expected.logprobs, got.logprobs):
-            assert list(g_step) == list(e_step)
-            assert [x.logprob for x in g_step.values()] == pytest.approx([x.logprob for x in e_step.values()],
-                                                                        abs=1e-4)
+    assert_same_tokens_and_logprobs(outputs[False], outputs[True])

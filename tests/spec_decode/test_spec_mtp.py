@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, make_tiny_qwen3_5, randomize_norms_and_routers
 from tengyun import LLM, SamplingParams
 
+from spec_checks import assert_same_tokens_and_logprobs
+
 PROMPTS = [[7, 7, 9, 7, 7, 9, 7], [5, 17, 29, 41, 5, 17, 29, 41, 5, 17], list(range(10, 50)),
            [100, 7, 101, 9, 102, 7, 103, 9]]
 SMALL = dict(block_size=8, max_model_len=104, num_gpu_blocks_override=13, max_num_batched_tokens=16, max_num_seqs=8)
@@ -148,12 +150,7 @@ def _assert_same_as_without_speculation(path: str, accepted_at_least: int) -> No
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= accepted_at_least
     assert stats.num_accepted_tokens < stats.num_draft_tokens
     assert engine_stats.num_preemptions > 0 and engine_stats.kv_cache_usage == 0.0
-    for expected, got in zip(outputs[False], outputs[True]):
-        assert got.token_ids == expected.token_ids
-        for e_step, g_step in zip(expected.logprobs, got.logprobs):
-            assert list(g_step) == list(e_step)
-            assert [x.logprob for x in g_step.values()] == pytest.approx([x.logprob for x in e_step.values()],
-                                                                        abs=1e-4)
+    assert_same_tokens_and_logprobs(outputs[False], outputs[True])
 
 
 def test_mtp_with_two_ranks_is_refused_naming_the_field(mtp_checkpoint):
