@@ -32,7 +32,10 @@ INTEGER_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32
 
 
 def layout_dtype(layout, act_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype of a TensorLayout (tengyun/quantization/scheme.py): "act" is ``act_dtype``."""
+    """The torch dtype of a TensorLayout (tengyun/quantization/scheme.py): "act" is ``act_dtype``;
+    "float32" a scale kept in float32 whatever --dtype is (ModelSlim's deq_scale)."""
+    if layout.dtype == "float32":
+        return torch.float32
     return act_dtype if layout.dtype == "act" else INTEGER_DTYPES[layout.dtype]
 
 

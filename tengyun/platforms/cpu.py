@@ -109,6 +109,8 @@ class CpuPlatform(Platform):
 
         if scheme.kernel == "w8a8_int8":
             return cpu_quant.CpuW8A8Kernel(scheme)
+        if scheme.kernel == "w8a8_static_int8":
+            return cpu_quant.CpuW8A8StaticKernel(scheme)
         dtype_name = str(dtype).removeprefix("torch.")
         if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             return cpu_quant.CpuInt4PackKernel(scheme)  # layers whose outputs torch cannot pack: the reference

@@ -3,6 +3,8 @@ references (which they fall back to for a layer they cannot run).
 
 - W8A8: activations quantised per token, then torch._int_mm (oneDNN's int8 GEMM, VNNI where the
   cores have it) on the int8 weight's transposed view, int32 sums scaled back in float32.
+  msModelSlim's static W8A8 alike, activations quantised with its one input scale and offset,
+  quant_bias added to the int32 sums.
 - 4-bit weight-only in bfloat16: torch's int4 CPU matmul (_weight_int4pack_mm_for_cpu) on the
   weight repacked once (_convert_weight_to_int4pack_for_cpu: unsigned nibbles q + 8, outputs a
   multiple of 16) with scales_and_zeros [in / group, out, 2]: w = (q + 8 - 8) * scale + zero,
@@ -14,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from tengyun.layers.quant_kernels import (
-    QuantLinearKernel, ReferenceWNA16Kernel, Tensors, quantize_per_token, unpacked_weight,
+    QuantLinearKernel, ReferenceW8A8StaticKernel, ReferenceWNA16Kernel, Tensors, quantize_per_tensor,
+    quantize_per_token, unpacked_weight,
 )
 
 
@@ -48,3 +51,13 @@ class CpuInt4PackKernel(ReferenceWNA16Kernel):
                                                         prepared["scales_and_zeros"])
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
+
+
+class CpuW8A8StaticKernel(ReferenceW8A8StaticKernel):
+    """msModelSlim static W8A8: the reference's prepare, the int32 sums through torch._int_mm."""
+
+    def apply(self, x, prepared, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        x_q = quantize_per_tensor(x2, prepared["input_scale_reciprocal"], prepared["input_offset"])
+        acc = torch._int_mm(x_q, prepared["weight"].t()) + prepared["quant_bias"]  # [M, out] int32
+        return (acc.float() * prepared["deq_scale"]).to(x.dtype).reshape(*x.shape[:-1], -1)

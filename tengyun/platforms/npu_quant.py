@@ -10,6 +10,11 @@ against a reference of those documented semantics (tests/platforms/fake_torch_np
   per channel), antiquant_group_size=group)`` = x @ (w * scale), with w int8 [K, N], or for 4
   bits ``npu_convert_weight_to_int4pack(w int32 [K, N]) -> int32 [K, N / 8]``. Asymmetric
   checkpoints run the reference (dequantize, then matmul).
+- msModelSlim static W8A8, as vLLM-Ascend: ``npu_quantize(x, 1 / input_scale [K], input_offset
+  [K], torch.qint8, -1, div_mode=False)`` = round(x * (1 / input_scale) + input_offset), then
+  ``npu_quant_matmul(x_q, w [K, N], deq_scale [N], bias=quant_bias int32 [N], output_dtype)`` =
+  (x_q @ w + quant_bias) * deq_scale; deq_scale float32 for bfloat16 outputs, its bits in int64
+  for float16 ones.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import importlib
 
 import torch
 
-from tengyun.layers.quant_kernels import QuantLinearKernel, Tensors, reference_kernel, unpacked_weight
+from tengyun.layers.quant_kernels import (
+    QuantLinearKernel, Tensors, deq_scale_float32, reference_kernel, refuse_tensor_parallel_static_w8a8,
+    unpacked_weight,
+)
 
 
 class NpuW8A8Kernel(QuantLinearKernel):
@@ -63,9 +71,37 @@ class NpuWNA16Kernel(QuantLinearKernel):
         return y if bias is None else y + bias
 
 
+class NpuW8A8StaticKernel(QuantLinearKernel):
+    frees_original = True
+
+    def __init__(self, scheme):
+        super().__init__(scheme)
+        self.npu = importlib.import_module("torch_npu")
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        refuse_tensor_parallel_static_w8a8()
+        weight = tensors["weight"]  # [N, K] int8
+        k = weight.shape[1]
+        deq = deq_scale_float32(tensors["deq_scale"])  # [N]
+        return {"weight": weight.t().contiguous(), "quant_bias": tensors["quant_bias"], "deq_scale": deq,
+                "deq_scale_int64": deq.view(torch.int32).to(torch.int64),
+                "scale_reciprocal": (1.0 / tensors["input_scale"]).repeat(k),  # [K] in the activations' dtype
+                "offset": tensors["input_offset"].repeat(k)}
+
+    def apply(self, x, prepared, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        x_q = self.npu.npu_quantize(x2, prepared["scale_reciprocal"], prepared["offset"], torch.qint8, -1, False)
+        scale = prepared["deq_scale_int64" if x.dtype == torch.float16 else "deq_scale"]
+        y = self.npu.npu_quant_matmul(x_q, prepared["weight"], scale, bias=prepared["quant_bias"],
+                                      output_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], -1)
+
+
 def npu_quant_kernel(scheme) -> QuantLinearKernel:
     if scheme.kernel == "w8a8_int8":
         return NpuW8A8Kernel(scheme)
+    if scheme.kernel == "w8a8_static_int8":
+        return NpuW8A8StaticKernel(scheme)
     if scheme.kernel == "wna16_int" and scheme.symmetric:
         return NpuWNA16Kernel(scheme)
     return reference_kernel(scheme)

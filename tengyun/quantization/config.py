@@ -82,7 +82,8 @@ def detect_quantization(hf_config: Mapping[str, Any], forced: str | None = None,
     """config.json (and --quantization ``forced``) -> the checkpoint's QuantConfig; None when it
     is not quantised. Raises QuantizationError naming the field and the supported values."""
     section = quantization_section(hf_config)
-    stated = (section.get("quant_method") or "unknown") if section else None
+    side = side_file_method(folder)
+    stated = (section.get("quant_method") or side or "unknown") if section else side
     if forced and stated and forced != stated:
         raise QuantizationError(
             f"--quantization {forced} disagrees with config.json's quantization_config.quant_method "
@@ -95,3 +96,22 @@ def detect_quantization(hf_config: Mapping[str, Any], forced: str | None = None,
             f"quantization method {method!r} (config.json quantization_config.quant_method, or --quantization) "
             f"is not supported; Tengyun reads: {', '.join(sorted(QUANT_METHODS))}.")
     return QUANT_METHODS[method](section or {}, folder)
+
+
+# ----- Ascend msModelSlim: quant_model_description.json beside the weights (modelslim.py) ---------
+def _ascend(quant: Mapping[str, Any], folder: Path | None) -> QuantConfig:
+    from tengyun.quantization import modelslim
+
+    return modelslim.from_folder(folder)
+
+
+QUANT_METHODS["ascend"] = _ascend
+# a side file in the model folder that names the method when config.json names none (vLLM-Ascend's
+# --quantization ascend, which SGLang and vLLM-Ascend on NPUs detect from the file)
+SIDE_FILE_METHODS = {"quant_model_description.json": "ascend"}
+
+
+def side_file_method(folder: Path | str | None) -> str | None:
+    if folder is None:
+        return None
+    return next((method for name, method in SIDE_FILE_METHODS.items() if (Path(folder) / name).is_file()), None)

@@ -95,14 +95,30 @@ def npu_dynamic_quant(x, smooth_scales=None):
     return torch.clamp(torch.round(x.float() / scale.unsqueeze(-1)), -128, 127).to(torch.int8), scale
 
 
+def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
+    # per-channel along ``axis`` (scales, zero_points [C]): round(x / s + z) (div_mode) or
+    # round(x * s + z), saturated to int8 for dtype torch.qint8
+    assert dtype == torch.qint8 and axis == -1 and scales.shape == zero_points.shape == input.shape[-1:]
+    y = input.float() / scales.float() if div_mode else input.float() * scales.float()
+    return torch.clamp(torch.round(y + zero_points.float()), -128, 127).to(torch.int8)
+
+
 def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None):
-    # x1 int8 [M, K], x2 int8 [K, N], scale [N] (or [1]), pertoken_scale float32 [M]:
-    # (x1 @ x2) in int32, times scale per column and pertoken_scale per row, in output_dtype
+    # x1 int8 [M, K], x2 int8 [K, N], scale [N] (or [1]; float32, or int64 holding float32 bits for
+    # float16 outputs), pertoken_scale float32 [M] or None: (x1 @ x2) in int32 (+ an int32 bias),
+    # times scale per column and pertoken_scale per row (+ a float bias), in output_dtype
     assert x1.dtype == x2.dtype == torch.int8 and x1.shape[1] == x2.shape[0] and offset is None
     assert scale.dim() == 1 and scale.shape[0] in (1, x2.shape[1])
-    assert pertoken_scale.dtype == torch.float32 and pertoken_scale.shape == x1.shape[:1]
+    if pertoken_scale is None:  # without per-token scales, float16 outputs take the int64 scale form
+        assert (scale.dtype == torch.int64) == (output_dtype == torch.float16)
+    scale = scale.to(torch.int32).view(torch.float32) if scale.dtype == torch.int64 else scale.float()
     acc = (x1.to(torch.int64) @ x2.to(torch.int64)).float()
-    y = acc * scale.float() * pertoken_scale.unsqueeze(-1)
+    if bias is not None and bias.dtype == torch.int32:
+        acc, bias = acc + bias.float(), None
+    y = acc * scale
+    if pertoken_scale is not None:
+        assert pertoken_scale.dtype == torch.float32 and pertoken_scale.shape == x1.shape[:1]
+        y = y * pertoken_scale.unsqueeze(-1)
     return (y if bias is None else y + bias.float()).to(output_dtype or torch.int8)
 
 
@@ -143,7 +159,7 @@ def module() -> types.ModuleType:
     fake.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # no torch.npu: the platform stays CPU
     fake.calls = collections.Counter()
     for op in (_npu_reshape_and_cache, npu_fused_infer_attention_score, npu_rms_norm, npu_add_rms_norm,
-               npu_rotary_mul, npu_dynamic_quant, npu_quant_matmul, npu_convert_weight_to_int4pack,
+               npu_rotary_mul, npu_dynamic_quant, npu_quantize, npu_quant_matmul, npu_convert_weight_to_int4pack,
                npu_weight_quant_batchmatmul):
         setattr(fake, op.__name__, _counted(op, fake.calls))
     return fake
