@@ -206,3 +206,25 @@ def test_plan_counts_the_stored_bytes(modelslim, tiny_checkpoints):
         assert quantization.startswith(f"ModelSlim {kind} ")
         repeated = 2 * 3 * 2 * 4 if kind == "W8A8" else 0  # 2 layers x 3 pairs x 2 float32
         assert planned - dense_planned == _stored(folder) - repeated - _stored(dense)
+
+
+def test_static_kernels_agree_and_read_int64_deq_scales(monkeypatch):
+    """CPU (torch._int_mm) and the reference give the same outputs; int64 deq_scale holds the
+    float32's bits (0x3C000000 -> 2^-7); static W8A8 refuses to split under tensor parallelism."""
+    from tengyun.layers import quant_kernels
+    from tengyun.platforms.cpu_quant import CpuW8A8StaticKernel
+    from tengyun.quantization.modelslim import static_scheme
+
+    assert quant_kernels.deq_scale_float32(torch.tensor([0x3C000000], dtype=torch.int64)).item() == 2.0 ** -7
+    torch.manual_seed(0)
+    tensors = {"weight": torch.randint(-128, 128, (48, 64), dtype=torch.int8),
+               "weight_scale": torch.rand(48, 1), "weight_offset": torch.zeros(48, 1),
+               "input_scale": torch.tensor([0.02]), "input_offset": torch.tensor([-3.0]),
+               "deq_scale": torch.rand(48) * 1e-3, "quant_bias": torch.randint(-5000, 5000, (48,), dtype=torch.int32)}
+    x = torch.randn(2, 5, 64)
+    reference = quant_kernels.ReferenceW8A8StaticKernel(static_scheme())
+    cpu = CpuW8A8StaticKernel(static_scheme())
+    assert torch.equal(cpu.apply(x, cpu.prepare(tensors), None), reference.apply(x, reference.prepare(tensors), None))
+    monkeypatch.setattr(quant_kernels, "get_tp_size", lambda: 2)
+    with pytest.raises(ValueError, match="static W8A8 .* runs at --tensor-parallel-size 1"):
+        cpu.prepare(tensors)
