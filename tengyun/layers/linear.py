@@ -20,7 +20,7 @@ from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.quant_kernels import reference_kernel
 from tengyun.layers.weight_loading import (
-    WeightFormatError, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
+    check_dropped, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
 )
 from tengyun.quantization.scheme import BIAS, DENSE_WEIGHT, IN, OUT, LinearScheme, TensorLayout
 
@@ -78,10 +78,8 @@ class LinearBase(nn.Module):
         check_shape(torch.empty(layout.shape(out_total, self.in_total), device="meta"), loaded)
         if self.scheme is not None:
             check_integer_dtype(param, loaded, layout, self.scheme.description)
-        if not layout.kept:  # weight_shape: the dense shape this tensor's shard stands for
-            if loaded.tolist() != [out_total, self.in_total]:
-                raise WeightFormatError(f"says the layer is {loaded.tolist()}, but config.json makes it "
-                                        f"{[out_total, self.in_total]}")
+        if not layout.kept:  # weight_shape (the dense shape this shard stands for), GPTQ's trivial g_idx, ...
+            check_dropped(layout, loaded, self.scheme, out_total, self.in_total)
             return
         in_axis = layout.axis(IN)
         if in_axis and layout.split_in and self.in_features != self.in_total:
