@@ -96,24 +96,41 @@ def dequantize_unpacked(w: Unpacked, dtype: torch.dtype) -> torch.Tensor:
 
 
 def in_group_order(w: Unpacked, group_size: int | None) -> tuple[Unpacked, torch.Tensor | None] | None:
-    """GPTQ act order -> the same layer with its inputs sorted by group, so groups are contiguous
-    runs of ``group_size`` inputs as the packed kernels need, and ``perm`` int64 [in]: y = x[:, perm]
+    """GPTQ act order -> the same layer with its inputs sorted by group, so that groups are runs of
+    ``group_size`` inputs as the packed kernels need, and ``perm`` int64: y = gather_inputs(x, perm)
     @ w_sorted^T. g_idx [1, 0, 1, 0] (group 2) -> perm [1, 3, 0, 2]. (w, None) when already in
-    order; None when the inputs do not fill whole groups (a row-parallel rank's slice of an
-    act-order layer: every rank holds all groups' scales, its inputs use any of them)."""
+    order. A row-parallel rank's slice uses each group for fewer than ``group_size`` of its inputs:
+    every group is padded to ``group_size`` with inputs that read a zero activation (perm entry
+    ``in``), so the rank holds all groups (as many packed inputs as the whole layer).
+    g_idx [1, 0, 1] of 2 groups of 2 -> perm [1, 3, 0, 2], q's columns [q1, 0, q0, q2]. None:
+    a group holds more than ``group_size`` inputs (not a GPTQ g_idx)."""
     if w.g_idx is None:
         return w, None
     in_, groups = w.q.shape[1], w.scale.shape[1]
-    if group_size is None or groups * group_size != in_:
+    counts = torch.bincount(w.g_idx, minlength=groups)
+    if group_size is None or counts.numel() != groups or bool((counts > group_size).any()):
         return None
     perm = torch.argsort(w.g_idx, stable=True)
-    in_order = torch.arange(in_, device=perm.device)
-    if not torch.equal(w.g_idx[perm], in_order // group_size):
-        return None
     unsorted = Unpacked(w.q, w.scale, w.zero, None)
-    if torch.equal(perm, in_order):
-        return unsorted, None
-    return unsorted._replace(q=w.q.index_select(1, perm).contiguous()), perm
+    if groups * group_size == in_:
+        if torch.equal(perm, torch.arange(in_, device=perm.device)):
+            return unsorted, None
+        return unsorted._replace(q=w.q.index_select(1, perm).contiguous()), perm
+    sorted_groups = w.g_idx[perm]
+    first_of_group = torch.cumsum(counts, 0) - counts  # sorted position of each group's first input
+    slots = sorted_groups * group_size + torch.arange(in_, device=perm.device) - first_of_group[sorted_groups]
+    padded_perm = torch.full((groups * group_size,), in_, dtype=perm.dtype, device=perm.device)
+    padded_perm[slots] = perm
+    q = torch.zeros(w.q.shape[0], groups * group_size, dtype=w.q.dtype, device=w.q.device)
+    q[:, slots] = w.q.index_select(1, perm)
+    return unsorted._replace(q=q), padded_perm
+
+
+def gather_inputs(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x [M, in] -> [M, len(perm)]: x[:, perm], an entry ``in`` (in_group_order's padding) reading 0."""
+    if perm.numel() != x.shape[1]:
+        x = F.pad(x, (0, 1))
+    return x.index_select(1, perm)
 
 
 class ReferenceWNA16Kernel(QuantLinearKernel):

@@ -122,12 +122,13 @@ class CpuPlatform(Platform):
         """torch's int4 layout keeps the packed bytes (in x out / 2) and stores a zero term beside
         every scale ([in / group, out, 2] in ``dtype``); a zero point, if any, is folded into it.
         GPTQ act order adds its input permutation (int64 [in]); a row-parallel slice of it
-        (``in_`` < ``in_total``) stays on the reference, holding the checkpoint's tensors."""
+        (``in_`` < ``in_total``) is padded to every group: the whole layer's inputs."""
         from tengyun.model_spec import DTYPE_BYTES
 
-        row_parallel_act_order = scheme.act_order and in_total not in (None, in_)
-        if not int4pack_fits(scheme, dtype, out) or row_parallel_act_order:
+        if not int4pack_fits(scheme, dtype, out):
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
+        if scheme.act_order:
+            in_ = in_total or in_
         scales = out * (in_ // scheme.group_size) * DTYPE_BYTES[dtype]
         return out * in_ // 2 + 2 * scales + (8 * in_ if scheme.act_order else 0)
 

@@ -19,7 +19,7 @@ import importlib
 import torch
 
 from tengyun.layers.quant_kernels import (
-    QuantLinearKernel, Tensors, in_group_order, reference_kernel, unpacked_weight,
+    QuantLinearKernel, Tensors, gather_inputs, in_group_order, reference_kernel, unpacked_weight,
 )
 
 
@@ -44,8 +44,8 @@ class NpuW8A8Kernel(QuantLinearKernel):
 
 class NpuWNA16Kernel(QuantLinearKernel):
     """Any packing (compressed-tensors, AWQ, GPTQ) read into Unpacked; a zero point becomes
-    antiquant_offset = -zero; GPTQ act order sorts the inputs by group once, the activations per
-    call; a row-parallel slice of an act-order layer stays on the reference."""
+    antiquant_offset = -zero; GPTQ act order sorts the inputs by group once (a row-parallel slice
+    padded to every group), the activations per call."""
 
     frees_original = True
 
@@ -74,7 +74,7 @@ class NpuWNA16Kernel(QuantLinearKernel):
             return self.reference.apply(x, prepared, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if "perm" in prepared:
-            x2 = x2.index_select(1, prepared["perm"])
+            x2 = gather_inputs(x2, prepared["perm"])
         y = self.npu.npu_weight_quant_batchmatmul(x2, prepared["weight"], antiquant_scale=prepared["antiquant_scale"],
                                                   antiquant_offset=prepared.get("antiquant_offset"),
                                                   antiquant_group_size=self.scheme.group_size or 0)

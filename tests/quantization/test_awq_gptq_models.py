@@ -123,3 +123,12 @@ def test_quantization_flag_reads_autogptq_s_side_file(folders, tmp_path):
     expected = [o.token_ids for o in _tengyun(folders["gptq4_sym_v1_qwen2"][0])]
     assert [o.token_ids for o in _tengyun(folder, quantization="gptq")] == expected
 
+
+
+def test_tp2_bfloat16_runs_act_order_row_parallel_slices_through_the_int4_matmul(folders):
+    """In bfloat16 every layer runs torch's int4 matmul, a row-parallel rank's act-order slice
+    padded to every group (quant_kernels.in_group_order): the tokens are the single process's
+    (logprobs differ by bfloat16 summation order, measured <= 0.07)."""
+    folder, _ = folders["gptq4_asym_act_order_v2_llama"]
+    single = [o.token_ids for o in _tengyun(folder, dtype="bfloat16")]
+    assert [o.token_ids for o in _tengyun(folder, dtype="bfloat16", tensor_parallel_size=2)] == single
