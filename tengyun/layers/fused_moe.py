@@ -121,8 +121,9 @@ class FusedMoE(nn.Module):
         if not layout.kept:
             check_dropped(layout, loaded, self.scheme, out, in_, "expert")
             return
-        if block is not None:
-            dim, per = layout.axis(OUT)
+        out_axis = layout.axis(OUT)
+        if block is not None and out_axis is not None:  # no output dim (g_idx): gate and up share it
+            dim, per = out_axis
             target = target.narrow(dim, block * out // per, out // per)
         target.copy_(loaded)
 

@@ -28,6 +28,7 @@ CASES = {  # name -> (tiny architecture, format)
     "gptq4_sym_v1_qwen2": ("qwen2", Format("gptq", bits=4, sym=True)),
     "gptq4_asym_act_order_v2_llama": ("llama", Format("gptq", bits=4, desc_act=True, checkpoint_format="gptq_v2")),
     "gptq8_asym_act_order_v1_qwen3": ("qwen3", Format("gptq", bits=8, desc_act=True)),
+    "gptq4_act_order_v1_qwen3_moe": ("qwen3_moe", Format("gptq", bits=4, desc_act=True)),  # experts' g_idx
     "gptq8_sym_per_channel_v2_llama": ("llama", Format("gptq", bits=8, group=-1, sym=True,
                                                        checkpoint_format="gptq_v2")),
 }
@@ -92,6 +93,8 @@ BROKEN = [  # (case, tensor change, config change, message)
      r"false: set desc_act true"),
     ("gptq8_asym_act_order_v1_qwen3", _set("model.layers.0.self_attn.q_proj.qweight", lambda q: q[:8].contiguous()),
      None, r"model\.layers\.0\.self_attn\.q_proj\.qweight .* has shape \[8, 128\].*expects \[16, 128\]"),
+    ("gptq4_asym_act_order_v2_llama", _set("model.layers.0.self_attn.k_proj.g_idx", lambda g: g.flip(0).contiguous()),
+     None, r"self_attn\.[qk]_proj\.g_idx .* differs from the g_idx of another module fused into this layer"),
     ("gptq4_sym_v1_qwen2", None, lambda q: q.update(bits=3),
      r"quantization_config\.bits is 3; Tengyun's GPTQ reader supports 4, 8"),
     ("awq_g32_llama", None, lambda q: q.update(group_size=48),
