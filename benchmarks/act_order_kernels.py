@@ -1,8 +1,8 @@
 """GPTQ act order (desc_act) on CPU in bfloat16, at SmolLM2-135M's shapes, W4A16 group 64: the
 inputs sorted by group once and the activations gathered per call, then torch's int4 matmul
 (what Tengyun runs) against the same layer without act order (the gather's cost) and against
-dequantizing through g_idx per call (the reference, what a row-parallel slice of an act-order
-layer runs). Milliseconds per call, best of 3 rounds of 20.
+dequantizing through g_idx per call (the reference, what float32 runs). Milliseconds per call,
+best of 3 rounds of 20.
 
     python benchmarks/act_order_kernels.py
 """
