@@ -123,6 +123,8 @@ def test_act_order_row_parallel_slice_pads_every_group_for_the_int4_matmul():
     kernel = CpuInt4PackKernel(scheme)
     prepared = kernel.prepare(dict(half))
     assert "int4pack" in prepared
+    held = sum(t.untyped_storage().nbytes() for t in prepared.values())  # what `tengyun plan` counts
+    assert held == CpuPlatform.quantized_weight_bytes(scheme, OUT, IN // 2, "bfloat16", IN)
     x = torch.randn(3, IN // 2, dtype=torch.bfloat16)
     full = reference_kernel(scheme).apply(torch.cat([x, torch.zeros_like(x)], dim=1), tensors, None)
     torch.testing.assert_close(reference_kernel(scheme).apply(x, half, None), full)  # the other half contributes 0

@@ -135,3 +135,4 @@ def test_tp2_bfloat16_runs_act_order_row_parallel_slices_through_the_int4_matmul
     folder, _ = folders["gptq4_asym_act_order_v2_llama"]
     single = [o.token_ids for o in _tengyun(folder, dtype="bfloat16")]
     assert [o.token_ids for o in _tengyun(folder, dtype="bfloat16", tensor_parallel_size=2)] == single
+
