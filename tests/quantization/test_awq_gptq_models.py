@@ -21,6 +21,7 @@ from test_quantized_models import _hf_greedy, _prompts, _tengyun
 sys.path.insert(0, str(Path(__file__).parent))
 from awq_gptq_layouts import Format, write_checkpoint  # noqa: E402
 
+BF16_STEPS, BF16_TP_LOGPROB_TOLERANCE = 4, 0.2
 CASES = {  # name -> (tiny architecture, format)
     "awq_g32_llama": ("llama", Format("awq", group=32)),
     "awq_g64_qwen2": ("qwen2", Format("awq", group=64)),  # qkv bias
@@ -130,9 +131,14 @@ def test_quantization_flag_reads_autogptq_s_side_file(folders, tmp_path):
 
 def test_tp2_bfloat16_runs_act_order_row_parallel_slices_through_the_int4_matmul(folders):
     """In bfloat16 every layer runs torch's int4 matmul, a row-parallel rank's act-order slice
-    padded to every group (quant_kernels.in_group_order): the tokens are the single process's
-    (logprobs differ by bfloat16 summation order, measured <= 0.07)."""
+    padded to every group (quant_kernels.in_group_order). bfloat16 sums in another order on two
+    ranks (logprobs measured within 0.07 over all 30 tokens), so a late greedy tie may flip: the
+    first BF16_STEPS tokens of each prompt are the single process's, their logprobs within
+    BF16_TP_LOGPROB_TOLERANCE; a misread slice differs from the first token."""
     folder, _ = folders["gptq4_asym_act_order_v2_llama"]
-    single = [o.token_ids for o in _tengyun(folder, dtype="bfloat16")]
-    assert [o.token_ids for o in _tengyun(folder, dtype="bfloat16", tensor_parallel_size=2)] == single
-
+    single = _tengyun(folder, dtype="bfloat16")
+    for one, two in zip(single, _tengyun(folder, dtype="bfloat16", tensor_parallel_size=2)):
+        assert two.token_ids[:BF16_STEPS] == one.token_ids[:BF16_STEPS]
+        for step, token in enumerate(one.token_ids[:BF16_STEPS]):
+            assert abs(one.logprobs[step][token].logprob - two.logprobs[step][token].logprob) < \
+                BF16_TP_LOGPROB_TOLERANCE
