@@ -104,13 +104,14 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(tiny_checkpoints, t
     import json
     import shutil
 
-    folder = shutil.copytree(tiny_checkpoints["qwen2"], tmp_path / "awq")
+    folder = shutil.copytree(tiny_checkpoints["qwen2"], tmp_path / "bnb")
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization method 'awq'.*not supported; Tengyun reads: compressed-tensors"):
+    with pytest.raises(ValueError, match="quantization method 'bitsandbytes'.*not supported; Tengyun reads: "
+                                         ".*compressed-tensors"):
         EngineConfig(str(folder)).finalize()
-    assert EngineConfig(str(folder), load_format="dummy").finalize().model_spec.quantization == "awq"
+    assert EngineConfig(str(folder), load_format="dummy").finalize().model_spec.quantization == "bitsandbytes"
 
 
 def test_quantization_flag_is_vllms_and_forcing_it_on_a_dense_checkpoint_says_what_is_missing(tiny_checkpoints):

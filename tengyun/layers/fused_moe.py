@@ -19,7 +19,7 @@ from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.quant_kernels import reference_kernel
 from tengyun.layers.weight_loading import (
-    WeightFormatError, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
+    check_dropped, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
 )
 from tengyun.quantization.scheme import OUT, LinearScheme, TensorLayout
 
@@ -119,11 +119,11 @@ class FusedMoE(nn.Module):
         check_shape(torch.empty(layout.shape(out, in_), device="meta"), loaded)
         check_integer_dtype(target, loaded, layout, self.scheme.description)
         if not layout.kept:
-            if loaded.tolist() != [out, in_]:
-                raise WeightFormatError(f"says the expert is {loaded.tolist()}, but config.json makes it {[out, in_]}")
+            check_dropped(layout, loaded, self.scheme, out, in_, "expert")
             return
-        if block is not None:
-            dim, per = layout.axis(OUT)
+        out_axis = layout.axis(OUT)
+        if block is not None and out_axis is not None:  # no output dim (g_idx): gate and up share it
+            dim, per = out_axis
             target = target.narrow(dim, block * out // per, out // per)
         target.copy_(loaded)
 

@@ -20,7 +20,7 @@ from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.quant_kernels import reference_kernel
 from tengyun.layers.weight_loading import (
-    WeightFormatError, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
+    WeightFormatError, check_dropped, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
 )
 from tengyun.quantization.scheme import BIAS, DENSE_WEIGHT, IN, OUT, LinearScheme, TensorLayout
 
@@ -44,6 +44,7 @@ class LinearBase(nn.Module):
         self.in_total = input_total or input_size
         self.params_dtype = dtype
         self.scheme: LinearScheme | None = None  # set by use_quant_scheme
+        self._shared_loaded: set[str] = set()  # tensors without an output dim loaded once already (g_idx)
         self._add_tensor(DENSE_WEIGHT, weight_device())  # meta until the worker knows the quantisation
         if bias:
             self._add_tensor(BIAS, weight_device())
@@ -78,18 +79,21 @@ class LinearBase(nn.Module):
         check_shape(torch.empty(layout.shape(out_total, self.in_total), device="meta"), loaded)
         if self.scheme is not None:
             check_integer_dtype(param, loaded, layout, self.scheme.description)
-        if not layout.kept:  # weight_shape: the dense shape this tensor's shard stands for
-            if loaded.tolist() != [out_total, self.in_total]:
-                raise WeightFormatError(f"says the layer is {loaded.tolist()}, but config.json makes it "
-                                        f"{[out_total, self.in_total]}")
+        if not layout.kept:  # weight_shape (the dense shape this shard stands for), GPTQ's trivial g_idx, ...
+            check_dropped(layout, loaded, self.scheme, out_total, self.in_total)
             return
         in_axis = layout.axis(IN)
         if in_axis and layout.split_in and self.in_features != self.in_total:
             start, count = self._in_part()
             loaded = loaded.narrow(in_axis[0], start // in_axis[1], count // in_axis[1])
         out_axis = layout.axis(OUT)
-        if out_axis is None:
+        if out_axis is None:  # GPTQ's g_idx: one for all the modules fused into this layer
+            if shard_id is not None and layout.name in self._shared_loaded and not torch.equal(param.data, loaded):
+                raise WeightFormatError(f"differs from the {layout.name} of another module fused into this layer: "
+                                        f"Tengyun (as vLLM) runs them as one layer holding one {layout.name}; "
+                                        f"quantize them with one act order (GPTQ does, from their shared input)")
             param.data.copy_(loaded)
+            self._shared_loaded.add(layout.name)
             return
         dim, per = out_axis
         for dst, count, src in parts:

@@ -9,17 +9,21 @@ match.
 
     w8a8_int8: s_x = max|x_t| / 127 per token t, x_q = round(x / s_x) in int8,
                y = (x_q @ w_q^T) * s_x * s_w   (int32 sums; vLLM's dynamic per-token scheme)
-    wna16_int: w = (q - zero) * scale per group of input features, y = x @ w^T
+    wna16_int: w = (q - zero) * scale per group of input features, y = x @ w^T; every packing
+               (compressed-tensors, AWQ, GPTQ) is first read into one form (Unpacked)
     w8a8_static_int8 (msModelSlim W8A8): x_q = round(x / input_scale + input_offset) in int8 for
                the whole tensor, y = (x_q @ w_q^T + quant_bias) * deq_scale
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from tengyun.distributed.parallel_state import get_tp_size
+from tengyun.quantization.awq_gptq_packing import unpack_awq, unpack_gptq
 from tengyun.quantization.packing import dequantize, unpack_int32
 from tengyun.quantization.scheme import LinearScheme
 
@@ -59,21 +63,85 @@ class ReferenceW8A8Kernel(QuantLinearKernel):
         return y if bias is None else y + bias
 
 
-def unpacked_weight(prepared: Tensors, scheme: LinearScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """compressed-tensors pack-quantized -> (q int8 [out, in], zero int8 [out, in / group] or None)."""
+class Unpacked(NamedTuple):
+    """A weight-only layer in the form every wna16 kernel starts from, whatever the checkpoint's
+    packing: w[o, i] = (q[o, i] - zero[o, g(i)]) * scale[o, g(i)], g(i) = g_idx[i], or without
+    g_idx i // (in / groups)."""
+
+    q: torch.Tensor  # int8 [out, in]: the stored unsigned value - 2^(bits-1)
+    scale: torch.Tensor  # [out, groups] (groups 1: per channel), the layer's dtype
+    zero: torch.Tensor | None  # int8 or int16 [out, groups], offset as q; None: symmetric (zero 0)
+    g_idx: torch.Tensor | None  # int64 [in]: GPTQ act order's group of each input; None: in order
+
+
+def unpacked_weight(tensors: Tensors, scheme: LinearScheme) -> Unpacked:
+    """A layer's loaded tensors, packed as ``scheme.packing`` says -> Unpacked. compressed-tensors:
+    weight_packed [out, in * bits / 32], weight_scale [out, groups], weight_zero_point
+    [out * bits / 32, groups]; AWQ and GPTQ: tengyun/quantization/awq_gptq_packing.py."""
+    if scheme.packing == "awq":
+        return Unpacked(*unpack_awq(tensors))
+    if scheme.packing in ("gptq", "gptq_v2"):
+        return Unpacked(*unpack_gptq(tensors, scheme))
     bits = scheme.weight_bits
-    q = unpack_int32(prepared["weight_packed"], bits, dim=1)
-    zero = prepared.get("weight_zero_point")
-    return q, (None if zero is None else unpack_int32(zero, bits, dim=0))
+    q = unpack_int32(tensors["weight_packed"], bits, dim=1)
+    zero = tensors.get("weight_zero_point")
+    return Unpacked(q, tensors["weight_scale"], None if zero is None else unpack_int32(zero, bits, dim=0), None)
+
+
+def dequantize_unpacked(w: Unpacked, dtype: torch.dtype) -> torch.Tensor:
+    """-> [out, in] in ``dtype``, (q - zero) * scale computed in float32."""
+    if w.g_idx is None:
+        return dequantize(w.q, w.scale, w.zero, dtype)
+    values = w.q.float()
+    if w.zero is not None:
+        values -= w.zero.float()[:, w.g_idx]
+    return (values * w.scale.float()[:, w.g_idx]).to(dtype)
+
+
+def in_group_order(w: Unpacked, group_size: int | None) -> tuple[Unpacked, torch.Tensor | None] | None:
+    """GPTQ act order -> the same layer with its inputs sorted by group, so that groups are runs of
+    ``group_size`` inputs as the packed kernels need, and ``perm`` int64: y = gather_inputs(x, perm)
+    @ w_sorted^T. g_idx [1, 0, 1, 0] (group 2) -> perm [1, 3, 0, 2]. (w, None) when already in
+    order. A row-parallel rank's slice uses each group for fewer than ``group_size`` of its inputs:
+    every group is padded to ``group_size`` with inputs that read a zero activation (perm entry
+    ``in``), so the rank holds all groups (as many packed inputs as the whole layer).
+    g_idx [1, 0, 1] of 2 groups of 2 -> perm [1, 3, 0, 2], q's columns [q1, 0, q0, q2]. None:
+    a group holds more than ``group_size`` inputs (not a GPTQ g_idx)."""
+    if w.g_idx is None:
+        return w, None
+    in_, groups = w.q.shape[1], w.scale.shape[1]
+    counts = torch.bincount(w.g_idx, minlength=groups)
+    if group_size is None or counts.numel() != groups or bool((counts > group_size).any()):
+        return None
+    perm = torch.argsort(w.g_idx, stable=True)
+    unsorted = Unpacked(w.q, w.scale, w.zero, None)
+    if groups * group_size == in_:
+        if torch.equal(perm, torch.arange(in_, device=perm.device)):
+            return unsorted, None
+        return unsorted._replace(q=w.q.index_select(1, perm).contiguous()), perm
+    sorted_groups = w.g_idx[perm]
+    first_of_group = torch.cumsum(counts, 0) - counts  # sorted position of each group's first input
+    slots = sorted_groups * group_size + torch.arange(in_, device=perm.device) - first_of_group[sorted_groups]
+    padded_perm = torch.full((groups * group_size,), in_, dtype=perm.dtype, device=perm.device)
+    padded_perm[slots] = perm
+    q = torch.zeros(w.q.shape[0], groups * group_size, dtype=w.q.dtype, device=w.q.device)
+    q[:, slots] = w.q.index_select(1, perm)
+    return unsorted._replace(q=q), padded_perm
+
+
+def gather_inputs(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x [M, in] -> [M, len(perm)]: x[:, perm], an entry ``in`` (in_group_order's padding) reading 0."""
+    if perm.numel() != x.shape[1]:
+        x = F.pad(x, (0, 1))
+    return x.index_select(1, perm)
 
 
 class ReferenceWNA16Kernel(QuantLinearKernel):
-    """weight_packed int32 [out, in * bits / 32], weight_scale [out, in / group] (zero point
-    [out * bits / 32, in / group] when asymmetric): dequantized in x's dtype at every call."""
+    """The checkpoint's tensors (any ``scheme.packing``), unpacked and dequantized in x's dtype at
+    every call (GPTQ act order through g_idx directly, on any rank's slice)."""
 
     def apply(self, x, prepared, bias):
-        q, zero = unpacked_weight(prepared, self.scheme)
-        return F.linear(x, dequantize(q, prepared["weight_scale"], zero, x.dtype), bias)
+        return F.linear(x, dequantize_unpacked(unpacked_weight(prepared, self.scheme), x.dtype), bias)
 
 
 class ReferenceW8A8StaticKernel(QuantLinearKernel):

@@ -7,6 +7,8 @@ import contextvars
 
 import torch
 
+from tengyun.quantization.awq_gptq_packing import dropped_tensor_problem
+
 # Inside deferred_weights(): layers whose tensors depend on the checkpoint's quantisation
 # (linear layers, MoE experts) allocate them on the meta device until they are told.
 _DEFERRED = contextvars.ContextVar("tengyun_deferred_weights", default=False)
@@ -44,6 +46,19 @@ def check_integer_dtype(param: torch.Tensor, loaded: torch.Tensor, layout, descr
     if param.dtype in INTEGER_DTYPES.values() and loaded.dtype != param.dtype:
         raise WeightFormatError(f"is {loaded.dtype}, but {description} stores {layout.name} as {param.dtype}: "
                                 f"the checkpoint does not hold the format config.json claims")
+
+
+def check_dropped(layout, loaded: torch.Tensor, scheme, out: int, in_: int, what: str = "layer") -> None:
+    """A tensor a scheme checks at load, then drops (TensorLayout.kept False): compressed-tensors'
+    weight_shape must say [out, in_]; GPTQ's g_idx without act order and a symmetric checkpoint's
+    qzeros must hold what config.json implies (tengyun/quantization/awq_gptq_packing.py)."""
+    if layout.name == "weight_shape":
+        if loaded.tolist() != [out, in_]:
+            raise WeightFormatError(f"says the {what} is {loaded.tolist()}, but config.json makes it {[out, in_]}")
+        return
+    problem = dropped_tensor_problem(layout.name, loaded, scheme, in_)
+    if problem:
+        raise WeightFormatError(problem)
 
 
 def materialize(module: torch.nn.Module, device: torch.device) -> None:

@@ -121,15 +121,18 @@ class CpuPlatform(Platform):
 
     @classmethod
     def quantized_weight_bytes(cls, scheme, out: int, in_: int, dtype: str, in_total: int | None = None) -> int:
-        """torch's int4 layout keeps the packed bytes and stores a zero term beside every scale
-        ([in / group, out, 2] in ``dtype``); a zero point, if any, is folded into it."""
+        """torch's int4 layout keeps the packed bytes (in x out / 2) and stores a zero term beside
+        every scale ([in / group, out, 2] in ``dtype``); a zero point, if any, is folded into it.
+        GPTQ act order adds its input permutation (int64 [in]); a row-parallel slice of it
+        (``in_`` < ``in_total``) is padded to every group: the whole layer's inputs."""
         from tengyun.model_spec import DTYPE_BYTES
 
         if not int4pack_fits(scheme, dtype, out):
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
-        act = DTYPE_BYTES[dtype]
-        return (scheme.tensor("weight_packed").nbytes(out, in_, act)
-                + 2 * scheme.tensor("weight_scale").nbytes(out, in_, act))
+        if scheme.act_order:
+            in_ = in_total or in_
+        scales = out * (in_ // scheme.group_size) * DTYPE_BYTES[dtype]
+        return out * in_ // 2 + 2 * scales + (8 * in_ if scheme.act_order else 0)
 
     def memory_info(self) -> tuple[int, int]:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from tengyun.layers.quant_kernels import (
-    QuantLinearKernel, ReferenceW8A8StaticKernel, ReferenceWNA16Kernel, Tensors, quantize_per_tensor,
-    quantize_per_token, unpacked_weight,
+    QuantLinearKernel, ReferenceW8A8StaticKernel, ReferenceWNA16Kernel, Tensors, gather_inputs, in_group_order,
+    quantize_per_tensor, quantize_per_token, unpacked_weight,
 )
 
 
@@ -32,21 +32,30 @@ class CpuW8A8Kernel(QuantLinearKernel):
 
 
 class CpuInt4PackKernel(ReferenceWNA16Kernel):
+    """Any 4-bit packing (compressed-tensors, AWQ, GPTQ) read into Unpacked, then repacked. GPTQ
+    act order: inputs sorted by group once here (a row-parallel slice padded to every group),
+    activations gathered by ``perm`` per call: measured ~100x faster than dequantizing through
+    g_idx per call (benchmarks/act_order_kernels.py, docs/quantization.md)."""
+
     frees_original = True
 
     def prepare(self, tensors: Tensors) -> Tensors:
-        scale = tensors["weight_scale"]  # [out, in / group]
-        if scale.shape[0] % 16:  # torch packs outputs in blocks of 16: this layer stays on the reference
+        w = unpacked_weight(tensors, self.scheme)
+        ordered = in_group_order(w, self.scheme.group_size)
+        if w.scale.shape[0] % 16 or ordered is None:  # torch packs outputs in blocks of 16: the reference
             return tensors
-        q, zero = unpacked_weight(tensors, self.scheme)
+        (q, scale, zero, _), perm = ordered
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 1)
         zero_term = torch.zeros_like(scale) if zero is None else (-zero.float() * scale.float()).to(scale.dtype)
-        return {"int4pack": packed, "scales_and_zeros": torch.stack([scale.t(), zero_term.t()], dim=-1).contiguous()}
+        scales_and_zeros = torch.stack([scale.t(), zero_term.t()], dim=-1).contiguous()  # [groups, out, 2]
+        prepared = {"int4pack": packed, "scales_and_zeros": scales_and_zeros}
+        return prepared if perm is None else {**prepared, "perm": perm}
 
     def apply(self, x, prepared, bias):
         if "int4pack" not in prepared:
             return super().apply(x, prepared, bias)
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = gather_inputs(x2, prepared["perm"]) if "perm" in prepared else x2.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, prepared["int4pack"], self.scheme.group_size,
                                                         prepared["scales_and_zeros"])
         y = y.reshape(*x.shape[:-1], -1)

@@ -71,6 +71,32 @@ QUANT_METHODS: dict[str, Callable[[Mapping[str, Any], Path | None], QuantConfig]
 }
 
 
+# ----- AutoAWQ (GEMM) and AutoGPTQ / GPTQModel: tengyun/quantization/awq.py, gptq.py ---------------
+def _side_file(quant: Mapping[str, Any], folder: Path | None, name: str) -> Mapping[str, Any]:
+    """config.json's section, or (older AutoGPTQ / AutoAWQ folders, with --quantization) ``name``
+    beside it."""
+    if quant or folder is None or not (Path(folder) / name).is_file():
+        return quant
+    import json
+
+    return json.loads((Path(folder) / name).read_text())
+
+
+def _awq(quant: Mapping[str, Any], folder: Path | None) -> QuantConfig:
+    from tengyun.quantization import awq
+
+    return awq.from_config(_side_file(quant, folder, "quant_config.json"))
+
+
+def _gptq(quant: Mapping[str, Any], folder: Path | None) -> QuantConfig:
+    from tengyun.quantization import gptq
+
+    return gptq.from_config(_side_file(quant, folder, "quantize_config.json"))
+
+
+QUANT_METHODS.update(awq=_awq, gptq=_gptq)
+
+
 def quantization_section(hf_config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """config.json's quantization_config (top level, or in a multimodal model's text_config)."""
     section = hf_config.get("quantization_config") or (hf_config.get("text_config") or {}).get("quantization_config")

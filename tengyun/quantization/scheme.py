@@ -59,9 +59,17 @@ class LinearScheme:
     group_size: int | None  # input features per weight scale; None: one scale per output channel
     symmetric: bool
     description: str  # for messages: "compressed-tensors W4A16 (int4, group 128, symmetric)"
+    # How the weight-only tensors are packed, which unpacker reads them
+    # (tengyun/layers/quant_kernels.py unpacked_weight): "compressed-tensors", "awq", "gptq", "gptq_v2"
+    packing: str = "compressed-tensors"
 
     def tensor(self, name: str) -> TensorLayout:
         return next(t for t in self.tensors if t.name == name)
+
+    @property
+    def act_order(self) -> bool:
+        """GPTQ desc_act: inputs belong to groups through a kept g_idx [in], in any order."""
+        return any(t.name == "g_idx" and t.kept for t in self.tensors)
 
     def shape_problem(self, out: int, in_: int) -> str | None:
         """Why a layer (or one rank's part of it) of ``out`` x ``in_`` features cannot hold this

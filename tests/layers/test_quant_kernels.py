@@ -103,6 +103,14 @@ def test_npu_weight_quant_batchmatmul_equals_the_reference(fake_npu, bits, group
     assert fake_npu.calls["npu_convert_weight_to_int4pack"] == (1 if bits == 4 else 0)
 
 
-def test_npu_asymmetric_weights_run_the_reference(fake_npu):
-    scheme = weight_only_scheme(4, 32, symmetric=False)
-    assert type(NpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)) is type(reference_kernel(scheme))
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64)])
+def test_npu_asymmetric_weights_pass_the_zero_point_as_antiquant_offset(fake_npu, bits, group):
+    scheme = weight_only_scheme(bits, group, symmetric=False)
+    tensors = _wna16_tensors(bits, group, symmetric=False, dtype=torch.bfloat16)
+    kernel = NpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
+    prepared = kernel.prepare(dict(tensors))
+    assert prepared["antiquant_offset"].shape == prepared["antiquant_scale"].shape == (IN // group, OUT)
+    x = torch.randn(4, IN, dtype=torch.bfloat16)
+    torch.testing.assert_close(kernel.apply(x, prepared, None).float(),
+                               _run(reference_kernel(scheme), tensors, x).float(), rtol=2e-2, atol=0.125)
+    assert fake_npu.calls["npu_weight_quant_batchmatmul"] == 1

@@ -143,13 +143,18 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
         weight = torch.where(nibbles >= 8, nibbles - 16, nibbles).reshape(weight.shape[0], -1)
     k, n = weight.shape
     assert x.shape[-1] == k
+    # antiquant_offset: the scale's shape and dtype
+    assert antiquant_offset is None or (antiquant_offset.shape == antiquant_scale.shape
+                                        and antiquant_offset.dtype == x.dtype)
     if antiquant_group_size:
         assert antiquant_scale.shape == (k // antiquant_group_size, n)
         scale = antiquant_scale.float().repeat_interleave(antiquant_group_size, dim=0)
+        offset = None if antiquant_offset is None else antiquant_offset.float().repeat_interleave(
+            antiquant_group_size, dim=0)
     else:
         assert antiquant_scale.shape == (n,)
-        scale = antiquant_scale.float()
-    w = weight.float() + (0 if antiquant_offset is None else antiquant_offset.float())
+        scale, offset = antiquant_scale.float(), antiquant_offset
+    w = weight.float() + (0 if offset is None else offset.float())
     y = x.float() @ (w * scale)
     return (y if bias is None else y + bias.float()).to(x.dtype)
 

@@ -108,8 +108,8 @@ def test_quantization_flag_forces_or_must_agree():
     assert detect_quantization(_config(), "compressed-tensors").method == "compressed-tensors"
     with pytest.raises(QuantizationError, match="--quantization awq disagrees.*'compressed-tensors'"):
         detect_quantization(_config(), "awq")
-    with pytest.raises(QuantizationError, match="method 'gptq'.*Tengyun reads: .*compressed-tensors"):
-        detect_quantization({"quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(QuantizationError, match="method 'bitsandbytes'.*Tengyun reads: .*compressed-tensors"):
+        detect_quantization({"quantization_config": {"quant_method": "bitsandbytes"}})
 
 
 def test_targets_and_ignore_pick_each_module_scheme():

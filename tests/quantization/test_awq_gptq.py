@@ -1,0 +1,175 @@
+"""AWQ GEMM and GPTQ below the engine: config.json's section read as vLLM reads it (and refused
+naming the field and the supported values), the packed words read in each format's order, the
+CPU int4 matmul and the NPU kernel (on the CPU stand-in of torch_npu) serving both formats like
+the reference, GPTQ act order through a permutation, and `tengyun plan` counting their bytes as
+the engine holds them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tengyun.config import EngineConfig
+from tengyun.layers.quant_kernels import in_group_order, reference_kernel, unpacked_weight
+from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
+from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu_quant import CpuInt4PackKernel
+from tengyun.platforms.npu import NpuPlatform
+from tengyun.quantization import awq, gptq
+from tengyun.quantization.config import QuantizationError, detect_quantization
+from tengyun.worker.worker import Worker
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "platforms"))
+import fake_torch_npu  # noqa: E402
+from awq_gptq_layouts import Format, quantize_layer, write_checkpoint  # noqa: E402
+
+OUT, IN = 96, 256
+
+
+def _scheme(fmt: Format):
+    return detect_quantization({"quantization_config": fmt.quantization_config()}).groups[0].scheme
+
+
+def _layer(fmt: Format, dtype=torch.bfloat16, out=OUT, in_=IN):
+    """-> (scheme, the tensors the layer keeps, as loaded in ``dtype``)."""
+    scheme = _scheme(fmt)
+    stored, _ = quantize_layer(fmt, "m.q_proj", out, in_, np.random.default_rng(0))
+    stored = {k.removeprefix("m.q_proj."): v for k, v in stored.items()}
+    return scheme, {t.name: stored[t.name].to(dtype) if t.dtype == "act" else stored[t.name]
+                    for t in scheme.tensors if t.kept}
+
+
+def test_awq_config_as_autoawq_writes_it():
+    quant = detect_quantization({"quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "GEMM",
+        "modules_to_not_convert": ["visual"]}})
+    assert quant.describe() == "AWQ GEMM (int4, group 128, zero point)"
+    assert quant.scheme_for("model.layers.0.mlp.down_proj").packing == "awq"
+    for unquantised in ("lm_head", "model.layers.0.mlp.gate", "model.visual.blocks.0.proj"):
+        assert quant.scheme_for(unquantised) is None
+    with pytest.raises(QuantizationError, match=r"zero_point is False; Tengyun's AWQ reader supports true"):
+        awq.from_config({"zero_point": False, "bits": 4, "group_size": 128})
+
+
+def test_gptq_config_fields_pick_the_tensors_kept():
+    scheme = _scheme(Format("gptq", sym=True))
+    assert [t.name for t in scheme.tensors if t.kept] == ["qweight", "scales"]  # symmetric zeros, in-order g_idx
+    act_order = _scheme(Format("gptq", desc_act=True))
+    assert act_order.act_order and not act_order.tensor("scales").split_in  # every row-parallel rank holds all groups
+    assert not _scheme(Format("gptq", desc_act=True, group=-1)).act_order  # one group: order cannot matter
+    quant = gptq.from_config({"bits": 4, "group_size": 128, "modules_in_block_to_quantize": [["self_attn.q_proj"]]})
+    assert quant.scheme_for("model.layers.3.self_attn.q_proj") and not quant.scheme_for("model.layers.3.mlp.up_proj")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(bits=3), r"bits is 3; Tengyun's GPTQ reader supports 4, 8"),
+    (dict(group_size=16), r"group_size is 16; Tengyun's GPTQ reader supports 32, 64, 128, 256, -1"),
+    (dict(lm_head=True), r"lm_head is true .*re-quantize with lm_head false"),
+    (dict(dynamic={r"+:.*\.1\..*": {"bits": 8}}), r"dynamic .*per-module overrides.* not supported"),
+])
+def test_gptq_config_tengyun_cannot_run_names_the_field(change, message):
+    with pytest.raises(QuantizationError, match=message):
+        gptq.from_config({**Format("gptq").quantization_config(), **change})
+
+
+def test_packed_words_read_in_each_format_s_order():
+    """AWQ: one word 0x76543210 holds nibbles 0..7 from the low end, for outputs 0, 2, 4, 6, 1, 3,
+    5, 7: outputs 0..7 read 0, 4, 1, 5, 2, 6, 3, 7 (minus 8, signed). GPTQ v1: zeros stored 7 are 8."""
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    q, _, zero, _ = unpacked_weight({"qweight": word, "qzeros": word, "scales": torch.ones(1, 8)},
+                                    awq.gemm_scheme(32))
+    assert (q.flatten() + 8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7] == (zero.flatten() + 8).tolist()
+    v1 = gptq.scheme(4, 32, False, False, "gptq")
+    inputs = torch.tensor([[0x76543210]] * 4, dtype=torch.int32)  # [32 / 8, 1]: 32 inputs of one output
+    q, _, zero, _ = unpacked_weight({"qweight": inputs, "qzeros": torch.tensor([[0x77777777]], dtype=torch.int32),
+                                     "scales": torch.ones(1, 8)}, v1)  # qzeros [1, 8 / 8]: 8 outputs' zeros
+    assert (q[0, :8] + 8).tolist() == list(range(8)) and zero.tolist() == [[0]] * 8
+
+
+def _close_to_reference(kernel, scheme, tensors, prepared):
+    """bf16 outputs of magnitude ~10: one ulp is 0.0625, and the two sum in different precisions."""
+    x = torch.randn(5, IN, dtype=torch.bfloat16)
+    torch.testing.assert_close(kernel.apply(x, prepared, None).float(),
+                               reference_kernel(scheme).apply(x, tensors, None).float(), rtol=2e-2, atol=0.125)
+
+
+@pytest.mark.parametrize("fmt", [Format("awq"), Format("awq", group=128), Format("gptq", sym=True),
+                                 Format("gptq", desc_act=True), Format("gptq", desc_act=True, group=64,
+                                                                       checkpoint_format="gptq_v2")])
+def test_cpu_int4_matmul_serves_awq_and_gptq_like_the_reference(fmt):
+    scheme, tensors = _layer(fmt)
+    kernel = CpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
+    assert isinstance(kernel, CpuInt4PackKernel)
+    prepared = kernel.prepare(dict(tensors))
+    assert "int4pack" in prepared and ("perm" in prepared) == fmt.desc_act
+    torch.manual_seed(0)
+    _close_to_reference(kernel, scheme, tensors, prepared)
+
+
+def test_act_order_row_parallel_slice_pads_every_group_for_the_int4_matmul():
+    """A rank's half of an act-order layer's inputs uses any group, fewer than 32 inputs each: every
+    group is padded to 32 with inputs reading a zero activation, so the rank holds all 256 inputs'
+    packed weights and the int4 matmul still runs; the result is the half's, exactly as the reference."""
+    scheme, tensors = _layer(Format("gptq", desc_act=True))
+    half = {"qweight": tensors["qweight"][: IN // 16], "g_idx": tensors["g_idx"][: IN // 2],
+            "qzeros": tensors["qzeros"], "scales": tensors["scales"]}
+    ordered, perm = in_group_order(unpacked_weight(half, scheme), scheme.group_size)
+    assert ordered.q.shape == (OUT, IN) and perm.shape == (IN,) and int((perm == IN // 2).sum()) == IN // 2
+    kernel = CpuInt4PackKernel(scheme)
+    prepared = kernel.prepare(dict(half))
+    assert "int4pack" in prepared
+    held = sum(t.untyped_storage().nbytes() for t in prepared.values())  # what `tengyun plan` counts
+    assert held == CpuPlatform.quantized_weight_bytes(scheme, OUT, IN // 2, "bfloat16", IN)
+    x = torch.randn(3, IN // 2, dtype=torch.bfloat16)
+    full = reference_kernel(scheme).apply(torch.cat([x, torch.zeros_like(x)], dim=1), tensors, None)
+    torch.testing.assert_close(reference_kernel(scheme).apply(x, half, None), full)  # the other half contributes 0
+    torch.testing.assert_close(kernel.apply(x, prepared, None).float(), full.float(), rtol=2e-2, atol=0.125)
+
+
+@pytest.mark.parametrize("fmt", [Format("awq"), Format("gptq", bits=8, desc_act=True), Format("gptq", sym=True)])
+def test_npu_weight_quant_batchmatmul_serves_awq_and_gptq(monkeypatch, fmt):
+    fake = fake_torch_npu.module()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    scheme, tensors = _layer(fmt)
+    kernel = NpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
+    prepared = kernel.prepare(dict(tensors))
+    assert ("antiquant_offset" in prepared) == (not fmt.sym) and ("perm" in prepared) == fmt.desc_act
+    _close_to_reference(kernel, scheme, tensors, prepared)
+    assert fake.calls["npu_weight_quant_batchmatmul"] == 1
+
+
+def test_plan_bytes_of_a_row_parallel_act_order_layer_hold_every_group():
+    """down_proj at TP=2: 64 of 128 inputs per rank, 2 of 4 groups of 32 in order, all 4 in act order."""
+    in_order, act_order = _scheme(Format("gptq")), _scheme(Format("gptq", desc_act=True))
+    packed = 64 * 64 // 2  # int32 words of 8 values: out x in / 2 bytes
+    # in order: the rank's scales [2, 64] float32 and qzeros [2, 8] int32; g_idx dropped
+    assert CpuPlatform.quantized_weight_bytes(in_order, 64, 64, "float32", 128) == packed + 2 * 64 * 4 + 2 * 8 * 4
+    # act order, the reference: scales [4, 64] float32 + qzeros [4, 8] int32, and the rank's g_idx [64] int32
+    assert CpuPlatform.quantized_weight_bytes(act_order, 64, 64, "float32", 128) == packed + 4 * 64 * 4 + 4 * 8 * 4 \
+        + 64 * 4
+    # bfloat16, torch's int4 layout padded to every group: 128 inputs packed, scales and zero terms
+    # [4, 64, 2], the int64 permutation [128]
+    assert CpuPlatform.quantized_weight_bytes(act_order, 64, 64, "bfloat16", 128) == 2 * packed + 4 * 64 * 2 * 2 \
+        + 128 * 8
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])  # bfloat16: torch's int4 layout, act order's permutation
+@pytest.mark.parametrize("fmt", [Format("awq"), Format("gptq", desc_act=True), Format("gptq", bits=8, sym=True)])
+def test_plan_counts_the_weights_the_engine_holds(tiny_checkpoints, tmp_path, fmt, dtype):
+    folder, _ = write_checkpoint(tiny_checkpoints["qwen2"], tmp_path / "q", tmp_path / "twin", fmt)
+    config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4,
+                          block_size=16).finalize()
+    worker = Worker(config)
+    hf_config, checkpoint_bytes, name = read_model(folder)
+    quant = read_quantization(folder, hf_config)
+    plan = make_plan(hf_config, PlanRequest(
+        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
+        checkpoint_bytes, name, quant)
+    assert plan.quantization == quant.describe() == _scheme(fmt).description
+    assert plan.stages[0].weight_bytes == worker.weight_bytes
