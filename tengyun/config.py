@@ -403,9 +403,6 @@ class EngineConfig:
         if spec.method == "mtp" and not self.architecture.startswith("Qwen3_5"):
             raise ValueError(f"--speculative-config method mtp drafts with Qwen3.5's MTP layers; {self.architecture} "
                              f"has none Tengyun can run: use method ngram.")
-        if spec.method == "mtp" and self.world_size > 1:
-            raise ValueError(f"--speculative-config method mtp runs on one rank for now, but --tensor-parallel-size x "
-                             f"--pipeline-parallel-size is {self.world_size}: use method ngram, or one rank.")
 
     # ----- derived values -------------------------------------------------------------
     @property

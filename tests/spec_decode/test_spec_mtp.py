@@ -1,7 +1,8 @@
 """--speculative-config method mtp on a tiny Qwen3.5 whose checkpoint carries ``mtp.*`` tensors
 (config.json mtp_num_hidden_layers 1): the head's drafts equal a reference built from HF's own
 Qwen3.5 modules; greedy tokens and logprobs are those without speculation (drafts rejected, and
-with a head that copies the target, accepted) under chunked prefill and preemption."""
+with a head that copies the target, accepted) under chunked prefill and preemption; with TP 2 and
+PP 2 worker processes, the drafts and tokens of one process."""
 
 from __future__ import annotations
 
@@ -130,6 +131,21 @@ def test_mtp_drafts_equal_the_hf_reference_head(mtp_checkpoint, k):
     assert checked >= 4
 
 
+def test_the_head_catches_up_in_prefill_steps_that_sample_nothing(mtp_checkpoint):
+    """A 40-token prompt in 16-token chunks: the head's KV of every prompt position is what one
+    40-token step writes (steps without a sampled token run the head too)."""
+    def head_kv(step_tokens: int | None) -> torch.Tensor:
+        llm = LLM(str(mtp_checkpoint[0]), block_size=8, max_model_len=104, kv_cache_memory="1MiB",
+                  speculative_config=_mtp(1), max_num_batched_tokens=step_tokens)
+        llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=1))
+        layer = next(m for m in llm.llm_engine.executor.runner.mtp.head.modules() if hasattr(m, "k_cache"))
+        return torch.stack([layer.k_cache, layer.v_cache])
+
+    whole, chunked = head_kv(None), head_kv(16)
+    assert whole.abs().sum() > 0
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
+
+
 def test_greedy_tokens_and_logprobs_unchanged_with_rejected_mtp_drafts(mtp_checkpoint):
     folder, _, _ = mtp_checkpoint
     _assert_same_as_without_speculation(str(folder), accepted_at_least=0)
@@ -153,12 +169,42 @@ def _assert_same_as_without_speculation(path: str, accepted_at_least: int) -> No
     assert_same_tokens_and_logprobs(outputs[False], outputs[True])
 
 
-def test_mtp_with_two_ranks_is_refused_naming_the_field(mtp_checkpoint):
-    from tengyun.config import EngineConfig
+def _drafts_and_tokens(path: str, spec: dict | None, **engine_args) -> tuple[list, dict, object]:
+    """Every step's drafts (per request, as the engine holds them after the step), each request's
+    greedy tokens, and the engine's stats."""
+    llm = LLM(path, speculative_config=spec, **{**SMALL, **engine_args})
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    drafts, tokens = [], {}
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+            drafts.append(sorted((seq.request_id, seq.proposed_token_ids) for seq in engine.seqs.values()))
+        return drafts, tokens, engine.get_stats()
+    finally:
+        engine.shutdown()
 
-    config = EngineConfig(str(mtp_checkpoint[0]), speculative_config=_mtp(1), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="--speculative-config method mtp runs on one rank"):
-        config.finalize()
+
+# The head runs on the last pipeline stage; at PP 2 that stage has no embedding, so the head loads
+# its own copy. At TP 2 its attention heads, MLP (MoE: experts) split over the ranks.
+@pytest.mark.parametrize("arch,head,tp,pp", [("qwen3_5", "copying", 2, 1), ("qwen3_5", "copying", 1, 2),
+                                             ("qwen3_5_moe", "random", 2, 1)])
+def test_mtp_with_tp_and_pp_drafts_and_generates_as_one_process(tmp_path, tiny_tokenizer_dir, arch, head, tp, pp):
+    reference = ReferenceMtp(arch)
+    save_with_mtp(tmp_path, tiny_tokenizer_dir, copying_head(reference) if head == "copying" else reference.tensors(),
+                  arch)
+    _, expected, _ = _drafts_and_tokens(str(tmp_path), None)
+    single_drafts, single_tokens, _ = _drafts_and_tokens(str(tmp_path), _mtp(2))
+    drafts, tokens, stats = _drafts_and_tokens(str(tmp_path), _mtp(2), tensor_parallel_size=tp,
+                                               pipeline_parallel_size=pp)
+    assert tokens == single_tokens == expected
+    assert drafts == single_drafts
+    assert stats.spec_decode.num_draft_tokens > 0 and stats.num_preemptions > 0
+    if head == "copying":
+        assert 0 < stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
 
 
 def test_the_heads_kv_cache_comes_out_of_the_kv_budget(mtp_checkpoint):
