@@ -1,5 +1,7 @@
 """Qwen3.5's multi-token-prediction head (checkpoint tensors ``mtp.*``, config.json
-``mtp_num_hidden_layers``), the draft model of ``--speculative-config '{"method": "mtp", ...}'``.
+``mtp_num_hidden_layers``), the draft model of ``--speculative-config '{"method": "mtp", ...}'``;
+Qwen3-Next's is the same (same names; ``num_nextn_predict_layers``, or counted from the
+checkpoint), with Qwen3-Next's MLP (``target.make_mlp``: MoE on the releases).
 
 At position p it reads the next token t_{p+1} and the target's final hidden state h_p and
 predicts t_{p+2}, sharing the target's embedding and LM head:
