@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype, checkpoint_mtp_layers
+from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype, mtp_layers_for_speculation
 from tengyun.spec_decode.config import SpeculativeConfig
 from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
 
@@ -20,7 +20,6 @@ SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "npu")
 SUPPORTED_EXECUTOR_BACKENDS = ("mp", "uni")
-MTP_ARCHITECTURES = ("Qwen3_5", "Qwen3Next")  # architecture prefixes whose mtp.* layers draft (method mtp)
 
 logger = logging.getLogger(__name__)
 
@@ -396,19 +395,8 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is None or spec.method != "mtp":
             return
-        if not self.model_spec.mtp_num_layers and self.architecture.startswith("Qwen3Next"):
-            # Qwen3-Next's config.json may not say (vLLM then assumes 1): count what the checkpoint holds.
-            counted = checkpoint_mtp_layers(self.model_path)
-            self.model_spec = dataclasses.replace(self.model_spec, mtp_num_layers=counted)
-        if not self.model_spec.mtp_num_layers:
-            raise ValueError(
-                f"--speculative-config method mtp needs the model's multi-token-prediction layers, but "
-                f"{self.model_path} has none (config.json mtp_num_hidden_layers / num_nextn_predict_layers is 0 "
-                f"or missing): use "
-                f'{{"method": "ngram", "num_speculative_tokens": {spec.num_speculative_tokens}}} instead.')
-        if not self.architecture.startswith(MTP_ARCHITECTURES):
-            raise ValueError(f"--speculative-config method mtp drafts with Qwen3.5's or Qwen3-Next's MTP layers; "
-                             f"{self.architecture} has none Tengyun can run: use method ngram.")
+        layers = mtp_layers_for_speculation(self.model_spec, self.model_path, spec.num_speculative_tokens)
+        self.model_spec = dataclasses.replace(self.model_spec, mtp_num_layers=layers)
 
     # ----- derived values -------------------------------------------------------------
     @property

@@ -34,6 +34,7 @@ UNLOADED_CHECKPOINT_PREFIXES = {
     VISION_PREFIX: "vision tower (Tengyun serves the text model only)",
     MTP_PREFIX: "multi-token-prediction layers (the draft model of --speculative-config method mtp, loaded apart)",
 }
+MTP_ARCHITECTURES = ("Qwen3_5", "Qwen3Next")  # architecture prefixes whose mtp.* layers draft (method mtp)
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -149,6 +150,25 @@ def _linear_attention(cfg: Mapping[str, Any]) -> LinearAttentionSpec | None:
     return LinearAttentionSpec(cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
                                cfg["linear_key_head_dim"], cfg["linear_value_head_dim"],
                                cfg.get("linear_conv_kernel_dim", 4))
+
+
+def mtp_layers_for_speculation(spec: "ModelSpec", folder: Path | None, num_speculative_tokens: int) -> int:
+    """The MTP layers --speculative-config method mtp runs: config.json's count, or for a Qwen3-Next
+    whose config.json does not say (vLLM then assumes 1) the checkpoint's ``mtp.layers.N`` in
+    ``folder``. Raises ValueError naming the flag when there are none or the family has no head."""
+    layers = spec.mtp_num_layers
+    if not layers and spec.architecture.startswith("Qwen3Next") and folder is not None:
+        layers = checkpoint_mtp_layers(folder)
+    if not layers:
+        raise ValueError(
+            f"--speculative-config method mtp needs the model's multi-token-prediction layers, but "
+            f"{folder or 'the model'} has none (config.json mtp_num_hidden_layers / num_nextn_predict_layers is 0 "
+            f"or missing): use "
+            f'{{"method": "ngram", "num_speculative_tokens": {num_speculative_tokens}}} instead.')
+    if not spec.architecture.startswith(MTP_ARCHITECTURES):
+        raise ValueError(f"--speculative-config method mtp drafts with Qwen3.5's or Qwen3-Next's MTP layers; "
+                         f"{spec.architecture} has none Tengyun can run: use method ngram.")
+    return layers
 
 
 def checkpoint_mtp_layers(folder: Path) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -116,8 +115,10 @@ class Worker:
         under the engine's block ids)."""
         if not self._runs_mtp_head():
             return self.kv_shape
-        return dataclasses.replace(self.kv_shape,
-                                   num_layers=self.kv_shape.num_layers + self.config.model_spec.mtp_num_layers)
+        config = self.config
+        start, end = config.model_spec.stage_layers(get_pp_rank(), get_pp_size())
+        return kv_cache_shape(config.model_spec, DTYPE_BYTES[config.kv_cache_dtype], config.tensor_parallel_size,
+                              start, end, extra_layers=config.model_spec.mtp_num_layers)
 
     def _runs_mtp_head(self) -> bool:
         """--speculative-config method mtp: the head runs on the last pipeline stage (every TP rank)."""
