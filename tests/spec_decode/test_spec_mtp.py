@@ -207,7 +207,8 @@ def _drafts_and_tokens(path: str, spec: dict | None, **engine_args) -> tuple[lis
 # its own copy. At TP 2 its attention heads, MLP (MoE: experts) split over the ranks; TP 2 x PP 2:
 # both, the last stage's TP rank 1 learning the step's tokens from its TP rank 0.
 @pytest.mark.parametrize("arch,head,tp,pp", [("qwen3_5", "copying", 2, 1), ("qwen3_5", "copying", 1, 2),
-                                             ("qwen3_5", "copying", 2, 2), ("qwen3_5_moe", "random", 2, 1)])
+                                             ("qwen3_5", "copying", 2, 2), ("qwen3_5_moe", "random", 2, 1),
+                                             ("qwen3_next", "random", 2, 1)])
 def test_mtp_with_tp_and_pp_drafts_and_generates_as_one_process(tmp_path, tiny_tokenizer_dir, arch, head, tp, pp):
     reference = ReferenceMtp(arch)
     save_with_mtp(tmp_path, tiny_tokenizer_dir, copying_head(reference) if head == "copying" else reference.tensors(),
