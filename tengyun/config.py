@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype
+from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype, mtp_layers_for_speculation
 from tengyun.spec_decode.config import SpeculativeConfig
 from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
 
@@ -393,19 +393,10 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         """--speculative-config against the model (docs/speculative_decoding.md)."""
         spec = self.speculative_config
-        if spec is None:
+        if spec is None or spec.method != "mtp":
             return
-        if spec.method == "mtp" and not self.model_spec.mtp_num_layers:
-            raise ValueError(
-                f"--speculative-config method mtp needs the model's multi-token-prediction layers, but "
-                f"{self.model_path} has none (config.json mtp_num_hidden_layers is 0 or missing): use "
-                f'{{"method": "ngram", "num_speculative_tokens": {spec.num_speculative_tokens}}} instead.')
-        if spec.method == "mtp" and not self.architecture.startswith("Qwen3_5"):
-            raise ValueError(f"--speculative-config method mtp drafts with Qwen3.5's MTP layers; {self.architecture} "
-                             f"has none Tengyun can run: use method ngram.")
-        if spec.method == "mtp" and self.world_size > 1:
-            raise ValueError(f"--speculative-config method mtp runs on one rank for now, but --tensor-parallel-size x "
-                             f"--pipeline-parallel-size is {self.world_size}: use method ngram, or one rank.")
+        layers = mtp_layers_for_speculation(self.model_spec, self.model_path, spec.num_speculative_tokens)
+        self.model_spec = dataclasses.replace(self.model_spec, mtp_num_layers=layers)
 
     # ----- derived values -------------------------------------------------------------
     @property

@@ -24,10 +24,12 @@ class KVCacheShape:
 
 
 def kv_cache_shape(spec: ModelSpec, dtype_bytes: int, tp_size: int = 1, start: int = 0,
-                   end: int | None = None) -> KVCacheShape:
-    """Per rank, for the attention layers in [start, end) (a pipeline stage; default all): KV heads
-    split over TP ranks (1 each, replicated, when tp > num_key_value_heads)."""
-    return KVCacheShape(num_layers=spec.attention_layers(start, end), num_kv_heads=spec.kv_heads_per_rank(tp_size),
+                   end: int | None = None, extra_layers: int = 0) -> KVCacheShape:
+    """Per rank, for the attention layers in [start, end) (a pipeline stage; default all) and
+    ``extra_layers`` more (the MTP head's, on the last stage: its own cache under the same block
+    ids): KV heads split over TP ranks (1 each, replicated, when tp > num_key_value_heads)."""
+    return KVCacheShape(num_layers=spec.attention_layers(start, end) + extra_layers,
+                        num_kv_heads=spec.kv_heads_per_rank(tp_size),
                         head_dim=spec.head_dim, dtype_bytes=dtype_bytes)
 
 

@@ -11,7 +11,11 @@ top level, keeping the wrapper's ``architectures`` and ``tie_word_embeddings``.
 
 from __future__ import annotations
 
+import json
+import re
+import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
@@ -30,6 +34,8 @@ UNLOADED_CHECKPOINT_PREFIXES = {
     VISION_PREFIX: "vision tower (Tengyun serves the text model only)",
     MTP_PREFIX: "multi-token-prediction layers (the draft model of --speculative-config method mtp, loaded apart)",
 }
+MTP_ARCHITECTURES = ("Qwen3_5", "Qwen3Next")  # architecture prefixes whose mtp.* layers draft (method mtp)
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -146,6 +152,44 @@ def _linear_attention(cfg: Mapping[str, Any]) -> LinearAttentionSpec | None:
                                cfg.get("linear_conv_kernel_dim", 4))
 
 
+def mtp_layers_for_speculation(spec: "ModelSpec", folder: Path | None, num_speculative_tokens: int) -> int:
+    """The MTP layers --speculative-config method mtp runs: config.json's count, or for a Qwen3-Next
+    whose config.json does not say (vLLM then assumes 1) the checkpoint's ``mtp.layers.N`` in
+    ``folder``. Raises ValueError naming the flag when there are none or the family has no head."""
+    layers = spec.mtp_num_layers
+    if not layers and spec.architecture.startswith("Qwen3Next") and folder is not None:
+        layers = checkpoint_mtp_layers(folder)
+    if not layers:
+        raise ValueError(
+            f"--speculative-config method mtp needs the model's multi-token-prediction layers, but "
+            f"{folder or 'the model'} has none (config.json mtp_num_hidden_layers / num_nextn_predict_layers is 0 "
+            f"or missing): use "
+            f'{{"method": "ngram", "num_speculative_tokens": {num_speculative_tokens}}} instead.')
+    if not spec.architecture.startswith(MTP_ARCHITECTURES):
+        raise ValueError(f"--speculative-config method mtp drafts with Qwen3.5's or Qwen3-Next's MTP layers; "
+                         f"{spec.architecture} has none Tengyun can run: use method ngram.")
+    return layers
+
+
+def checkpoint_mtp_layers(folder: Path) -> int:
+    """Distinct ``mtp.layers.N.`` in a checkpoint's tensor names (model.safetensors.index.json's
+    weight_map, else every *.safetensors header): 1 + the largest N, 0 without any."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = list(json.loads(index.read_text()).get("weight_map", {}))
+    else:
+        names = [name for f in sorted(folder.glob("*.safetensors")) for name in _safetensors_names(f)]
+    layers = [int(m.group(1)) for m in map(_MTP_LAYER.match, names) if m]
+    return max(layers) + 1 if layers else 0
+
+
+def _safetensors_names(path: Path) -> list[str]:
+    """Tensor names from a .safetensors header (8-byte little-endian length, then JSON)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return [k for k in json.loads(f.read(length)) if k != "__metadata__"]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str  # config.json "architectures"[0], or from model_type (GGUF conversions)
@@ -168,7 +212,10 @@ class ModelSpec:
     gated_attention: bool  # q_proj doubled for a sigmoid output gate (Qwen3-Next, Qwen3.5)
     moe: MoESpec | None
     linear_attention: LinearAttentionSpec | None
-    mtp_num_layers: int  # multi-token-prediction layers in the checkpoint (Qwen3.5: mtp_num_hidden_layers)
+    # Multi-token-prediction layers in the checkpoint: config.json mtp_num_hidden_layers (Qwen3.5) or
+    # num_nextn_predict_layers (Qwen3-Next, as vLLM reads it); EngineConfig counts a Qwen3-Next
+    # checkpoint's mtp.layers.N when neither is given.
+    mtp_num_layers: int
     checkpoint_dtype: str | None  # config.json torch_dtype / dtype; None when absent
     quantization: str | None  # quantization_config's quant_method; None: unquantised
     fp8_block: tuple[int, int] | None  # FP8 block-quantized weights: tile (rows, cols), dequantized at load
@@ -200,7 +247,7 @@ class ModelSpec:
             o_bias=bool(cfg.get("attention_bias")), qk_norm=model_type in QK_NORM_TYPES,
             gated_attention=model_type in GATED_ATTENTION_TYPES or bool(cfg.get("attn_output_gate")),
             moe=moe, linear_attention=_linear_attention(cfg),
-            mtp_num_layers=int(cfg.get("mtp_num_hidden_layers") or 0),
+            mtp_num_layers=int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0),
             checkpoint_dtype=str(dtype) if dtype else None,
             quantization=(quant.get("quant_method") or "unknown") if isinstance(quant, dict) else None,
             fp8_block=fp8_weight_block(quant),

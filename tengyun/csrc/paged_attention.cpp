@@ -1,11 +1,17 @@
-// CPU paged decode attention: one query token per sequence, K/V read in place from the paged cache
-// (no gather copy), 16-bit caches widened to float32 a row at a time, float32 accumulation.
+// CPU paged attention for decodes and short chunks: K/V read in place from the paged cache (no
+// gather copy), 16-bit caches widened to float32 a row at a time, float32 accumulation.
 //
-// torch.ops.tengyun.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
-//   q, out [B, Hq, D] (float32 / bfloat16 / float16, the same dtype); k_cache, v_cache
+// torch.ops.tengyun.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+//                                          query_start_loc=None)
+//   q, out [T, Hq, D] (float32 / bfloat16 / float16, the same dtype); k_cache, v_cache
 //   [num_blocks, block_size, Hkv, D] (float32 / bfloat16 / float16); block_tables [B, max_blocks]
 //   int64 (rows padded with any valid block id); seq_lens [B] int64, tokens to attend over.
 //   Query head h reads KV head h / (Hq / Hkv).
+//   query_start_loc None: one query token per sequence (T = B, a decode). Else int64 [B + 1],
+//   non-decreasing: sequence b's query tokens are rows [qsl[b], qsl[b + 1]) of q, the last token
+//   of its context and the n - 1 before it (a speculative verify: the last token and the drafts,
+//   already in the cache); token i of n attends over the first seq_lens[b] - (n - 1 - i) tokens.
+//   [5, 7, 9] verifying after 20 cached tokens: seq_lens 23, rows see 21, 22, 23 tokens.
 // torch.ops.tengyun.paged_attention_isa(request) -> the instruction set in use ("avx512", "avx2",
 //   "generic"); a non-empty request switches to that one when this CPU has it (tests).
 //
@@ -23,6 +29,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "cpu_isa.h"
@@ -39,6 +46,8 @@ struct Problem {  // one call's raw pointers and sizes (element counts, not byte
   int64_t batch, q_heads, kv_heads, head_dim, block_size;
   int64_t block_stride;  // elements from one cache block to the next (k_cache.stride(0))
   int64_t table_stride;  // elements from one block-table row to the next
+  const int64_t* query_start;  // [batch + 1] first query row of each sequence; nullptr: row b alone
+  int64_t max_query_len;  // most query rows of one sequence (1 for decodes)
   float scale;
   DType cache_type, io_type;
   int64_t threads;
@@ -128,10 +137,10 @@ DType dtype_of(const at::Tensor& t, const char* name) {
 }
 
 void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t batch) {
   for (const at::Tensor* t : {&out, &q, &k_cache, &v_cache, &block_tables, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: every tensor must be on the CPU");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode_attention: q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode_attention: q must be a contiguous [T, Hq, D]");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "paged_decode_attention: out must be contiguous, of q's shape and dtype");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
@@ -143,26 +152,57 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(k_cache.size(3) == q.size(2) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: q's head dim must match the cache's and Hq be a multiple of Hkv");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
-                  block_tables.size(0) >= q.size(0),
+                  block_tables.size(0) >= batch,
               "paged_decode_attention: block_tables must be int64 [B, max_blocks] with unit column stride");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.dim() == 1 && seq_lens.is_contiguous() &&
-                  seq_lens.size(0) >= q.size(0),
+                  seq_lens.size(0) >= batch,
               "paged_decode_attention: seq_lens must be a contiguous int64 [B]");
+}
+
+// Sequences, and the most query rows one has: query_start_loc's, else q's rows one each. Checks
+// query_start_loc (int64 [B + 1], non-decreasing, within q) and that each sequence's context
+// holds its query tokens.
+int64_t query_layout(const at::Tensor& q, const std::optional<at::Tensor>& query_start_loc, int64_t* batch) {
+  if (!query_start_loc.has_value()) {
+    *batch = q.size(0);
+    return 1;
+  }
+  const at::Tensor& qsl = *query_start_loc;
+  TORCH_CHECK(qsl.device().is_cpu() && qsl.scalar_type() == at::kLong && qsl.dim() == 1 && qsl.is_contiguous() &&
+                  qsl.size(0) >= 1,
+              "paged_decode_attention: query_start_loc must be a contiguous int64 [B + 1] on the CPU");
+  const int64_t* starts = qsl.data_ptr<int64_t>();
+  *batch = qsl.size(0) - 1;
+  int64_t most = 0;
+  for (int64_t b = 0; b < *batch; ++b) {
+    TORCH_CHECK(starts[b] >= 0 && starts[b] <= starts[b + 1] && starts[b + 1] <= q.size(0),
+                "paged_decode_attention: query_start_loc must be non-decreasing within q's ", q.size(0),
+                " rows; got ", starts[b], " then ", starts[b + 1], " at sequence ", b);
+    most = std::max(most, starts[b + 1] - starts[b]);
+  }
+  return most;
 }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale) {
-  check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens);
+                            double scale, const std::optional<at::Tensor>& query_start_loc) {
+  int64_t batch = 0;
+  const int64_t max_query = query_layout(q, query_start_loc, &batch);
+  check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, batch);
   const int64_t max_len = block_tables.size(1) * k_cache.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
+  const int64_t* starts = query_start_loc.has_value() ? query_start_loc->data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_len, "paged_decode_attention: seq_lens[", b, "] = ", lens[b],
                 " outside [0, ", max_len, "] (block_tables holds ", block_tables.size(1), " blocks per row)");
+    const int64_t n = starts ? starts[b + 1] - starts[b] : 1;
+    TORCH_CHECK(!starts || n <= lens[b], "paged_decode_attention: sequence ", b, " has ", n,
+                " query tokens but seq_lens[", b, "] = ", lens[b], ": its context must hold them");
+  }
   Problem p{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr<int64_t>(), lens, q.size(0), q.size(1), k_cache.size(2), k_cache.size(3),
-            k_cache.size(1), k_cache.stride(0), block_tables.stride(0), static_cast<float>(scale),
-            dtype_of(k_cache, "k_cache"), dtype_of(q, "q"), at::get_num_threads()};
+            block_tables.data_ptr<int64_t>(), lens, batch, q.size(1), k_cache.size(2), k_cache.size(3),
+            k_cache.size(1), k_cache.stride(0), block_tables.stride(0), starts, std::max<int64_t>(max_query, 1),
+            static_cast<float>(scale), dtype_of(k_cache, "k_cache"), dtype_of(q, "q"), at::get_num_threads()};
   if (p.batch == 0) return;
   switch (active_isa) {
 #if TY_HAVE_X86_COPIES
@@ -177,7 +217,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(tengyun, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> ()");
+        "Tensor seq_lens, float scale, Tensor? query_start_loc=None) -> ()");
   m.def("paged_attention_isa(str request) -> str", &tengyun::paged_attention_isa);
 }
 

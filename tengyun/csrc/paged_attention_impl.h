@@ -267,37 +267,53 @@ inline void prefetch_rows(const void* first, int64_t rows, int64_t row_stride_by
 }
 
 struct Layout {  // attend_group's scratch, in floats
-  int64_t group, padded, score_stride, block_size;
+  int64_t group, rows, padded, score_stride, block_size;
   explicit Layout(const Problem& p)
-      : group(p.q_heads / p.kv_heads), padded(round_up(p.head_dim, Vec::W)),
+      : group(p.q_heads / p.kv_heads), rows(group * p.max_query_len), padded(round_up(p.head_dim, Vec::W)),
         score_stride(round_up(p.block_size, Vec::W)), block_size(p.block_size) {}
-  // [group, padded] scaled queries | [group, padded] accumulators | [group, score_stride] scores |
-  // [block_size, padded] K block as float32 | the same for V | [group] running max | [group] running sum
+  // rows = group x (most query tokens of a sequence); row r = i * group + g (query token i, head g)
+  // [rows, padded] scaled queries | [rows, padded] accumulators | [rows, score_stride] scores |
+  // [block_size, padded] K block as float32 | the same for V | [rows] running max | [rows] running sum
   int64_t query() const { return 0; }
-  int64_t acc() const { return group * padded; }
-  int64_t scores() const { return 2 * group * padded; }
-  int64_t k_rows() const { return scores() + group * score_stride; }
+  int64_t acc() const { return rows * padded; }
+  int64_t scores() const { return 2 * rows * padded; }
+  int64_t k_rows() const { return scores() + rows * score_stride; }
   int64_t v_rows() const { return k_rows() + block_size * padded; }
   int64_t run_max() const { return v_rows() + block_size * padded; }
-  int64_t run_sum() const { return run_max() + group; }
-  int64_t floats() const { return run_sum() + group; }
+  int64_t run_sum() const { return run_max() + rows; }
+  int64_t floats() const { return run_sum() + rows; }
 };
 
-// Sequence b, KV head h: the `group` query heads that read KV head h, attended together over the
-// sequence's blocks with an online softmax, so each K/V row is read from memory once.
+// Online-softmax update of one query row with the first m tokens of a block: s = q . K (scale is
+// folded into q), run_max / run_sum rescaled, acc = acc * correction + softmax numerators . V.
+inline void attend_rows(const float* query, float* acc, float* s, float& run_max, float& run_sum, Rows k, Rows v,
+                        int64_t m, int64_t padded) {
+  block_scores(query, k, m, padded, s);
+  const float new_max = std::max(run_max, row_max(s, m));
+  const float correction = run_sum > 0.0f ? std::exp(run_max - new_max) : 0.0f;
+  run_sum = run_sum * correction + exp_minus_and_sum(s, m, new_max);
+  run_max = new_max;
+  block_values(acc, correction, s, v, m, padded);
+}
+
+// Sequence b, KV head h: the `group` query heads that read KV head h, for each of the sequence's
+// query tokens (one in a decode; the last token and the drafts in a speculative verify), attended
+// together over the sequence's blocks with an online softmax, so each K/V row is read from memory
+// once. Query token i of n attends over the first seq_lens[b] - (n - 1 - i) tokens (causal).
 template <typename CacheT, typename IoT>
 void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, float* work) {
   const int64_t group = lay.group, dim = p.head_dim, padded = lay.padded, bs = p.block_size;
   const int64_t row_stride = p.kv_heads * dim, len = p.seq_lens[b];
+  const int64_t first = p.query_start ? p.query_start[b] : b;  // query tokens [first, first + nq)
+  const int64_t nq = p.query_start ? p.query_start[b + 1] - first : 1, rows = nq * group;
   float *query = work + lay.query(), *acc = work + lay.acc(), *scores = work + lay.scores();
   float *run_max = work + lay.run_max(), *run_sum = work + lay.run_sum();
-  const IoT* q = static_cast<const IoT*>(p.q) + (b * p.q_heads + h * group) * dim;  // [group, dim]
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t d = 0; d < padded; ++d)
-      query[g * padded + d] = d < dim ? static_cast<float>(q[g * dim + d]) * p.scale : 0.0f;
-    std::fill(acc + g * padded, acc + (g + 1) * padded, 0.0f);
-    run_max[g] = -INFINITY;
-    run_sum[g] = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {  // row r: query token r / group, its head h * group + r % group
+    const IoT* q = static_cast<const IoT*>(p.q) + ((first + r / group) * p.q_heads + h * group + r % group) * dim;
+    for (int64_t d = 0; d < padded; ++d) query[r * padded + d] = d < dim ? static_cast<float>(q[d]) * p.scale : 0.0f;
+    std::fill(acc + r * padded, acc + (r + 1) * padded, 0.0f);
+    run_max[r] = -INFINITY;
+    run_sum[r] = 0.0f;
   }
   const CacheT* k_cache = static_cast<const CacheT*>(p.k_cache);
   const CacheT* v_cache = static_cast<const CacheT*>(p.v_cache);
@@ -306,26 +322,24 @@ void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, flo
   for (int64_t j = 0; j < num_blocks; ++j) {
     const int64_t n = std::min(bs, len - j * bs), start = table[j] * p.block_stride + h * dim;
     if (j + 1 < num_blocks) {  // stream: the next block's rows of this head, while this one computes
-      const int64_t next = table[j + 1] * p.block_stride + h * dim, rows = std::min(bs, len - (j + 1) * bs);
-      prefetch_rows(k_cache + next, rows, stride_bytes, dim * sizeof(CacheT));
-      prefetch_rows(v_cache + next, rows, stride_bytes, dim * sizeof(CacheT));
+      const int64_t next = table[j + 1] * p.block_stride + h * dim, next_rows = std::min(bs, len - (j + 1) * bs);
+      prefetch_rows(k_cache + next, next_rows, stride_bytes, dim * sizeof(CacheT));
+      prefetch_rows(v_cache + next, next_rows, stride_bytes, dim * sizeof(CacheT));
     }
     const Rows k = block_rows(k_cache + start, n, row_stride, dim, padded, work + lay.k_rows());
     const Rows v = block_rows(v_cache + start, n, row_stride, dim, padded, work + lay.v_rows());
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = scores + g * lay.score_stride;
-      block_scores(query + g * padded, k, n, padded, s);  // s[t] = q_g . k_t (scale folded into q)
-      const float new_max = std::max(run_max[g], row_max(s, n));
-      const float correction = run_sum[g] > 0.0f ? std::exp(run_max[g] - new_max) : 0.0f;
-      run_sum[g] = run_sum[g] * correction + exp_minus_and_sum(s, n, new_max);
-      run_max[g] = new_max;
-      block_values(acc + g * padded, correction, s, v, n, padded);  // acc = acc * correction + p . V
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t m = std::min(n, len - (nq - 1 - i) - j * bs);  // tokens of this block query token i sees
+      if (m <= 0) continue;
+      for (int64_t r = i * group; r < (i + 1) * group; ++r)
+        attend_rows(query + r * padded, acc + r * padded, scores + r * lay.score_stride, run_max[r], run_sum[r], k, v,
+                    m, padded);
     }
   }
-  IoT* out = static_cast<IoT*>(p.out) + (b * p.q_heads + h * group) * dim;
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f;  // len 0 (a padding row): zeros
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<IoT>(acc[g * padded + d] * inv);
+  for (int64_t r = 0; r < rows; ++r) {
+    IoT* out = static_cast<IoT*>(p.out) + ((first + r / group) * p.q_heads + h * group + r % group) * dim;
+    const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;  // len 0 (a padding row): zeros
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<IoT>(acc[r * padded + d] * inv);
   }
 }
 

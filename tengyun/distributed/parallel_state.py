@@ -113,6 +113,15 @@ def tensor_model_parallel_gather(x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 
+def tensor_model_parallel_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """TP rank 0's x on every rank of its TP group, in place (the other ranks pass a buffer of
+    the same shape and dtype): e.g. the tokens only the sampling rank computed."""
+    if _STATE.tp_size == 1:
+        return x
+    dist.broadcast(x, src=_STATE.pp_rank * _STATE.tp_size, group=_STATE.tp_group)
+    return x
+
+
 # ----- pipeline-parallel point-to-point ---------------------------------------------------
 def pp_send(tensors: list[torch.Tensor]) -> None:
     """Send to the same TP rank of the next stage (global rank + tp_size)."""

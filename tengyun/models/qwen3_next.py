@@ -29,6 +29,10 @@ class Qwen3NextSparseMoeBlock(Qwen3_5MoeSparseMoeBlock):
 
 
 def make_next_mlp(spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    """The MLP of decoder layer ``layer_idx``; MTP layer j (``num_layers + j``) follows layer j's
+    rule, as vLLM's Qwen3-Next MTP numbers its layers (mtp.layers.j): on the releases, MoE."""
+    if layer_idx >= spec.num_layers:
+        layer_idx -= spec.num_layers
     if spec.sparse_layers[layer_idx]:
         return Qwen3NextSparseMoeBlock(spec, dtype)
     return make_dense_mlp(spec, layer_idx, dtype)

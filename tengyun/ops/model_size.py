@@ -1,10 +1,11 @@
 """Parameters of a decoder-only checkpoint per card, from its ModelSpec (config.json alone).
 
 Counts follow the tensors in HF checkpoints of Llama, Qwen2/2.5, Qwen3, Qwen2-MoE, Qwen3-MoE,
-Qwen3-Next and Qwen3.5 (dense and MoE, text decoder only: vision towers and MTP heads are not
-counted). Under tensor parallelism column/row-parallel weights split by tp, KV projections keep
-max(1, kv_heads / tp) heads per rank (replicated when tp > kv heads), embeddings and LM head are
-vocab-parallel, MoE experts split by tp (no expert parallelism), norms and routers replicate.
+Qwen3-Next and Qwen3.5 (dense and MoE, text decoder only: vision towers are not counted; MTP
+heads only when asked for, ``mtp_layers``: --speculative-config method mtp). Under tensor
+parallelism column/row-parallel weights split by tp, KV projections keep max(1, kv_heads / tp)
+heads per rank (replicated when tp > kv heads), embeddings and LM head are vocab-parallel, MoE
+experts split by tp (no expert parallelism), norms and routers replicate.
 """
 
 from __future__ import annotations
@@ -71,17 +72,31 @@ class StageParams:
     mlp: int
     norms: int
     lm_head: int
+    mtp: int = 0  # the MTP head (--speculative-config method mtp), on the last stage
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.linear_attention + self.mlp + self.norms + self.lm_head
+        return (self.embedding + self.attention + self.linear_attention + self.mlp + self.norms + self.lm_head
+                + self.mtp)
 
 
-def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: bool = False) -> StageParams:
+def mtp_params(spec: ModelSpec, tp: int, num_layers: int, own_embedding: bool) -> int:
+    """The MTP head on one rank (models/qwen3_5_mtp.py): fc [2h -> h] (replicated), its two pre-fc
+    norms and final norm, ``num_layers`` full-attention decoder layers (layer j's MLP by decoder
+    layer j's rule, as the engine builds it), and with ``own_embedding`` (a last pipeline stage
+    that is not the first) its own vocab-parallel copy of the embedding."""
+    h = spec.hidden_size
+    layers = sum(attention_params(spec, tp) + mlp_params(spec, tp, j) + 2 * h for j in range(num_layers))
+    return 2 * h * h + 3 * h + layers + (_split(spec.vocab_size, tp) * h if own_embedding else 0)
+
+
+def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: bool = False,
+                 mtp_layers: int = 0) -> StageParams:
     """Per-rank parameters of pipeline stage ``stage`` (its layers: spec.stage_layers). The first
     stage holds the embedding; the last the final norm and LM head (tied embeddings still need
     the LM head on the last stage when pp > 1, and where the platform's linear kernel keeps its own
-    repacked copy of the weight: ``tied_head_copy``, Platform.repacks_linear_weights)."""
+    repacked copy of the weight: ``tied_head_copy``, Platform.repacks_linear_weights), and the
+    MTP head's ``mtp_layers`` with --speculative-config method mtp."""
     h, vocab = spec.hidden_size, spec.vocab_size
     start, end = spec.stage_layers(stage, pp)
     layers = range(start, end)
@@ -91,8 +106,9 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: 
     last = stage == pp - 1
     embed = _split(vocab, tp) * h if stage == 0 else 0
     lm_head = _split(vocab, tp) * h if last and (not spec.tie_word_embeddings or pp > 1 or tied_head_copy) else 0
+    mtp = mtp_params(spec, tp, mtp_layers, own_embedding=pp > 1) if last and mtp_layers else 0
     return StageParams(stage, (start, end), embed, attention, linear, mlp, 2 * h * (end - start) + (h if last else 0),
-                       lm_head)
+                       lm_head, mtp)
 
 
 def total_params(config: ModelSpec | Mapping[str, Any]) -> int:

@@ -45,6 +45,9 @@ class PlanRequest:
     activation_reserve: int | None = None  # None: estimated (activation_estimate)
     devices_per_node: int = 8  # TP stays inside a node when searching the smallest fit
     enable_prefix_caching: bool = True  # hybrid models keep recurrent-state snapshots for it
+    # --speculative-config method mtp: the MTP head's layers (mtp_layers_for_speculation), whose
+    # weights and KV the last stage holds; 0 without it.
+    mtp_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -240,7 +243,9 @@ def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, k
     tp, pp = request.tp, request.pp
     from tengyun.platforms import platform_class
 
-    params = stage_params(spec, tp, pp, stage, platform_class(request.device).repacks_linear_weights)
+    last = stage == pp - 1
+    params = stage_params(spec, tp, pp, stage, platform_class(request.device).repacks_linear_weights,
+                          request.mtp_layers)
     start, end = params.layers
     weights = int(params.total * DTYPE_BYTES[dtype] * scale)
     if quant:
@@ -252,7 +257,7 @@ def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, k
             raise ValueError("--device-memory is needed (e.g. 64GiB for an Ascend 910B), "
                              "or --kv-cache-memory to give the KV budget directly.")
         budget = int(request.device_memory * request.gpu_memory_utilization) - weights - activation
-    shape = kv_cache_shape(spec, DTYPE_BYTES[kv_dtype], tp, start, end)
+    shape = kv_cache_shape(spec, DTYPE_BYTES[kv_dtype], tp, start, end, request.mtp_layers if last else 0)
     state = state_shape(spec, DTYPE_BYTES[dtype], start, end, tp).bytes_per_slot
     blocks, slots, snapshots = split_budget(max(budget, 0), request.block_size, shape, state, request.max_num_seqs,
                                             max_len, request.enable_prefix_caching)
@@ -303,7 +308,8 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
                  + (f" with the quantised linear layers as their kernels hold them ({plan.quantization})"
                     if plan.quantization else ""))
     lines.append(f"  embedding {p.embedding:,} + attention {p.attention:,} + linear attention "
-                 f"{p.linear_attention:,} + MLP/MoE {p.mlp:,} + norms {p.norms:,} + LM head {p.lm_head:,}")
+                 f"{p.linear_attention:,} + MLP/MoE {p.mlp:,} + norms {p.norms:,} + LM head {p.lm_head:,}"
+                 + (f" + MTP head {p.mtp:,}" if p.mtp else ""))
     if r.kv_cache_memory is not None:
         lines.append(f"KV budget per card: --kv-cache-memory = {_size(s.budget_bytes)} ({s.budget_bytes:,} B)")
     else:
@@ -311,11 +317,14 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
         lines.append(f"KV budget per card: {_size(r.device_memory)} x {r.gpu_memory_utilization} - "
                      f"{_size(s.weight_bytes)} weights - {_size(plan.activation_bytes)} activations = "
                      f"{_size(s.budget_bytes)} ({s.budget_bytes:,} B)")
-    lines.append(f"KV bytes per token per card: 2 (K, V) x {s.attention_layers} attention layers x "
+    mtp_kv = r.mtp_layers if s.stage == r.pp - 1 else 0
+    lines.append(f"KV bytes per token per card: 2 (K, V) x {s.attention_layers} attention layers"
+                 + (f" ({mtp_kv} of the MTP head)" if mtp_kv else "") + " x "
                  f"{s.kv_heads} KV heads x {s.head_dim} head dim x {DTYPE_BYTES[plan.kv_cache_dtype]} B = "
                  f"{s.kv_bytes_per_token:,} B")
     if s.state_bytes_per_seq:
-        lines.append(f"Recurrent state per sequence per card ({s.layers[1] - s.layers[0] - s.attention_layers} "
+        linear_layers = s.layers[1] - s.layers[0] - (s.attention_layers - mtp_kv)
+        lines.append(f"Recurrent state per sequence per card ({linear_layers} "
                      f"linear-attention layers): {s.state_bytes_per_seq:,} B; {s.state_slots} slots + "
                      f"{s.state_snapshots} prefix-cache snapshots set aside "
                      f"= {_size((s.state_slots + s.state_snapshots) * s.state_bytes_per_seq)}")

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tengyun.distributed.parallel_state import get_tp_rank
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.block_manager import blocks_to_keep
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
@@ -110,6 +111,13 @@ class ModelRunner:
         if not self.stage.is_last:
             self.stage.send(hidden)  # [hidden, residual]
             return None
+        result = self._outputs(batch, hidden)  # None off TP rank 0
+        if self.mtp is not None:
+            self._propose_drafts(batch, hidden, result)
+        return result
+
+    def _outputs(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
+        """The last stage's tokens and prompt logprobs from hidden [T, H]; None off TP rank 0."""
         if not batch.sample_seq_ids and not batch.prompt_rows:
             return ModelRunnerOutput()
         rows = batch.logits_indices
@@ -124,15 +132,26 @@ class ModelRunner:
             result = self._sample(batch.sample_seq_ids, logits[:num_sampled])
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, logits[num_sampled:], result)
-        if self.mtp is not None and result.sampled_token_ids:
-            result.draft_token_ids = self._propose_drafts(batch, hidden, list(result.sampled_token_ids))
         return result
 
-    def _propose_drafts(self, batch: BatchInputs, hidden: torch.Tensor, sampled: list[int]) -> dict[int, list[int]]:
-        """The MTP head's drafts for the sequences that got tokens, from this step's hidden [T, H]."""
-        tables = {seq_id: self.step_tables.get(seq_id, self.states[seq_id].block_table) for seq_id in sampled}
-        token_ids = {seq_id: self.states[seq_id].token_ids for seq_id, _, _, _ in batch.chunks}
-        return self.mtp.propose(batch.chunks, batch.positions, batch.meta, hidden, token_ids, tables, sampled)
+    def _propose_drafts(self, batch: BatchInputs, hidden: torch.Tensor, result: ModelRunnerOutput | None) -> None:
+        """The MTP head over this step's hidden [T, H] (every step: its KV follows the target's);
+        the drafts of the sequences that got tokens go into ``result`` on TP rank 0. The other TP
+        ranks run the head on their shards, with the new tokens TP rank 0 shares; they roll back
+        only at the next step, so their tables are still those of this step."""
+        sampled = batch.sample_seq_ids
+        if get_tp_rank() == 0:  # sampled here: the states hold the new tokens
+            self.mtp.share_new_tokens(sampled, result.sampled_token_ids)
+            new: dict[int, list[int]] = {}
+            tables = {seq_id: self.step_tables.get(seq_id, self.states[seq_id].block_table) for seq_id in sampled}
+        else:
+            new = self.mtp.share_new_tokens(sampled, None)
+            tables = {seq_id: self.states[seq_id].block_table for seq_id in sampled}
+        token_ids = {seq_id: self.states[seq_id].token_ids + new[seq_id] if seq_id in new
+                     else self.states[seq_id].token_ids for seq_id, _, _, _ in batch.chunks}
+        drafts = self.mtp.propose(batch.chunks, batch.positions, batch.meta, hidden, token_ids, tables, sampled)
+        if result is not None and sampled:
+            result.draft_token_ids = drafts
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for seq_id in sched.freed_seq_ids:

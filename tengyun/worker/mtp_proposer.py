@@ -12,6 +12,10 @@
    (all still unwritten by anyone else until the next step) and past them into scratch blocks
    after the engine's (``scratch_per_seq`` per batch row), so no block is allocated for drafts.
 Drafts are greedy (point masses), which the verification rule (spec_decode/verify.py) assumes.
+
+Tensor parallel: every TP rank of the last pipeline stage runs the head on its shard; TP rank 0
+alone gets logits, so each draft's argmax is broadcast to the others before it is embedded. Those
+ranks learn the step's new tokens from the sampling rank (``share_new_tokens``) for the catch-up.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tengyun.distributed.parallel_state import get_tp_size, tensor_model_parallel_broadcast
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.attention.metadata import AttentionMetadata, attention_metadata
 from tengyun.layers.kernels import KernelBundle, bind_kernels
@@ -35,17 +40,24 @@ class MtpProposer:
         self.first_scratch_block, self.scratch_per_seq = first_scratch_block, scratch_per_seq
         self.device = device
 
-    @classmethod
-    def build(cls, config, target: nn.Module, kernels: KernelBundle, num_blocks: int, dtype: torch.dtype,
-              kv_dtype: torch.dtype, device: torch.device) -> "MtpProposer":
-        """The head with its weights (``mtp.*`` of the checkpoint) and its own KV cache: the
-        engine's ``num_blocks`` block ids, then scratch blocks for draft positions."""
-        spec, k = config.model_spec, config.speculative_config.num_speculative_tokens
+    @staticmethod
+    def load_head(config, target: nn.Module, kernels: KernelBundle, dtype: torch.dtype,
+                  device: torch.device) -> Qwen3_5MultiTokenPredictor:
+        """The head with its weights: ``mtp.*`` of the checkpoint (and, on a pipeline stage without
+        the target's embedding, its own copy of it). Loaded before the KV cache is sized, so an
+        accelerator's budget sees its memory in use."""
         with torch.device(device):
-            head = Qwen3_5MultiTokenPredictor(spec, config.max_model_len, dtype, target).eval()
+            head = Qwen3_5MultiTokenPredictor(config.model_spec, config.max_model_len, dtype, target).eval()
         load_weights(head, config.model_path, config.load_format, seed=config.seed + 1)
         bind_kernels(head, kernels)
-        bs = config.block_size
+        return head
+
+    @classmethod
+    def build(cls, config, head: Qwen3_5MultiTokenPredictor, target: nn.Module, num_blocks: int,
+              kv_dtype: torch.dtype, device: torch.device) -> "MtpProposer":
+        """The proposer with the head's own KV cache: the engine's ``num_blocks`` block ids, then
+        scratch blocks for draft positions."""
+        k, bs = config.speculative_config.num_speculative_tokens, config.block_size
         scratch_per_seq = -(-k // bs) + 1
         layers = [m for m in head.modules() if isinstance(m, Attention)]
         cache = torch.zeros(2, len(layers), num_blocks + config.max_num_seqs * scratch_per_seq, bs,
@@ -68,10 +80,10 @@ class MtpProposer:
             if seq_id in sampled:
                 last = len(token_ids[seq_id]) - 2  # the position whose output predicts the next token
                 anchors.append((seq_id, row + last - start, last + 1))
-        if not anchors:
-            return {}
         with attention_metadata(meta):
             out = self.head(self._embed(torch.from_numpy(next_ids).to(self.device)), hidden, positions)
+        if not anchors:  # a step of prompt chunks only: the head's KV caught up, no drafts yet
+            return {}
         rows = torch.tensor([a[1] for a in anchors], device=self.device)
         out, draft = out[rows], self._argmax(out[rows])
         drafts = [draft]
@@ -84,11 +96,28 @@ class MtpProposer:
         columns = torch.stack(drafts, dim=1).tolist()  # [B, K]
         return {seq_id: row for (seq_id, _, _), row in zip(anchors, columns)}
 
+    def share_new_tokens(self, seq_ids: list[int], new_tokens: dict[int, list[int]] | None) -> dict[int, list[int]]:
+        """The step's new tokens of ``seq_ids`` (the sequences that sampled, in the same order on
+        every rank), from TP rank 0 (``new_tokens``; None on the other TP ranks) to all TP ranks
+        of this stage. Each sequence gains 1 .. K + 1 tokens: [S, K + 1], -1 past its count."""
+        if get_tp_size() == 1 or not seq_ids:
+            return new_tokens or {}
+        table = torch.full((len(seq_ids), self.num_spec_tokens + 1), -1, dtype=torch.int64)
+        if new_tokens is not None:
+            for row, seq_id in enumerate(seq_ids):
+                table[row, :len(new_tokens[seq_id])] = torch.tensor(new_tokens[seq_id])
+        rows = tensor_model_parallel_broadcast(table.to(self.device)).tolist()
+        return {seq_id: [t for t in row if t >= 0] for seq_id, row in zip(seq_ids, rows)}
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.target.model.embed_tokens(ids)
+        return self.head.embed(ids)
 
     def _argmax(self, out: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(out).argmax(dim=-1)
+        """out [B, H] -> [B] greedy tokens, on every TP rank (logits exist on TP rank 0 only)."""
+        logits = self.target.compute_logits(out)
+        tokens = logits.argmax(dim=-1) if logits is not None else torch.empty(len(out), dtype=torch.int64,
+                                                                                device=self.device)
+        return tensor_model_parallel_broadcast(tokens)
 
     def _decode_metadata(self, tables: list[list[int]], positions: list[int]) -> AttentionMetadata:
         """One decode row per sequence at ``positions``; blocks past its table are its scratch ones."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -48,7 +47,11 @@ class Worker:
         started = time.perf_counter()
         self.model = self._load_model()
         self.kernels = self._bind_kernels()
-        self.weight_bytes = weight_bytes(self.model)  # after binding: repacked weights count, freed ones not
+        dtype = TORCH_DTYPES[config.dtype]
+        self.mtp_head = (MtpProposer.load_head(config, self.model, self.kernels, dtype, self.device)
+                         if self._runs_mtp_head() else None)
+        # After binding: repacked weights count, freed ones not; the MTP head's too.
+        self.weight_bytes = weight_bytes(self.model) + (weight_bytes(self.mtp_head) if self.mtp_head is not None else 0)
         logger.info("Loaded %s (%s, %s) in %.1f s: %.1f MiB of weights on rank %d", config.architecture,
                     config.dtype, config.load_format, time.perf_counter() - started,
                     self.weight_bytes / 2**20, get_rank())
@@ -57,10 +60,9 @@ class Worker:
         graphs = self._use_decode_graphs()
         self.state_cache, self.kv_cache = self._allocate_caches(extra=int(graphs))
         self.runner = self._build_runner(graphs)
-        if config.speculative_config is not None and config.speculative_config.method == "mtp":
-            self.runner.mtp = MtpProposer.build(config, self.model, self.kernels, self.num_blocks + int(graphs),
-                                                TORCH_DTYPES[config.dtype], TORCH_DTYPES[config.kv_cache_dtype],
-                                                self.device)
+        if self.mtp_head is not None:
+            self.runner.mtp = MtpProposer.build(config, self.mtp_head, self.model, self.num_blocks + int(graphs),
+                                                TORCH_DTYPES[config.kv_cache_dtype], self.device)
         self.step_threads = self.platform.step_threads(rank.world_size if rank else 1)
 
     def _init_device(self) -> tuple[Platform, torch.device]:
@@ -108,13 +110,20 @@ class Worker:
             self._budgeted_kv_shape(), self.state_shape.bytes_per_slot)
 
     def _budgeted_kv_shape(self) -> KVCacheShape:
-        """The KV shape the budget is split by: with --speculative-config method mtp, the MTP head's
-        attention layers too (its own cache holds one layer each under the engine's block ids)."""
-        spec = self.config.speculative_config
-        if spec is None or spec.method != "mtp":
+        """The KV shape the budget is split by: with --speculative-config method mtp, on the last
+        pipeline stage, the MTP head's attention layers too (its own cache holds one layer each
+        under the engine's block ids)."""
+        if not self._runs_mtp_head():
             return self.kv_shape
-        return dataclasses.replace(self.kv_shape,
-                                   num_layers=self.kv_shape.num_layers + self.config.model_spec.mtp_num_layers)
+        config = self.config
+        start, end = config.model_spec.stage_layers(get_pp_rank(), get_pp_size())
+        return kv_cache_shape(config.model_spec, DTYPE_BYTES[config.kv_cache_dtype], config.tensor_parallel_size,
+                              start, end, extra_layers=config.model_spec.mtp_num_layers)
+
+    def _runs_mtp_head(self) -> bool:
+        """--speculative-config method mtp: the head runs on the last pipeline stage (every TP rank)."""
+        spec = self.config.speculative_config
+        return spec is not None and spec.method == "mtp" and get_pp_rank() == get_pp_size() - 1
 
     def _allocate_caches(self, extra: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(state cache, KV cache) with ``extra`` blocks and slots beyond those the scheduler hands out."""

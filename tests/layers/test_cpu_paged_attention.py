@@ -2,7 +2,8 @@
 scaled_dot_product_attention over each sequence's own context (test_decode_attention.py's
 reference): random shapes with odd head counts and head dims, GQA / MQA / MHA, contexts that end
 inside a block, length 1, block sizes 16 and 128, float32 / bfloat16 / float16 caches, on every
-instruction-set copy this CPU can run. Then the engine on it (the same greedy tokens as torch_sdpa),
+instruction-set copy this CPU can run; several causal query tokens per sequence (a speculative
+verify) equal one decode row per token. Then the engine on it (the same greedy tokens as torch_sdpa),
 and the fallback when the library is missing or broken (a fresh process: torch_sdpa, one log line)."""
 
 from __future__ import annotations
@@ -89,6 +90,36 @@ def test_kernel_matches_sdpa_per_sequence(isa, heads, kv_heads, dim, block_size,
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def _multi_query_case(heads, kv_heads, dim, block_size, dtype, seed):
+    """_random_case's sequences, each with 1 .. 5 query tokens (a verify: the last token and up to
+    4 drafts), flat -> (q [T, Hq, D], caches, tables, lens, query_start_loc [B + 1]); and the same
+    as one decode row per query token: (tables [T, nb], lens [T]) with token i of n seeing
+    lens[b] - (n - 1 - i) tokens."""
+    _, k_cache, v_cache, tables, lens = _random_case(heads, kv_heads, dim, block_size, dtype, seed)
+    counts = torch.tensor([1, 4, 3, 5, 2, 3]).clamp(max=lens)  # never more query tokens than context
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
+    row_lens = torch.cat([lens[b] - torch.arange(n - 1, -1, -1) for b, n in enumerate(counts.tolist())])
+    return q, k_cache, v_cache, tables, lens, starts, tables.repeat_interleave(counts, dim=0), row_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
+def test_several_query_tokens_per_sequence_are_causal_decode_rows(isa, heads, kv_heads, dim, block_size, dtype):
+    """query_start_loc: each sequence's K/V blocks read once for all its query tokens, each token
+    over its own causal prefix; bit for bit the decode kernel on one row per token, and SDPA's."""
+    q, k_cache, v_cache, tables, lens, starts, row_tables, row_lens = _multi_query_case(
+        heads, kv_heads, dim, block_size, dtype, heads * dim + block_size)
+    out, rows = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, dim ** -0.5, starts)
+    cpu_kernels.paged_decode_attention(rows, q, k_cache, v_cache, row_tables, row_lens, dim ** -0.5)
+    torch.testing.assert_close(out, rows, atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, row_tables, row_lens, dim ** -0.5),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_query_and_cache_dtypes_may_differ(kernels, q_dtype, cache_dtype):
     q, k_cache, v_cache, tables, lens = _random_case(9, 3, 64, 16, cache_dtype, 7)
@@ -115,9 +146,47 @@ def test_the_backend_decodes_as_torch_sdpa_does(kernels, threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backend_runs_short_chunks_in_the_kernel_as_torch_sdpa_attends(kernels, dtype):
+    """One step: 2 decodes, a 3-token verify over 20 cached tokens, a 20-token chunk (torch_sdpa's
+    path), a 2-token fresh prompt, a 5-token verify ending inside a block: the short chunks'
+    rows are not contiguous. Every token equals torch_sdpa's."""
+    from tengyun.layers.attention.cpu_paged import MAX_PAGED_QUERY
+    from tengyun.layers.attention.metadata import PrefillChunk
+
+    gen, bs, heads, kv_heads, dim = torch.Generator().manual_seed(5), 16, 14, 2, 64
+    k_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(40, generator=gen).view(8, 5)  # one row of blocks per sequence
+    decode_lens = torch.tensor([7, 33])
+    chunks = [(3, 20), (20, 5), (2, 0), (5, 28)]  # (query tokens, cached before them)
+    assert max(n for n, _ in chunks[:1] + chunks[2:]) <= MAX_PAGED_QUERY < chunks[1][0]
+    prefills, slots, start = [], [], 2
+    for i, (n, context) in enumerate(chunks):
+        table = tables[2 + i]
+        prefills.append(PrefillChunk(start, n, context, table[:-(-(context + n) // bs)]))
+        slots += [int(table[p // bs]) * bs + p % bs for p in range(context, context + n)]
+        start += n
+    q = torch.randn(start, heads, dim, generator=gen).to(dtype)
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(decode_lens)] + slots)
+    k = k_cache.view(-1, kv_heads, dim)[slots]  # this step's K/V: what the cache holds at their slots
+    v = v_cache.view(-1, kv_heads, dim)[slots]
+
+    def run(name):
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=2, decode_block_tables=tables[:2],
+                                 decode_seq_lens=decode_lens, prefills=prefills)
+        return get_attention_backend(name).forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+
+    torch.testing.assert_close(run("cpu_paged"), run("torch_sdpa"), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def test_bad_arguments_name_what_to_fix(kernels):
     q, k_cache, v_cache, tables, lens = _random_case(4, 2, 16, 16, torch.float32, 0)
     out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="query_start_loc must be non-decreasing within q's 6 rows"):
+        kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, 1.0, torch.tensor([0, 4, 2]))
+    with pytest.raises(RuntimeError, match=r"sequence 0 has 3 query tokens but seq_lens\[0\] = 1"):
+        kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, 1.0, torch.tensor([0, 3, 6]))
     with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 1000 outside"):
         kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.full_like(lens, 1000), 1.0)
     with pytest.raises(RuntimeError, match="block_tables must be int64"):

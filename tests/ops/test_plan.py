@@ -3,6 +3,7 @@ against real checkpoints, and plan vs. the engine's own KV allocation on this ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -94,6 +95,26 @@ def test_qwen3_5_397b_a17b_tp8_pp4_on_64g_cards_by_hand():
     assert smallest_fit(cfg, PlanRequest(max_model_len=32_768)) == (2, 7)
 
 
+def test_qwen3_5_397b_a17b_with_mtp_counts_the_heads_weights_and_kv_on_the_last_stage():
+    """--speculative-config method mtp: stage 3 also holds the MTP head (fc, three norms, one
+    full-attention MoE layer, and its own embedding copy: stage 3 has none) and its KV layer."""
+    cfg = load("qwen3_5_397b_a17b")
+    request = PlanRequest(tp=8, pp=4, max_model_len=32_768, enable_prefix_caching=False)
+    plain, mtp = make_plan(cfg, request), make_plan(cfg, dataclasses.replace(request, mtp_layers=1))
+    h, attention, moe, vocab = 4096, 14_680_576, 808_980_480, 127_139_840  # per rank, as above
+    head = 2 * h * h + 3 * h + (attention + moe + 2 * h) + vocab
+    assert [s.params.mtp for s in mtp.stages] == [0, 0, 0, head] and head == 984_375_808
+    assert mtp.stages[3].weight_bytes == plain.stages[3].weight_bytes + 2 * head
+    assert [s.attention_layers for s in mtp.stages] == [3, 4, 4, 5]
+    assert mtp.stages[3].kv_bytes_per_token == 2 * 5 * 1 * 256 * 2
+    state = 11 * (12288 // 8 * 3 * 2 + 64 // 8 * 128 * 128 * 4)
+    assert mtp.blocks == (plain.stages[3].budget_bytes - 2 * head - 256 * state) // (16 * 5120) == 403_778
+    # One stage: the embedding is shared, not copied.
+    [one] = make_plan(cfg, PlanRequest(tp=8, pp=1, max_model_len=32_768, mtp_layers=1, device_memory=None,
+                                       kv_cache_memory=GiB)).stages
+    assert one.params.mtp == head - vocab
+
+
 def test_qwen3_5_397b_a17b_fp8_is_planned_as_served_dequantized_in_bf16_on_910b():
     """Qwen/Qwen3.5-397B-A17B-FP8's quantization_config on the wrapper: the 910B has no FP8 matmul,
     so the engine dequantizes and the weights per card are the bf16 checkpoint's."""
@@ -180,6 +201,26 @@ def test_plan_command_counts_hybrid_state_snapshots_unless_prefix_caching_is_off
 
     assert stage3() == (256, 256, 63_980)  # 128-token blocks on npu
     assert stage3("--no-enable-prefix-caching") == (256, 0, 66_845)
+
+
+def test_plan_command_counts_the_mtp_head_with_speculative_config_mtp():
+    def plan(model, *args):
+        return subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "plan", str(FIXTURES / model),
+                               "--max-model-len", "32768", *args], capture_output=True, text=True, timeout=120)
+
+    mtp = '{"method": "mtp", "num_speculative_tokens": 2}'
+    proc = plan("qwen3_5_397b_a17b", "-tp", "8", "-pp", "4", "--json", "--speculative-config", mtp)
+    stages = json.loads(proc.stdout)["stages"]
+    assert [s["params"]["mtp"] for s in stages] == [0, 0, 0, 984_375_808]
+    assert stages[3]["attention_layers"] == 5
+    text = plan("qwen3_5_397b_a17b", "-tp", "8", "-pp", "4", "--speculative-config", mtp).stdout
+    assert "+ MTP head 984,375,808" in text and "5 attention layers (1 of the MTP head)" in text
+    ngram = plan("qwen3_5_397b_a17b", "-tp", "8", "-pp", "4", "--json", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 2}')
+    assert json.loads(ngram.stdout)["stages"][3]["params"]["mtp"] == 0
+    refused = plan("qwen3_0_6b", "--speculative-config", mtp)
+    assert refused.returncode == 2
+    assert "--speculative-config method mtp needs the model's multi-token-prediction layers" in refused.stderr
 
 
 def test_plan_command_defaults_are_the_engines_on_the_planned_device():

@@ -89,6 +89,46 @@ def test_plan_counts_hybrid_state_snapshots_only_with_prefix_caching(folders, fa
     assert counts[True][0] < counts[False][0]  # the snapshot rows came out of the KV blocks
 
 
+def _with_mtp_head(folder, out):
+    """``folder`` plus an MTP head (mtp.* tensors; mtp_num_hidden_layers 1, or for Qwen3-Next
+    nothing: the engine counts mtp.layers.N): the last full-attention layer's attention and norms,
+    layer 0's MLP (the kind the head's layer has), fc and the head's norms."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    tensors = load_file(out / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    last_full = max(int(n.split(".")[2]) for n in tensors if ".self_attn." in n)
+    head = {n.replace(f"model.layers.{last_full}.", "mtp.layers.0."): t.clone() for n, t in tensors.items()
+            if n.startswith(f"model.layers.{last_full}.") and ".mlp." not in n}
+    head |= {n.replace("model.layers.0.", "mtp.layers.0."): t.clone() for n, t in tensors.items()
+             if n.startswith("model.layers.0.mlp.")}
+    hidden = cfg["hidden_size"]
+    head |= {f"mtp.{n}.weight": torch.zeros(hidden) for n in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding")}
+    head["mtp.fc.weight"] = torch.zeros(hidden, 2 * hidden)
+    save_file(head, out / "mtp.safetensors")
+    if cfg["architectures"][0] != "Qwen3NextForCausalLM":
+        (out / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_plan_with_mtp_matches_the_engine(folders, family, tmp_path):
+    """--speculative-config method mtp: the head's weights and its KV layer, as the worker holds them."""
+    folder = _with_mtp_head(folders[family], tmp_path / family)
+    config = EngineConfig(str(folder), kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                          block_size=16, speculative_config={"method": "mtp", "num_speculative_tokens": 2}).finalize()
+    worker = Worker(config)
+    plan = _plan_for(folder, config, kv_cache_memory=config.kv_cache_budget_bytes(), mtp_layers=1)
+    [stage] = plan.stages
+    assert stage.params.mtp > 0 and stage.weight_bytes == worker.weight_bytes
+    assert stage.kv_bytes_per_token == worker.kv_shape.bytes_per_token * (stage.attention_layers) // (
+        stage.attention_layers - 1)
+    assert (plan.blocks, stage.state_slots, stage.state_snapshots) == (
+        worker.num_blocks, worker.num_state_slots, worker.num_state_snapshots)
+
+
 class SimulatedAccelerator(CpuPlatform):
     """This CPU sizing its KV cache as an accelerator does: from memory_info() x
     --gpu-memory-utilization, with ``used`` bytes already taken (the weights) out of ``total``."""

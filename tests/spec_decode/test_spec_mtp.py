@@ -1,7 +1,9 @@
 """--speculative-config method mtp on a tiny Qwen3.5 whose checkpoint carries ``mtp.*`` tensors
 (config.json mtp_num_hidden_layers 1): the head's drafts equal a reference built from HF's own
 Qwen3.5 modules; greedy tokens and logprobs are those without speculation (drafts rejected, and
-with a head that copies the target, accepted) under chunked prefill and preemption."""
+with a head that copies the target, accepted) under chunked prefill and preemption; with TP 2 and
+PP 2 worker processes, the drafts and tokens of one process. Qwen3-Next's head (same names, its
+own decoder layer) passes the same checks."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from spec_checks import assert_same_tokens_and_logprobs
 
 PROMPTS = [[7, 7, 9, 7, 7, 9, 7], [5, 17, 29, 41, 5, 17, 29, 41, 5, 17], list(range(10, 50)),
            [100, 7, 101, 9, 102, 7, 103, 9]]
+# Qwen3-Next as the releases: every layer MoE (the MTP layer too), every 2nd layer full attention.
+NEXT = dict(QWEN3_5_TEXT, **QWEN3_5_MOE, decoder_sparse_step=1, mlp_only_layers=[], full_attention_interval=2)
 SMALL = dict(block_size=8, max_model_len=104, num_gpu_blocks_override=13, max_num_batched_tokens=16, max_num_seqs=8)
 
 
@@ -36,8 +40,10 @@ class ReferenceMtp(torch.nn.Module):
         one_layer = {**QWEN3_5_TEXT, "num_hidden_layers": 1, "layer_types": ["full_attention"]}
         if arch == "qwen3_5":
             wrapper = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**one_layer))
-        else:  # the MoE model's MTP layer is an MoE layer too
+        elif arch == "qwen3_5_moe":  # the MoE model's MTP layer is an MoE layer too
             wrapper = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**one_layer, **QWEN3_5_MOE))
+        else:  # Qwen3-Next's: its own decoder layer, MoE as layer 0's rule says
+            wrapper = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**NEXT, **one_layer}))
         self.wrapper = randomize_norms_and_routers(wrapper).eval()  # saved by HF: its checkpoint names
         self.body = self.wrapper.model
         hidden = QWEN3_5_TEXT["hidden_size"]
@@ -80,14 +86,24 @@ class ReferenceMtp(torch.nn.Module):
 
 
 def save_with_mtp(folder, tokenizer_dir, head_tensors: dict, arch: str = "qwen3_5"):
-    target = make_tiny_qwen3_5(arch)
+    """Qwen3.5 says mtp_num_hidden_layers 1 in config.json; Qwen3-Next says nothing (the engine
+    counts mtp.layers.N in the checkpoint, as vLLM assumes one)."""
+    target = make_tiny_qwen3_5(arch) if arch != "qwen3_next" else make_tiny_qwen3_next()
     target.save_pretrained(folder)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, folder / f.name)
     save_file(head_tensors, folder / "mtp.safetensors")
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    if arch != "qwen3_next":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
     return target
+
+
+def make_tiny_qwen3_next():
+    import transformers
+
+    torch.manual_seed(0)
+    return randomize_norms_and_routers(transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**NEXT))).eval()
 
 
 def copying_head(reference: ReferenceMtp) -> dict[str, torch.Tensor]:
@@ -103,7 +119,7 @@ def copying_head(reference: ReferenceMtp) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def mtp_checkpoint(request, tmp_path_factory, tiny_tokenizer_dir):
     reference = ReferenceMtp(request.param)
     folder = tmp_path_factory.mktemp(f"{request.param}_mtp")
@@ -130,6 +146,21 @@ def test_mtp_drafts_equal_the_hf_reference_head(mtp_checkpoint, k):
     assert checked >= 4
 
 
+def test_the_head_catches_up_in_prefill_steps_that_sample_nothing(mtp_checkpoint):
+    """A 40-token prompt in 16-token chunks: the head's KV of every prompt position is what one
+    40-token step writes (steps without a sampled token run the head too)."""
+    def head_kv(step_tokens: int | None) -> torch.Tensor:
+        llm = LLM(str(mtp_checkpoint[0]), block_size=8, max_model_len=104, kv_cache_memory="1MiB",
+                  speculative_config=_mtp(1), max_num_batched_tokens=step_tokens)
+        llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=1))
+        layer = next(m for m in llm.llm_engine.executor.runner.mtp.head.modules() if hasattr(m, "k_cache"))
+        return torch.stack([layer.k_cache, layer.v_cache])
+
+    whole, chunked = head_kv(None), head_kv(16)
+    assert whole.abs().sum() > 0
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
+
+
 def test_greedy_tokens_and_logprobs_unchanged_with_rejected_mtp_drafts(mtp_checkpoint):
     folder, _, _ = mtp_checkpoint
     _assert_same_as_without_speculation(str(folder), accepted_at_least=0)
@@ -153,22 +184,55 @@ def _assert_same_as_without_speculation(path: str, accepted_at_least: int) -> No
     assert_same_tokens_and_logprobs(outputs[False], outputs[True])
 
 
-def test_mtp_with_two_ranks_is_refused_naming_the_field(mtp_checkpoint):
-    from tengyun.config import EngineConfig
+def _drafts_and_tokens(path: str, spec: dict | None, **engine_args) -> tuple[list, dict, object]:
+    """Every step's drafts (per request, as the engine holds them after the step), each request's
+    greedy tokens, and the engine's stats."""
+    llm = LLM(path, speculative_config=spec, **{**SMALL, **engine_args})
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    drafts, tokens = [], {}
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+            drafts.append(sorted((seq.request_id, seq.proposed_token_ids) for seq in engine.seqs.values()))
+        return drafts, tokens, engine.get_stats()
+    finally:
+        engine.shutdown()
 
-    config = EngineConfig(str(mtp_checkpoint[0]), speculative_config=_mtp(1), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="--speculative-config method mtp runs on one rank"):
-        config.finalize()
+
+# The head runs on the last pipeline stage; at PP 2 that stage has no embedding, so the head loads
+# its own copy. At TP 2 its attention heads, MLP (MoE: experts) split over the ranks; TP 2 x PP 2:
+# both, the last stage's TP rank 1 learning the step's tokens from its TP rank 0.
+@pytest.mark.parametrize("arch,head,tp,pp", [("qwen3_5", "copying", 2, 1), ("qwen3_5", "copying", 1, 2),
+                                             ("qwen3_5", "copying", 2, 2), ("qwen3_5_moe", "random", 2, 1),
+                                             ("qwen3_next", "random", 2, 1)])
+def test_mtp_with_tp_and_pp_drafts_and_generates_as_one_process(tmp_path, tiny_tokenizer_dir, arch, head, tp, pp):
+    reference = ReferenceMtp(arch)
+    save_with_mtp(tmp_path, tiny_tokenizer_dir, copying_head(reference) if head == "copying" else reference.tensors(),
+                  arch)
+    _, expected, _ = _drafts_and_tokens(str(tmp_path), None)
+    single_drafts, single_tokens, _ = _drafts_and_tokens(str(tmp_path), _mtp(2))
+    drafts, tokens, stats = _drafts_and_tokens(str(tmp_path), _mtp(2), tensor_parallel_size=tp,
+                                               pipeline_parallel_size=pp)
+    assert tokens == single_tokens == expected
+    assert drafts == single_drafts
+    assert stats.spec_decode.num_draft_tokens > 0 and stats.num_preemptions > 0
+    if head == "copying":
+        assert 0 < stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
 
 
 def test_the_heads_kv_cache_comes_out_of_the_kv_budget(mtp_checkpoint):
-    """Tiny Qwen3.5 has one attention layer; the head adds one: the same budget holds about half
-    the blocks (the state slots come first and are the same)."""
+    """Tiny Qwen3.5 has one attention layer (Qwen3-Next two); the head adds one: the same budget
+    holds 1/2 (2/3) of the blocks (the state slots come first and are the same)."""
     folder = str(mtp_checkpoint[0])
     blocks = {spec is not None: LLM(folder, block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_seqs=2,
                                     speculative_config=spec).llm_engine.get_stats().num_kv_blocks
               for spec in (None, _mtp(1))}
-    assert blocks[True] in (blocks[False] // 2, blocks[False] // 2 + 1)
+    layers = 2 if "next" in folder else 1
+    assert blocks[True] in (blocks[False] * layers // (layers + 1), blocks[False] * layers // (layers + 1) + 1)
 
 
 def test_server_with_mtp_answers_the_openai_client_as_without_it(mtp_checkpoint, tmp_path):

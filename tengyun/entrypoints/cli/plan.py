@@ -11,7 +11,8 @@ import json
 # EngineConfig fields `tengyun plan` takes, as `tengyun serve` spells them.
 ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
                    "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
-                   "tensor_parallel_size", "pipeline_parallel_size", "enable_prefix_caching", "quantization")
+                   "tensor_parallel_size", "pipeline_parallel_size", "enable_prefix_caching", "quantization",
+                   "speculative_config")
 PLANNED_DEVICES = ("npu", "cuda", "cpu")
 
 
@@ -32,9 +33,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", action="store_true")
 
 
-def plan_request(args: argparse.Namespace):
+def plan_request(args: argparse.Namespace, hf_config: dict | None = None):
     """The PlanRequest for parsed `tengyun plan` flags; engine settings checked as EngineConfig checks
-    them, block size and batched tokens defaulted as the engine on that device defaults them."""
+    them, block size and batched tokens defaulted as the engine on that device defaults them; with
+    --speculative-config method mtp, the MTP head's layers of the model (``hf_config``, read from
+    args.model) as the engine counts them."""
     from tengyun.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, parse_size
     from tengyun.entrypoints.cli.engine_args import dataclass_kwargs
     from tengyun.ops.plan import PlanRequest
@@ -55,7 +58,21 @@ def plan_request(args: argparse.Namespace):
         activation_reserve=parse_size(args.activation_reserve, "--activation-reserve") if args.activation_reserve
         else None,
         devices_per_node=args.devices_per_node, enable_prefix_caching=settings.enable_prefix_caching,
+        mtp_layers=_mtp_layers(settings.speculative_config, hf_config, args.model),
     )
+
+
+def _mtp_layers(speculative, hf_config: dict | None, model: str) -> int:
+    """The MTP layers the engine would run for --speculative-config (0 unless method mtp)."""
+    from pathlib import Path
+
+    from tengyun.model_spec import ModelSpec, mtp_layers_for_speculation
+
+    if speculative is None or speculative.method != "mtp" or hf_config is None:
+        return 0
+    path = Path(model)
+    folder = path if path.is_dir() else None  # a config.json alone: its count only
+    return mtp_layers_for_speculation(ModelSpec.from_hf_config(hf_config), folder, speculative.num_speculative_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     hf_config, checkpoint_bytes, name = read_model(args.model)
     quant = read_quantization(args.model, hf_config, args.quantization)
-    request = plan_request(args)
+    request = plan_request(args, hf_config)
     plan = make_plan(hf_config, request, checkpoint_bytes, name, quant)
     fit = smallest_fit(hf_config, request, checkpoint_bytes, quant)
     if args.json:

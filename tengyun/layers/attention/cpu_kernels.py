@@ -120,11 +120,15 @@ def isa() -> str:
     return torch.ops.tengyun.paged_attention_isa("")
 
 
-def paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> None:
-    """out [B, Hq, D] <- attention of q [B, Hq, D] (one token per sequence) over the first
-    seq_lens[b] tokens of each row's blocks; caches [N, block_size, Hkv, D], block_tables
-    [B, max_blocks] int64, seq_lens [B] int64. The kernels must be loaded (load_error() is None)."""
-    torch.ops.tengyun.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+def paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                           query_start_loc=None) -> None:
+    """out [T, Hq, D] <- attention of q [T, Hq, D] over the first seq_lens[b] tokens of each row's
+    blocks; caches [N, block_size, Hkv, D], block_tables [B, max_blocks] int64, seq_lens [B] int64.
+    query_start_loc None: one query token per sequence (T = B). Else [B + 1] int64: sequence b's
+    query tokens are rows qsl[b] .. qsl[b + 1] - 1, the last ones of its context, each causal
+    (token i of n sees seq_lens[b] - (n - 1 - i) tokens). The kernels must be loaded
+    (load_error() is None)."""
+    torch.ops.tengyun.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, query_start_loc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,10 @@
 
 Decodes read their K/V blocks in place from the paged cache (no gather copy; 16-bit caches widened
 a row at a time, float32 accumulation, the next block prefetched), one OpenMP task per (sequence,
-KV head). Writing K/V and prefill chunks are torch_sdpa's, unchanged. Picked by
+KV head). So do short chunks (at most MAX_PAGED_QUERY query tokens: a speculative verify's last
+token and drafts, a short prompt), every query token with its causal limit, each block read once
+for all of a sequence's tokens; token i of a chunk computes exactly what a decode row of its
+length would. Writing K/V and longer prefill chunks are torch_sdpa's, unchanged. Picked by
 ``CpuPlatform.attention_backend`` only when the kernel library loads (cpu_kernels.py).
 """
 
@@ -10,9 +13,25 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from tengyun.layers.attention import cpu_kernels
-from tengyun.layers.attention.metadata import AttentionMetadata
+from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
+
+# Chunks of at most this many query tokens run in the paged kernel; longer ones are matmul-bound,
+# where torch's SDPA over gathered K/V is faster (the kernel parallelises over sequences x KV heads).
+MAX_PAGED_QUERY = 16
+
+
+@dataclass
+class ShortChunks:
+    """The step's short chunks as one kernel call, built once per step (shared by every layer)."""
+
+    rows: slice | torch.Tensor  # their query rows in the flat batch: a slice when contiguous, else [T'] indices
+    query_start_loc: torch.Tensor  # [C + 1] int64: chunk c's rows are [qsl[c], qsl[c + 1]) of the T'
+    seq_lens: torch.Tensor  # [C] int64: context_len + query_len
+    block_tables: torch.Tensor  # [C, max_blocks] int64, padded with block 0 (never read)
 
 
 class CpuPagedBackend(TorchSDPABackend):
@@ -36,3 +55,50 @@ class CpuPagedBackend(TorchSDPABackend):
         cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_seq_lens, scale)
         return out
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """As torch_sdpa's, with short chunks in the paged kernel (their K/V, like everyone's, are
+        in the cache already: write_kv runs first)."""
+        short = _short_chunks(meta)
+        if short is None:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        n = meta.num_decode_tokens
+        if n:
+            out[:n] = self._decode(q[:n], k_cache, v_cache, meta, scale)
+        queries = q[short.rows].contiguous()  # [T', Hq, D]
+        attended = torch.empty_like(queries)
+        cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, short.block_tables, short.seq_lens,
+                                           scale, short.query_start_loc)
+        out[short.rows] = attended
+        for chunk in meta.prefills:
+            if chunk.query_len > MAX_PAGED_QUERY:
+                rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+                out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta, scale)
+        return out
+
+
+def _short_chunks(meta: AttentionMetadata) -> ShortChunks | None:
+    """meta's chunks of at most MAX_PAGED_QUERY tokens (None: there are none), cached in
+    meta.backend_state for the step's other layers."""
+    if "short_chunks" not in meta.backend_state:
+        chunks = [c for c in meta.prefills if c.query_len <= MAX_PAGED_QUERY]
+        meta.backend_state["short_chunks"] = _build_short_chunks(chunks) if chunks else None
+    return meta.backend_state["short_chunks"]
+
+
+def _build_short_chunks(chunks: list[PrefillChunk]) -> ShortChunks:
+    """Chunks (query_start 40, 3 tokens, 20 cached) (43, 2, 9) -> rows 40..44 (a slice),
+    query_start_loc [0, 3, 5], seq_lens [23, 11], their block tables padded to the widest."""
+    counts = torch.tensor([c.query_len for c in chunks], dtype=torch.int64)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    tables = torch.zeros(len(chunks), max(c.block_table.numel() for c in chunks), dtype=torch.int64)
+    for i, chunk in enumerate(chunks):
+        tables[i, :chunk.block_table.numel()] = chunk.block_table
+    first = chunks[0].query_start
+    if all(c.query_start == first + int(s) for c, s in zip(chunks, starts)):
+        rows = slice(first, first + int(starts[-1]))
+    else:
+        rows = torch.cat([torch.arange(c.query_start, c.query_start + c.query_len) for c in chunks])
+    seq_lens = torch.tensor([c.context_len + c.query_len for c in chunks], dtype=torch.int64)
+    return ShortChunks(rows, starts, seq_lens, tables)
