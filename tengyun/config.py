@@ -286,7 +286,7 @@ class EngineConfig:
         from tengyun.models.model_source import resolve_model
         from tengyun.platforms.startup import device_init_timeout, select_platform
 
-        source = resolve_model(self.model, self.load_format, self.tokenizer)
+        source = resolve_model(self.model, self.load_format, self.tokenizer, self.quantization)
         self.model_path = source.folder
         if self.load_format in ("auto", "gguf"):
             self.load_format = source.load_format

@@ -109,6 +109,10 @@ class CpuPlatform(Platform):
 
         if scheme.kernel == "w8a8_int8":
             return cpu_quant.CpuW8A8Kernel(scheme)
+        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu_gguf.py)
+            from tengyun.platforms.cpu_gguf import gguf_kernel
+
+            return gguf_kernel(scheme, dtype)
         dtype_name = str(dtype).removeprefix("torch.")
         if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             return cpu_quant.CpuInt4PackKernel(scheme)  # layers whose outputs torch cannot pack: the reference
@@ -123,6 +127,11 @@ class CpuPlatform(Platform):
         ([in / group, out, 2] in ``dtype``); a zero point, if any, is folded into it."""
         from tengyun.model_spec import DTYPE_BYTES
 
+        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: its int4 repack, or its blocks
+            from tengyun.platforms.cpu_gguf import weight_bytes
+
+            repacked = weight_bytes(scheme, out, in_, dtype)
+            return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total) if repacked is None else repacked
         if not int4pack_fits(scheme, dtype, out):
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
         act = DTYPE_BYTES[dtype]
