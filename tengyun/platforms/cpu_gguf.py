@@ -5,14 +5,22 @@ Q4_0, Q4_1 and Q4_K served in bfloat16 repack once into torch's int4 CPU matmul
 q in [0, 16) (tengyun/layers/gguf_kernels.py q_scale_offset), and torch computes
 w = (q - 8) * scale + zero, so zero = offset + 8 * scale (Q4_0: 0; Q4_1: m + 8d; Q4_K:
 8 d sc - dmin mn). Scales and zeros are held in bfloat16, as torch's kernel takes them (GGUF's
-fp16 d rounds to bf16's 8 significant bits). Q8_0, float32 activations and layers whose outputs
-are not a multiple of 16 run the dequantizing reference (torch's int4 matmul in float32 measured
-~20x slower than it in bfloat16; docs/quantization.md).
+fp16 d rounds to bf16's 8 significant bits). From DEQUANTIZE_FROM_TOKENS tokens on (prefill) the
+int4 weight is unpacked to bfloat16 and multiplied densely, which measured faster there. Q8_0,
+float32 activations and layers whose outputs are not a multiple of 16 run the dequantizing
+reference (torch's int4 matmul in float32 measured ~20x slower than in bfloat16;
+docs/quantization.md).
+
+torch's CPU int4 layout (torch 2.13, checked at first use by ``_unpack_layout_holds``): for each
+64 output rows, K runs of 32 bytes; byte j of run k holds q[row j, k] low and q[row 32 + j, k] high.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from tengyun.layers.gguf_kernels import GgufReferenceKernel, q_scale_offset
 from tengyun.layers.quant_kernels import Tensors
@@ -20,6 +28,10 @@ from tengyun.quantization.gguf import ggml_type_of
 from tengyun.quantization.scheme import LinearScheme
 
 GROUP = 32
+# Single thread, 1536 x 576 Q4_1 layer (ms): 256 tokens int4 4.4 vs unpack + bf16 matmul ~2.4;
+# 64 tokens int4 0.63 vs ~1.8; 2048 tokens int4 47 vs ~18 (docs/quantization.md).
+DEQUANTIZE_FROM_TOKENS = 256
+_UNPACK_ROWS = 64
 
 
 def int4pack_fits(scheme: LinearScheme, dtype: str, out: int) -> bool:
@@ -54,9 +66,40 @@ class CpuGgufInt4PackKernel(GgufReferenceKernel):
         if "int4pack" not in prepared:
             return super().apply(x, prepared, bias)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, prepared["int4pack"], GROUP, prepared["scales_and_zeros"])
+        packed, scales_and_zeros = prepared["int4pack"], prepared["scales_and_zeros"]
+        if x2.shape[0] >= DEQUANTIZE_FROM_TOKENS and packed.shape[0] % _UNPACK_ROWS == 0 and _unpack_layout_holds():
+            y = F.linear(x2, unpacked_weight(packed, scales_and_zeros))
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, scales_and_zeros)
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int4pack uint8 [out, in / 2] (out a multiple of 64) -> q uint8 [out, in]."""
+    out, in_ = packed.shape[0], packed.shape[1] * 2
+    runs = packed.view(out // _UNPACK_ROWS, in_, _UNPACK_ROWS // 2)  # [row blocks, k, j]
+    q = torch.cat([runs & 0x0F, runs >> 4], dim=2)  # [row blocks, k, 64 rows]
+    return q.transpose(1, 2).reshape(out, in_)
+
+
+def unpacked_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """-> w [out, in] in scales_and_zeros' dtype: (q - 8) * scale + zero per 32 inputs, computed
+    in float32 and rounded once."""
+    q = unpack_int4(packed)
+    out, in_ = q.shape
+    scale, zero = scales_and_zeros.permute(1, 0, 2).float().unbind(-1)  # [out, in / 32] each
+    w = (q.reshape(out, -1, GROUP).float() - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+    return w.reshape(out, in_).to(scales_and_zeros.dtype)
+
+
+@functools.cache
+def _unpack_layout_holds() -> bool:
+    """Does this torch pack as unpack_int4 reads? (Else prefill keeps torch's int4 matmul.)"""
+    seeded = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (_UNPACK_ROWS * 2, 2 * GROUP), dtype=torch.int32, generator=seeded)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return tuple(packed.shape) == (q.shape[0], q.shape[1] // 2) and torch.equal(unpack_int4(packed).int(), q)
 
 
 def gguf_kernel(scheme: LinearScheme, dtype: torch.dtype):

@@ -23,7 +23,7 @@ from tengyun.layers.quant_kernels import reference_kernel  # noqa: E402
 from tengyun.models.gguf_quantized import check_kept_types  # noqa: E402
 from tengyun.models.model_source import convert_gguf, qwen_coder_gguf, smollm2_gguf  # noqa: E402
 from tengyun.platforms.cpu import CpuPlatform  # noqa: E402
-from tengyun.platforms.cpu_gguf import CpuGgufInt4PackKernel  # noqa: E402
+from tengyun.platforms.cpu_gguf import DEQUANTIZE_FROM_TOKENS, CpuGgufInt4PackKernel, unpacked_weight  # noqa: E402
 from tengyun.quantization.config import QuantizationError, detect_quantization  # noqa: E402
 from tengyun.quantization.gguf import GGML_TYPES, SUPPORTED_TYPES, quantization_config, scheme_for_type  # noqa: E402
 
@@ -108,13 +108,16 @@ def test_cpu_int4_repack_computes_the_blocks_with_bf16_scales(type_name):
     qweight = _blocks(type_name, 64, 512)
     prepared = kernel.prepare({"qweight": qweight})
     assert set(prepared) == {"int4pack", "scales_and_zeros"}
-    x = torch.randn(7, 512).bfloat16()
     q, scale, offset = q_scale_offset(qweight, type_name)
     zero = (offset + 8 * scale).bfloat16().float()
     w = ((q.float() - 8).reshape(64, -1, 32) * scale.bfloat16().float()[..., None] + zero[..., None]).reshape(64, 512)
-    expected = x.float() @ w.t()
-    y = kernel.apply(x, prepared, None).float()
-    assert ((y - expected).norm() / expected.norm()) < 5e-3
+    unpacked = unpacked_weight(prepared["int4pack"], prepared["scales_and_zeros"])
+    assert torch.equal(unpacked, w.bfloat16())
+    for tokens in (7, DEQUANTIZE_FROM_TOKENS):  # torch's int4 matmul; the weight unpacked to bf16 (prefill)
+        x = torch.randn(tokens, 512).bfloat16()
+        expected = x.float() @ w.t()
+        y = kernel.apply(x, prepared, None).float()
+        assert ((y - expected).norm() / expected.norm()) < 5e-3
     assert ((w - dequantize_blocks(qweight, type_name)).norm() / w.norm()) < 5e-3  # bf16 scales: close, not exact
 
 
