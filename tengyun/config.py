@@ -107,7 +107,7 @@ class EngineConfig:
     quantization: str | None = setting(
         None, aliases=("-q",), choices=tuple(QUANT_METHODS),
         help="the checkpoint's quantisation format (default: config.json's quantization_config.quant_method; "
-             "docs/quantization.md)")
+             "gguf: a .gguf keeps its quantised blocks instead of loading dequantized; docs/quantization.md)")
     trust_remote_code: bool = setting(False, help="let the tokenizer run Python code from the model folder")
     device: str = setting("auto", choices=SUPPORTED_DEVICES,
                           help="auto: the first of npu, cuda, cpu that works here (the log says why)")
