@@ -18,6 +18,7 @@ torch's CPU int4 layout (torch 2.13, checked at first use by ``_unpack_layout_ho
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from tengyun.layers.gguf_kernels import GgufReferenceKernel, q_scale_offset
 from tengyun.layers.quant_kernels import Tensors
 from tengyun.quantization.gguf import ggml_type_of
 from tengyun.quantization.scheme import LinearScheme
+
+logger = logging.getLogger(__name__)
 
 GROUP = 32
 # Single thread, 1536 x 576 Q4_1 layer (ms): 256 tokens int4 4.4 vs unpack + bf16 matmul ~2.4;
@@ -107,4 +110,7 @@ def gguf_kernel(scheme: LinearScheme, dtype: torch.dtype):
     dtype_name = str(dtype).removeprefix("torch.")
     if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return CpuGgufInt4PackKernel(scheme)
+    hint = "; --dtype bfloat16 runs torch's int4 matmul" if scheme.weight_bits == 4 else ""
+    logger.info("%s in %s dequantizes its blocks at every step on CPU (docs/quantization.md)%s",
+                scheme.description, dtype_name, hint)
     return GgufReferenceKernel(scheme)
