@@ -209,3 +209,4 @@ def test_serving_a_gguf_with_a_type_tengyun_cannot_keep_exits_2_naming_the_tenso
     assert proc.returncode == 2, proc.stderr
     assert "blk.0.ffn_down.weight is stored as Q6_K, which Tengyun cannot keep quantised" in proc.stderr
     assert "drop --quantization gguf to load the .gguf dequantized" in proc.stderr
+
