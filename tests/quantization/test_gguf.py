@@ -97,22 +97,30 @@ def test_reference_kernel_multiplies_by_the_dequantized_weight_tile_by_tile(type
     torch.testing.assert_close(y, F.linear(x, dequantize_blocks(qweight, type_name), bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
-def test_cpu_int4_repack_computes_the_blocks_with_bf16_scales(type_name):
-    """torch's int4 matmul takes w = (q - 8) * scale + zero with scale and zero in bfloat16: equal
-    to the dequantized weight with those two rounded to bfloat16, up to bf16 sums."""
-    platform = CpuPlatform()
-    scheme = scheme_for_type(type_name)
-    kernel = platform.quant_linear_kernel(scheme, torch.bfloat16)
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_cpu_int4_planes_compute_the_blocks_with_bf16_scales(type_name):
+    """torch's int4 matmul takes (n - 8) * scale + zero with scale and zero in bfloat16 (Q8_0 as
+    two such planes): the weights are the blocks' with d (or the 4-bit types' scale and zero)
+    rounded to bfloat16 -- Q8_0 bf16(d) q exactly -- and the products agree up to bf16 sums."""
+    kernel = CpuPlatform().quant_linear_kernel(scheme_for_type(type_name), torch.bfloat16)
     assert isinstance(kernel, CpuGgufInt4PackKernel)
     qweight = _blocks(type_name, 64, 512)
     prepared = kernel.prepare({"qweight": qweight})
-    assert set(prepared) == {"int4pack", "scales_and_zeros"}
+    planes = 2 if type_name == "Q8_0" else 1
+    assert set(prepared) == {f"{k}{i}" for i in range(planes) for k in ("int4pack", "scales_and_zeros")}
     q, scale, offset = q_scale_offset(qweight, type_name)
-    zero = (offset + 8 * scale).bfloat16().float()
-    w = ((q.float() - 8).reshape(64, -1, 32) * scale.bfloat16().float()[..., None] + zero[..., None]).reshape(64, 512)
-    unpacked = unpacked_weight(prepared["int4pack"], prepared["scales_and_zeros"])
-    assert torch.equal(unpacked, w.bfloat16())
+    groups = q.float().reshape(64, -1, 32)
+    if type_name == "Q8_0":
+        w = groups * _bf16(scale)[..., None]
+    else:
+        w = (groups - 8) * _bf16(scale)[..., None] + _bf16(offset + 8 * scale)[..., None]
+    w = w.reshape(64, 512)
+    assert torch.equal(unpacked_weight([(prepared[f"int4pack{i}"], prepared[f"scales_and_zeros{i}"])
+                                        for i in range(planes)]), w.bfloat16())
     for tokens in (7, DEQUANTIZE_FROM_TOKENS):  # torch's int4 matmul; the weight unpacked to bf16 (prefill)
         x = torch.randn(tokens, 512).bfloat16()
         expected = x.float() @ w.t()
@@ -121,10 +129,16 @@ def test_cpu_int4_repack_computes_the_blocks_with_bf16_scales(type_name):
     assert ((w - dequantize_blocks(qweight, type_name)).norm() / w.norm()) < 5e-3  # bf16 scales: close, not exact
 
 
-def test_cpu_runs_q8_0_and_float32_on_the_reference():
+def test_cpu_runs_float32_and_outputs_torch_cannot_pack_on_the_reference():
     platform = CpuPlatform()
-    assert type(platform.quant_linear_kernel(scheme_for_type("Q8_0"), torch.bfloat16)) is GgufReferenceKernel
     assert type(platform.quant_linear_kernel(scheme_for_type("Q4_1"), torch.float32)) is GgufReferenceKernel
+    kernel = platform.quant_linear_kernel(scheme_for_type("Q8_0"), torch.bfloat16)
+    qweight = _blocks("Q8_0", 24, 64)  # 24 outputs: not a multiple of 16
+    x = torch.randn(3, 64).bfloat16()
+    prepared = kernel.prepare({"qweight": qweight})
+    assert set(prepared) == {"qweight"}
+    expected = F.linear(x, dequantize_blocks(qweight, "Q8_0", x.dtype))
+    torch.testing.assert_close(kernel.apply(x, prepared, None), expected)
 
 
 def test_config_section_gives_each_module_its_type():
