@@ -59,8 +59,42 @@ def q_scale_offset(qweight: torch.Tensor, type_name: str) -> tuple[torch.Tensor,
     raise ValueError(f"no dequantization for ggml type {type_name}")
 
 
+def q6_k_values(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K uint8 [rows, blocks, 210] -> (q - 32 int8 [rows, in], scale d * sc float32 [rows, in / 16]).
+    Each half of a block (128 weights) takes 64 bytes of low nibbles and 32 of high 2-bit pairs:
+    element e of the half is ql[e % 64] low (e < 64) or high nibble, with bits 2 * (e // 32) of
+    qh[e % 32] above it (ggml dequantize_row_q6_K)."""
+    rows = qweight.shape[0]
+    ql = qweight[..., 0:128].reshape(rows, -1, 2, 1, 64)  # [rows, blocks, half, 1, 64]
+    qh = qweight[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=3).reshape(rows, -1, 2, 4, 32)  # e // 32 = 0, 1, 2, 3
+    high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=3)  # [rows, blocks, half, 4, 32]
+    q = (low | (high << 4)).to(torch.int8) - 32
+    scale = qweight[..., 192:208].contiguous().view(torch.int8).float() * _f16(qweight[..., 208:210])
+    return q.reshape(rows, -1), scale.reshape(rows, -1)
+
+
+def q5_0_as_q8_0(qweight: torch.Tensor) -> torch.Tensor:
+    """Q5_0 uint8 [rows, blocks, 22] -> the same weights as Q8_0 [rows, blocks, 34]: d kept,
+    q - 16 (q = nibble | 5th bit << 4, bit i of the little-endian uint32 qh for element i) as int8."""
+    qh = qweight[..., 2:6].to(torch.int64)
+    bits = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)  # [rows, blocks]
+    fifth = (bits.unsqueeze(-1) >> torch.arange(32, device=qweight.device)) & 1  # [rows, blocks, 32]
+    q = (_nibbles(qweight[..., 6:22]).to(torch.int64) | (fifth << 4)) - 16
+    return torch.cat([qweight[..., 0:2], q.to(torch.int8).view(torch.uint8)], dim=-1)
+
+
+def q4_0_as_q8_0(qweight: torch.Tensor) -> torch.Tensor:
+    """Q4_0 uint8 [rows, blocks, 18] -> the same weights as Q8_0 [rows, blocks, 34] (q - 8 as int8)."""
+    q = _nibbles(qweight[..., 2:18]).to(torch.int8) - 8
+    return torch.cat([qweight[..., 0:2], q.view(torch.uint8)], dim=-1)
+
+
 def dequantize_blocks(qweight: torch.Tensor, type_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """qweight uint8 [rows, blocks, bytes] -> w [rows, in] in ``dtype`` (computed in float32)."""
+    if type_name == "Q6_K":
+        q, scale = q6_k_values(qweight)
+        return (q.float().reshape(q.shape[0], -1, 16) * scale.unsqueeze(-1)).reshape(q.shape).to(dtype)
     q, scale, offset = q_scale_offset(qweight, type_name)
     rows, in_ = q.shape
     w = q.float().reshape(rows, -1, 32) * scale.unsqueeze(-1)

@@ -244,9 +244,9 @@ def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     if keep_quantized:  # before the slow part: refuse what cannot be kept
-        from tengyun.models.gguf_quantized import check_kept_types
+        from tengyun.models.gguf_quantized import kept_types
 
-        check_kept_types(gguf_file)
+        kept_types(gguf_file)
     folder, name = str(gguf_file.parent), gguf_file.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     # An empty model, for its parameter names only: transformers maps GGUF names onto them.

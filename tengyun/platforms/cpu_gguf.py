@@ -11,9 +11,9 @@ Served in bfloat16, every type repacks once into torch's int4 CPU matmul
 Scales and zeros are held in bfloat16, as torch's kernel takes them (GGUF's fp16 d rounds to
 bf16's 8 significant bits; 16d is exact beside d). From DEQUANTIZE_FROM_TOKENS tokens on
 (prefill) the planes are unpacked to one bfloat16 weight and multiplied densely, which measured
-faster there. Float32 activations and layers whose outputs are not a multiple of 16 run the
-dequantizing reference (torch's int4 matmul in float32 measured ~20x slower than in bfloat16;
-docs/quantization.md).
+faster there. Q6_K (a scale per 16 weights), float32 activations and layers whose outputs are
+not a multiple of 16 run the dequantizing reference (torch's int4 matmul in float32 measured
+~20x slower than in bfloat16; docs/quantization.md).
 
 torch's CPU int4 layout (torch 2.13, checked at first use by ``_unpack_layout_holds``): for each
 64 output rows, K runs of 32 bytes; byte j of run k holds n[row j, k] low and n[row 32 + j, k] high.
@@ -42,7 +42,7 @@ _UNPACK_ROWS = 64
 
 def int4pack_fits(scheme: LinearScheme, dtype: str, out: int) -> bool:
     """Does torch's int4 CPU matmul run this GGUF layer? Torch-free: the planner asks too."""
-    return dtype == "bfloat16" and out % 16 == 0
+    return scheme.group_size == GROUP and dtype == "bfloat16" and out % 16 == 0  # not Q6_K (scales per 16)
 
 
 def weight_bytes(scheme: LinearScheme, out: int, in_: int, dtype: str) -> int | None:
@@ -133,6 +133,7 @@ def gguf_kernel(scheme: LinearScheme, dtype: torch.dtype):
     dtype_name = str(dtype).removeprefix("torch.")
     if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return CpuGgufInt4PackKernel(scheme)
-    logger.info("%s in %s dequantizes its blocks at every step on CPU; --dtype bfloat16 runs torch's int4 "
-                "matmul (docs/quantization.md)", scheme.description, dtype_name)
+    hint = "; --dtype bfloat16 runs torch's int4 matmul" if scheme.group_size == GROUP else ""
+    logger.info("%s in %s dequantizes its blocks at every step on CPU%s (docs/quantization.md)",
+                scheme.description, dtype_name, hint)
     return GgufReferenceKernel(scheme)

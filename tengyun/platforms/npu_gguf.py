@@ -11,7 +11,7 @@ w = q * scale + offset_gguf per 32 weights (gguf_kernels.q_scale_offset), so wit
 the offset torch_npu adds before scaling is (offset_gguf + 8 * scale) / scale: none for Q4_0 and
 Q8_0 (exact), m / d + 8 for Q4_1. A block of scale 0 with an offset (constant: Q4_K sub-blocks
 with a 6-bit scale of 0) takes scale |offset| / 2^16 instead, so (q - 8) adds at most 2^-13 of
-it, under bf16's rounding. Float32 activations run the reference.
+it, under bf16's rounding. Q6_K (a scale per 16 weights) and float32 activations run the reference.
 """
 
 from __future__ import annotations
@@ -64,6 +64,6 @@ class NpuGgufKernel(GgufReferenceKernel):
 
 def npu_gguf_kernel(scheme: LinearScheme, dtype: torch.dtype):
     """The NPU kernel for a GGUF scheme served in ``dtype``: torch_npu's in 16 bits, else the reference."""
-    if dtype in (torch.bfloat16, torch.float16):
+    if dtype in (torch.bfloat16, torch.float16) and scheme.group_size == GROUP:  # not Q6_K (scales per 16)
         return NpuGgufKernel(scheme, dtype)
     return GgufReferenceKernel(scheme)

@@ -11,6 +11,11 @@ A linear layer of ``out`` x ``in`` features holds one tensor, its GGUF rows unch
     Q4_K  block 256: d fp16, dmin fp16, 12 bytes of 6-bit scales
                      and mins for 8 sub-blocks of 32, 128 bytes
                      of nibbles                                   w = d * sc * q - dmin * mn (144 bytes)
+    Q6_K  block 256: 128 bytes of low nibbles, 64 of high 2 bits,
+                     16 int8 scales (one per 16), d fp16 last     w = d * sc * (q - 32)  (210 bytes)
+
+Q5_0 (d fp16, 4 bytes of 5th bits, 16 of nibbles: w = d * (q - 16), 22 bytes) is stored as Q8_0,
+losslessly (q - 16 fits an int8 under the same d), as is Q4_0 in a fused layer with Q8_0 or Q5_0.
 
 (nibbles of Q4_0/Q4_1: byte j holds element j in its low half and j + 16 in its high half.)
 Tensor parallelism splits whole blocks. config.json's section names each module's ggml type:
@@ -40,6 +45,7 @@ class GgmlType:
     block_bytes: int
     bits: int
     symmetric: bool  # no offset term (m, dmin)
+    scale_every: int = 32  # weights per scale: 32, or Q6_K's 16 (which torch's int4 matmul cannot take)
 
 
 GGML_TYPES = {t.name: t for t in (
@@ -47,15 +53,18 @@ GGML_TYPES = {t.name: t for t in (
     GgmlType("Q4_0", 32, 18, 4, True),
     GgmlType("Q4_1", 32, 20, 4, False),
     GgmlType("Q4_K", 256, 144, 4, False),
+    GgmlType("Q6_K", 256, 210, 6, True, scale_every=16),
 )}
 SUPPORTED_TYPES = tuple(GGML_TYPES)
+AS_Q8_0 = ("Q5_0",)  # read too, stored as Q8_0 (lossless)
 
 
 def scheme_for_type(type_name: str) -> LinearScheme:
     """A ggml type kept quantised -> the LinearScheme its layers hold (kernel "gguf_q4_1", ...)."""
     ggml = GGML_TYPES[type_name]
     return LinearScheme(
-        kernel=f"gguf_{ggml.name.lower()}", weight_bits=ggml.bits, group_size=32, symmetric=ggml.symmetric,
+        kernel=f"gguf_{ggml.name.lower()}", weight_bits=ggml.bits, group_size=ggml.scale_every,
+        symmetric=ggml.symmetric,
         description=f"GGUF {ggml.name} ({ggml.bits}-bit blocks of {ggml.block}, kept quantised)",
         tensors=(TensorLayout("qweight", "uint8", ((OUT, 1), (IN, ggml.block), ggml.block_bytes)),))
 
@@ -71,7 +80,7 @@ def unsupported_type_message(tensor: str, type_name: str, dequantizable: bool) -
            f"re-quantize the model to one of them (llama-quantize), since the gguf package cannot dequantize "
            f"{type_name} either")
     return (f"{tensor} is stored as {type_name}, which Tengyun cannot keep quantised (--quantization gguf "
-            f"keeps {', '.join(SUPPORTED_TYPES)}): {fix}.")
+            f"keeps {', '.join(SUPPORTED_TYPES)}, and {', '.join(AS_Q8_0)} as Q8_0): {fix}.")
 
 
 def quantization_config(gguf_file: str, tensor_types: Mapping[str, str]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ def _random_blocks(type_name: str, rows: int, in_: int) -> torch.Tensor:
     return torch.from_numpy(raw)
 
 
-@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+@pytest.mark.parametrize("type_name", [t for t in SUPPORTED_TYPES if GGML_TYPES[t].scale_every == 32])
 def test_npu_gguf_kernel_multiplies_by_the_blocks_through_torch_npu(type_name, monkeypatch):
     fake = fake_torch_npu.module()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
@@ -46,3 +46,11 @@ def test_npu_gguf_kernel_multiplies_by_the_blocks_through_torch_npu(type_name, m
     assert ((y - expected).norm() / expected.norm()) < 1e-2
     float32 = NpuPlatform.quant_linear_kernel(None, scheme_for_type(type_name), torch.float32)
     assert type(float32) is GgufReferenceKernel
+
+
+def test_q6_k_runs_the_reference_on_npu(monkeypatch):
+    """torch_npu's grouped antiquant takes one scale per 32 inputs here; Q6_K holds one per 16."""
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu.module())
+    from tengyun.platforms.npu import NpuPlatform
+
+    assert type(NpuPlatform.quant_linear_kernel(None, scheme_for_type("Q6_K"), torch.bfloat16)) is GgufReferenceKernel
