@@ -11,9 +11,11 @@ Served in bfloat16, every type repacks once into torch's int4 CPU matmul
 Scales and zeros are held in bfloat16, as torch's kernel takes them (GGUF's fp16 d rounds to
 bf16's 8 significant bits; 16d is exact beside d). From DEQUANTIZE_FROM_TOKENS tokens on
 (prefill) the planes are unpacked to one bfloat16 weight and multiplied densely, which measured
-faster there. Q6_K (a scale per 16 weights), float32 activations and layers whose outputs are
-not a multiple of 16 run the dequantizing reference (torch's int4 matmul in float32 measured
-~20x slower than in bfloat16; docs/quantization.md).
+faster there. Q6_K (a scale per 16 weights, which torch's int4 matmul cannot take) is
+dequantized once to bfloat16 and multiplied densely: 2 bytes per weight instead of 0.82, but the
+reference's dequantization at every step tripled Qwen2.5-Coder's decode time. Float32 activations
+and layers whose outputs are not a multiple of 16 run the dequantizing reference (torch's int4
+matmul in float32 measured ~20x slower than in bfloat16; docs/quantization.md).
 
 torch's CPU int4 layout (torch 2.13, checked at first use by ``_unpack_layout_holds``): for each
 64 output rows, K runs of 32 bytes; byte j of run k holds n[row j, k] low and n[row 32 + j, k] high.
@@ -27,7 +29,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tengyun.layers.gguf_kernels import GgufReferenceKernel, q_scale_offset
+from tengyun.layers.gguf_kernels import GgufReferenceKernel, dequantize_blocks, q_scale_offset
 from tengyun.layers.quant_kernels import Tensors
 from tengyun.quantization.scheme import LinearScheme
 
@@ -50,6 +52,8 @@ def weight_bytes(scheme: LinearScheme, out: int, in_: int, dtype: str) -> int | 
     in ``dtype``; Q8_0 has two); None where the layer keeps its blocks."""
     from tengyun.model_spec import DTYPE_BYTES
 
+    if dtype == "bfloat16" and scheme.group_size != GROUP:  # Q6_K: dequantized once
+        return out * in_ * DTYPE_BYTES[dtype]
     if not int4pack_fits(scheme, dtype, out):
         return None
     planes = 2 if scheme.weight_bits == 8 else 1
@@ -98,6 +102,18 @@ class CpuGgufInt4PackKernel(GgufReferenceKernel):
         return y if bias is None else y + bias
 
 
+class CpuGgufDequantizedKernel(GgufReferenceKernel):
+    """Q6_K in bfloat16: dequantized once at prepare, then a dense matmul."""
+
+    frees_original = True
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        return {"weight": dequantize_blocks(tensors["qweight"], self.type_name, torch.bfloat16)}
+
+    def apply(self, x, prepared, bias):
+        return F.linear(x, prepared["weight"], bias)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """torch's CPU int4pack uint8 [out, in / 2] (out a multiple of 64) -> q uint8 [out, in]."""
     out, in_ = packed.shape[0], packed.shape[1] * 2
@@ -133,6 +149,8 @@ def gguf_kernel(scheme: LinearScheme, dtype: torch.dtype):
     dtype_name = str(dtype).removeprefix("torch.")
     if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return CpuGgufInt4PackKernel(scheme)
+    if dtype_name == "bfloat16" and scheme.group_size != GROUP:
+        return CpuGgufDequantizedKernel(scheme)
     hint = "; --dtype bfloat16 runs torch's int4 matmul" if scheme.group_size == GROUP else ""
     logger.info("%s in %s dequantizes its blocks at every step on CPU%s (docs/quantization.md)",
                 scheme.description, dtype_name, hint)

@@ -25,7 +25,9 @@ from tengyun.layers.quant_kernels import reference_kernel  # noqa: E402
 from tengyun.models.gguf_quantized import kept_types  # noqa: E402
 from tengyun.models.model_source import convert_gguf, qwen_coder_gguf, smollm2_gguf  # noqa: E402
 from tengyun.platforms.cpu import CpuPlatform  # noqa: E402
-from tengyun.platforms.cpu_gguf import DEQUANTIZE_FROM_TOKENS, CpuGgufInt4PackKernel, unpacked_weight  # noqa: E402
+from tengyun.platforms.cpu_gguf import (  # noqa: E402
+    DEQUANTIZE_FROM_TOKENS, CpuGgufDequantizedKernel, CpuGgufInt4PackKernel, unpacked_weight,
+)
 from tengyun.quantization.config import QuantizationError, detect_quantization  # noqa: E402
 from tengyun.quantization.gguf import GGML_TYPES, SUPPORTED_TYPES, quantization_config, scheme_for_type  # noqa: E402
 
@@ -148,7 +150,7 @@ def test_cpu_int4_planes_compute_the_blocks_with_bf16_scales(type_name):
 def test_cpu_runs_float32_and_outputs_torch_cannot_pack_on_the_reference():
     platform = CpuPlatform()
     assert type(platform.quant_linear_kernel(scheme_for_type("Q4_1"), torch.float32)) is GgufReferenceKernel
-    assert type(platform.quant_linear_kernel(scheme_for_type("Q6_K"), torch.bfloat16)) is GgufReferenceKernel
+    assert type(platform.quant_linear_kernel(scheme_for_type("Q6_K"), torch.float32)) is GgufReferenceKernel
     kernel = platform.quant_linear_kernel(scheme_for_type("Q8_0"), torch.bfloat16)
     qweight = _blocks("Q8_0", 24, 64)  # 24 outputs: not a multiple of 16
     x = torch.randn(3, 64).bfloat16()
@@ -156,6 +158,18 @@ def test_cpu_runs_float32_and_outputs_torch_cannot_pack_on_the_reference():
     assert set(prepared) == {"qweight"}
     expected = F.linear(x, dequantize_blocks(qweight, "Q8_0", x.dtype))
     torch.testing.assert_close(kernel.apply(x, prepared, None), expected)
+
+
+def test_cpu_holds_q6_k_dequantized_once_in_bfloat16():
+    """torch's int4 matmul takes no group of 16: Q6_K in bf16 is the dequantized weight, rounded once."""
+    kernel = CpuPlatform().quant_linear_kernel(scheme_for_type("Q6_K"), torch.bfloat16)
+    assert isinstance(kernel, CpuGgufDequantizedKernel)
+    qweight = _blocks("Q6_K", 48, 512)
+    prepared = kernel.prepare({"qweight": qweight})
+    assert torch.equal(prepared["weight"], dequantize_blocks(qweight, "Q6_K").bfloat16())
+    x = torch.randn(3, 512).bfloat16()
+    torch.testing.assert_close(kernel.apply(x, prepared, None), F.linear(x, prepared["weight"]))
+    assert CpuPlatform.quantized_weight_bytes(scheme_for_type("Q6_K"), 48, 512, "bfloat16") == 48 * 512 * 2
 
 
 def test_config_section_gives_each_module_its_type():
