@@ -22,10 +22,9 @@ repeat (all of them are in the JSON). Memory for weights: Tengyun's held tensors
 llama_model_size against the packed size (a GGUF's file size; a folder's safetensors with its
 float tensors counted in the dtype they are served in).
 
-Adding the "GGUF kept quantised" Tengyun rows: runs tengyun:gguf-q8_0 (gguf-q4_0, gguf-q4_k_m)
-serve llama.cpp's quantised GGUF file with GGUF_KEPT_QUANTISED (LLM keywords; fill in the
-switch once the loader keeps GGUF blocks quantised), and the report compares them with the
-llama.cpp row of the same file.
+The "GGUF kept quantised" Tengyun rows: runs tengyun:gguf-q8_0 (gguf-q4_0, gguf-q4_k_m)
+serve llama.cpp's quantised GGUF file with GGUF_KEPT_QUANTISED (--quantization gguf) in
+--quant-dtype, and the report compares them with the llama.cpp row of the same file.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from offline_throughput import MODELS, write_workload  # noqa: E402
 
 FORMATS = {"fp32": "float32", "bf16": "bfloat16", "w8a8": None, "w4a16": None}  # HF folder formats -> dtype
 LLAMACPP_FORMATS = ("f32", "q8_0", "q4_0", "q4_k_m")
-GGUF_KEPT_QUANTISED: dict = {}  # LLM(...) keywords that keep a GGUF's blocks quantised; {} until the loader has one
+GGUF_KEPT_QUANTISED: dict = {"quantization": "gguf"}  # LLM(...) keywords that keep a GGUF's blocks quantised
 DEFAULT_RUNS = (*(f"tengyun:{f}" for f in FORMATS), *(f"llamacpp:{f}" for f in LLAMACPP_FORMATS),
                 *(f"vllm:{f}" for f in FORMATS))
 ALL_RUNS = (*DEFAULT_RUNS, *(f"tengyun:gguf-{f}" for f in LLAMACPP_FORMATS[1:]))
@@ -142,7 +141,7 @@ def command(run: str, model: str, ctx: dict, mode: str) -> tuple[list[str], dict
         if system == "llamacpp":
             python = llama_cpp_python()
         else:
-            extra = ["--engine-args", json.dumps(GGUF_KEPT_QUANTISED)]
+            extra = ["--engine-args", json.dumps(GGUF_KEPT_QUANTISED), "--dtype", ctx["quant_dtype"]]
     else:
         path = folder if fmt in ("fp32", "bf16") else tengyun_quantized(model, folder, fmt)
         extra = ["--dtype", FORMATS[fmt] or ctx["quant_dtype"]]

@@ -107,7 +107,7 @@ class EngineConfig:
     quantization: str | None = setting(
         None, aliases=("-q",), choices=tuple(QUANT_METHODS),
         help="the checkpoint's quantisation format (default: config.json's quantization_config.quant_method; "
-             "docs/quantization.md)")
+             "gguf: a .gguf keeps its quantised blocks instead of loading dequantized; docs/quantization.md)")
     trust_remote_code: bool = setting(False, help="let the tokenizer run Python code from the model folder")
     device: str = setting("auto", choices=SUPPORTED_DEVICES,
                           help="auto: the first of npu, cuda, cpu that works here (the log says why)")
@@ -286,7 +286,7 @@ class EngineConfig:
         from tengyun.models.model_source import resolve_model
         from tengyun.platforms.startup import device_init_timeout, select_platform
 
-        source = resolve_model(self.model, self.load_format, self.tokenizer)
+        source = resolve_model(self.model, self.load_format, self.tokenizer, self.quantization)
         self.model_path = source.folder
         if self.load_format in ("auto", "gguf"):
             self.load_format = source.load_format

@@ -191,4 +191,8 @@ REFERENCE_KERNELS = {"w8a8_int8": ReferenceW8A8Kernel, "wna16_int": ReferenceWNA
 
 
 def reference_kernel(scheme: LinearScheme) -> QuantLinearKernel:
+    if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: gguf_kernels.py
+        from tengyun.layers.gguf_kernels import GgufReferenceKernel
+
+        return GgufReferenceKernel(scheme)
     return REFERENCE_KERNELS[scheme.kernel](scheme)

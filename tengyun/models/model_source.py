@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -47,12 +48,16 @@ def cache_dir() -> Path:
 
 
 def resolve_model(
-    model: str | None, load_format: str = "auto", tokenizer: str | Path | None = None
+    model: str | None, load_format: str = "auto", tokenizer: str | Path | None = None,
+    quantization: str | None = None,
 ) -> ModelSource:
     """Turn --model (None, an embedded hub id, a .gguf file or an HF folder) into local folders.
 
     `tokenizer` (--tokenizer) replaces the model folder as the place tokenizer files must be.
+    `quantization` (--quantization) "gguf" converts a .gguf keeping its quantised blocks
+    (tengyun/quantization/gguf.py); otherwise a .gguf is dequantized to float32 once.
     """
+    keep = quantization == "gguf"
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}; use 'auto'")
     weights_format = "dummy" if load_format == "dummy" else "safetensors"
@@ -60,7 +65,7 @@ def resolve_model(
     if model is None or model in (SMOLLM2_HUB_ID, QWEN_CODER_HUB_ID):
         hub_id = model or SMOLLM2_HUB_ID
         gguf_file = smollm2_gguf() if hub_id == SMOLLM2_HUB_ID else qwen_coder_gguf()
-        folder = convert_gguf(gguf_file)
+        folder = convert_gguf(gguf_file, keep)
         name = SMOLLM2_HUB_ID.split("/")[1] if model is None else hub_id
         return _with_tokenizer(folder, weights_format, name, tokenizer)
 
@@ -72,7 +77,7 @@ def resolve_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"--model {path} is a file but not a .gguf; pass a .gguf file or an HF model folder")
-        return _with_tokenizer(convert_gguf(path), weights_format, path.stem, tokenizer)
+        return _with_tokenizer(convert_gguf(path, keep), weights_format, path.stem, tokenizer)
 
     ggufs = sorted(path.glob("*.gguf"))
     has_safetensors = any(path.glob("*.safetensors"))
@@ -83,7 +88,7 @@ def resolve_model(
                 f"--load-format gguf needs exactly one .gguf file in {path}, found {found}; "
                 f"pass the .gguf file itself as --model"
             )
-        return _with_tokenizer(convert_gguf(ggufs[0]), weights_format, path.name, tokenizer)
+        return _with_tokenizer(convert_gguf(ggufs[0], keep), weights_format, path.name, tokenizer)
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json; pass an HF model folder or a .gguf file")
@@ -189,8 +194,9 @@ def qwen_coder_gguf() -> Path:
 # ---- GGUF -> HF folder ----------------------------------------------------------------------
 
 
-def converted_dir(gguf_file: Path) -> Path:
-    """cache_dir()/converted/<stem>-<key>/, key = sha256 of (absolute path, size, mtime_ns, CONVERT_VERSION).
+def converted_dir(gguf_file: Path, keep_quantized: bool = False) -> Path:
+    """cache_dir()/converted/<stem>-<key>/ (kept quantised: <stem>-<key>-gguf/), key = sha256 of
+    (absolute path, size, mtime_ns, CONVERT_VERSION).
 
     A cheap key: hashing the file itself would cost a second per 500 MB on every start. Editing or
     replacing the file changes its mtime and so its key; a copy elsewhere is converted again.
@@ -198,23 +204,24 @@ def converted_dir(gguf_file: Path) -> Path:
     st = gguf_file.stat()
     ident = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERT_VERSION}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{gguf_file.stem}-{key}"
+    return cache_dir() / "converted" / f"{gguf_file.stem}-{key}{'-gguf' if keep_quantized else ''}"
 
 
-def convert_gguf(gguf_file: Path) -> Path:
-    """An HF folder (config.json, model.safetensors in float32, tokenizer) made once from a .gguf.
+def convert_gguf(gguf_file: Path, keep_quantized: bool = False) -> Path:
+    """An HF folder (config.json, model.safetensors in float32, tokenizer) made once from a .gguf;
+    ``keep_quantized``: its decoder linear weights as their GGUF blocks (gguf_quantized.py).
 
     Built in a temp folder and renamed into place, so a reader never sees half of one and two
     processes converting at once are safe (the loser drops its copy).
     """
-    target = converted_dir(gguf_file)
+    target = converted_dir(gguf_file, keep_quantized)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
     try:
         start = time.perf_counter()
-        n_tensors = _write_hf_folder(gguf_file, tmp)
+        n_tensors = _write_hf_folder(gguf_file, tmp, keep_quantized)
         for p in [tmp, *tmp.iterdir()]:  # mkdtemp and safetensors leave owner-only modes
             p.chmod(0o755 if p.is_dir() else 0o644)
         try:
@@ -230,12 +237,16 @@ def convert_gguf(gguf_file: Path) -> Path:
     return target
 
 
-def _write_hf_folder(gguf_file: Path, out: Path) -> int:
+def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -> int:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    if keep_quantized:  # before the slow part: refuse what cannot be kept
+        from tengyun.models.gguf_quantized import kept_types
+
+        kept_types(gguf_file)
     folder, name = str(gguf_file.parent), gguf_file.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     # An empty model, for its parameter names only: transformers maps GGUF names onto them.
@@ -254,7 +265,16 @@ def _write_hf_folder(gguf_file: Path, out: Path) -> int:
     if missing:
         raise ValueError(f"{gguf_file} lacks {len(missing)} tensor(s) its config needs, e.g. {missing[:5]}")
 
+    quant_section = None
+    if keep_quantized:
+        from tengyun.models.gguf_quantized import keep_blocks
+
+        quant_section = keep_blocks(gguf_file, parsed, skeleton, tensors)
     config.save_pretrained(out)
+    if quant_section:
+        hf_config = json.loads((out / "config.json").read_text())
+        hf_config["quantization_config"] = quant_section
+        (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), {"format": "pt"})
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)  # chat template included
     return len(tensors)

@@ -111,6 +111,10 @@ class CpuPlatform(Platform):
             return cpu_quant.CpuW8A8Kernel(scheme)
         if scheme.kernel == "w8a8_static_int8":
             return cpu_quant.CpuW8A8StaticKernel(scheme)
+        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu_gguf.py)
+            from tengyun.platforms.cpu_gguf import gguf_kernel
+
+            return gguf_kernel(scheme, dtype)
         dtype_name = str(dtype).removeprefix("torch.")
         if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             return cpu_quant.CpuInt4PackKernel(scheme)  # layers whose outputs torch cannot pack: the reference
@@ -127,6 +131,11 @@ class CpuPlatform(Platform):
         (``in_`` < ``in_total``) is padded to every group: the whole layer's inputs."""
         from tengyun.model_spec import DTYPE_BYTES
 
+        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: its int4 repack, or its blocks
+            from tengyun.platforms.cpu_gguf import weight_bytes
+
+            repacked = weight_bytes(scheme, out, in_, dtype)
+            return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total) if repacked is None else repacked
         if not int4pack_fits(scheme, dtype, out):
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
         if scheme.act_order:

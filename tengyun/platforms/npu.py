@@ -61,6 +61,10 @@ class NpuPlatform(Platform):
         return NpuLayerOps()
 
     def quant_linear_kernel(self, scheme, dtype):
+        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (npu_gguf.py)
+            from tengyun.platforms.npu_gguf import npu_gguf_kernel
+
+            return npu_gguf_kernel(scheme, dtype)
         from tengyun.platforms.npu_quant import npu_quant_kernel
 
         return npu_quant_kernel(scheme)

@@ -97,6 +97,15 @@ def _gptq(quant: Mapping[str, Any], folder: Path | None) -> QuantConfig:
 QUANT_METHODS.update(awq=_awq, gptq=_gptq)
 
 
+def _gguf(quant: Mapping[str, Any], folder: Path | None) -> QuantConfig:
+    from tengyun.quantization import gguf
+
+    return gguf.from_config(quant, folder)
+
+
+QUANT_METHODS["gguf"] = _gguf  # a .gguf converted keeping its blocks (tengyun/quantization/gguf.py)
+
+
 def quantization_section(hf_config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """config.json's quantization_config (top level, or in a multimodal model's text_config)."""
     section = hf_config.get("quantization_config") or (hf_config.get("text_config") or {}).get("quantization_config")

@@ -141,8 +141,8 @@ def test_missing_qwen_part_package_names_it(monkeypatch, tmp_cache):
 def fake_convert(monkeypatch):
     calls = []
 
-    def write(gguf_file, out):
-        calls.append(gguf_file)
+    def write(gguf_file, out, keep_quantized=False):
+        calls.append((gguf_file, keep_quantized) if keep_quantized else gguf_file)
         hf_folder(out)
         return 1
 
@@ -167,12 +167,22 @@ def test_gguf_is_converted_once_into_the_cache(tmp_path, tmp_cache, fake_convert
     assert len(fake_convert) == 2
 
 
+def test_gguf_kept_quantised_is_a_second_conversion_beside_the_dequantized_one(tmp_path, tmp_cache, fake_convert):
+    gguf = tmp_path / "tiny.Q4_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    dequantized = resolve_model(str(gguf), "auto")
+    kept = resolve_model(str(gguf), "auto", quantization="gguf")
+    assert fake_convert == [gguf, (gguf, True)]
+    assert kept.folder == dequantized.folder.with_name(dequantized.folder.name + "-gguf")
+    assert resolve_model(str(gguf), "auto", quantization="compressed-tensors").folder == dequantized.folder
+
+
 def test_conversion_that_loses_a_race_uses_the_winners_folder(tmp_path, tmp_cache, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     target = model_source.converted_dir(gguf)
 
-    def write(gguf_file, out):
+    def write(gguf_file, out, keep_quantized=False):
         hf_folder(target)  # another process finished first
         hf_folder(out)
         return 1
@@ -185,7 +195,7 @@ def test_conversion_that_loses_a_race_uses_the_winners_folder(tmp_path, tmp_cach
 def test_failed_conversion_leaves_no_folder(tmp_path, tmp_cache, monkeypatch):
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"not gguf")
-    monkeypatch.setattr(model_source, "_write_hf_folder", lambda g, out: 1 / 0)
+    monkeypatch.setattr(model_source, "_write_hf_folder", lambda g, out, keep_quantized=False: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         resolve_model(str(gguf), "auto")
     assert os.listdir(tmp_cache / "converted") == []

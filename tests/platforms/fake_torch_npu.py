@@ -135,7 +135,8 @@ def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
 def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
                                  quant_offset=None, bias=None, antiquant_group_size=0):
     # x [M, K]; weight int8 [K, N] or int4 packed int32 [K, N / 8]; antiquant_scale [N] per channel
-    # or [K / group, N] per group: y = x @ ((weight + offset) * scale) in x's dtype
+    # or [K / group, N] per group, antiquant_offset (optional) shaped as the scale:
+    # y = x @ ((weight + offset) * scale) in x's dtype
     assert x.dtype in (torch.float16, torch.bfloat16) and antiquant_scale.dtype == x.dtype
     if weight.dtype == torch.int32:
         words = weight.to(torch.int64) & 0xFFFFFFFF
@@ -149,12 +150,15 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     if antiquant_group_size:
         assert antiquant_scale.shape == (k // antiquant_group_size, n)
         scale = antiquant_scale.float().repeat_interleave(antiquant_group_size, dim=0)
-        offset = None if antiquant_offset is None else antiquant_offset.float().repeat_interleave(
-            antiquant_group_size, dim=0)
     else:
         assert antiquant_scale.shape == (n,)
-        scale, offset = antiquant_scale.float(), antiquant_offset
-    w = weight.float() + (0 if offset is None else offset.float())
+        scale = antiquant_scale.float()
+    offset = 0
+    if antiquant_offset is not None:
+        assert antiquant_offset.shape == antiquant_scale.shape and antiquant_offset.dtype == x.dtype
+        offset = antiquant_offset.float()
+        offset = offset.repeat_interleave(antiquant_group_size, dim=0) if antiquant_group_size else offset
+    w = weight.float() + offset
     y = x.float() @ (w * scale)
     return (y if bias is None else y + bias.float()).to(x.dtype)
 

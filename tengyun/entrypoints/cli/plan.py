@@ -22,7 +22,8 @@ def add_parser(subparsers) -> None:
 
     parser = subparsers.add_parser("plan", help="capacity plan: weights per card, KV cache tokens, max concurrency, "
                                                 "whether --max-model-len fits, the smallest TP x PP")
-    parser.add_argument("model", help="a Hugging Face folder, or its config.json alone (no weights needed)")
+    parser.add_argument("model", help="a Hugging Face folder, or its config.json alone (no weights needed), or a "
+                                       ".gguf file (converted as the engine converts it)")
     parser.add_argument("--device", default=None, choices=PLANNED_DEVICES,
                         help="the platform planned for: what --dtype auto and --block-size default to there "
                              "(default: npu; cpu with --kv-cache-memory)")
@@ -75,11 +76,20 @@ def _mtp_layers(speculative, hf_config: dict | None, model: str) -> int:
     return mtp_layers_for_speculation(ModelSpec.from_hf_config(hf_config), folder, speculative.num_speculative_tokens)
 
 
+def _gguf_folder(gguf_file: str, quantization: str | None) -> str:
+    """A .gguf -> the folder the engine converts it into (once, cached): kept quantised with
+    --quantization gguf, else dequantized."""
+    from tengyun.models.model_source import resolve_model
+
+    return str(resolve_model(gguf_file, quantization=quantization).folder)
+
+
 def run(args: argparse.Namespace) -> int:
     from tengyun.ops.plan import make_plan, plan_json, read_model, read_quantization, report_lines, smallest_fit
 
-    hf_config, checkpoint_bytes, name = read_model(args.model)
-    quant = read_quantization(args.model, hf_config, args.quantization)
+    model = _gguf_folder(args.model, args.quantization) if args.model.endswith(".gguf") else args.model
+    hf_config, checkpoint_bytes, name = read_model(model)
+    quant = read_quantization(model, hf_config, args.quantization)
     request = plan_request(args, hf_config)
     plan = make_plan(hf_config, request, checkpoint_bytes, name, quant)
     fit = smallest_fit(hf_config, request, checkpoint_bytes, quant)

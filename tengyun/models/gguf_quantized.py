@@ -1,0 +1,117 @@
+"""A .gguf converted keeping its quantised blocks (`--quantization gguf`; tengyun/quantization/gguf.py).
+
+The converted folder is today's (model_source.convert_gguf: transformers maps GGUF names onto HF
+names and dequantizes) with each decoder linear weight replaced by its raw GGUF rows:
+
+    model.layers.0.self_attn.q_proj.weight  float32 [576, 576]
+ -> model.layers.0.self_attn.q_proj.qweight uint8 [576, 18, 20]   (Q4_1: 18 blocks of 20 bytes per row)
+
+in the row order transformers gives the dense weight (Llama's q/k rows un-permuted, found by
+running transformers' own tensor processor on the row numbers), and checked to dequantize to
+exactly that dense weight. Norms, embeddings and lm_head stay dequantized (float32).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tengyun.layers.gguf_kernels import dequantize_blocks, q4_0_as_q8_0, q5_0_as_q8_0
+from tengyun.quantization.config import QuantizationError
+from tengyun.quantization.gguf import AS_Q8_0, SUPPORTED_TYPES, quantization_config, unsupported_type_message
+
+DENSE_TYPES = ("F32", "F16", "BF16")  # linear weights of these types load as dense layers
+_LINEAR = re.compile(r"^blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # Tengyun runs each group as one layer
+_AS_Q8_0 = {"Q5_0": q5_0_as_q8_0, "Q4_0": q4_0_as_q8_0}  # file type -> its blocks re-encoded as Q8_0 (lossless)
+
+
+def gguf_dequantizable(type_name: str) -> bool:
+    """Can the gguf package dequantize ``type_name`` (so `--quantization` left off loads it)?"""
+    import gguf
+    from gguf.quants import dequantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    try:
+        dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def kept_types(gguf_file: Path) -> dict[str, str]:
+    """{GGUF name: the ggml type Tengyun stores} of every decoder linear weight kept quantised
+    (Q5_0 as Q8_0, and Q4_0 too in a fused layer with Q8_0: lossless). Refuses, before
+    converting, an unsupported type, MoE experts, or a fused layer (q/k/v, gate/up) still mixing
+    types."""
+    import gguf
+
+    types: dict[str, str] = {}
+    for tensor in gguf.GGUFReader(str(gguf_file)).tensors:
+        type_name = tensor.tensor_type.name
+        if "_exps." in tensor.name:
+            raise QuantizationError(f"{tensor.name}: --quantization gguf keeps dense models' blocks, not MoE "
+                                    f"experts; drop --quantization gguf to load the .gguf dequantized.")
+        if _LINEAR.match(tensor.name) and type_name not in DENSE_TYPES:
+            if type_name not in SUPPORTED_TYPES and type_name not in AS_Q8_0:
+                raise QuantizationError(unsupported_type_message(tensor.name, type_name, gguf_dequantizable(type_name)))
+            types[tensor.name] = "Q8_0" if type_name in AS_Q8_0 else type_name
+    for name in types:
+        block, kind = _LINEAR.match(name).groups()
+        group = [f"blk.{block}.{k}.weight" for k in next((g for g in _FUSED if kind in g), (kind,))]
+        shown = {n: types.get(n) for n in group}
+        if len(set(shown.values())) > 1 and set(shown.values()) <= {"Q8_0", "Q4_0"}:
+            types.update({n: "Q8_0" for n in group})
+        elif len(set(shown.values())) > 1:
+            raise QuantizationError(f"{', '.join(f'{n} {t}' for n, t in shown.items())}: Tengyun runs these as "
+                                    f"one layer, which holds one ggml type; drop --quantization gguf to load the "
+                                    f".gguf dequantized to --dtype.")
+    return types
+
+
+def _row_order(processor, gguf_name: str, rows: int, parsed: dict, key_map: dict) -> torch.Tensor:
+    """The row permutation transformers' processor applies to this tensor (identity for most)."""
+    probe = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+    result = processor.process(weights=probe, name=gguf_name, tensor_key_mapping=key_map, parsed_parameters=parsed)
+    order = np.asarray(result.weights).reshape(-1)
+    if order.shape != (rows,) or not np.array_equal(np.sort(order), np.arange(rows)):
+        raise QuantizationError(f"{gguf_name}: transformers reshapes this tensor beyond reordering its rows, so "
+                                f"its blocks cannot be kept; drop --quantization gguf to load the .gguf dequantized.")
+    return torch.from_numpy(order.astype(np.int64))
+
+
+def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torch.Tensor]) -> dict:
+    """``tensors`` (HF name -> dequantized float32, from transformers' load_gguf_checkpoint on the
+    ``skeleton``) with each quantised decoder linear weight swapped for its ``qweight`` blocks.
+    -> config.json's quantization_config. Raises QuantizationError naming the tensor."""
+    import gguf
+    from gguf import GGML_QUANT_SIZES
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = gguf.GGUFReader(str(gguf_file))
+    stored = kept_types(gguf_file)
+    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
+    key_map = get_gguf_hf_weights_map(skeleton, processor)
+    kept: dict[str, str] = {}
+    for tensor in reader.tensors:
+        if tensor.name not in stored:
+            continue
+        hf_name, rows, type_name = key_map[tensor.name], int(tensor.data.shape[0]), stored[tensor.name]
+        blocks = torch.from_numpy(np.array(tensor.data)).reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
+        blocks = _AS_Q8_0.get(tensor.tensor_type.name, lambda b: b)(blocks) if type_name == "Q8_0" else blocks
+        blocks = blocks[_row_order(processor, tensor.name, rows, parsed, key_map)].contiguous()
+        if not torch.equal(dequantize_blocks(blocks, type_name), tensors[hf_name]):
+            raise QuantizationError(f"{tensor.name} ({type_name}): its kept blocks do not dequantize to what "
+                                    f"transformers reads; drop --quantization gguf to load the .gguf dequantized.")
+        del tensors[hf_name]
+        module = hf_name.removesuffix(".weight")
+        tensors[f"{module}.qweight"] = blocks
+        kept[module] = type_name
+    if not kept:
+        raise QuantizationError(f"{gguf_file} holds no decoder linear weight in {', '.join(SUPPORTED_TYPES)}: "
+                                f"drop --quantization gguf, it loads dequantized to --dtype.")
+    return quantization_config(gguf_file.name, kept)

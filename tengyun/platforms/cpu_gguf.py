@@ -1,0 +1,157 @@
+"""GGUF blocks on CPU (tengyun/quantization/gguf.py).
+
+Served in bfloat16, every type repacks once into torch's int4 CPU matmul
+(_weight_int4pack_mm_for_cpu, group 32), which computes w = (n - 8) * scale + zero from nibbles n:
+- Q4_0, Q4_1, Q4_K are w = q * scale + offset per 32 weights with q in [0, 16)
+  (tengyun/layers/gguf_kernels.py q_scale_offset): one plane, n = q, zero = offset + 8 * scale
+  (Q4_0: 0; Q4_1: m + 8d; Q4_K: 8 d sc - dmin mn);
+- Q8_0 (w = d q, q int8) is two planes summed, q = 16 hi + lo with hi = q >> 4 in [-8, 8) and
+  lo = q & 15: the high plane n = hi + 8, scale 16d, zero 0; the low plane n = lo, scale d,
+  zero 8d. 1.25 bytes per weight instead of 1.06, and no float weight.
+Scales and zeros are held in bfloat16, as torch's kernel takes them (GGUF's fp16 d rounds to
+bf16's 8 significant bits; 16d is exact beside d). From DEQUANTIZE_FROM_TOKENS tokens on
+(prefill) the planes are unpacked to one bfloat16 weight and multiplied densely, which measured
+faster there. Q6_K (a scale per 16 weights, which torch's int4 matmul cannot take) is
+dequantized once to bfloat16 and multiplied densely: 2 bytes per weight instead of 0.82, but the
+reference's dequantization at every step tripled Qwen2.5-Coder's decode time. Float32 activations
+and layers whose outputs are not a multiple of 16 run the dequantizing reference (torch's int4
+matmul in float32 measured ~20x slower than in bfloat16; docs/quantization.md).
+
+torch's CPU int4 layout (torch 2.13, checked at first use by ``_unpack_layout_holds``): for each
+64 output rows, K runs of 32 bytes; byte j of run k holds n[row j, k] low and n[row 32 + j, k] high.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from tengyun.layers.gguf_kernels import GgufReferenceKernel, dequantize_blocks, q_scale_offset
+from tengyun.layers.quant_kernels import Tensors
+from tengyun.quantization.scheme import LinearScheme
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+# Single thread, 1536 x 576 Q4_1 layer (ms): 256 tokens int4 4.4 vs unpack + bf16 matmul ~2.4;
+# 64 tokens int4 0.63 vs ~1.8; 2048 tokens int4 47 vs ~18 (docs/quantization.md).
+DEQUANTIZE_FROM_TOKENS = 256
+_UNPACK_ROWS = 64
+
+
+def int4pack_fits(scheme: LinearScheme, dtype: str, out: int) -> bool:
+    """Does torch's int4 CPU matmul run this GGUF layer? Torch-free: the planner asks too."""
+    return scheme.group_size == GROUP and dtype == "bfloat16" and out % 16 == 0  # not Q6_K (scales per 16)
+
+
+def weight_bytes(scheme: LinearScheme, out: int, in_: int, dtype: str) -> int | None:
+    """Bytes the int4 planes hold (each: in / 2 per row, plus a scale and a zero per 32 weights
+    in ``dtype``; Q8_0 has two); None where the layer keeps its blocks."""
+    from tengyun.model_spec import DTYPE_BYTES
+
+    if dtype == "bfloat16" and scheme.group_size != GROUP:  # Q6_K: dequantized once
+        return out * in_ * DTYPE_BYTES[dtype]
+    if not int4pack_fits(scheme, dtype, out):
+        return None
+    planes = 2 if scheme.weight_bits == 8 else 1
+    return planes * (out * in_ // 2 + 2 * (in_ // GROUP) * out * DTYPE_BYTES[dtype])
+
+
+def int4_planes(qweight: torch.Tensor, type_name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """qweight uint8 [out, blocks, bytes] -> [(nibbles int32 [out, in] in [0, 16), scales_and_zeros
+    float32 [in / 32, out, 2])] whose (n - 8) * scale + zero sum to the blocks' weights."""
+    q, scale, offset = q_scale_offset(qweight, type_name)
+    if type_name == "Q8_0":
+        q = q.to(torch.int32)
+        return [((q >> 4) + 8, torch.stack([16 * scale, torch.zeros_like(scale)], dim=-1)),
+                (q & 15, torch.stack([scale, 8 * scale], dim=-1))]
+    zero = 8 * scale if offset is None else offset + 8 * scale
+    return [(q.to(torch.int32), torch.stack([scale, zero], dim=-1))]
+
+
+class CpuGgufInt4PackKernel(GgufReferenceKernel):
+    frees_original = True
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        qweight = tensors["qweight"]  # uint8 [out, blocks, bytes]
+        if qweight.shape[0] % 16:  # torch packs outputs in blocks of 16: this layer stays on the reference
+            return tensors
+        prepared = {}
+        for i, (nibbles, scales_and_zeros) in enumerate(int4_planes(qweight, self.type_name)):
+            prepared[f"int4pack{i}"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+            prepared[f"scales_and_zeros{i}"] = scales_and_zeros.transpose(0, 1).to(torch.bfloat16).contiguous()
+        return prepared  # int4pack{i} uint8 [out, in / 2], scales_and_zeros{i} [in / 32, out, 2]
+
+    def apply(self, x, prepared, bias):
+        if "qweight" in prepared:
+            return super().apply(x, prepared, bias)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        planes = [(prepared[f"int4pack{i}"], prepared[f"scales_and_zeros{i}"])
+                  for i in range(2) if f"int4pack{i}" in prepared]
+        if x2.shape[0] >= DEQUANTIZE_FROM_TOKENS and planes[0][0].shape[0] % _UNPACK_ROWS == 0 \
+                and _unpack_layout_holds():
+            y = F.linear(x2, unpacked_weight(planes))
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, planes[0][0], GROUP, planes[0][1])
+            for packed, scales_and_zeros in planes[1:]:
+                y += torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, scales_and_zeros)
+        y = y.reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+class CpuGgufDequantizedKernel(GgufReferenceKernel):
+    """Q6_K in bfloat16: dequantized once at prepare, then a dense matmul."""
+
+    frees_original = True
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        return {"weight": dequantize_blocks(tensors["qweight"], self.type_name, torch.bfloat16)}
+
+    def apply(self, x, prepared, bias):
+        return F.linear(x, prepared["weight"], bias)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int4pack uint8 [out, in / 2] (out a multiple of 64) -> q uint8 [out, in]."""
+    out, in_ = packed.shape[0], packed.shape[1] * 2
+    runs = packed.view(out // _UNPACK_ROWS, in_, _UNPACK_ROWS // 2)  # [row blocks, k, j]
+    q = torch.cat([runs & 0x0F, runs >> 4], dim=2)  # [row blocks, k, 64 rows]
+    return q.transpose(1, 2).reshape(out, in_)
+
+
+def unpacked_weight(planes: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """[(int4pack, scales_and_zeros)] -> w [out, in] in the scales' dtype: the planes' (n - 8) *
+    scale + zero per 32 inputs summed in float32, rounded once."""
+    total = None
+    for packed, scales_and_zeros in planes:
+        n = unpack_int4(packed)
+        out, in_ = n.shape
+        scale, zero = scales_and_zeros.permute(1, 0, 2).float().unbind(-1)  # [out, in / 32] each
+        w = (n.reshape(out, -1, GROUP).float() - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+        total = w if total is None else total + w
+    return total.reshape(out, in_).to(planes[0][1].dtype)
+
+
+@functools.cache
+def _unpack_layout_holds() -> bool:
+    """Does this torch pack as unpack_int4 reads? (Else prefill keeps torch's int4 matmul.)"""
+    seeded = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (_UNPACK_ROWS * 2, 2 * GROUP), dtype=torch.int32, generator=seeded)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return tuple(packed.shape) == (q.shape[0], q.shape[1] // 2) and torch.equal(unpack_int4(packed).int(), q)
+
+
+def gguf_kernel(scheme: LinearScheme, dtype: torch.dtype):
+    """The CPU kernel for a GGUF scheme served in ``dtype``."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return CpuGgufInt4PackKernel(scheme)
+    if dtype_name == "bfloat16" and scheme.group_size != GROUP:
+        return CpuGgufDequantizedKernel(scheme)
+    hint = "; --dtype bfloat16 runs torch's int4 matmul" if scheme.group_size == GROUP else ""
+    logger.info("%s in %s dequantizes its blocks at every step on CPU%s (docs/quantization.md)",
+                scheme.description, dtype_name, hint)
+    return GgufReferenceKernel(scheme)

@@ -1,0 +1,91 @@
+"""GGUF kept quantised end to end on tiny random models (fp32): folders in the layout a .gguf
+converts into (tengyun/quantization/gguf.py), their blocks written by the gguf package's own
+quantize (Q8_0, Q4_0, Q4_1 mixed per layer), give HF's greedy tokens on an fp32 twin holding the
+gguf package's dequantized weights, and TP=2 over gloo gives the single process's tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize  # noqa: E402
+from test_quantized_models import _hf_greedy, _prompts, _tengyun  # noqa: E402
+
+from tengyun.quantization.gguf import GGML_TYPES, quantization_config  # noqa: E402
+
+# Per decoder layer: (q/k/v, o, gate/up, down) types; fused layers share one.
+LAYER_TYPES = [("Q4_0", "Q8_0", "Q4_1", "Q4_0"), ("Q8_0", "Q4_1", "Q4_0", "Q8_0")]
+_PROJ = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
+
+
+def _kept_and_twin(dense, kept, twin):
+    """``dense`` (an fp32 HF folder) -> ``kept`` (each decoder linear weight as gguf-quantized
+    ``qweight`` blocks, config.json naming the types) and ``twin`` (dense, the blocks dequantized)."""
+    tensors = load_file(dense / "model.safetensors")
+    kept_tensors, twin_tensors, types = {}, {}, {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")  # model.layers.L.self_attn.q_proj.weight
+        if name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _PROJ:
+            type_name = LAYER_TYPES[int(parts[2]) % len(LAYER_TYPES)][_PROJ[parts[-2]]]
+            qtype = gguf.GGMLQuantizationType[type_name]
+            blocks = gguf_quantize(tensor.float().numpy(), qtype)  # uint8 [out, in / 32 * block bytes]
+            module = name.removesuffix(".weight")
+            kept_tensors[f"{module}.qweight"] = torch.from_numpy(blocks).reshape(
+                tensor.shape[0], -1, GGML_TYPES[type_name].block_bytes)
+            twin_tensors[name] = torch.from_numpy(gguf_dequantize(blocks, qtype).copy())
+            types[module] = type_name
+        else:
+            kept_tensors[name] = twin_tensors[name] = tensor
+    config = json.loads((dense / "config.json").read_text())
+    for folder, folder_tensors, section in ((kept, kept_tensors, quantization_config("tiny.gguf", types)),
+                                            (twin, twin_tensors, None)):
+        shutil.copytree(dense, folder)
+        save_file({k: v.contiguous() for k, v in folder_tensors.items()}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": section} if section
+                                                       else config))
+    return kept, twin
+
+
+@pytest.fixture(scope="module")
+def kept_models(tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf_kept")
+    return {arch: _kept_and_twin(tiny_checkpoints[arch], out / arch, out / f"{arch}_twin")
+            for arch in ("llama", "qwen2")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_kept_blocks_give_hf_greedy_tokens_on_the_dequantized_twin(kept_models, arch):
+    kept, twin = kept_models[arch]
+    assert [o.token_ids for o in _tengyun(kept)] == _hf_greedy(twin, _prompts())
+
+
+def test_kept_blocks_under_tp2_over_gloo_give_the_single_process_tokens(kept_models):
+    kept, _ = kept_models["llama"]  # row-parallel o_proj / down_proj: 32 / 64 inputs per rank, whole blocks
+    single = [o.token_ids for o in _tengyun(kept)]
+    assert [o.token_ids for o in _tengyun(kept, tensor_parallel_size=2)] == single
+
+
+def test_kept_blocks_in_bfloat16_through_torch_npu_start_as_the_cpu_kernels(kept_models, monkeypatch):
+    """The tiny Llama in bfloat16 through npu_gguf.py (on fake_torch_npu's documented semantics)
+    runs end to end and starts each answer as the CPU kernels do (torch's int4 matmul, the Q8_0
+    reference); later tokens of this random model part on bf16 rounding (measured: after 3)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "platforms"))
+    import fake_torch_npu
+
+    from tengyun.platforms.cpu import CpuPlatform
+    from tengyun.platforms.npu_gguf import npu_gguf_kernel
+
+    kept, _ = kept_models["llama"]
+    cpu = [o.token_ids for o in _tengyun(kept, dtype="bfloat16")]
+    fake = fake_torch_npu.module()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(CpuPlatform, "quant_linear_kernel", lambda self, scheme, dtype: npu_gguf_kernel(scheme, dtype))
+    assert [o.token_ids[:3] for o in _tengyun(kept, dtype="bfloat16")] == [tokens[:3] for tokens in cpu]
+    assert fake.calls["npu_weight_quant_batchmatmul"] > 0
