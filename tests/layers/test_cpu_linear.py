@@ -110,9 +110,9 @@ def test_the_platform_binds_the_small_batch_kernel_and_counts_its_weight_once(fi
     linear.weight.data.normal_()
     linear.bias.data.normal_()
     weight = linear.weight.data.clone()
-    kernels = CpuPlatform().kernels(dtype, 16, "float32")
-    assert isinstance(kernels.linear, CpuPackedLinearKernel)
-    bind_kernels(linear, kernels)
+    bundle = CpuPlatform().kernels(dtype, 16, "float32")
+    assert isinstance(bundle.linear, CpuPackedLinearKernel)
+    bind_kernels(linear, bundle)
     assert isinstance(linear.kernel_weight, PackedLinearWeight) and linear.weight.numel() == 0
     assert weight_bytes(linear) == 80 * 48 * weight.element_size() + linear.bias.nbytes
     x = torch.randn(1, 48).to(dtype)
