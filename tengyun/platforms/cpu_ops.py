@@ -40,5 +40,15 @@ class CpuFusedLayerOps(TorchLayerOps):
         self.ops.rotary_neox_(q, k, cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous())
         return q, k
 
+    def rotary_at(self, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place, as ``rotary``, reading the table rows at positions inside the kernel (no
+        gathered cos/sin per layer)."""
+        if q.dtype != k.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or not cos_table.is_contiguous() \
+                or not sin_table.is_contiguous() or positions.dtype != torch.int64:
+            return super().rotary_at(q, k, cos_table, sin_table, positions)
+        self.ops.rotary_neox_at_(q, k, cos_table, sin_table, positions.contiguous())
+        return q, k
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x)
