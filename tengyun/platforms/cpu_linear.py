@@ -20,9 +20,9 @@ from tengyun.layers.linear_kernel import OneDNNPackedLinearKernel
 logger = logging.getLogger(__name__)
 
 BLOCK = 64  # output columns per oneDNN block (packed_gemv.cpp)
-# At most this many rows run the small-batch kernel; more run oneDNN, which wins from ~4-8 rows
-# (benchmarks/linear_kernels.py --small-rows).
-MAX_SMALL_ROWS = {torch.float32: 2, torch.bfloat16: 4}
+# At most this many rows run the small-batch kernel; more run oneDNN, which wins from 4 rows in
+# float32 and past 8 in bfloat16 (benchmarks/linear_kernels.py --small-rows).
+MAX_SMALL_ROWS = {torch.float32: 2, torch.bfloat16: 8}
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest |y|
 
 
