@@ -108,10 +108,7 @@ class RotaryEmbedding(nn.Module):
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
         r = self.rotary_dim
-        if r == self.head_dim:  # no slicing: views of q, k as they are
-            q_rot, k_rot = self.ops.rotary_at(q, k, self.cos, self.sin, positions)
-        else:
-            q_rot, k_rot = self.ops.rotary_at(q[..., :r], k[..., :r], self.cos, self.sin, positions)
+        q_rot, k_rot = self.ops.rotary_at(q[..., :r], k[..., :r], self.cos, self.sin, positions)
         if r < self.head_dim:
             q_rot, k_rot = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         return q_rot.flatten(1), k_rot.flatten(1)
