@@ -21,7 +21,10 @@ class CpuFusedLayerOps(TorchLayerOps):
     """The library must be loaded (cpu_kernels.load_error() is None) before this is made."""
 
     def __init__(self):
-        self.ops = torch.ops.tengyun
+        # The ops' overloads, resolved once: a call through the packet costs ~0.6 us more, and a
+        # batch-1 decode step makes ~150 of these calls.
+        self.ops = _Overloads(torch.ops.tengyun, "rms_norm", "add_rms_norm", "rotary_neox_", "rotary_neox_at_",
+                              "silu_and_mul")
 
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, gamma, eps)
@@ -52,3 +55,11 @@ class CpuFusedLayerOps(TorchLayerOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x)
+
+
+class _Overloads:
+    """name -> the op's default overload, as attributes."""
+
+    def __init__(self, namespace, *names: str):
+        for name in names:
+            setattr(self, name, getattr(namespace, name).default)

@@ -26,6 +26,9 @@ class CpuPagedBackend(TorchSDPABackend):
         error = cpu_kernels.load_error()
         if error is not None:
             raise RuntimeError(f"attention backend cpu_paged is unavailable: {error}")
+        # resolved once: each decode layer calls these
+        self._decode_qkv = torch.ops.tengyun.decode_qkv_to_cache.default
+        self._paged_decode = torch.ops.tengyun.paged_decode_attention.default
 
     def decode_from_qkv(self, qkv, positions, cos_table, sin_table, k_cache, v_cache, meta: AttentionMetadata,
                         scale: float, num_heads: int) -> torch.Tensor | None:
@@ -34,11 +37,10 @@ class CpuPagedBackend(TorchSDPABackend):
         then the paged kernel. Only where the cache has qkv's dtype."""
         if qkv.dtype != k_cache.dtype or qkv.stride(-1) != 1:
             return None
-        q = torch.ops.tengyun.decode_qkv_to_cache(qkv, cos_table, sin_table, positions, k_cache, v_cache,
-                                                  meta.slot_mapping, num_heads, k_cache.shape[2])
+        q = self._decode_qkv(qkv, cos_table, sin_table, positions, k_cache, v_cache, meta.slot_mapping, num_heads,
+                             k_cache.shape[2])
         out = torch.empty_like(q)
-        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, meta.decode_block_tables,
-                                           meta.decode_seq_lens, scale)
+        self._paged_decode(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
         return out.view(q.shape[0], -1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
