@@ -1,12 +1,20 @@
 """Linear-layer kernels on CPU: F.linear vs oneDNN (plain and with the weight prepacked),
 at SmolLM2-135M's shapes. Prints milliseconds per call (best of 3 rounds of 30 calls).
 
+``--small-rows``: oneDNN vs the compiled small-batch kernel on the same packed weights
+(platforms/cpu_linear.py) at 1-8 rows, through all 30 layers' four projections of SmolLM2-135M
+(30 separate random weights, 212 MB in bf16: streamed from memory as in a decode step, not from
+cache), median of 15 passes; the row counts where the kernel wins set MAX_SMALL_ROWS.
+
     python benchmarks/linear_kernels.py
+    OMP_NUM_THREADS=2 python benchmarks/linear_kernels.py --small-rows
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import statistics
 import time
 
 import torch
@@ -28,7 +36,48 @@ def _ms(fn, calls: int = 30) -> float:
     return best
 
 
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+
+
+def small_rows() -> None:
+    from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, small_batch_kernel_fits
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M's 30 x 4 layer weights")
+    print("| dtype | rows | oneDNN ms | small-batch kernel ms | speed-up | kernel GB/s |")
+    print("|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        if not small_batch_kernel_fits(dtype):
+            print(f"| {dtype} | - | - | - | kernel not available on this CPU/build | - |")
+            continue
+        kernel = CpuPackedLinearKernel(dtype, max_small_rows=1 << 30)
+        layers = [[kernel.prepare(torch.randn(n, k).to(dtype) * 0.02) for n, k in LAYER_SHAPES] for _ in range(30)]
+        nbytes = 30 * sum(n * k for n, k in LAYER_SHAPES) * torch.finfo(dtype).bits // 8
+        for rows in (1, 2, 4, 8):
+            xs = {k: torch.randn(rows, k).to(dtype) for _, k in LAYER_SHAPES}
+            run = functools.partial(_pass_ms, kernel, layers, xs)
+            onednn = statistics.median(run(False) for _ in range(15))
+            small = statistics.median(run(True) for _ in range(15))
+            print(f"| {str(dtype).removeprefix('torch.')} | {rows} | {onednn:.2f} | {small:.2f} | "
+                  f"{onednn / small:.2f}x | {nbytes / small / 1e6:.0f} |")
+
+
+def _pass_ms(kernel, layers, xs: dict, small: bool) -> float:
+    """One pass through every layer's projections: the small-batch kernel or oneDNN -> ms."""
+    start = time.perf_counter()
+    for layer in layers:
+        for (_, k), weight in zip(LAYER_SHAPES, layer):
+            if small:
+                kernel.apply(xs[k], weight, None)
+            else:
+                OneDNNPackedLinearKernel.apply(kernel, xs[k], weight.packed, None)
+    return (time.perf_counter() - start) * 1e3
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small-rows", action="store_true", help="oneDNN vs the small-batch kernel, 1-8 rows")
+    if parser.parse_args().small_rows:
+        return small_rows()
     torch.manual_seed(0)
     kernel = OneDNNPackedLinearKernel()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -1,40 +1,88 @@
 """Time one engine's prefill and decode steps, optionally with the torch profiler's top ops.
 
-64 requests of 128 random tokens on the embedded SmolLM2: 4 prefill steps (2048 tokens
-each), then decode steps of 64 sequences.
+Default: 64 requests of 128 random tokens on the embedded SmolLM2: 4 prefill steps (2048 tokens
+each), then decode steps of 64 sequences. ``--batch 1 --model smollm2 --dtype bfloat16``: one
+request on the real SmolLM2-135M-Instruct (the HF folder Tengyun converts from the PyPI GGUF),
+and where a decode step's time goes: the model's forward, the LM head, sampling and the rest of
+the engine step (scheduler, input preparation, outputs), as medians over the decode steps.
 
     python benchmarks/step_profile.py [--profile]
+    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --batch 1 --model smollm2 --dtype bfloat16 --profile
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 from tengyun import LLM, SamplingParams
+
+MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "qwen2.5-coder": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
+
+
+def build_engine(args):
+    if args.model == "embedded":
+        return LLM(max_model_len=300, kv_cache_memory="1GiB", dtype=args.dtype).llm_engine
+    from tengyun.models.model_source import resolve_model
+
+    folder = str(resolve_model(MODELS[args.model], "auto").folder)
+    return LLM(folder, max_model_len=512, kv_cache_memory="1GiB", dtype=args.dtype).llm_engine
+
+
+def timed(obj, name: str, into: dict[str, list[float]]) -> None:
+    """Wrap obj.name to append each call's wall seconds to into[name]."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into.setdefault(name, []).append(time.perf_counter() - start)
+
+    setattr(obj, name, wrapper)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", action="store_true", help="print the top ops of 3 decode steps")
     parser.add_argument("--decode-steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=64, help="requests, all at once")
+    parser.add_argument("--model", choices=["embedded", *MODELS], default="embedded")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    engine = LLM(max_model_len=300, kv_cache_memory="1GiB").llm_engine
+    engine = build_engine(args)
+    runner = engine.executor.runner
+    parts: dict[str, list[float]] = {}
+    timed(runner.model, "forward", parts)
+    timed(runner.model, "compute_logits", parts)
+    timed(runner, "_sample", parts)
     rng = random.Random(0)
-    params = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True)
-    for i in range(64):
+    params = SamplingParams(temperature=1.0, max_tokens=128 + args.decode_steps + 8, ignore_eos=True)
+    for i in range(args.batch):
         engine.add_request(str(i), [rng.randrange(100, 40000) for _ in range(128)], params)
-    start = time.perf_counter()
-    for _ in range(4):
+    start, prefill_steps = time.perf_counter(), 0
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running):
         engine.step()
-    print(f"prefill of 64 x 128 tokens: {time.perf_counter() - start:.2f} s")
+        prefill_steps += 1
+    print(f"prefill of {args.batch} x 128 tokens: {time.perf_counter() - start:.2f} s ({prefill_steps} steps)")
     for _ in range(3):
         engine.step()
-    start = time.perf_counter()
+    parts.clear()
+    steps = []
     for _ in range(args.decode_steps):
+        start = time.perf_counter()
         engine.step()
-    print(f"decode step, 64 sequences: {(time.perf_counter() - start) / args.decode_steps * 1e3:.0f} ms")
+        steps.append(time.perf_counter() - start)
+    step = statistics.median(steps)
+    print(f"decode step, {args.batch} sequences: {step * 1e3:.2f} ms (median of {args.decode_steps})")
+    named = {name: statistics.median(times) for name, times in parts.items()}
+    for name, seconds in named.items():
+        print(f"  {name:15s} {seconds * 1e3:7.2f} ms")
+    print(f"  {'the rest':15s} {(step - sum(named.values())) * 1e3:7.2f} ms  (scheduler, inputs, outputs)")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

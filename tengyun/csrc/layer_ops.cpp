@@ -9,6 +9,15 @@
 // torch.ops.tengyun.rotary_neox_(q, k, cos, sin) -> ()
 //   q [T, Hq, R], k [T, Hkv, R] rotated in place (unit last stride, any token/head strides);
 //   cos, sin [T, R / 2] float32 contiguous.
+// torch.ops.tengyun.rotary_neox_at_(q, k, cos_table, sin_table, positions) -> ()
+//   as rotary_neox_, token t turned by row positions[t] of the [P, R / 2] float32 tables (one
+//   call per layer instead of gathering cos/sin rows first); positions [T] int64 in [0, P).
+// torch.ops.tengyun.decode_qkv_to_cache(qkv, cos_table, sin_table, positions, k_cache, v_cache,
+//                                       slot_mapping, q_heads, kv_heads) -> q
+//   Decode tokens straight from the qkv projection: qkv [T, (Hq + 2 Hkv) D] (unit last stride)
+//   -> q [T, Hq, D] contiguous and rotated; k rotated and v as is written to cache slot
+//   slot_mapping[t] of k_cache / v_cache [N, block_size, Hkv, D] (contiguous, qkv's dtype).
+//   Full-width neox rotary: tables [P, D / 2] float32; positions, slot_mapping [T] int64.
 // torch.ops.tengyun.silu_and_mul(x) -> out: x [..., 2d] -> silu(x[..., :d]) * x[..., d:].
 // Dtypes: float32, bfloat16, float16.
 
@@ -38,13 +47,27 @@ struct NormArgs {  // one rms_norm / add_rms_norm call; element counts and strid
   DType dtype, gamma_dtype;
 };
 
-struct RotaryArgs {  // one rotary_neox_ call
+struct RotaryArgs {  // one rotary_neox_ / rotary_neox_at_ call
   void* q;
   void* k;
   const float* cos;
   const float* sin;
+  const int64_t* positions;  // rotary_neox_at_: token t reads row positions[t] of cos/sin; else row t
   int64_t tokens, q_heads, k_heads, rotary_dim;
   int64_t q_token_stride, q_head_stride, k_token_stride, k_head_stride;
+  DType dtype;
+};
+
+struct DecodeQkvArgs {  // one decode_qkv_to_cache call
+  const void* qkv;
+  void* q_out;
+  void* k_cache;
+  void* v_cache;
+  const float* cos;
+  const float* sin;
+  const int64_t* positions;
+  const int64_t* slots;
+  int64_t tokens, q_heads, kv_heads, head_dim, qkv_stride;
   DType dtype;
 };
 
@@ -103,6 +126,24 @@ void run_norm(const NormArgs& a) {
   }
 }
 
+void check_rotary_qk(const at::Tensor& q, const at::Tensor& k, const char* op) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
+                  q.size(2) % 2 == 0 && q.stride(2) == 1 && k.stride(2) == 1,
+              op, ": q [T, Hq, R] and k [T, Hkv, R] with an even R and unit last stride");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k must have one dtype");
+}
+
+void run_rotary(const RotaryArgs& a) {
+  if (a.tokens == 0) return;
+  switch (active_isa) {
+#if TY_HAVE_X86_COPIES
+    case Isa::avx512: return avx512::rotary(a);
+    case Isa::avx2: return avx2::rotary(a);
+#endif
+    default: return generic::rotary(a);
+  }
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& gamma, double eps) {
@@ -132,24 +173,87 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
-                  q.size(2) % 2 == 0 && q.stride(2) == 1 && k.stride(2) == 1,
-              "rotary_neox_: q [T, Hq, R] and k [T, Hkv, R] with an even R and unit last stride");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_neox_: q and k must have one dtype");
+  check_rotary_qk(q, k, "rotary_neox_");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.numel() == q.size(0) * (q.size(2) / 2) && sin.numel() == cos.numel(),
               "rotary_neox_: cos and sin must be contiguous float32 [T, R / 2]");
-  RotaryArgs a{q.data_ptr(), k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0), q.size(1),
-               k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+  RotaryArgs a{q.data_ptr(), k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), nullptr, q.size(0),
+               q.size(1), k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                dtype_of(q, "rotary_neox_", "q")};
-  if (a.tokens == 0) return;
+  run_rotary(a);
+}
+
+void rotary_neox_at_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& positions) {
+  check_rotary_qk(q, k, "rotary_neox_at_");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == q.size(2) / 2 && sin.sizes() == cos.sizes(),
+              "rotary_neox_at_: cos and sin tables must be contiguous float32 [P, R / 2]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1 &&
+                  positions.size(0) == q.size(0) && positions.device().is_cpu(),
+              "rotary_neox_at_: positions must be a contiguous int64 [T]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_neox_at_: position ", pos[t], " is outside the ",
+                cos.size(0), "-row tables");
+  }
+  RotaryArgs a{q.data_ptr(), k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), pos, q.size(0),
+               q.size(1), k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+               dtype_of(q, "rotary_neox_at_", "q")};
+  run_rotary(a);
+}
+
+namespace {
+void check_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& slots, int64_t q_heads, int64_t kv_heads) {
+  const char* op = "decode_qkv_to_cache";
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == kv_heads && k_cache.device().is_cpu(),
+              op, ": k_cache and v_cache must be contiguous CPU [N, block_size, Hkv, D]");
+  const int64_t d = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (q_heads + 2 * kv_heads) * d && d % 2 == 0,
+              op, ": qkv must be [T, (Hq + 2 Hkv) D] with unit last stride and an even D");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(), op,
+              ": qkv and the caches must have one dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.dim() == 2 && cos.size(1) == d / 2 &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
+              op, ": cos and sin tables must be contiguous float32 [P, D / 2]");
+  for (const at::Tensor* index : {&positions, &slots}) {
+    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous() && index->dim() == 1 &&
+                    index->size(0) == qkv.size(0),
+                op, ": positions and slot_mapping must be contiguous int64 [T]");
+  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), op, ": position ", pos[t], " is outside the ", cos.size(0),
+                "-row tables");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, op, ": slot ", slot[t], " is outside the cache's ",
+                num_slots);
+  }
+}
+}  // namespace
+
+at::Tensor decode_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
+                               const at::Tensor& slot_mapping, int64_t q_heads, int64_t kv_heads) {
+  check_decode_qkv(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, q_heads, kv_heads);
+  const int64_t d = k_cache.size(3);
+  at::Tensor q = at::empty({qkv.size(0), q_heads, d}, qkv.options());
+  DecodeQkvArgs a{qkv.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr<float>(),
+                  sin.data_ptr<float>(), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+                  qkv.size(0), q_heads, kv_heads, d, qkv.stride(0), dtype_of(qkv, "decode_qkv_to_cache", "qkv")};
+  if (a.tokens == 0) return q;
   switch (active_isa) {
 #if TY_HAVE_X86_COPIES
-    case Isa::avx512: return avx512::rotary(a);
-    case Isa::avx2: return avx2::rotary(a);
+    case Isa::avx512: avx512::decode_qkv(a); break;
+    case Isa::avx2: avx2::decode_qkv(a); break;
 #endif
-    default: return generic::rotary(a);
+    default: generic::decode_qkv(a);
   }
+  return q;
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -178,6 +282,9 @@ TORCH_LIBRARY_FRAGMENT(tengyun, m) {
   m.def("rms_norm(Tensor x, Tensor gamma, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor gamma, float eps) -> (Tensor, Tensor)");
   m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("rotary_neox_at_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor positions) -> ()");
+  m.def("decode_qkv_to_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, int q_heads, int kv_heads) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
@@ -185,5 +292,7 @@ TORCH_LIBRARY_IMPL(tengyun, CPU, m) {
   m.impl("rms_norm", &tengyun::rms_norm);
   m.impl("add_rms_norm", &tengyun::add_rms_norm);
   m.impl("rotary_neox_", &tengyun::rotary_neox_);
+  m.impl("rotary_neox_at_", &tengyun::rotary_neox_at_);
+  m.impl("decode_qkv_to_cache", &tengyun::decode_qkv_to_cache);
   m.impl("silu_and_mul", &tengyun::silu_and_mul);
 }

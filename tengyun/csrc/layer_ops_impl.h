@@ -100,6 +100,19 @@ inline void rotate_head(typename T::S* x, const float* cos, const float* sin, in
   }
 }
 
+// One head from src into dst (another place; same arithmetic as rotate_head).
+template <typename T>
+inline void rotate_head_to(typename T::S* dst, const typename T::S* src, const float* cos, const float* sin,
+                           int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = T::load(src[i]), x2 = T::load(src[i + half]);
+    const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
+    dst[i] = T::store(a - b);
+    dst[i + half] = T::store(c + d);
+  }
+}
+
 // One row: out[i] = round(round(silu(g[i])) * u[i]) with g = x[:d], u = x[d:] (F.silu(g) * u).
 template <typename T>
 inline void silu_and_mul_row(typename T::S* out, const typename T::S* x, int64_t d) {
@@ -142,12 +155,31 @@ void rotary_rows(const RotaryArgs& a) {
   using S = typename T::S;
   const int64_t half = a.rotary_dim / 2;
   for_rows(a.tokens, a.rotary_dim * (a.q_heads + a.k_heads), [&](int64_t t) {
-    const float* cos = a.cos + t * half;
-    const float* sin = a.sin + t * half;
+    const int64_t row = a.positions == nullptr ? t : a.positions[t];
+    const float* cos = a.cos + row * half;
+    const float* sin = a.sin + row * half;
     for (int64_t h = 0; h < a.q_heads; ++h)
       rotate_head<T>(static_cast<S*>(a.q) + t * a.q_token_stride + h * a.q_head_stride, cos, sin, half);
     for (int64_t h = 0; h < a.k_heads; ++h)
       rotate_head<T>(static_cast<S*>(a.k) + t * a.k_token_stride + h * a.k_head_stride, cos, sin, half);
+  });
+}
+
+// Decode tokens: q rotated into q_out [T, Hq, D]; k rotated and v copied into their cache slots.
+template <typename T>
+void decode_qkv_rows(const DecodeQkvArgs& a) {
+  using S = typename T::S;
+  const int64_t d = a.head_dim, half = d / 2, kv_row = a.kv_heads * d;
+  for_rows(a.tokens, d * (a.q_heads + 2 * a.kv_heads), [&](int64_t t) {
+    const S* row = static_cast<const S*>(a.qkv) + t * a.qkv_stride;
+    const float* cos = a.cos + a.positions[t] * half;
+    const float* sin = a.sin + a.positions[t] * half;
+    S* q_out = static_cast<S*>(a.q_out) + t * a.q_heads * d;
+    for (int64_t h = 0; h < a.q_heads; ++h) rotate_head_to<T>(q_out + h * d, row + h * d, cos, sin, half);
+    const S* k = row + a.q_heads * d;
+    S* k_dst = static_cast<S*>(a.k_cache) + a.slots[t] * kv_row;
+    for (int64_t h = 0; h < a.kv_heads; ++h) rotate_head_to<T>(k_dst + h * d, k + h * d, cos, sin, half);
+    std::memcpy(static_cast<S*>(a.v_cache) + a.slots[t] * kv_row, k + kv_row, kv_row * sizeof(S));
   });
 }
 
@@ -169,6 +201,11 @@ inline void rms_norm(const NormArgs& a) {
 inline void rotary(const RotaryArgs& a) {
   if (a.dtype == DType::f32) return rotary_rows<F32>(a);
   return a.dtype == DType::bf16 ? rotary_rows<BF16>(a) : rotary_rows<F16>(a);
+}
+
+inline void decode_qkv(const DecodeQkvArgs& a) {
+  if (a.dtype == DType::f32) return decode_qkv_rows<F32>(a);
+  return a.dtype == DType::bf16 ? decode_qkv_rows<BF16>(a) : decode_qkv_rows<F16>(a);
 }
 
 inline void silu_and_mul(DType dtype, void* out, const void* x, int64_t rows, int64_t d, int64_t x_stride) {

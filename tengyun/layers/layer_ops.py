@@ -46,6 +46,11 @@ class TorchLayerOps:
         A platform's ops may rotate in place: callers use only the returned tensors."""
         return _rotate_neox(q, cos, sin), _rotate_neox(k, cos, sin)
 
+    def rotary_at(self, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary`` with token t turned by row positions[t] of the float32 [P, R / 2] tables."""
+        return self.rotary(q, k, cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1))
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2d] -> [..., d]: silu(x[..., :d]) * x[..., d:], each op rounded to x's dtype."""
         gate, up = x.chunk(2, dim=-1)

@@ -105,12 +105,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, Hq * D]; k [T, Hkv * D] -> rotated q, k of the same shapes."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
         r = self.rotary_dim
-        q_rot, k_rot = self.ops.rotary(q[..., :r], k[..., :r], cos, sin)
+        q_rot, k_rot = self.ops.rotary_at(q[..., :r], k[..., :r], self.cos, self.sin, positions)
         if r < self.head_dim:
             q_rot, k_rot = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         return q_rot.flatten(1), k_rot.flatten(1)

@@ -94,9 +94,14 @@ class CpuPlatform(Platform):
         return model_step_threads(world_size)
 
     def linear_kernel(self, dtype):
+        """oneDNN with prepacked weights, and the compiled small-batch kernel on those same weights
+        for a few rows where the kernels are built and the CPU has AVX-512 (cpu_linear.py)."""
         from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
+        from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, small_batch_kernel_fits
 
-        return OneDNNPackedLinearKernel() if onednn_available(dtype) else DenseLinearKernel()
+        if not onednn_available(dtype):
+            return DenseLinearKernel()
+        return CpuPackedLinearKernel(dtype) if small_batch_kernel_fits(dtype) else OneDNNPackedLinearKernel()
 
     def quant_linear_kernel(self, scheme, dtype):
         """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI). 4-bit weight-only served in

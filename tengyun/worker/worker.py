@@ -252,9 +252,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _tensors_in(prepared) -> list:
-    """The tensors of a kernel's prepared weight: a tensor, or dicts and lists of them."""
+    """The tensors of a kernel's prepared weight: a tensor, dicts and lists of them, or an object
+    whose ``tensors()`` lists them."""
     if isinstance(prepared, dict):
         prepared = list(prepared.values())
     if isinstance(prepared, list):
         return [t for item in prepared for t in _tensors_in(item)]
+    if hasattr(prepared, "tensors"):  # a kernel's own holder (platforms/cpu_linear.py PackedLinearWeight)
+        return prepared.tensors()
     return [] if prepared is None else [prepared]

@@ -76,6 +76,57 @@ def test_rotary_matches_pytorch_on_views_of_one_qkv_tensor(fused, dtype, heads, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,rotary_dim", [(1, 9, 3, 64), (13, 5, 1, 18)])
+def test_rotary_at_positions_turns_as_the_gathered_rows_do(fused, dtype, tokens, heads, kv_heads, rotary_dim):
+    gen = torch.Generator().manual_seed(tokens * heads)
+    table = torch.randn(2, 300, rotary_dim // 2, generator=gen)  # cos, sin rows: any float32 values
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    q = torch.randn(tokens, heads, rotary_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, kv_heads, rotary_dim, generator=gen).to(dtype)
+    want_q, want_k = TORCH_LAYER_OPS.rotary(q.clone(), k.clone(), table[0][positions].unsqueeze(1),
+                                            table[1][positions].unsqueeze(1))
+    got_q, got_k = fused.rotary_at(q, k, table[0], table[1], positions)
+    _close(got_q, want_q)
+    _close(got_k, want_k)
+    with pytest.raises(RuntimeError, match="position 300 is outside the 300-row tables"):
+        fused.rotary_at(q, k, table[0], table[1], torch.full((tokens,), 300))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,block_size", [(1, 9, 3, 64, 16), (5, 7, 7, 32, 128),
+                                                                        (3, 14, 2, 64, 16), (2, 5, 1, 18, 128)])
+def test_decode_qkv_to_cache_matches_rotary_then_cache_write(fused, dtype, tokens, heads, kv_heads, head_dim,
+                                                             block_size):
+    gen = torch.Generator().manual_seed(tokens * heads * head_dim)
+    rope = RotaryEmbedding(head_dim, head_dim, 1000, dict(rope_type="default", rope_theta=1e4))
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 5, generator=gen).to(dtype)[:, :width]  # strided rows
+    positions = torch.randint(0, 1000, (tokens,), generator=gen)
+    caches = torch.randn(2, 6, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(6 * block_size, generator=gen)[:tokens]
+    # the reference: PyTorch's rotary on q, k, then the cache write (AttentionBackend.write_kv)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+    want = caches.clone()
+    want[0].view(-1, kv_heads, head_dim)[slots] = want_k.view(tokens, kv_heads, head_dim)
+    want[1].view(-1, kv_heads, head_dim)[slots] = v.reshape(tokens, kv_heads, head_dim)
+    got = caches.clone()
+    before = qkv.clone()
+    got_q = torch.ops.tengyun.decode_qkv_to_cache(qkv, rope.cos, rope.sin, positions, got[0], got[1], slots,
+                                                  heads, kv_heads)
+    assert got_q.is_contiguous() and got_q.shape == (tokens, heads, head_dim)
+    _close(got_q, want_q.view(tokens, heads, head_dim))
+    _close(got, want)
+    assert torch.equal(qkv, before)  # the projection's output is only read
+    with pytest.raises(RuntimeError, match="is outside the cache's"):
+        torch.ops.tengyun.decode_qkv_to_cache(qkv, rope.cos, rope.sin, positions, got[0], got[1],
+                                              torch.full((tokens,), 6 * block_size), heads, kv_heads)
+    with pytest.raises(RuntimeError, match="qkv and the caches must have one dtype"):
+        torch.ops.tengyun.decode_qkv_to_cache(qkv.double().float() if dtype != torch.float32 else qkv.bfloat16(),
+                                              rope.cos, rope.sin, positions, got[0], got[1], slots, heads, kv_heads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 3072), (19, 2 * 4864), (2, 3, 34)])
 def test_silu_and_mul_matches_pytorch(fused, dtype, shape):
     x = (3 * torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1]))).to(dtype)

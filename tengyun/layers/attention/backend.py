@@ -27,6 +27,15 @@ class AttentionBackend:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
+    def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                        sin_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None:
+        """A decode-only step taken whole from the qkv projection: qkv [T, (Hq + 2 Hkv) D] ->
+        [T, Hq * D], q and k turned by full-width neox rotary at ``positions`` (rows of the float32
+        [P, D / 2] tables), k and v written to the cache. None: this backend does not; the caller
+        splits, rotates, writes and attends op by op (the same arithmetic)."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens, already in the cache) -> [T, Hq, D]."""

@@ -45,6 +45,22 @@ class CpuPagedBackend(TorchSDPABackend):
         error = cpu_kernels.load_error()
         if error is not None:
             raise RuntimeError(f"attention backend cpu_paged is unavailable: {error}")
+        # resolved once: each decode layer calls these
+        self._decode_qkv = torch.ops.tengyun.decode_qkv_to_cache.default
+        self._paged_decode = torch.ops.tengyun.paged_decode_attention.default
+
+    def decode_from_qkv(self, qkv, positions, cos_table, sin_table, k_cache, v_cache, meta: AttentionMetadata,
+                        scale: float, num_heads: int) -> torch.Tensor | None:
+        """Two compiled calls for the whole layer's attention at decode (batch 1: ~20 PyTorch ops
+        fewer per layer): rotary + cache write + contiguous q (layer_ops.cpp decode_qkv_to_cache),
+        then the paged kernel. Only where the cache has qkv's dtype."""
+        if qkv.dtype != k_cache.dtype or qkv.stride(-1) != 1:
+            return None
+        q = self._decode_qkv(qkv, cos_table, sin_table, positions, k_cache, v_cache, meta.slot_mapping, num_heads,
+                             k_cache.shape[2])
+        out = torch.empty_like(q)
+        self._paged_decode(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        return out.view(q.shape[0], -1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D] over each row's first decode_seq_lens[b] tokens (padding in

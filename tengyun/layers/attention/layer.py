@@ -23,6 +23,16 @@ class Attention(nn.Module):
     def bind_kernels(self, kernels: KernelBundle) -> None:
         self.backend = kernels.attention
 
+    def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                        sin_table: torch.Tensor) -> torch.Tensor | None:
+        """A decode-only step from the qkv projection [T, (Hq + 2 Hkv) D] with full-width neox
+        rotary (tables [P, D / 2]) -> [T, Hq * D], where the backend takes it whole; else None."""
+        meta = get_attention_metadata()
+        if meta.prefills or meta.num_decode_tokens != qkv.shape[0]:
+            return None
+        return self.backend.decode_from_qkv(qkv, positions, cos_table, sin_table, self.k_cache, self.v_cache, meta,
+                                            self.scale, self.num_heads)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq * D], k/v [T, Hkv * D] -> [T, Hq * D]."""
         meta = get_attention_metadata()

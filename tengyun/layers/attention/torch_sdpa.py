@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch (any device): gather blocks, then attend.
 
 Decodes (one query token each) run batched over their gathered, padded contexts (SDPA in
-float32, two matmuls in 16-bit); each prefill chunk runs as its own causal SDPA.
+float32, two matmuls in 16-bit); each prefill chunk runs as its own causal SDPA, except that
+fresh prompts of one length side by side in the batch (all requests at once) share one.
 """
 
 from __future__ import annotations
@@ -42,9 +43,13 @@ class TorchSDPABackend(AttentionBackend):
         n = meta.num_decode_tokens
         if n:
             out[:n] = self._decode(q[:n], k_cache, v_cache, meta, scale)
-        for chunk in meta.prefills:
-            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta, scale)
+        for chunks in _fresh_runs(meta.prefills):
+            first = chunks[0]
+            rows = slice(first.query_start, first.query_start + len(chunks) * first.query_len)
+            if len(chunks) > 1:
+                out[rows] = _fresh_prompts_sdpa(q[rows], k[rows], v[rows], len(chunks), scale)
+            else:
+                out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, first, meta, scale)
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -101,14 +106,38 @@ class TorchSDPABackend(AttentionBackend):
         return _causal_sdpa(q.transpose(0, 1), keys, values, mask, causal, scale).transpose(0, 1)
 
 
+def _fresh_runs(prefills: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+    """The chunks in order, grouped: runs of fresh prompts (no context) of one length whose rows
+    follow each other, every other chunk alone."""
+    runs: list[list[PrefillChunk]] = []
+    for chunk in prefills:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and chunk.context_len == 0 and last.context_len == 0
+                and chunk.query_len == last.query_len and chunk.query_start == last.query_start + last.query_len):
+            runs[-1].append(chunk)
+        else:
+            runs.append([chunk])
+    return runs
+
+
+def _fresh_prompts_sdpa(q, k, v, count: int, scale: float) -> torch.Tensor:
+    """count fresh prompts of L tokens each, side by side: q [count * L, Hq, D], k/v [count * L,
+    Hkv, D] -> [count * L, Hq, D], one causal SDPA over the batch of them (as many calls fewer)."""
+    length = q.shape[0] // count
+
+    def batched(x: torch.Tensor) -> torch.Tensor:  # [count * L, H, D] -> [count, H, L, D] (a view)
+        return x.view(count, length, *x.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(q.shape)
+
+
 def _causal_sdpa(q, keys, values, mask, causal: bool, scale: float) -> torch.Tensor:
-    """q [Hq, Lq, D], keys/values [Hkv, L, D] -> [Hq, Lq, D]. Each KV head repeated for its query
-    heads and the batch dim added, because PyTorch's CPU flash kernel takes only 4-D inputs without
-    enable_gqa; 3-D or GQA inputs fall to the math path, which materialises the [Lq, L] scores and
-    masks them op by op (2.6x slower at 256 + 256 tokens, 1 thread; HF repeats KV heads the same way)."""
-    groups = q.shape[0] // keys.shape[0]
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
+    """q [Hq, Lq, D], keys/values [Hkv, L, D] -> [Hq, Lq, D]. 4-D (a batch of one) and GQA through
+    enable_gqa: PyTorch's CPU flash kernel takes that as it is, with no copy of the KV heads repeated
+    per query head (3-D inputs fall to the math path, which materialises the [Lq, L] scores and
+    masks them op by op: 2.6x slower at 256 + 256 tokens, 1 thread)."""
     out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-                                         is_causal=causal, scale=scale)
+                                         is_causal=causal, scale=scale, enable_gqa=q.shape[0] != keys.shape[0])
     return out[0]

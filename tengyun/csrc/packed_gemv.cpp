@@ -1,0 +1,220 @@
+// Small-batch linear layers (a few rows, decode at batch 1) straight from oneDNN's prepacked weight.
+//
+// oneDNN's fp32/bf16 inner-product weight, as torch.ops.mkldnn._reorder_linear_weight packs it on
+// AVX-512 cores, is blocked by 64 output columns, K-major inside a block:
+//   float32:  [Npad / 64][Kpad][64]          element (n, k) at (n / 64) * Kpad * 64 + k * 64 + n % 64
+//   bfloat16: [Npad / 64][Kpad / 2][64][2]   element (n, k) at (n / 64) * Kpad * 64 + (k / 2) * 128
+//                                                              + (n % 64) * 2 + k % 2
+// (Npad: N rounded up to 64; padding is zero). That is the ideal layout for y = x W^T with a few x
+// rows: each step broadcasts x[k] (bf16: the pair x[k], x[k + 1]) and multiplies 16 output columns
+// per vector, so the weight streams once, front to back, at memory speed, with no horizontal sums.
+// oneDNN's own M = 1 path runs at ~36 GB/s here, this at ~50 (benchmarks/README.md).
+//
+// The layout is oneDNN's choice, not a contract: tengyun/platforms/cpu_linear.py checks every packed
+// weight against oneDNN's own product before it routes any row through this kernel, and keeps oneDNN
+// where the check fails (another CPU, another oneDNN).
+//
+// torch.ops.tengyun.packed_gemv(x, weight_ptr, out_features, k_padded, bias) -> y
+//   x [M, K] float32 or bfloat16 with unit last stride; weight_ptr: the packed weight's address
+//   (torch.ops.mkldnn.data_ptr), which the caller keeps alive; bias [N] in x's dtype or None.
+//   y [M, N] in x's dtype: float32 sums, one rounding, as oneDNN.
+// torch.ops.tengyun.packed_gemv_supported(dtype) -> bool: whether this CPU runs the kernel for
+//   "float32" (AVX-512F) or "bfloat16" (AVX-512 BF16).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "cpu_isa.h"
+
+namespace tengyun {
+namespace {
+
+constexpr int64_t kBlock = 64;  // output columns per packed block
+constexpr int64_t kGroup = 16;  // output columns per vector (one zmm of float32 sums)
+constexpr int kMaxRows = 4;     // x rows per pass over the weight (register budget: 4 x 4 sums)
+
+struct GemvArgs {
+  const void* x;
+  const void* w;
+  const void* bias;  // nullptr: none
+  void* y;
+  int64_t rows, n, k, k_pad, x_stride;
+};
+
+#if TY_HAVE_X86_COPIES
+#define TY_GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+TY_GEMV_TARGET inline __m512 widen_bf16(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// Stores sums [M][G] of columns n0 .. n0 + 16 G (clipped at a.n) for rows r0 .. r0 + M, adding bias.
+template <typename S, int M, int G>
+TY_GEMV_TARGET inline void store_tile(const GemvArgs& a, __m512 (&acc)[M][G], int64_t r0, int64_t n0) {
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const int64_t n = n0 + g * kGroup;
+    if (n >= a.n) break;
+    const int64_t left = a.n - n;
+    const __mmask16 mask = left >= kGroup ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    __m512 bias = _mm512_setzero_ps();
+    if (a.bias != nullptr) {
+      bias = std::is_same<S, float>::value ? _mm512_maskz_loadu_ps(mask, static_cast<const float*>(a.bias) + n)
+                                           : widen_bf16(static_cast<const uint16_t*>(a.bias) + n, mask);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      const __m512 v = _mm512_add_ps(acc[m][g], bias);
+      if constexpr (std::is_same<S, float>::value) {
+        _mm512_mask_storeu_ps(static_cast<float*>(a.y) + (r0 + m) * a.n + n, mask, v);
+      } else {
+        const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));  // round to nearest even
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + (r0 + m) * a.n + n, mask, bits);
+      }
+    }
+  }
+}
+
+// Columns [n0, n0 + 16 G) of one block (n0 % 64 + 16 G <= 64), rows [r0, r0 + M).
+template <int M, int G>
+TY_GEMV_TARGET void tile_f32(const GemvArgs& a, int64_t r0, int64_t n0) {
+  const float* x = static_cast<const float*>(a.x) + r0 * a.x_stride;
+  const float* w = static_cast<const float*>(a.w) + (n0 / kBlock) * a.k_pad * kBlock + n0 % kBlock;
+  __m512 acc[M][G];
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < a.k; ++k, w += kBlock) {
+    __m512 xs[M];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) xs[m] = _mm512_set1_ps(x[m * a.x_stride + k]);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m512 wv = _mm512_loadu_ps(w + g * kGroup);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) acc[m][g] = _mm512_fmadd_ps(xs[m], wv, acc[m][g]);
+    }
+  }
+  store_tile<float, M, G>(a, acc, r0, n0);
+}
+
+template <int M, int G>
+TY_GEMV_TARGET void tile_bf16(const GemvArgs& a, int64_t r0, int64_t n0) {
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + r0 * a.x_stride;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + (n0 / kBlock) * a.k_pad * kBlock + (n0 % kBlock) * 2;
+  __m512 acc[M][G];
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
+  const int64_t pairs = (a.k + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p, w += 2 * kBlock) {
+    __m512i xs[M];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      uint32_t pair = x[m * a.x_stride + 2 * p];
+      if (2 * p + 1 < a.k) pair |= static_cast<uint32_t>(x[m * a.x_stride + 2 * p + 1]) << 16;
+      xs[m] = _mm512_set1_epi32(static_cast<int>(pair));
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + g * 2 * kGroup));
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], reinterpret_cast<__m512bh>(xs[m]), wv);
+    }
+  }
+  store_tile<uint16_t, M, G>(a, acc, r0, n0);
+}
+
+using TileFn = void (*)(const GemvArgs&, int64_t, int64_t);
+
+template <int M>
+TileFn pick_tile(bool bf16, int groups) {
+  static constexpr TileFn f32[4] = {tile_f32<M, 1>, tile_f32<M, 2>, tile_f32<M, 3>, tile_f32<M, 4>};
+  static constexpr TileFn b16[4] = {tile_bf16<M, 1>, tile_bf16<M, 2>, tile_bf16<M, 3>, tile_bf16<M, 4>};
+  return (bf16 ? b16 : f32)[groups - 1];
+}
+
+TileFn tile_for(bool bf16, int rows, int groups) {
+  switch (rows) {
+    case 1: return pick_tile<1>(bf16, groups);
+    case 2: return pick_tile<2>(bf16, groups);
+    case 3: return pick_tile<3>(bf16, groups);
+    default: return pick_tile<4>(bf16, groups);
+  }
+}
+
+// Column groups [u0, u1) (16 columns each), every row: runs of up to 4 groups inside one block.
+void gemv_groups(const GemvArgs& a, bool bf16, int64_t u0, int64_t u1) {
+  constexpr int64_t per_block = kBlock / kGroup;
+  for (int64_t u = u0; u < u1;) {
+    const int64_t end = std::min(u1, (u / per_block + 1) * per_block);
+    const int groups = static_cast<int>(end - u);
+    for (int64_t r = 0; r < a.rows; r += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.rows - r));
+      tile_for(bf16, rows, groups)(a, r, u * kGroup);
+    }
+    u = end;
+  }
+}
+#endif  // TY_HAVE_X86_COPIES
+
+bool supported(at::ScalarType dtype) {
+#if TY_HAVE_X86_COPIES
+  if (!cpu_has(Isa::avx512)) return false;
+  if (dtype == at::kFloat) return true;
+  __builtin_cpu_init();
+  return dtype == at::kBFloat16 && __builtin_cpu_supports("avx512bf16");
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool packed_gemv_supported(const std::string& dtype) {
+  if (dtype == "float32") return supported(at::kFloat);
+  if (dtype == "bfloat16") return supported(at::kBFloat16);
+  return false;
+}
+
+at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_ptr, int64_t out_features, int64_t k_padded,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              "packed_gemv: x must be a CPU [M, K] with unit last stride");
+  TORCH_CHECK(supported(x.scalar_type()), "packed_gemv: this CPU does not run the kernel for ", x.scalar_type(),
+              " (packed_gemv_supported)");
+  TORCH_CHECK(weight_ptr != 0 && out_features > 0 && k_padded >= x.size(1),
+              "packed_gemv: weight_ptr, out_features and k_padded must describe the packed [N, Kpad] weight");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == out_features,
+                "packed_gemv: bias must be a contiguous [N] in x's dtype");
+  }
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+#if TY_HAVE_X86_COPIES
+  GemvArgs a{x.data_ptr(), reinterpret_cast<const void*>(weight_ptr), has_bias ? bias->data_ptr() : nullptr,
+             y.data_ptr(), x.size(0), out_features, x.size(1), k_padded, x.stride(0)};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 4, [&](int64_t u0, int64_t u1) { gemv_groups(a, bf16, u0, u1); });
+#endif
+  return y;
+}
+
+}  // namespace tengyun
+
+TORCH_LIBRARY_FRAGMENT(tengyun, m) {
+  m.def("packed_gemv(Tensor x, int weight_ptr, int out_features, int k_padded, Tensor? bias) -> Tensor");
+  m.def("packed_gemv_supported(str dtype) -> bool", &tengyun::packed_gemv_supported);
+}
+
+TORCH_LIBRARY_IMPL(tengyun, CPU, m) { m.impl("packed_gemv", &tengyun::packed_gemv); }

@@ -1,0 +1,105 @@
+"""Linear layers on CPU: oneDNN's prepacked weight for every batch, and for a few rows (decode at
+batch 1) the compiled small-batch kernel that reads the same packed weight
+(tengyun/csrc/packed_gemv.cpp): oneDNN's M = 1 path streams the weight at ~36 GB/s here, the kernel
+at ~50, which is most of a batch-1 decode step (``benchmarks/README.md``, "Batch-1 decode").
+
+One copy of the weight either way. The kernel assumes oneDNN's blocked layout (64 output columns
+per block, K-major inside); ``prepare`` checks that on each weight against oneDNN's own product and
+leaves a weight whose layout differs (another CPU, another oneDNN) to oneDNN alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tengyun.layers.linear_kernel import OneDNNPackedLinearKernel
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 64  # output columns per oneDNN block (packed_gemv.cpp)
+# At most this many rows run the small-batch kernel; more run oneDNN, which wins from 4 rows in
+# float32 and past 8 in bfloat16 (benchmarks/linear_kernels.py --small-rows).
+MAX_SMALL_ROWS = {torch.float32: 2, torch.bfloat16: 8}
+_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest |y|
+
+
+@dataclass(frozen=True)
+class PackedLinearWeight:
+    """oneDNN's packed weight [N, K], and where the small-batch kernel reads it."""
+
+    packed: torch.Tensor  # opaque oneDNN tensor; owns the memory data_ptr points into
+    out_features: int
+    k_padded: int  # K rounded up as oneDNN stored it
+    data_ptr: int | None  # None: the layout check failed, oneDNN runs every batch
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+
+def small_batch_kernel_fits(dtype: torch.dtype) -> bool:
+    """Whether the compiled kernels are loaded and this CPU runs the small-batch kernel for dtype
+    (AVX-512; bfloat16 also needs AVX-512 BF16)."""
+    from tengyun.layers.attention import cpu_kernels
+
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype)
+    return (name is not None and cpu_kernels.load_error() is None
+            and bool(torch.ops.tengyun.packed_gemv_supported(name)))
+
+
+class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
+    """oneDNN for every batch, the small-batch kernel for up to ``max_small_rows`` rows. Make only
+    where small_batch_kernel_fits(dtype)."""
+
+    def __init__(self, dtype: torch.dtype, max_small_rows: int | None = None, batch_size_hint: int = 64):
+        super().__init__(batch_size_hint)
+        self.dtype = dtype
+        self.max_small_rows = MAX_SMALL_ROWS[dtype] if max_small_rows is None else max_small_rows
+        self.rejected = 0  # weights whose packed layout failed the check (tests, logs)
+        self._gemv = torch.ops.tengyun.packed_gemv.default  # resolved once (~0.6 us a call)
+
+    def prepare(self, weight: torch.Tensor) -> PackedLinearWeight:
+        packed = super().prepare(weight)
+        out_features, k = weight.shape
+        k_padded = _k_padded(packed, out_features, weight.element_size())
+        ptr = None
+        if k_padded is not None and weight.dtype == self.dtype:
+            ptr = torch.ops.mkldnn.data_ptr(packed)
+            if not self._reads_like_onednn(packed, ptr, out_features, k, k_padded):
+                ptr = None
+        if ptr is None:
+            self.rejected += 1
+            if self.rejected == 1:
+                logger.info("oneDNN packed a %s [%d, %d] weight in a layout the small-batch kernel does not "
+                            "read; such layers run oneDNN at every batch size", weight.dtype, out_features, k)
+        return PackedLinearWeight(packed, out_features, k_padded or k, ptr)
+
+    def apply(self, x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] -> [M, N]: the small-batch kernel when M <= max_small_rows, else oneDNN."""
+        if weight.data_ptr is not None and x.dim() == 2 and x.shape[0] <= self.max_small_rows:
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            return self._gemv(x, weight.data_ptr, weight.out_features, weight.k_padded, bias)
+        return super().apply(x, weight.packed, bias)
+
+    def _reads_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int, k_padded: int) -> bool:
+        """The kernel's product on 3 random rows equals oneDNN's, within float32 summation order."""
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(3, k, generator=generator).to(self.dtype)
+        want = super().apply(x, packed, None).float()
+        got = torch.ops.tengyun.packed_gemv(x, ptr, out_features, k_padded, None).float()
+        scale = want.abs().max().clamp_min(1e-30)
+        return bool(((got - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype])
+
+
+def _k_padded(packed: torch.Tensor, out_features: int, element_size: int) -> int | None:
+    """K as oneDNN padded it, from the packed size ([ceil(N / 64) * 64, Kpad]); None when the size
+    does not fit that layout."""
+    n_padded = -(-out_features // BLOCK) * BLOCK
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes % (n_padded * element_size):
+        return None
+    k_padded = nbytes // (n_padded * element_size)
+    pairs = element_size == 2  # 16-bit weights are stored in (k, k + 1) pairs
+    return k_padded if k_padded >= packed.shape[1] and not (pairs and k_padded % 2) else None

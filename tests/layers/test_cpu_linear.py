@@ -1,0 +1,129 @@
+"""The small-batch linear kernel on oneDNN's packed weights (tengyun/csrc/packed_gemv.cpp,
+platforms/cpu_linear.py) against F.linear in float32 (bfloat16 inputs widened exactly): float32
+and bfloat16, output counts that are not multiples of the 16-column vector or the 64-column block,
+odd K, 1-5 rows, with and without bias; the routing by row count; the layout check; and the
+fallbacks (oneDNN alone, or F.linear, when the kernels or oneDNN are absent)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tengyun.layers import linear_kernel
+from tengyun.layers.attention import cpu_kernels
+from tengyun.layers.kernels import bind_kernels
+from tengyun.layers.linear import ReplicatedLinear
+from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
+from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, PackedLinearWeight, small_batch_kernel_fits
+from tengyun.worker.worker import weight_bytes
+
+from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
+
+DTYPES = [torch.float32, torch.bfloat16]
+# float32 sums in another order; bfloat16 adds one rounding of the result (2^-8 relative)
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2 ** -7, atol=2e-2)}
+
+
+@pytest.fixture
+def fits(kernels, request):  # noqa: F811
+    dtype = request.node.callspec.params["dtype"]
+    if not onednn_available(dtype) or not small_batch_kernel_fits(dtype):
+        pytest.skip(f"this CPU or torch build does not run the small-batch kernel for {dtype}")
+    return dtype
+
+
+def _reference(x, weight, bias):
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 577), (17, 33), (64, 2), (3, 7)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_batch_kernel_matches_f_linear(fits, dtype, out_features, in_features, rows, with_bias):
+    gen = torch.Generator().manual_seed(out_features * in_features + rows)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(rows, 2 * in_features, generator=gen).to(dtype)[:, ::2]  # strided rows: copied first
+    kernel = CpuPackedLinearKernel(dtype, max_small_rows=8)
+    prepared = kernel.prepare(weight)
+    assert prepared.data_ptr is not None and kernel.rejected == 0  # the layout check passed
+    out = kernel.apply(x, prepared, bias)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.float(), _reference(x, weight, bias), **TOLERANCE[dtype])
+    # the raw op on row views of one tensor (unit last stride, any row stride)
+    wide = torch.randn(rows, in_features + 3, generator=gen).to(dtype)[:, :in_features]
+    raw = torch.ops.tengyun.packed_gemv(wide, prepared.data_ptr, out_features, prepared.k_padded, bias)
+    torch.testing.assert_close(raw.float(), _reference(wide, weight, bias), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_past_the_limit_run_onednn_and_agree(fits, dtype):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(200, 96, generator=gen).to(dtype)
+    kernel = CpuPackedLinearKernel(dtype, max_small_rows=2)
+    prepared = kernel.prepare(weight)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    small = torch.cat([kernel.apply(x[i:i + 2], prepared, None) for i in range(0, 7, 2)])
+    large = kernel.apply(x, prepared, None)  # 7 rows: oneDNN
+    onednn = torch.ops.mkldnn._linear_pointwise(x, prepared.packed, None, "none", [], "")
+    assert torch.equal(large, onednn)
+    torch.testing.assert_close(small.float(), large.float(), **TOLERANCE[dtype])
+    assert torch.ops.tengyun.packed_gemv(x[:0], prepared.data_ptr, 200, prepared.k_padded, None).shape == (0, 200)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layout_that_fails_the_check_runs_onednn_only(fits, dtype):
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(130, 64, generator=gen).to(dtype)
+    kernel = CpuPackedLinearKernel(dtype)
+    prepared = kernel.prepare(weight)
+    # the same packed bytes read as if K were padded further: the check must see the difference
+    assert not kernel._reads_like_onednn(prepared.packed, prepared.data_ptr, 130, 64, prepared.k_padded + 16)
+    # a weight of another dtype than the kernel's is packed but never read by the kernel
+    other = CpuPackedLinearKernel(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)
+    foreign = other.prepare(weight)
+    assert foreign.data_ptr is None and other.rejected == 1
+    x = torch.randn(1, 64, generator=gen).to(dtype)
+    torch.testing.assert_close(other.apply(x, foreign, None).float(), _reference(x, weight, None),
+                               **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features,in_features", [(1, 7), (1, 64)])
+def test_a_single_output_column_computes_right_whichever_way_it_runs(fits, dtype, out_features, in_features):
+    # oneDNN keeps a float32 [1, K] weight unblocked (the check then rejects it); bfloat16 blocks it
+    weight = torch.randn(out_features, in_features).to(dtype)
+    kernel = CpuPackedLinearKernel(dtype)
+    prepared = kernel.prepare(weight)
+    assert (prepared.data_ptr is None) == (kernel.rejected == 1)
+    x = torch.randn(1, in_features).to(dtype)
+    torch.testing.assert_close(kernel.apply(x, prepared, None).float(), _reference(x, weight, None),
+                               **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_platform_binds_the_small_batch_kernel_and_counts_its_weight_once(fits, dtype):
+    linear = ReplicatedLinear(48, 80, True, dtype)
+    linear.weight.data.normal_()
+    linear.bias.data.normal_()
+    weight = linear.weight.data.clone()
+    bundle = CpuPlatform().kernels(dtype, 16, "float32")
+    assert isinstance(bundle.linear, CpuPackedLinearKernel)
+    bind_kernels(linear, bundle)
+    assert isinstance(linear.kernel_weight, PackedLinearWeight) and linear.weight.numel() == 0
+    assert weight_bytes(linear) == 80 * 48 * weight.element_size() + linear.bias.nbytes
+    x = torch.randn(1, 48).to(dtype)
+    torch.testing.assert_close(linear(x).float(), _reference(x, weight, linear.bias), **TOLERANCE[dtype])
+
+
+def test_without_the_compiled_kernels_linears_run_onednn_or_f_linear(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load_error", lambda: "not built (test)")
+    assert not small_batch_kernel_fits(torch.float32)
+    chosen = CpuPlatform().linear_kernel(torch.float32)
+    assert type(chosen) is (OneDNNPackedLinearKernel if onednn_available(torch.float32) else DenseLinearKernel)
+    monkeypatch.setattr(linear_kernel.torch.backends.mkldnn, "is_available", lambda: False)
+    assert type(CpuPlatform().linear_kernel(torch.float32)) is DenseLinearKernel
+    assert not small_batch_kernel_fits(torch.float16)
