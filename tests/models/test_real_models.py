@@ -8,6 +8,8 @@ import gc
 import pytest
 import torch
 
+from hf_reference import hf_greedy_with_logprobs
+
 from tengyun import LLM, SamplingParams
 from tengyun.models.model_source import qwen_coder_gguf, smollm2_gguf
 
@@ -85,16 +87,7 @@ def _hf_bf16_greedy_with_logprobs(gguf_path, prompts):
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.bfloat16,
                                                  quantization_config=GgufConfig(dequantize=True), **kwargs).eval()
     assert next(model.parameters()).dtype == torch.bfloat16
-    model.generation_config.eos_token_id = None
-    results = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=BF16_TOKENS,
-                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, ids.shape[1]:].tolist()
-            logprobs = [torch.log_softmax(scores[0].float(), dim=-1)[t].item() for scores, t in zip(out.scores, tokens)]
-            results.append((ids[0].tolist(), tokens, logprobs))
+    results = hf_greedy_with_logprobs(model, tokenizer, prompts, BF16_TOKENS)
     del model
     gc.collect()
     return results

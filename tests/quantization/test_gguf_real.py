@@ -11,6 +11,8 @@ import gc
 import pytest
 import torch
 
+from hf_reference import hf_greedy_with_logprobs
+
 from tengyun import LLM, SamplingParams
 from tengyun.models.model_source import QWEN_CODER_HUB_ID, qwen_coder_gguf, smollm2_gguf
 
@@ -34,16 +36,7 @@ def _hf_reference(path) -> list[tuple[list[int], list[int], list[float]]]:
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    results = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=TOKENS,
-                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, ids.shape[1]:].tolist()
-            logprobs = [torch.log_softmax(s[0], dim=-1)[t].item() for s, t in zip(out.scores, tokens)]
-            results.append((ids[0].tolist(), tokens, logprobs))
+    results = hf_greedy_with_logprobs(model, tokenizer, PROMPTS, TOKENS)
     del model
     gc.collect()
     return results

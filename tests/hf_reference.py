@@ -1,0 +1,23 @@
+"""HF transformers as the reference: greedy continuations with the logprob HF gives each token."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_greedy_with_logprobs(model, tokenizer, prompts: list[str],
+                            max_new_tokens: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """Per prompt: (prompt ids, HF's greedy tokens, HF's logprob of each, from float32 scores).
+    ``model`` generates to exactly ``max_new_tokens`` (its eos is switched off here)."""
+    model.generation_config.eos_token_id = None
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=0, output_scores=True,
+                                 return_dict_in_generate=True)
+            tokens = out.sequences[0, ids.shape[1]:].tolist()
+            logprobs = [torch.log_softmax(scores[0].float(), dim=-1)[t].item() for scores, t in zip(out.scores, tokens)]
+            results.append((ids[0].tolist(), tokens, logprobs))
+    return results
