@@ -19,6 +19,11 @@
 //   slot_mapping[t] of k_cache / v_cache [N, block_size, Hkv, D] (contiguous, qkv's dtype).
 //   Full-width neox rotary: tables [P, D / 2] float32; positions, slot_mapping [T] int64.
 // torch.ops.tengyun.silu_and_mul(x) -> out: x [..., 2d] -> silu(x[..., :d]) * x[..., d:].
+// torch.ops.tengyun.quantize_per_token_int8(x) -> (x_q, s_x): W8A8's activations in one pass,
+//   x [M, K] (unit last stride) -> x_q int8 [M, K], s_x float32 [M, 1], bit-equal to
+//   tengyun/layers/quant_kernels.py's quantize_per_token.
+// torch.ops.tengyun.rescale_int32(acc, s_x, s_w, dtype) -> out: acc int32 [M, N] contiguous,
+//   s_x float32 [M, 1], s_w [N, 1] any float dtype -> (acc.float() * s_x * s_w.float().t()).to(dtype).
 // Dtypes: float32, bfloat16, float16.
 
 #include <ATen/ATen.h>
@@ -276,6 +281,49 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_per_token_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "quantize_per_token_int8: x must be a CPU [M, K]");
+  at::Tensor rows = as_rows(x);
+  at::Tensor q = at::empty(rows.sizes(), rows.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows.size(0), 1}, rows.options().dtype(at::kFloat));
+  const DType dtype = dtype_of(x, "quantize_per_token_int8", "x");
+  if (rows.size(0) == 0 || rows.size(1) == 0) return {q, scales.fill_(1e-10f / 127.0f)};
+  int8_t* q_ptr = q.data_ptr<int8_t>();
+  float* s_ptr = scales.data_ptr<float>();
+  switch (active_isa) {
+#if TY_HAVE_X86_COPIES
+    case Isa::avx512: avx512::quantize_per_token_int8(dtype, q_ptr, s_ptr, rows.data_ptr(), rows.size(0), rows.size(1), rows.stride(0)); break;
+    case Isa::avx2: avx2::quantize_per_token_int8(dtype, q_ptr, s_ptr, rows.data_ptr(), rows.size(0), rows.size(1), rows.stride(0)); break;
+#endif
+    default: generic::quantize_per_token_int8(dtype, q_ptr, s_ptr, rows.data_ptr(), rows.size(0), rows.size(1), rows.stride(0));
+  }
+  return {q, scales};
+}
+
+at::Tensor rescale_int32(const at::Tensor& acc, const at::Tensor& s_x, const at::Tensor& s_w, at::ScalarType dtype) {
+  const char* op = "rescale_int32";
+  TORCH_CHECK(acc.device().is_cpu() && acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, op,
+              ": acc must be a contiguous CPU int32 [M, N]");
+  TORCH_CHECK(s_x.scalar_type() == at::kFloat && s_x.is_contiguous() && s_x.numel() == acc.size(0), op,
+              ": s_x must be a contiguous float32 [M, 1]");
+  TORCH_CHECK(s_w.numel() == acc.size(1) && at::isFloatingType(s_w.scalar_type()), op, ": s_w must be a float [N, 1]");
+  at::Tensor w_scale = s_w.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(acc.sizes(), acc.options().dtype(dtype));
+  const DType out_dtype = dtype_of(out, op, "dtype");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  if (rows == 0 || n == 0) return out;
+  const int32_t* a = acc.data_ptr<int32_t>();
+  const float *sx = s_x.data_ptr<float>(), *sw = w_scale.data_ptr<float>();
+  switch (active_isa) {
+#if TY_HAVE_X86_COPIES
+    case Isa::avx512: avx512::rescale_int32(out_dtype, out.data_ptr(), a, sx, sw, rows, n); break;
+    case Isa::avx2: avx2::rescale_int32(out_dtype, out.data_ptr(), a, sx, sw, rows, n); break;
+#endif
+    default: generic::rescale_int32(out_dtype, out.data_ptr(), a, sx, sw, rows, n);
+  }
+  return out;
+}
+
 }  // namespace tengyun
 
 TORCH_LIBRARY_FRAGMENT(tengyun, m) {
@@ -286,6 +334,8 @@ TORCH_LIBRARY_FRAGMENT(tengyun, m) {
   m.def("decode_qkv_to_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int q_heads, int kv_heads) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("quantize_per_token_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def("rescale_int32(Tensor acc, Tensor s_x, Tensor s_w, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tengyun, CPU, m) {
@@ -295,4 +345,6 @@ TORCH_LIBRARY_IMPL(tengyun, CPU, m) {
   m.impl("rotary_neox_at_", &tengyun::rotary_neox_at_);
   m.impl("decode_qkv_to_cache", &tengyun::decode_qkv_to_cache);
   m.impl("silu_and_mul", &tengyun::silu_and_mul);
+  m.impl("quantize_per_token_int8", &tengyun::quantize_per_token_int8);
+  m.impl("rescale_int32", &tengyun::rescale_int32);
 }

@@ -213,3 +213,63 @@ inline void silu_and_mul(DType dtype, void* out, const void* x, int64_t rows, in
   if (dtype == DType::bf16) return silu_and_mul_rows<BF16>(out, x, rows, d, x_stride);
   return silu_and_mul_rows<F16>(out, x, rows, d, x_stride);
 }
+
+// W8A8's activations, one row (quantize_per_token's arithmetic, all float32): s = max(max|x|,
+// 1e-10) / 127, q[i] = clamp(rint(x[i] / s), -128, 127) (rint: half to even, as torch.round; a
+// true division, as torch's float32 x / s). Returns s.
+template <typename T>
+inline float quantize_row_int8(int8_t* q, const typename T::S* x, int64_t n) {
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(T::load(x[i]));
+    amax = a > amax ? a : amax;
+  }
+  const float scale = (amax > 1e-10f ? amax : 1e-10f) / 127.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float v = __builtin_rintf(T::load(x[i]) / scale);
+    v = v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v);
+    q[i] = static_cast<int8_t>(v);
+  }
+  return scale;
+}
+
+// W8A8's output, one row: out[j] = round_to_T(float(acc[j]) * s_x * s_w[j]), the products in
+// that order (the reference's (acc.float() * s_x) * s_w.t()).
+template <typename T>
+inline void rescale_row_int32(typename T::S* out, const int32_t* acc, float s_x, const float* s_w, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float scaled = static_cast<float>(acc[j]) * s_x;
+    out[j] = T::store(scaled * s_w[j]);
+  }
+}
+
+template <typename T>
+void quantize_rows_int8(int8_t* q, float* scales, const void* x, int64_t rows, int64_t n, int64_t x_stride) {
+  for_rows(rows, n, [&](int64_t r) {
+    scales[r] = quantize_row_int8<T>(q + r * n, static_cast<const typename T::S*>(x) + r * x_stride, n);
+  });
+}
+
+template <typename T>
+void rescale_rows_int32(void* out, const int32_t* acc, const float* s_x, const float* s_w, int64_t rows, int64_t n) {
+  for_rows(rows, n, [&](int64_t r) {
+    rescale_row_int32<T>(static_cast<typename T::S*>(out) + r * n, acc + r * n, s_x[r], s_w, n);
+  });
+}
+
+inline void quantize_per_token_int8(DType dtype, int8_t* q, float* scales, const void* x, int64_t rows, int64_t n,
+                                    int64_t x_stride) {
+  if (dtype == DType::f32) return quantize_rows_int8<F32>(q, scales, x, rows, n, x_stride);
+  if (dtype == DType::bf16) return quantize_rows_int8<BF16>(q, scales, x, rows, n, x_stride);
+  return quantize_rows_int8<F16>(q, scales, x, rows, n, x_stride);
+}
+
+inline void rescale_int32(DType dtype, void* out, const int32_t* acc, const float* s_x, const float* s_w,
+                          int64_t rows, int64_t n) {
+  if (dtype == DType::f32) return rescale_rows_int32<F32>(out, acc, s_x, s_w, rows, n);
+  if (dtype == DType::bf16) return rescale_rows_int32<BF16>(out, acc, s_x, s_w, rows, n);
+  return rescale_rows_int32<F16>(out, acc, s_x, s_w, rows, n);
+}

@@ -104,7 +104,8 @@ class CpuPlatform(Platform):
         return CpuPackedLinearKernel(dtype) if small_batch_kernel_fits(dtype) else OneDNNPackedLinearKernel()
 
     def quant_linear_kernel(self, scheme, dtype):
-        """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI). 4-bit weight-only served in
+        """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI), activations quantised and sums
+        rescaled by the compiled kernels where they load. 4-bit weight-only served in
         bfloat16: torch's int4 CPU matmul. Anything else (float32 activations included, which
         torch's int4 matmul runs ~50x slower): the reference, dequantizing per call. Measured in
         benchmarks/README.md."""
@@ -113,7 +114,9 @@ class CpuPlatform(Platform):
         from tengyun.platforms import cpu_quant
 
         if scheme.kernel == "w8a8_int8":
-            return cpu_quant.CpuW8A8Kernel(scheme)
+            from tengyun.layers.attention import cpu_kernels
+
+            return cpu_quant.CpuW8A8Kernel(scheme, compiled=cpu_kernels.load_error() is None)
         if scheme.kernel == "w8a8_static_int8":
             return cpu_quant.CpuW8A8StaticKernel(scheme)
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu_gguf.py)

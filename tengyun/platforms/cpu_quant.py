@@ -2,7 +2,10 @@
 references (which they fall back to for a layer they cannot run).
 
 - W8A8: activations quantised per token, then torch._int_mm (oneDNN's int8 GEMM, VNNI where the
-  cores have it) on the int8 weight's transposed view, int32 sums scaled back in float32.
+  cores have it) on the int8 weight's transposed view, int32 sums scaled back in float32. Where the
+  compiled kernels load, the quantisation and the rescale are one pass each
+  (tengyun/csrc/layer_ops.cpp, bit-equal to the PyTorch ops; they are ~8 and ~4 ops that dominate a
+  batch-1 step's small matmuls).
   msModelSlim's static W8A8 alike, activations quantised with its one input scale and offset,
   quant_bias added to the int32 sums.
 - 4-bit weight-only in bfloat16: torch's int4 CPU matmul (_weight_int4pack_mm_for_cpu) on the
@@ -22,11 +25,25 @@ from tengyun.layers.quant_kernels import (
 
 
 class CpuW8A8Kernel(QuantLinearKernel):
+    def __init__(self, scheme, compiled: bool = False):
+        """compiled: the kernel library is loaded (cpu_kernels.load_error() is None); its one-pass
+        quantize_per_token_int8 and rescale_int32 replace the PyTorch ops."""
+        super().__init__(scheme)
+        ops = torch.ops.tengyun if compiled else None
+        self.quantize = ops.quantize_per_token_int8.default if ops else None  # overloads resolved once
+        self.rescale = ops.rescale_int32.default if ops else None
+
     def apply(self, x, prepared, bias):
         x2 = x.reshape(-1, x.shape[-1])
-        x_q, s_x = quantize_per_token(x2)
+        if self.quantize is None:
+            x_q, s_x = quantize_per_token(x2)
+        else:
+            x_q, s_x = self.quantize(x2)
         acc = torch._int_mm(x_q, prepared["weight"].t())  # [M, out] int32
-        y = (acc.float() * s_x * prepared["weight_scale"].float().t()).to(x.dtype)
+        if self.rescale is None:
+            y = (acc.float() * s_x * prepared["weight_scale"].float().t()).to(x.dtype)
+        else:
+            y = self.rescale(acc, s_x, prepared["weight_scale"], x.dtype)
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 

@@ -1,8 +1,9 @@
 """The compiled fused layer ops (tengyun/csrc/layer_ops.cpp, platforms/cpu_ops.py) against
 PyTorch's (TorchLayerOps, HF's arithmetic): RMSNorm with and without the residual add, with a
 gamma in the model dtype (Llama) and in float32 (Qwen3.5's 1 + w), neox rotary on strided q/k
-views of one qkv tensor (odd head counts, GQA, partial rotary), SiLU-and-mul; float32, bfloat16
-and float16, on every instruction-set copy this CPU runs. 16-bit results may differ from
+views of one qkv tensor (odd head counts, GQA, partial rotary), SiLU-and-mul, and W8A8's
+per-token int8 quantisation and int32 rescale (bit-equal to quant_kernels.py's PyTorch ops);
+float32, bfloat16 and float16, on every instruction-set copy this CPU runs. 16-bit results may differ from
 PyTorch's by a rounding step where float32 sums were added in another order, two where that
 step is rounded again by the product with a 16-bit gamma."""
 
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from tengyun.layers.layer_ops import TORCH_LAYER_OPS
+from tengyun.layers.quant_kernels import quantize_per_token
 from tengyun.layers.rotary_embedding import RotaryEmbedding
 from tengyun.platforms.cpu_ops import CpuFusedLayerOps
+from tengyun.platforms.cpu_quant import CpuW8A8Kernel
 
 from test_cpu_paged_attention import ISAS, kernels  # noqa: F401 - the build-or-skip fixture
 
@@ -134,6 +137,37 @@ def test_silu_and_mul_matches_pytorch(fused, dtype, shape):
     _close(fused.silu_and_mul(x), TORCH_LAYER_OPS.silu_and_mul(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (33, 1537), (4, 7), (130, 64)])
+def test_w8a8_quantize_and_rescale_are_bit_equal_to_pytorch(fused, dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (3 * torch.randn(rows, 2, hidden, generator=gen)).to(dtype)[:, 0]  # strided rows
+    x[0] = 0.0  # a row of zeros: the scale's 1e-10 floor
+    x[-1, :4] = torch.tensor([0.5, 1.5, -2.5, 0.0]).to(dtype)
+    x[-1, 4:] = x[-1, 4:].clamp(-127.0, 127.0)
+    x[-1, 4] = 127.0  # amax 127: scale 1, so the halves above round to even (0, 2, -2)
+    x_q, s_x = torch.ops.tengyun.quantize_per_token_int8(x)
+    want_q, want_s = quantize_per_token(x)
+    assert x_q.dtype == torch.int8 and s_x.dtype == torch.float32 and s_x.shape == (rows, 1)
+    assert torch.equal(x_q, want_q) and torch.equal(s_x, want_s)
+    acc = torch.randint(-2 ** 24, 2 ** 24, (rows, hidden), dtype=torch.int32, generator=gen)
+    s_w = torch.rand(hidden, 1, generator=gen).to(dtype)
+    want = (acc.float() * s_x * s_w.float().t()).to(dtype)
+    assert torch.equal(torch.ops.tengyun.rescale_int32(acc, s_x, s_w, dtype), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_w8a8_kernel_equals_the_pytorch_ops(fused, dtype):
+    gen = torch.Generator().manual_seed(5)
+    prepared = {"weight": torch.randint(-127, 128, (96, 70), dtype=torch.int8, generator=gen),
+                "weight_scale": torch.rand(96, 1, generator=gen).to(dtype)}
+    bias = torch.randn(96, generator=gen).to(dtype)
+    for tokens in (1, 3, 32):
+        x = torch.randn(tokens, 70, generator=gen).to(dtype)
+        want = CpuW8A8Kernel(None).apply(x, prepared, bias)
+        assert torch.equal(CpuW8A8Kernel(None, compiled=True).apply(x, prepared, bias), want)
+
+
 def test_bad_arguments_name_what_to_fix(kernels):  # noqa: F811
     ops = torch.ops.tengyun
     with pytest.raises(RuntimeError, match="gamma must be a contiguous \\[H\\]"):
@@ -146,3 +180,7 @@ def test_bad_arguments_name_what_to_fix(kernels):  # noqa: F811
         ops.silu_and_mul(torch.randn(3, 5))
     with pytest.raises(RuntimeError, match="must be float32, bfloat16 or float16"):
         ops.silu_and_mul(torch.ones(3, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="x must be a CPU \\[M, K\\]"):
+        ops.quantize_per_token_int8(torch.randn(2, 3, 4))
+    with pytest.raises(RuntimeError, match="acc must be a contiguous CPU int32"):
+        ops.rescale_int32(torch.ones(2, 3), torch.ones(2, 1), torch.ones(3, 1), torch.float32)
