@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -332,6 +333,13 @@ def prepare(args, workdir: Path) -> dict:
     return ctx
 
 
+def report_json(report: dict) -> str:
+    """The report as indented JSON with each list of numbers (per-token gaps: thousands) on one line."""
+    text = json.dumps(report, indent=2, default=str)
+    return re.sub(r"\[\s*(-?[0-9.e+-]+(?:,\s*-?[0-9.e+-]+)*)\s*\]",
+                  lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]", text)
+
+
 def main() -> None:
     args = parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="tengyun-quant-"))
@@ -356,11 +364,11 @@ def main() -> None:
     report["results_file"] = f"quant-{stamp}.json"
     if args.no_readme:
         print(render(report))
-        (workdir / report["results_file"]).write_text(json.dumps(report, indent=2, default=str))
+        (workdir / report["results_file"]).write_text(report_json(report))
         log(f"raw numbers and logs in {workdir}")
         return
     (BENCH / "results").mkdir(exist_ok=True)
-    (BENCH / "results" / report["results_file"]).write_text(json.dumps(report, indent=2, default=str))
+    (BENCH / "results" / report["results_file"]).write_text(report_json(report))
     write_readme(render(report))
     log(f"wrote benchmarks/README.md and benchmarks/results/{report['results_file']}; logs in {workdir}")
 
