@@ -88,19 +88,9 @@ inline void add_rms_norm_row(typename T::S* out, typename T::S* sum_out, const t
   rms_norm_row<T, G>(out, sum_out, gamma, n, eps);
 }
 
-// One head in place: [x1, x2] (halves of `half` elements) -> [x1 c - x2 s, x2 c + x1 s].
-template <typename T>
-inline void rotate_head(typename T::S* x, const float* cos, const float* sin, int64_t half) {
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = T::load(x[i]), x2 = T::load(x[i + half]);
-    const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
-    x[i] = T::store(a - b);
-    x[i + half] = T::store(c + d);
-  }
-}
-
-// One head from src into dst (another place; same arithmetic as rotate_head).
+// One head from src into dst: [x1, x2] (halves of `half` elements) -> [x1 c - x2 s, x2 c + x1 s].
+// dst may be src (in place): element i and i + half are read before either is written, and no
+// other iteration touches them.
 template <typename T>
 inline void rotate_head_to(typename T::S* dst, const typename T::S* src, const float* cos, const float* sin,
                            int64_t half) {
@@ -111,6 +101,11 @@ inline void rotate_head_to(typename T::S* dst, const typename T::S* src, const f
     dst[i] = T::store(a - b);
     dst[i + half] = T::store(c + d);
   }
+}
+
+template <typename T>
+inline void rotate_head(typename T::S* x, const float* cos, const float* sin, int64_t half) {
+  rotate_head_to<T>(x, x, cos, sin, half);
 }
 
 // One row: out[i] = round(round(silu(g[i])) * u[i]) with g = x[:d], u = x[d:] (F.silu(g) * u).
