@@ -103,7 +103,8 @@ class EngineConfig:
         "auto", choices=SUPPORTED_LOAD_FORMATS,
         help="weights: auto (safetensors, or the .gguf file given as MODEL), safetensors, gguf, or dummy "
              "(random weights of config.json's shapes)")
-    enforce_eager: bool = setting(False, help="never capture decode steps as device graphs (CUDA); run each eagerly")
+    enforce_eager: bool = setting(False, help="never replay decode steps from captured graphs (CPU: traces of "
+                                  "small batches; CUDA: CUDA graphs); run each eagerly")
     quantization: str | None = setting(
         None, aliases=("-q",), choices=tuple(QUANT_METHODS),
         help="the checkpoint's quantisation format (default: config.json's quantization_config.quant_method; "

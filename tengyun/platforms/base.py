@@ -111,10 +111,20 @@ class Platform:
         reports them (NPU: hccn_tool); None where there is no such tool."""
         return None
 
-    def capture_graph(self, forward):
-        """Record ``forward() -> Tensor`` once; return a function that replays it and returns the
-        same output tensor (its values updated). Only where supports_graphs."""
+    def capture_graph(self, forward, state=()):
+        """Record ``forward() -> Tensor`` once; return a function that replays it and returns its
+        output tensor (the same one, values updated, or a fresh one); None where this batch size
+        cannot be recorded (it then runs eager). ``state``: the tensors forward writes in place
+        (caches), for a recorder that must know them. Only where supports_graphs."""
         raise NotImplementedError(f"{self.device_type} has no graph capture")
+
+    def graph_batch_limit(self, kernels) -> int:
+        """The largest decode batch worth a graph with these kernels (KernelBundle); 0: none."""
+        return 512  # vLLM's default capture limit
+
+    def graph_blocker(self, tp_size: int) -> str | None:
+        """Why decode graphs cannot run at this tensor-parallel size here (None: they can)."""
+        return None
 
     def kernels(self, dtype, block_size: int | None = None, kv_cache_dtype: str | None = None,
                 linear_attention: bool = False, quant_schemes=()):

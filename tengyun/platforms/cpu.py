@@ -28,6 +28,7 @@ class CpuPlatform(Platform):
     fork_safe = True
     repacks_linear_weights = True  # oneDNN's blocked layout (OneDNNPackedLinearKernel), where available
     kv_cache_in_host_memory = True
+    supports_graphs = True  # TorchScript traces of small decode steps (cpu_graphs.py)
     ranks_share_host_cores = True
 
     def __init__(self):
@@ -92,6 +93,23 @@ class CpuPlatform(Platform):
         if not release_openmp_pool():
             logger.debug("No OpenMP runtime answered omp_pause_resource_all; the building thread keeps its pool")
         return model_step_threads(world_size)
+
+    def capture_graph(self, forward, state=()):
+        from tengyun.platforms.cpu_graphs import trace_decode_forward
+
+        return trace_decode_forward(forward, state)
+
+    def graph_batch_limit(self, kernels) -> int:
+        """The rows the compiled small-batch linear takes (2 at float32, 8 at bfloat16): above them
+        oneDNN's packed weights run, which a trace cannot hold, and Python's share of a step is
+        small anyway. 0 without the compiled kernels, and with any attention backend but cpu_paged:
+        a trace freezes host-side logic, and only cpu_paged's decode is known to have none."""
+        if kernels.attention.name != "cpu_paged":
+            return 0
+        return getattr(kernels.linear, "max_small_rows", 0)
+
+    def graph_blocker(self, tp_size: int) -> str | None:
+        return "tensor parallelism (gloo collectives are not traced)" if tp_size > 1 else None
 
     def linear_kernel(self, dtype):
         """oneDNN with prepacked weights, and the compiled small-batch kernel on those same weights

@@ -63,7 +63,7 @@ class CudaPlatform(Platform):
 
         torch.cuda.set_device(device)
 
-    def capture_graph(self, forward):
+    def capture_graph(self, forward, state=()):
         """CUDA graph: warm up on a side stream (lazy init, autotuning), then capture; all graphs
         share one memory pool, captured largest batch first so smaller ones fit inside it."""
         import torch

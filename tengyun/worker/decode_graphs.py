@@ -10,7 +10,9 @@ tokens (``AttentionMetadata.decode_max_len``), masked per row by its length.
 
 What is captured is the model's forward only; logits and sampling run eagerly after it.
 Capturing is the platform's (``Platform.capture_graph``): it runs the forward once to record
-it and returns a function that replays it and returns the same output tensor.
+it and returns a function that replays it and returns its output tensor (CUDA graphs; on CPU a
+TorchScript trace, platforms/cpu_graphs.py), or None for a size it cannot record, which then
+runs eager. ``Platform.graph_batch_limit`` caps the sizes (CPU: the small-batch kernel's rows).
 """
 
 from __future__ import annotations
@@ -33,8 +35,20 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes if sizes[-1] == max_batch else sizes + [max_batch]
 
 
+def written_state(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors a forward writes in place: those the worker binds to modules as plain
+    attributes (KV caches, Gated DeltaNet's conv and recurrent state), never parameters or
+    buffers (which live in a module's own dicts, not among its attributes)."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and value.numel():
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, capture: Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]],
+    def __init__(self, model: nn.Module, capture: Callable[..., Callable[[], torch.Tensor] | None],
                  max_batch: int, max_blocks: int, block_size: int, pad_block: int, pad_slot: int,
                  device: torch.device):
         self.model = model
@@ -50,9 +64,13 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(b, dtype=torch.int64, device=device)
         self.state_slots = torch.full((b,), pad_slot, dtype=torch.int64, device=device)
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        state = written_state(model)
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: later captures reuse its memory
-                self.replays[size] = capture(lambda size=size: self._forward(size))
+                replay = capture(lambda size=size: self._forward(size), state)
+                if replay is not None:  # None: the platform cannot record this size; it runs eager
+                    self.replays[size] = replay
+        self.sizes = sorted(self.replays)
         self.steps = {size: 0 for size in self.sizes}  # replays per size (tests, logs)
         logger.info("Captured decode graphs for batch sizes %s (context %d tokens)", self.sizes, self.max_len)
 
@@ -65,7 +83,7 @@ class DecodeGraphs:
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Decodes only, no more than the largest captured batch."""
-        return not meta.prefills and 0 < meta.num_decode_tokens <= self.sizes[-1]
+        return not meta.prefills and bool(self.sizes) and 0 < meta.num_decode_tokens <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A decode-only step of n sequences -> hidden states [n, hidden] (a view of the static output)."""

@@ -9,7 +9,7 @@ import torch
 
 from tengyun.config import EngineConfig
 from tengyun.distributed.parallel_state import (
-    RankInfo, all_reduce_min, get_pp_rank, get_pp_size, get_rank, init_distributed,
+    RankInfo, all_reduce_min, get_pp_rank, get_pp_size, get_rank, get_tp_size, init_distributed,
 )
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
@@ -33,7 +33,6 @@ from tengyun.worker.state_cache import StateSnapshotRows, allocate_state_cache
 
 logger = logging.getLogger(__name__)
 
-MAX_GRAPH_BATCH = 512  # larger decode batches run eager (vLLM's default capture limit)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -153,7 +152,7 @@ class Worker:
                              grammar_compiler_factory=lambda: grammar_compiler_for_config(config), stage=stage)
         if graphs:
             runner.decode_graphs = DecodeGraphs(
-                self.model, self.platform.capture_graph, min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                self.model, self.platform.capture_graph, self._graph_batch_limit(),
                 -(-config.max_model_len // config.block_size), config.block_size, pad_block=self.num_blocks,
                 pad_slot=self.num_state_slots, device=self.device)
         if self.num_state_snapshots:  # a stage without linear-attention layers copies nothing
@@ -168,13 +167,22 @@ class Worker:
         reason, backend = None, self.kernels.attention
         if get_pp_size() > 1:
             reason = "pipeline parallelism (activations cross ranks between stages)"
+        elif self.platform.graph_blocker(get_tp_size()):
+            reason = self.platform.graph_blocker(get_tp_size())
         elif not backend.supports_decode_graphs:
             reason = f"the {backend.name} attention backend"
         elif any(not getattr(m, "supports_graph_capture", True) for m in self.model.modules()):
             reason = "MoE routing (per-expert token counts go to the host)"
+        elif self._graph_batch_limit() < 1:
+            reason = (f"the {backend.name} attention backend with {type(self.kernels.linear).__name__} "
+                      f"(no decode batch size this platform records)")
         if reason:
             logger.info("Decode graphs off: %s cannot be captured; running eager.", reason)
         return reason is None
+
+    def _graph_batch_limit(self) -> int:
+        """Decode batches up to this many sequences replay graphs; larger ones run eager."""
+        return min(self.config.max_num_seqs, self.platform.graph_batch_limit(self.kernels))
 
     def _count_kv_blocks(self, shape: KVCacheShape, slot_bytes: int = 0) -> tuple[int, int, int]:
         """(KV blocks, state slots, state snapshots) that fit here, then the fewest over all ranks:

@@ -16,7 +16,8 @@ from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip f
 
 
 def _generate(folder, dtype: str, fused: bool, prompts: list[list[int]], calls: list[int]):
-    llm = LLM(str(folder), dtype=dtype, block_size=16, max_model_len=128, kv_cache_memory="4MiB")
+    # Eager: the patches below change Python per step, which a decode graph would not rerun.
+    llm = LLM(str(folder), dtype=dtype, block_size=16, max_model_len=128, kv_cache_memory="4MiB", enforce_eager=True)
     model = llm.llm_engine.executor.model
     for module in model.modules():
         if isinstance(module, LlamaAttention):

@@ -32,7 +32,8 @@ def cpu_graphs(monkeypatch):
         return forward  # replay: the same forward over the same static buffers
 
     monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
-    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward: capture(forward))
+    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(): capture(forward))
+    monkeypatch.setattr(CpuPlatform, "graph_batch_limit", lambda self, kernels: 512)  # the stand-in records any size
     monkeypatch.setattr(TorchSDPABackend, "supports_decode_graphs", True)
     return recorded
 

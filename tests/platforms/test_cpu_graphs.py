@@ -1,0 +1,84 @@
+"""Decode graphs on CPU for real (platforms/cpu_graphs.py): TorchScript traces of the decode
+forward, replayed instead of the eager forward for decode batches up to the small-batch linear's
+rows. Every replayed step must give the eager engine's tokens and logprobs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tengyun import LLM, SamplingParams
+from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu_linear import MAX_SMALL_ROWS, small_batch_kernel_fits
+
+ARGS = dict(block_size=8, max_model_len=96, kv_cache_memory="2MiB", max_num_seqs=6, max_num_batched_tokens=40)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _prompts() -> list[list[int]]:
+    """Prefills end on different steps and sequences finish at different steps, so decode batches
+    of 1..5 sequences occur."""
+    return [[(7 * i + j) % 290 + 1 for j in range(n)] for i, n in enumerate((3, 11, 26, 5, 40))]
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (6, 9, 12, 15, 18)]
+
+
+def _same_outputs(got, want) -> None:
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for got_top, want_top in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            for token, entry in want_top.items():
+                assert got_top[token].logprob == pytest.approx(entry.logprob, abs=1e-5)
+
+
+def _needs_kernel(dtype: str) -> None:
+    if not small_batch_kernel_fits(DTYPES[dtype]):
+        pytest.skip(f"no compiled small-batch {dtype} linear on this machine: graphs are off")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_5"])
+def test_traced_decode_steps_give_the_eager_tokens(tiny_checkpoints, tiny_hybrid_checkpoints, arch, dtype):
+    _needs_kernel(dtype)
+    folder = str({**tiny_checkpoints, **tiny_hybrid_checkpoints}[arch])
+    llm = LLM(folder, dtype=dtype, **ARGS)
+    graphs = llm.llm_engine.executor.runner.decode_graphs
+    limit = min(ARGS["max_num_seqs"], MAX_SMALL_ROWS[DTYPES[dtype]])
+    assert graphs is not None and graphs.sizes == [s for s in (1, 2, 4, 6) if s <= limit]
+    got = llm.generate(_prompts(), _params())
+    want = LLM(folder, dtype=dtype, enforce_eager=True, **ARGS).generate(_prompts(), _params())
+    _same_outputs(got, want)
+    assert all(graphs.steps[s] for s in graphs.sizes), graphs.steps  # every size replayed
+    assert llm.llm_engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_a_size_that_cannot_be_traced_runs_eager(tiny_checkpoints, monkeypatch):
+    """Batch 4 at float32 runs oneDNN's packed weights, which a trace cannot hold: sizes 1 and 2
+    replay, 3..5 run eager, and the tokens are the eager ones."""
+    _needs_kernel("float32")
+    monkeypatch.setattr(CpuPlatform, "graph_batch_limit", lambda self, kernels: 4)
+    folder = str(tiny_checkpoints["llama"])
+    llm = LLM(folder, dtype="float32", **ARGS)
+    graphs = llm.llm_engine.executor.runner.decode_graphs
+    assert graphs.sizes == [1, 2]
+    got = llm.generate(_prompts(), _params())
+    _same_outputs(got, LLM(folder, dtype="float32", enforce_eager=True, **ARGS).generate(_prompts(), _params()))
+
+
+def test_graphs_stay_off_without_the_small_batch_kernel(tiny_checkpoints, monkeypatch, caplog):
+    monkeypatch.setattr("tengyun.platforms.cpu_linear.small_batch_kernel_fits", lambda dtype: False)
+    with caplog.at_level(logging.INFO, logger="tengyun.worker.worker"):
+        llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", **ARGS)
+    assert llm.llm_engine.executor.runner.decode_graphs is None
+    assert "Decode graphs off: the cpu_paged attention backend with OneDNNPackedLinearKernel" in caplog.text
+
+
+def test_tensor_parallel_ranks_run_eager():
+    """gloo's collectives are Python calls, not ops a trace records: a traced TP step would skip
+    its all-reduce. (The TP parity tests run the engine itself at TP 2.)"""
+    assert "tensor parallelism" in CpuPlatform().graph_blocker(2)
+    assert CpuPlatform().graph_blocker(1) is None
