@@ -122,7 +122,9 @@ class CpuPlatform(Platform):
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu_gguf.py)
             from tengyun.platforms.cpu_gguf import gguf_kernel
 
-            return gguf_kernel(scheme, dtype)
+            from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
+
+            return gguf_kernel(scheme, dtype, compiled=quant_gemv_fits())
         dtype_name = str(dtype).removeprefix("torch.")
         if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
@@ -148,7 +150,7 @@ class CpuPlatform(Platform):
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: its int4 repack, or its blocks
             from tengyun.platforms.cpu_gguf import weight_bytes
 
-            repacked = weight_bytes(scheme, out, in_, dtype)
+            repacked = weight_bytes(scheme, out, in_, dtype, compiled=cls._compiled_quant_layout())
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total) if repacked is None else repacked
         if not int4pack_fits(scheme, dtype, 16):
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
