@@ -5,7 +5,7 @@ call + one dense matmul, and torch's. GGUF Q8_0 (--q8): the kernel's 8-bit path 
 two int4 planes. Milliseconds per call: the median of ROUNDS rounds of CALLS calls, the columns
 interleaved inside each round.
 
-    python benchmarks/quant_gemv_kernels.py [--q8]
+    python benchmarks/quant_gemv_kernels.py [--q8] [--rows 1,2,4] [--threads N]
 """
 
 from __future__ import annotations
@@ -79,11 +79,14 @@ def _q8_runs(out: int, in_: int, x: torch.Tensor) -> dict:
 def main(argv: list[str]) -> None:
     assert cpu_kernels.load_error() is None, cpu_kernels.load_error()
     q8 = "--q8" in argv
+    if "--threads" in argv:
+        torch.set_num_threads(int(argv[argv.index("--threads") + 1]))
+    rows_list = [int(r) for r in argv[argv.index("--rows") + 1].split(",")] if "--rows" in argv else None
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {'Q8_0' if q8 else 'int4 group 32'}")
     header = None
     for out, in_ in SHAPES:
-        for rows in ROWS if not q8 else ROWS[:5]:
+        for rows in rows_list or (ROWS if not q8 else ROWS[:5]):
             x = torch.randn(rows, in_).bfloat16()
             runs = (_q8_runs if q8 else _int4_runs)(out, in_, x)
             times = _median_ms(runs, CALLS if rows <= 64 else 3)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tengyun.layers.quant_kernels import Tensors
 
 COLS = 32  # output columns per block (quant_gemv.cpp kCols)
-MAX_KERNEL_ROWS = 16  # more rows: dequantize once and multiply densely (crossover measured)
+MAX_KERNEL_ROWS = 32  # more rows: dequantize once and multiply densely (crossover 32-64 rows, measured)
 LAYOUT_KEYS = ("qpacked", "qscales", "qzeros", "qoffsets", "qcolumns")
 
 
