@@ -5,7 +5,13 @@ call + one dense matmul, and torch's. GGUF Q8_0 (--q8): the kernel's 8-bit path 
 two int4 planes. Milliseconds per call: the median of ROUNDS rounds of CALLS calls, the columns
 interleaved inside each round.
 
-    python benchmarks/quant_gemv_kernels.py [--q8] [--rows 1,2,4] [--threads N]
+--decode-set: a batch-1 step's layer linears of SmolLM2 (30 layers x the 4 shapes, distinct
+weights: ~53 MB at 4 bits, more than the L3, so streamed from memory as in a real step), one row,
+through the layer kernels old and new: W4A16 group 64 (CpuInt4PackKernel, compiled layout vs
+torch's int4) and GGUF Q4_0 / Q8_0 (CpuGgufCompiledKernel vs CpuGgufInt4PackKernel); medians of
+15 alternating rounds, wall and process CPU ms.
+
+    python benchmarks/quant_gemv_kernels.py [--q8] [--rows 1,2,4] [--threads N] [--decode-set]
 """
 
 from __future__ import annotations
@@ -76,11 +82,60 @@ def _q8_runs(out: int, in_: int, x: torch.Tensor) -> dict:
     }
 
 
+def _decode_set_kernels(fmt: str) -> tuple:
+    """fmt -> (new kernel, old kernel, [(in, new prepared, old prepared)] for 30 layers x SHAPES)."""
+    from tengyun.layers.gguf_kernels import q4_0_as_q8_0
+    from tengyun.platforms.cpu_gguf import CpuGgufCompiledKernel, CpuGgufInt4PackKernel
+    from tengyun.platforms.cpu_quant import CpuInt4PackKernel
+    from tengyun.quantization.compressed_tensors import weight_only_scheme
+    from tengyun.quantization.gguf import scheme_for_type
+    from tengyun.quantization.packing import pack_int32, quantize_symmetric
+
+    if fmt == "w4a16":
+        scheme = weight_only_scheme(4, 64, True)
+        new, old = CpuInt4PackKernel(scheme, compiled=True), CpuInt4PackKernel(scheme, compiled=False)
+    else:
+        scheme = scheme_for_type(fmt.upper())
+        new, old = CpuGgufCompiledKernel(scheme), CpuGgufInt4PackKernel(scheme)
+    layers = []
+    for _ in range(30):
+        for out, in_ in SHAPES:
+            if fmt == "w4a16":
+                q, s = quantize_symmetric(torch.randn(out, in_), 4, 64)
+                tensors = {"weight_packed": pack_int32(q, 4), "weight_scale": s.bfloat16()}
+            else:  # random Q4_0 blocks (d ~ 0.01), as Q8_0 where asked (lossless)
+                raw = torch.randint(0, 256, (out, in_ // 32, 18), dtype=torch.uint8)
+                raw[..., :2] = (torch.rand(out, in_ // 32, 1) * 0.01).half().view(torch.uint8)
+                tensors = {"qweight": raw if fmt == "q4_0" else q4_0_as_q8_0(raw)}
+            layers.append((in_, new.prepare(dict(tensors)), old.prepare(dict(tensors))))
+    return new, old, layers
+
+
+def decode_set() -> None:
+    for fmt in ("w4a16", "q4_0", "q8_0"):
+        new, old, layers = _decode_set_kernels(fmt)
+        xs = {in_: torch.randn(1, in_).bfloat16() for in_ in {in_ for _, in_ in SHAPES}}
+        times: dict[str, list[tuple[float, float]]] = {"new": [], "old": []}
+        for _ in range(ROUNDS * 2 + 1):
+            for side, kernel, pick in (("new", new, 1), ("old", old, 2)):
+                wall, cpu = time.perf_counter(), time.process_time()
+                for layer in layers:
+                    kernel.apply(xs[layer[0]], layer[pick], None)
+                times[side].append(((time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3))
+        cells = [f"{statistics.median(w for w, _ in times[s]):.2f} / {statistics.median(c for _, c in times[s]):.2f}"
+                 for s in ("new", "old")]
+        print(f"| {fmt} | {len(layers)} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main(argv: list[str]) -> None:
     assert cpu_kernels.load_error() is None, cpu_kernels.load_error()
     q8 = "--q8" in argv
     if "--threads" in argv:
         torch.set_num_threads(int(argv[argv.index("--threads") + 1]))
+    if "--decode-set" in argv:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms wall / CPU per step's linears")
+        print("| format | linears | new (compiled) | old (torch int4) |\n|---|---|---|---|")
+        return decode_set()
     rows_list = [int(r) for r in argv[argv.index("--rows") + 1].split(",")] if "--rows" in argv else None
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {'Q8_0' if q8 else 'int4 group 32'}")

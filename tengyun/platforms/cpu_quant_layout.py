@@ -24,6 +24,8 @@ measured faster there than the kernel's repeated passes or torch's int4 matmul
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -70,9 +72,10 @@ def linear(x2: torch.Tensor, prepared: Tensors, bits: int, zero: int, bias: torc
     else the weight dequantized once into x2's dtype and one dense matmul."""
     if x2.dtype == torch.bfloat16 and x2.shape[0] <= MAX_KERNEL_ROWS:
         fused = bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
-        y = torch.ops.tengyun.quant_linear(x2, prepared["qpacked"], bits, _group(prepared), prepared["qscales"],
-                                           prepared.get("qzeros"), prepared.get("qoffsets"), float(zero),
-                                           prepared["qcolumns"].shape[0], bias if fused else None)
+        packed, scales = prepared["qpacked"], prepared["qscales"]
+        y = _quant_linear_op()(x2, packed, bits, packed.shape[1] // scales.shape[1], scales, prepared.get("qzeros"),
+                               prepared.get("qoffsets"), float(zero), prepared["qcolumns"].shape[0],
+                               bias if fused else None)
         return y if fused else y + bias
     w_t = dequantized_t(prepared, bits, zero, "bfloat16" if x2.dtype == torch.bfloat16 else "float32")
     y = torch.mm(x2, w_t.to(x2.dtype))
@@ -84,6 +87,13 @@ def dequantized_t(prepared: Tensors, bits: int, zero: int, dtype: str = "float32
     return torch.ops.tengyun.quant_dequantize_t(prepared["qpacked"], bits, _group(prepared), prepared["qscales"],
                                                 prepared.get("qzeros"), prepared.get("qoffsets"), float(zero),
                                                 prepared["qcolumns"].shape[0], dtype)
+
+
+@functools.cache
+def _quant_linear_op():
+    """The op's overload, resolved once (a call through torch.ops.tengyun.quant_linear resolves it
+    every time: microseconds on each of a decode step's ~100 linears)."""
+    return torch.ops.tengyun.quant_linear.default
 
 
 def _group(prepared: Tensors) -> int:
