@@ -19,7 +19,7 @@ exactly; ``pack`` refuses (None) scales where it is not.
 Rows up to MAX_KERNEL_ROWS run the kernel; more rows dequantize the whole weight once per call
 (``quant_dequantize_t``, [in, out] bfloat16, freed after the call) and run one dense matmul,
 measured faster there than the kernel's repeated passes or torch's int4 matmul
-(benchmarks/quant_linear_kernels.py, benchmarks/README.md). One resident copy either way.
+(benchmarks/quant_gemv_kernels.py, benchmarks/README.md). One resident copy either way.
 """
 
 from __future__ import annotations
