@@ -140,10 +140,16 @@ class CpuPlatform(Platform):
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu_gguf.py)
             from tengyun.platforms.cpu_gguf import gguf_kernel
 
-            return gguf_kernel(scheme, dtype)
+            from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
+
+            return gguf_kernel(scheme, dtype, compiled=quant_gemv_fits())
         dtype_name = str(dtype).removeprefix("torch.")
         if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-            return cpu_quant.CpuInt4PackKernel(scheme)  # layers whose outputs torch cannot pack: the reference
+            from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
+
+            # the compiled kernel's layout where it runs; else torch's, and layers whose outputs
+            # torch cannot pack stay on the reference
+            return cpu_quant.CpuInt4PackKernel(scheme, compiled=quant_gemv_fits())
         if scheme.weight_bits == 4 and dtype_name != "bfloat16" and native_bf16():
             logger.info("%s in %s runs the dequantizing reference on CPU; --dtype bfloat16 runs torch's int4 "
                         "matmul (docs/quantization.md)", scheme.description, dtype_name)
@@ -151,8 +157,10 @@ class CpuPlatform(Platform):
 
     @classmethod
     def quantized_weight_bytes(cls, scheme, out: int, in_: int, dtype: str, in_total: int | None = None) -> int:
-        """torch's int4 layout keeps the packed bytes (in x out / 2) and stores a zero term beside
-        every scale ([in / group, out, 2] in ``dtype``); a zero point, if any, is folded into it.
+        """4-bit in bfloat16: the compiled kernel's layout (where it runs) keeps the packed bytes
+        (outputs padded to 32) with a scale in ``dtype`` and, unless symmetric, a uint8 zero point
+        per group and output; torch's int4 layout keeps in x out / 2 bytes and a zero term beside
+        every scale ([in / group, out, 2] in ``dtype``), a zero point folded into it.
         GPTQ act order adds its input permutation (int64 [in]); a row-parallel slice of it
         (``in_`` < ``in_total``) is padded to every group: the whole layer's inputs."""
         from tengyun.model_spec import DTYPE_BYTES
@@ -160,14 +168,28 @@ class CpuPlatform(Platform):
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: its int4 repack, or its blocks
             from tengyun.platforms.cpu_gguf import weight_bytes
 
-            repacked = weight_bytes(scheme, out, in_, dtype)
+            repacked = weight_bytes(scheme, out, in_, dtype, compiled=cls._compiled_quant_layout())
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total) if repacked is None else repacked
-        if not int4pack_fits(scheme, dtype, out):
+        if not int4pack_fits(scheme, dtype, 16):
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
         if scheme.act_order:
             in_ = in_total or in_
-        scales = out * (in_ // scheme.group_size) * DTYPE_BYTES[dtype]
-        return out * in_ // 2 + 2 * scales + (8 * in_ if scheme.act_order else 0)
+        permutation = 8 * in_ if scheme.act_order else 0
+        groups = in_ // scheme.group_size
+        if cls._compiled_quant_layout():  # cpu_quant_layout.py: outputs padded to 32, uint8 zero points
+            from tengyun.platforms.cpu_quant_layout import layout_bytes
+
+            return layout_bytes(out, in_, groups, 4, DTYPE_BYTES[dtype], not scheme.symmetric, False) + permutation
+        if out % 16:
+            return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
+        return out * in_ // 2 + 2 * out * groups * DTYPE_BYTES[dtype] + permutation
+
+    @staticmethod
+    def _compiled_quant_layout() -> bool:
+        """Do 4-bit layers take the compiled kernel's layout here (cpu_quant_layout.quant_gemv_fits)?"""
+        from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
+
+        return quant_gemv_fits()
 
     def memory_info(self) -> tuple[int, int]:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,6 +1,13 @@
 """GGUF blocks on CPU (tengyun/quantization/gguf.py).
 
-Served in bfloat16, every type repacks once into torch's int4 CPU matmul
+Served in bfloat16 where the compiled kernels run (cpu_quant_layout.quant_gemv_fits), Q4_0, Q4_1,
+Q4_K and Q8_0 repack once into the compiled kernel's layout (CpuGgufCompiledKernel): the blocks'
+values n (Q8_0: its int8 q, the kernel's 8-bit path) with w = fma(n, s, o) per 32 weights, the
+blocks' own dequantized values exactly: Q4_0 s = d (float16), o = -8d; Q4_1 s = d, o = m
+(float16); Q4_K s = d * sc, o = -dmin * mn (float32: 17 significant bits); Q8_0 s = d, o = 0.
+Bytes per 32 weights: Q4_0 18, Q4_1 20, Q8_0 34 (as the blocks), Q4_K 24 (the blocks 18).
+
+Elsewhere, every type repacks once into torch's int4 CPU matmul
 (_weight_int4pack_mm_for_cpu, group 32), which computes w = (n - 8) * scale + zero from nibbles n:
 - Q4_0, Q4_1, Q4_K are w = q * scale + offset per 32 weights with q in [0, 16)
   (tengyun/layers/gguf_kernels.py q_scale_offset): one plane, n = q, zero = offset + 8 * scale
@@ -31,6 +38,7 @@ import torch.nn.functional as F
 
 from tengyun.layers.gguf_kernels import GgufReferenceKernel, dequantize_blocks, q_scale_offset
 from tengyun.layers.quant_kernels import Tensors
+from tengyun.platforms import cpu_quant_layout
 from tengyun.quantization.scheme import LinearScheme
 
 logger = logging.getLogger(__name__)
@@ -47,13 +55,21 @@ def int4pack_fits(scheme: LinearScheme, dtype: str, out: int) -> bool:
     return scheme.group_size == GROUP and dtype == "bfloat16" and out % 16 == 0  # not Q6_K (scales per 16)
 
 
-def weight_bytes(scheme: LinearScheme, out: int, in_: int, dtype: str) -> int | None:
-    """Bytes the int4 planes hold (each: in / 2 per row, plus a scale and a zero per 32 weights
-    in ``dtype``; Q8_0 has two); None where the layer keeps its blocks."""
+def weight_bytes(scheme: LinearScheme, out: int, in_: int, dtype: str, compiled: bool = False) -> int | None:
+    """Bytes the layer holds: ``compiled`` (the compiled kernel runs here), its layout; else the
+    int4 planes (each: in / 2 per row, plus a scale and a zero per 32 weights in ``dtype``; Q8_0
+    has two); None where the layer keeps its blocks."""
     from tengyun.model_spec import DTYPE_BYTES
+    from tengyun.quantization.gguf import ggml_type_of
 
     if dtype == "bfloat16" and scheme.group_size != GROUP:  # Q6_K: dequantized once
         return out * in_ * DTYPE_BYTES[dtype]
+    if compiled and int4pack_fits(scheme, dtype, 16):
+        from tengyun.platforms.cpu_quant_layout import layout_bytes
+
+        name = ggml_type_of(scheme).name
+        return layout_bytes(out, in_, in_ // GROUP, scheme.weight_bits, 4 if name == "Q4_K" else 2, False,
+                            name in ("Q4_1", "Q4_K"))
     if not int4pack_fits(scheme, dtype, out):
         return None
     planes = 2 if scheme.weight_bits == 8 else 1
@@ -102,6 +118,26 @@ class CpuGgufInt4PackKernel(GgufReferenceKernel):
         return y if bias is None else y + bias
 
 
+class CpuGgufCompiledKernel(GgufReferenceKernel):
+    """Q4_0, Q4_1, Q4_K and Q8_0 in the compiled kernel's layout (the module docstring)."""
+
+    frees_original = True
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        q, scale, offset = q_scale_offset(tensors["qweight"], self.type_name)  # [out, in], [out, in / 32] x 2
+        if self.type_name == "Q4_0":  # o = -8 d: the kernel's constant zero point 8
+            return cpu_quant_layout.pack(q, 4, scale.half())
+        if self.type_name == "Q8_0":
+            return cpu_quant_layout.pack(q, 8, scale.half())
+        kept = torch.float16 if self.type_name == "Q4_1" else torch.float32  # Q4_K: d * sc needs 17 bits
+        return cpu_quant_layout.pack(q, 4, scale.to(kept), offsets=offset.to(kept))
+
+    def apply(self, x, prepared, bias):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        bits, zero = (8, 0) if self.type_name == "Q8_0" else (4, 8 if self.type_name == "Q4_0" else 0)
+        return cpu_quant_layout.linear(x2, prepared, bits, zero, bias).reshape(*x.shape[:-1], -1)
+
+
 class CpuGgufDequantizedKernel(GgufReferenceKernel):
     """Q6_K in bfloat16: dequantized once at prepare, then a dense matmul."""
 
@@ -144,9 +180,12 @@ def _unpack_layout_holds() -> bool:
     return tuple(packed.shape) == (q.shape[0], q.shape[1] // 2) and torch.equal(unpack_int4(packed).int(), q)
 
 
-def gguf_kernel(scheme: LinearScheme, dtype: torch.dtype):
-    """The CPU kernel for a GGUF scheme served in ``dtype``."""
+def gguf_kernel(scheme: LinearScheme, dtype: torch.dtype, compiled: bool = False):
+    """The CPU kernel for a GGUF scheme served in ``dtype``; ``compiled``: the compiled quant
+    kernel runs here (cpu_quant_layout.quant_gemv_fits)."""
     dtype_name = str(dtype).removeprefix("torch.")
+    if compiled and int4pack_fits(scheme, dtype_name, 16):
+        return CpuGgufCompiledKernel(scheme)
     if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return CpuGgufInt4PackKernel(scheme)
     if dtype_name == "bfloat16" and scheme.group_size != GROUP:

@@ -13,6 +13,7 @@ import torch
 from tengyun.layers.quant_kernels import reference_kernel
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.cpu_quant import CpuInt4PackKernel, CpuW8A8Kernel
+from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
 from tengyun.platforms.npu import NpuPlatform
 from tengyun.quantization.compressed_tensors import w8a8_scheme, weight_only_scheme
 from tengyun.quantization.packing import pack_int32, quantize_symmetric
@@ -51,16 +52,24 @@ def test_cpu_w8a8_int_mm_equals_the_reference():
                                _run(reference_kernel(scheme), tensors, x, bias), rtol=1e-5, atol=1e-5)
 
 
+def _layouts():
+    """CpuInt4PackKernel's two repackings: torch's int4 layout, and the compiled kernel's where it runs."""
+    return [False, pytest.param(True, marks=pytest.mark.skipif(not quant_gemv_fits(),
+                                                               reason="the compiled quant kernel does not run here"))]
+
+
+@pytest.mark.parametrize("compiled", _layouts())
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group", [32, 64])
-def test_cpu_int4_matmul_in_bf16_matches_the_reference(group, symmetric):
+def test_cpu_int4_matmul_in_bf16_matches_the_reference(group, symmetric, compiled):
     scheme = weight_only_scheme(4, group, symmetric)
     tensors = _wna16_tensors(4, group, symmetric, torch.bfloat16)
-    kernel = CpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
-    assert isinstance(kernel, CpuInt4PackKernel)
+    chosen = CpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
+    assert isinstance(chosen, CpuInt4PackKernel) and chosen.compiled == quant_gemv_fits()
+    kernel = CpuInt4PackKernel(scheme, compiled=compiled)
     x = torch.randn(7, IN, dtype=torch.bfloat16)
     prepared = kernel.prepare(dict(tensors))
-    assert "int4pack" in prepared  # repacked: torch's layout, not the reference's
+    assert ("qpacked" if compiled else "int4pack") in prepared  # repacked, not the reference's layout
     torch.testing.assert_close(kernel.apply(x, prepared, None).float(),
                                _run(reference_kernel(scheme), tensors, x).float(), rtol=2e-2, atol=5e-2)
 
@@ -73,6 +82,19 @@ def test_cpu_float32_and_unpackable_layers_stay_on_the_exact_reference():
     x = torch.randn(2, IN, dtype=torch.bfloat16)
     assert "int4pack" not in kernel.prepare(dict(odd))
     torch.testing.assert_close(_run(kernel, odd, x), _run(reference_kernel(scheme), odd, x))
+
+
+@pytest.mark.skipif(not quant_gemv_fits(), reason="the compiled quant kernel does not run here")
+def test_the_compiled_layout_takes_outputs_torch_cannot_pack():
+    scheme = weight_only_scheme(4, 32, False)
+    odd = {k: v[:40] if k != "weight_zero_point" else v[:5] for k, v in
+           _wna16_tensors(4, 32, False, torch.bfloat16).items()}  # 40 outputs; zero points 8 per int32
+    kernel = CpuInt4PackKernel(scheme, compiled=True)
+    x, bias = torch.randn(3, IN, dtype=torch.bfloat16), torch.randn(40, dtype=torch.bfloat16)
+    prepared = kernel.prepare(dict(odd))
+    assert "qpacked" in prepared
+    torch.testing.assert_close(kernel.apply(x, prepared, bias).float(),
+                               _run(reference_kernel(scheme), odd, x, bias).float(), rtol=2e-2, atol=5e-2)
 
 
 @pytest.fixture

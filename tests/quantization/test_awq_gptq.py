@@ -18,6 +18,7 @@ from tengyun.layers.quant_kernels import in_group_order, reference_kernel, unpac
 from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.cpu_quant import CpuInt4PackKernel
+from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
 from tengyun.platforms.npu import NpuPlatform
 from tengyun.quantization import awq, gptq
 from tengyun.quantization.config import QuantizationError, detect_quantization
@@ -101,12 +102,16 @@ def _close_to_reference(kernel, scheme, tensors, prepared):
 @pytest.mark.parametrize("fmt", [Format("awq"), Format("awq", group=128), Format("gptq", sym=True),
                                  Format("gptq", desc_act=True), Format("gptq", desc_act=True, group=64,
                                                                        checkpoint_format="gptq_v2")])
-def test_cpu_int4_matmul_serves_awq_and_gptq_like_the_reference(fmt):
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not quant_gemv_fits(), reason="the compiled quant kernel does not run here"))])
+def test_cpu_int4_matmul_serves_awq_and_gptq_like_the_reference(fmt, compiled):
+    """Both repackings: torch's int4 layout and the compiled kernel's (cpu_quant_layout.py)."""
     scheme, tensors = _layer(fmt)
-    kernel = CpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
-    assert isinstance(kernel, CpuInt4PackKernel)
+    chosen = CpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
+    assert isinstance(chosen, CpuInt4PackKernel) and chosen.compiled == quant_gemv_fits()
+    kernel = CpuInt4PackKernel(scheme, compiled=compiled)
     prepared = kernel.prepare(dict(tensors))
-    assert "int4pack" in prepared and ("perm" in prepared) == fmt.desc_act
+    assert ("qpacked" if compiled else "int4pack") in prepared and ("perm" in prepared) == fmt.desc_act
     torch.manual_seed(0)
     _close_to_reference(kernel, scheme, tensors, prepared)
 
@@ -120,9 +125,9 @@ def test_act_order_row_parallel_slice_pads_every_group_for_the_int4_matmul():
             "qzeros": tensors["qzeros"], "scales": tensors["scales"]}
     ordered, perm = in_group_order(unpacked_weight(half, scheme), scheme.group_size)
     assert ordered.q.shape == (OUT, IN) and perm.shape == (IN,) and int((perm == IN // 2).sum()) == IN // 2
-    kernel = CpuInt4PackKernel(scheme)
+    kernel = CpuInt4PackKernel(scheme, compiled=quant_gemv_fits())  # the layout the platform picks
     prepared = kernel.prepare(dict(half))
-    assert "int4pack" in prepared
+    assert ("qpacked" if kernel.compiled else "int4pack") in prepared
     held = sum(t.untyped_storage().nbytes() for t in prepared.values())  # what `tengyun plan` counts
     assert held == CpuPlatform.quantized_weight_bytes(scheme, OUT, IN // 2, "bfloat16", IN)
     x = torch.randn(3, IN // 2, dtype=torch.bfloat16)
@@ -143,8 +148,9 @@ def test_npu_weight_quant_batchmatmul_serves_awq_and_gptq(monkeypatch, fmt):
     assert fake.calls["npu_weight_quant_batchmatmul"] == 1
 
 
-def test_plan_bytes_of_a_row_parallel_act_order_layer_hold_every_group():
+def test_plan_bytes_of_a_row_parallel_act_order_layer_hold_every_group(monkeypatch):
     """down_proj at TP=2: 64 of 128 inputs per rank, 2 of 4 groups of 32 in order, all 4 in act order."""
+    monkeypatch.setattr(CpuPlatform, "_compiled_quant_layout", staticmethod(lambda: False))
     in_order, act_order = _scheme(Format("gptq")), _scheme(Format("gptq", desc_act=True))
     packed = 64 * 64 // 2  # int32 words of 8 values: out x in / 2 bytes
     # in order: the rank's scales [2, 64] float32 and qzeros [2, 8] int32; g_idx dropped
@@ -155,6 +161,11 @@ def test_plan_bytes_of_a_row_parallel_act_order_layer_hold_every_group():
     # bfloat16, torch's int4 layout padded to every group: 128 inputs packed, scales and zero terms
     # [4, 64, 2], the int64 permutation [128]
     assert CpuPlatform.quantized_weight_bytes(act_order, 64, 64, "bfloat16", 128) == 2 * packed + 4 * 64 * 2 * 2 \
+        + 128 * 8
+    # the compiled kernel's layout: 128 inputs packed, a bfloat16 scale and a uint8 zero point per
+    # group and output [4, 64] (64 outputs: no padding to 32), the permutation
+    monkeypatch.setattr(CpuPlatform, "_compiled_quant_layout", staticmethod(lambda: True))
+    assert CpuPlatform.quantized_weight_bytes(act_order, 64, 64, "bfloat16", 128) == 2 * packed + 4 * 64 * (2 + 1) \
         + 128 * 8
 
 

@@ -26,8 +26,11 @@ from tengyun.models.gguf_quantized import kept_types  # noqa: E402
 from tengyun.models.model_source import convert_gguf, qwen_coder_gguf, smollm2_gguf  # noqa: E402
 from tengyun.platforms.cpu import CpuPlatform  # noqa: E402
 from tengyun.platforms.cpu_gguf import (  # noqa: E402
-    DEQUANTIZE_FROM_TOKENS, CpuGgufDequantizedKernel, CpuGgufInt4PackKernel, unpacked_weight,
+    DEQUANTIZE_FROM_TOKENS, CpuGgufCompiledKernel, CpuGgufDequantizedKernel, CpuGgufInt4PackKernel, gguf_kernel,
+    unpacked_weight,
 )
+from tengyun.platforms import cpu_quant_layout  # noqa: E402
+from tengyun.platforms.cpu_quant_layout import quant_gemv_fits  # noqa: E402
 from tengyun.quantization.config import QuantizationError, detect_quantization  # noqa: E402
 from tengyun.quantization.gguf import GGML_TYPES, SUPPORTED_TYPES, quantization_config, scheme_for_type  # noqa: E402
 
@@ -124,7 +127,9 @@ def test_cpu_int4_planes_compute_the_blocks_with_bf16_scales(type_name):
     """torch's int4 matmul takes (n - 8) * scale + zero with scale and zero in bfloat16 (Q8_0 as
     two such planes): the weights are the blocks' with d (or the 4-bit types' scale and zero)
     rounded to bfloat16 -- Q8_0 bf16(d) q exactly -- and the products agree up to bf16 sums."""
-    kernel = CpuPlatform().quant_linear_kernel(scheme_for_type(type_name), torch.bfloat16)
+    chosen = CpuPlatform().quant_linear_kernel(scheme_for_type(type_name), torch.bfloat16)
+    assert isinstance(chosen, CpuGgufCompiledKernel if quant_gemv_fits() else CpuGgufInt4PackKernel)
+    kernel = gguf_kernel(scheme_for_type(type_name), torch.bfloat16, compiled=False)
     assert isinstance(kernel, CpuGgufInt4PackKernel)
     qweight = _blocks(type_name, 64, 512)
     prepared = kernel.prepare({"qweight": qweight})
@@ -151,13 +156,41 @@ def test_cpu_runs_float32_and_outputs_torch_cannot_pack_on_the_reference():
     platform = CpuPlatform()
     assert type(platform.quant_linear_kernel(scheme_for_type("Q4_1"), torch.float32)) is GgufReferenceKernel
     assert type(platform.quant_linear_kernel(scheme_for_type("Q6_K"), torch.float32)) is GgufReferenceKernel
-    kernel = platform.quant_linear_kernel(scheme_for_type("Q8_0"), torch.bfloat16)
+    kernel = gguf_kernel(scheme_for_type("Q8_0"), torch.bfloat16, compiled=False)
     qweight = _blocks("Q8_0", 24, 64)  # 24 outputs: not a multiple of 16
     x = torch.randn(3, 64).bfloat16()
     prepared = kernel.prepare({"qweight": qweight})
     assert set(prepared) == {"qweight"}
     expected = F.linear(x, dequantize_blocks(qweight, "Q8_0", x.dtype))
     torch.testing.assert_close(kernel.apply(x, prepared, None), expected)
+
+
+@pytest.mark.skipif(not quant_gemv_fits(), reason="the compiled quant kernel does not run here")
+@pytest.mark.parametrize("type_name", PER_32)
+def test_cpu_compiled_layout_holds_the_blocks_exact_values(type_name):
+    """The compiled kernel's layout: its dequantized weights are the blocks' exactly (float32), it
+    holds the blocks' bytes (Q4_K: float32 scales and offsets, 24 per 32 weights), and its
+    products (1-8 rows: the kernel; 40: dequantized once) agree up to float32 sums and one
+    bfloat16 rounding; 40 outputs (not 16k) run too."""
+    scheme = scheme_for_type(type_name)
+    kernel = gguf_kernel(scheme, torch.bfloat16, compiled=True)
+    assert isinstance(kernel, CpuGgufCompiledKernel)
+    for out in (64, 40):
+        qweight = _blocks(type_name, out, 512)
+        prepared = kernel.prepare({"qweight": qweight})
+        w = dequantize_blocks(qweight, type_name)
+        bits, zero = (8, 0) if type_name == "Q8_0" else (4, 8 if type_name == "Q4_0" else 0)
+        assert torch.equal(cpu_quant_layout.dequantized_t(prepared, bits, zero).t(), w)
+        held = sum(t.untyped_storage().nbytes() for t in prepared.values())
+        assert held == CpuPlatform.quantized_weight_bytes(scheme, out, 512, "bfloat16")
+        per_32 = {"Q4_K": 24}.get(type_name, GGML_TYPES[type_name].block_bytes)
+        assert held == -(-out // 32) * 32 * 512 // 32 * per_32
+        for tokens in (1, 3, 8, 40):
+            x = torch.randn(tokens, 512).bfloat16()
+            bias = torch.randn(out).bfloat16()
+            expected = x.float() @ w.t() + bias.float()
+            y = kernel.apply(x, prepared, bias).float()
+            assert ((y - expected).norm() / expected.norm()) < 5e-3
 
 
 def test_cpu_holds_q6_k_dequantized_once_in_bfloat16():

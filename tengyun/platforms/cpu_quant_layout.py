@@ -1,0 +1,127 @@
+"""The compiled weight-only quantised linear (tengyun/csrc/quant_gemv.cpp): its layout, written
+once at load, and its calls.
+
+Layout (blocks of 32 output columns, K-major inside, so a few activation rows stream the weight
+once, front to back, dequantised in registers):
+  qpacked  4 bits: uint8 [ceil(out / 32), in, 16], inputs in pairs: byte i of (block b, inputs
+           2p, 2p + 1) = n[32 b + i // 2, 2p + i % 2] | n[32 b + 16 + i // 2, 2p + i % 2] << 4 with n
+           in [0, 16) (in and group even); 8 bits: int8 [ceil(out / 32), in, 32], byte j of (b, k) =
+           q[32 b + j, k].
+  qscales  [ceil(out / 32), in / group, 32] in the checkpoint's scale dtype; qzeros uint8 or
+           qoffsets (scale dtype) likewise, or neither (a constant zero point, the scheme's);
+  qcolumns uint8 [out, 0]: holds no bytes, only the output count (the blocks are padded).
+Arithmetic (the kernel's contract, quant_gemv.cpp): w = fma(n, s, o) in float32 with o = offset,
+or -zero * s; y = x w^T + bias with float32 sums (4 bits: per group s * sum(x n) + o * sum(x),
+products exact), rounded once to bfloat16. -zero * s is exact when s is a 16-bit float (4 + 11
+significant bits), so w is (n - zero) * s rounded once: the references' dequantized values
+exactly; ``pack`` refuses (None) scales where it is not.
+
+Rows up to MAX_KERNEL_ROWS run the kernel; more rows dequantize the whole weight once per call
+(``quant_dequantize_t``, [in, out] bfloat16, freed after the call) and run one dense matmul,
+measured faster there than the kernel's repeated passes or torch's int4 matmul
+(benchmarks/quant_gemv_kernels.py, benchmarks/README.md). One resident copy either way.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from tengyun.layers.quant_kernels import Tensors
+
+COLS = 32  # output columns per block (quant_gemv.cpp kCols)
+MAX_KERNEL_ROWS = 32  # more rows: dequantize once and multiply densely (crossover 32-64 rows, measured)
+LAYOUT_KEYS = ("qpacked", "qscales", "qzeros", "qoffsets", "qcolumns")
+
+
+def quant_gemv_fits() -> bool:
+    """Whether the compiled kernels are loaded and this CPU runs quant_linear (AVX-512 BF16)."""
+    from tengyun.layers.attention import cpu_kernels
+
+    return cpu_kernels.load_error() is None and bool(torch.ops.tengyun.quant_linear_supported())
+
+
+def layout_bytes(out: int, in_: int, groups: int, bits: int, scale_bytes: int, zeros: bool, offsets: bool) -> int:
+    """Bytes ``pack`` holds: packed values and per-group parameters, outputs padded to 32."""
+    padded = -(-out // COLS) * COLS
+    per_group = scale_bytes + (1 if zeros else 0) + (scale_bytes if offsets else 0)
+    return padded * in_ * bits // 8 + padded * groups * per_group
+
+
+def pack(values: torch.Tensor, bits: int, scale: torch.Tensor, zero_points: torch.Tensor | None = None,
+         offsets: torch.Tensor | None = None) -> Tensors | None:
+    """values [out, in] (4 bits: n in [0, 16); 8 bits: q in [-128, 128)), scale [out, groups],
+    zero_points [out, groups] in [0, 16) or offsets [out, groups] (scale's dtype) -> the layout.
+    None where -zero * s would round (float32 scales with zero points): the caller keeps its path."""
+    if zero_points is not None and not _zero_term_exact(zero_points, scale):
+        return None
+    out, in_ = values.shape
+    prepared = {"qpacked": _pack_values(values, bits), "qscales": _block_params(scale),
+                "qcolumns": torch.empty(out, 0, dtype=torch.uint8)}
+    if zero_points is not None:
+        prepared["qzeros"] = _block_params(zero_points.to(torch.uint8))
+    if offsets is not None:
+        prepared["qoffsets"] = _block_params(offsets.to(scale.dtype))
+    return prepared
+
+
+def linear(x2: torch.Tensor, prepared: Tensors, bits: int, zero: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 [M, in] -> [M, out] in x2's dtype: the kernel for up to MAX_KERNEL_ROWS bfloat16 rows,
+    else the weight dequantized once into x2's dtype and one dense matmul."""
+    if x2.dtype == torch.bfloat16 and x2.shape[0] <= MAX_KERNEL_ROWS:
+        fused = bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        packed, scales = prepared["qpacked"], prepared["qscales"]
+        y = _quant_linear_op()(x2, packed, bits, packed.shape[1] // scales.shape[1], scales, prepared.get("qzeros"),
+                               prepared.get("qoffsets"), float(zero), prepared["qcolumns"].shape[0],
+                               bias if fused else None)
+        return y if fused else y + bias
+    w_t = dequantized_t(prepared, bits, zero, "bfloat16" if x2.dtype == torch.bfloat16 else "float32")
+    y = torch.mm(x2, w_t.to(x2.dtype))
+    return y if bias is None else y + bias
+
+
+def dequantized_t(prepared: Tensors, bits: int, zero: int, dtype: str = "float32") -> torch.Tensor:
+    """The layout's weight transposed, w^T [in, out] in ``dtype`` (the kernel's w, rounded once)."""
+    return torch.ops.tengyun.quant_dequantize_t(prepared["qpacked"], bits, _group(prepared), prepared["qscales"],
+                                                prepared.get("qzeros"), prepared.get("qoffsets"), float(zero),
+                                                prepared["qcolumns"].shape[0], dtype)
+
+
+@functools.cache
+def _quant_linear_op():
+    """The op's overload, resolved once (a call through torch.ops.tengyun.quant_linear resolves it
+    every time: microseconds on each of a decode step's ~100 linears)."""
+    return torch.ops.tengyun.quant_linear.default
+
+
+def _group(prepared: Tensors) -> int:
+    return prepared["qpacked"].shape[1] // prepared["qscales"].shape[1]
+
+
+def _zero_term_exact(zero_points: torch.Tensor, scale: torch.Tensor) -> bool:
+    """-zero * s in float32 equals the exact product (always so for 16-bit scales)."""
+    if scale.dtype in (torch.bfloat16, torch.float16):
+        return True
+    z, s = zero_points.double(), scale.double()
+    return bool(torch.equal((z.float() * scale.float()).double(), z * s))
+
+
+def _pack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
+    out, in_ = values.shape
+    blocks = -(-out // COLS)
+    padded = F.pad(values.to(torch.int32), (0, 0, 0, blocks * COLS - out))  # padding columns: 0
+    if bits == 4:  # [block, half, column c, pair p, k % 2]: columns 0-15 low nibbles, 16-31 high
+        halves = padded.view(blocks, 2, COLS // 2, in_ // 2, 2)
+        pairs = (halves[:, 0] | (halves[:, 1] << 4)).permute(0, 2, 1, 3)  # [block, pair, c, k % 2]
+        return pairs.to(torch.uint8).reshape(blocks, in_, COLS // 2)
+    return padded.view(blocks, COLS, in_).transpose(1, 2).to(torch.int8).contiguous()
+
+
+def _block_params(param: torch.Tensor) -> torch.Tensor:
+    """[out, groups] -> [ceil(out / 32), groups, 32], padding columns 0."""
+    out, groups = param.shape
+    blocks = -(-out // COLS)
+    padded = F.pad(param, (0, 0, 0, blocks * COLS - out))
+    return padded.view(blocks, COLS, groups).transpose(1, 2).contiguous()
