@@ -216,26 +216,33 @@ at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_ptr, int64_t out_feat
 
 namespace {
 
-// Row n of the packed weight into out[0, k): element (n, kk) as laid out above (element_t: the
-// weight's 4- or 2-byte word).
-template <typename element_t>
-void copy_packed_row(const element_t* w, int64_t n, int64_t k, int64_t k_pad, element_t* out) {
-  const element_t* block = w + (n / kBlock) * k_pad * kBlock;
-  const int64_t lane = n % kBlock;
-  if constexpr (sizeof(element_t) == 4) {
-    for (int64_t kk = 0; kk < k; ++kk) out[kk] = block[kk * kBlock + lane];
-  } else {
-    for (int64_t kk = 0; kk < k; ++kk) out[kk] = block[(kk / 2) * 2 * kBlock + lane * 2 + kk % 2];
-  }
+// Row n of the packed weight into out[0, k), element (n, kk) as laid out above. Every element
+// of the row sits in its own 64-byte line (one lane of a K-major block), a constant stride the
+// hardware prefetcher follows; bfloat16 moves a (k, k + 1) pair per 4-byte load.
+void copy_packed_row_f32(const uint32_t* w, int64_t n, int64_t k, int64_t k_pad, uint32_t* out) {
+  const uint32_t* lane = w + (n / kBlock) * k_pad * kBlock + n % kBlock;
+  for (int64_t kk = 0; kk < k; ++kk) out[kk] = lane[kk * kBlock];
 }
 
-template <typename element_t>
-void gather_packed_rows(const int64_t* ids, int64_t count, const void* weight, int64_t k, int64_t k_pad,
+void copy_packed_row_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t k_pad, uint16_t* out) {
+  const uint16_t* lane = w + (n / kBlock) * k_pad * kBlock + (n % kBlock) * 2;
+  const int64_t whole_pairs = k / 2;
+  for (int64_t p = 0; p < whole_pairs; ++p) std::memcpy(out + 2 * p, lane + p * 2 * kBlock, 4);
+  if (k % 2) out[k - 1] = lane[whole_pairs * 2 * kBlock];
+}
+
+constexpr int64_t kRowsPerTask = 256;  // rows one thread copies before another is worth waking
+
+void gather_packed_rows(const int64_t* ids, int64_t count, const void* weight, bool bf16, int64_t k, int64_t k_pad,
                         void* rows) {
-  const element_t* w = static_cast<const element_t*>(weight);
-  element_t* out = static_cast<element_t*>(rows);
-  at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) copy_packed_row(w, ids[t], k, k_pad, out + t * k);
+  at::parallel_for(0, count, kRowsPerTask, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (bf16) {
+        copy_packed_row_bf16(static_cast<const uint16_t*>(weight), ids[t], k, k_pad, static_cast<uint16_t*>(rows) + t * k);
+      } else {
+        copy_packed_row_f32(static_cast<const uint32_t*>(weight), ids[t], k, k_pad, static_cast<uint32_t*>(rows) + t * k);
+      }
+    }
   });
 }
 
@@ -255,12 +262,8 @@ at::Tensor packed_rows(const at::Tensor& ids, int64_t weight_ptr, int64_t out_fe
     TORCH_CHECK(id[t] >= 0 && id[t] < out_features, "packed_rows: id ", id[t], " is outside [0, ", out_features, ")");
   }
   at::Tensor rows = at::empty({count, k}, ids.options().dtype(dtype));
-  const void* weight = reinterpret_cast<const void*>(weight_ptr);
-  if (dtype == at::kFloat) {
-    gather_packed_rows<uint32_t>(id, count, weight, k, k_padded, rows.data_ptr());
-  } else {
-    gather_packed_rows<uint16_t>(id, count, weight, k, k_padded, rows.data_ptr());
-  }
+  gather_packed_rows(id, count, reinterpret_cast<const void*>(weight_ptr), dtype == at::kBFloat16, k, k_padded,
+                     rows.data_ptr());
   return rows;
 }
 
