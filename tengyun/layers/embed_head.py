@@ -55,10 +55,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.kernel_weight = None
         self.tied_embedding: list[VocabParallelEmbedding] = []  # [the embedding] whose weight this is (tie_to)
 
-    @property
-    def tied_to_embedding(self) -> bool:
-        return bool(self.tied_embedding)
-
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share ``embedding``'s weight (a list: not a submodule, the model holds it already)."""
         self.weight = embedding.weight
