@@ -65,31 +65,14 @@ def _tengyun_requests(engine, prompts: list[list[int]], output_len: int) -> dict
 
 
 def held_weight_bytes(model) -> int | None:
-    """Bytes of the tensors ``model``'s layers hold as weights: parameters and the kernels'
-    prepared forms (``kernel_weight``: a tensor or a dict of them), each storage counted once
-    (oneDNN-packed weights by their own size)."""
-    import torch
-
+    """Bytes of the tensors ``model``'s layers hold as weights, as the worker counts and logs them
+    (Worker.weight_bytes): parameters and the kernels' prepared forms, oneDNN-packed weights and
+    the small-batch kernel's PackedLinearWeight included, each storage once."""
     if model is None:
         return None
-    storages: dict[int, int] = {}
+    from tengyun.worker.worker import weight_bytes
 
-    def add(tensor) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or not tensor.numel():
-            return
-        if tensor.is_mkldnn:  # oneDNN's packed weight: no storage to share, its own bytes
-            storages[id(tensor)] = tensor.numel() * tensor.element_size()
-            return
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            add(param.data)
-        prepared = getattr(module, "kernel_weight", None)
-        for tensor in prepared.values() if isinstance(prepared, dict) else [prepared]:
-            add(tensor)
-    return sum(storages.values())
+    return weight_bytes(model)
 
 
 def timings(start: float, stamps: list[list[float]]) -> dict:

@@ -20,6 +20,10 @@
 //   y [M, N] in x's dtype: float32 sums, one rounding, as oneDNN.
 // torch.ops.tengyun.packed_gemv_supported(dtype) -> bool: whether this CPU runs the kernel for
 //   "float32" (AVX-512F) or "bfloat16" (AVX-512 BF16).
+// torch.ops.tengyun.packed_rows(ids, weight_ptr, out_features, k, k_padded, dtype) -> rows
+//   ids [T] int32/int64 in [0, out_features); rows [T, k] in dtype (float32 or bfloat16): row n of
+//   the packed [N, K] weight, copied bit for bit (a tied LM head's packed weight serves the
+//   embedding lookups, so the plain copy can go). Plain C++: runs on any CPU.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -210,11 +214,68 @@ at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_ptr, int64_t out_feat
   return y;
 }
 
+namespace {
+
+// Row n of the packed weight into out[0, k), element (n, kk) as laid out above. Every element
+// of the row sits in its own 64-byte line (one lane of a K-major block), a constant stride the
+// hardware prefetcher follows; bfloat16 moves a (k, k + 1) pair per 4-byte load.
+void copy_packed_row_f32(const uint32_t* w, int64_t n, int64_t k, int64_t k_pad, uint32_t* out) {
+  const uint32_t* lane = w + (n / kBlock) * k_pad * kBlock + n % kBlock;
+  for (int64_t kk = 0; kk < k; ++kk) out[kk] = lane[kk * kBlock];
+}
+
+void copy_packed_row_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t k_pad, uint16_t* out) {
+  const uint16_t* lane = w + (n / kBlock) * k_pad * kBlock + (n % kBlock) * 2;
+  const int64_t whole_pairs = k / 2;
+  for (int64_t p = 0; p < whole_pairs; ++p) std::memcpy(out + 2 * p, lane + p * 2 * kBlock, 4);
+  if (k % 2) out[k - 1] = lane[whole_pairs * 2 * kBlock];
+}
+
+constexpr int64_t kRowsPerTask = 256;  // rows one thread copies before another is worth waking
+
+void gather_packed_rows(const int64_t* ids, int64_t count, const void* weight, bool bf16, int64_t k, int64_t k_pad,
+                        void* rows) {
+  at::parallel_for(0, count, kRowsPerTask, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (bf16) {
+        copy_packed_row_bf16(static_cast<const uint16_t*>(weight), ids[t], k, k_pad, static_cast<uint16_t*>(rows) + t * k);
+      } else {
+        copy_packed_row_f32(static_cast<const uint32_t*>(weight), ids[t], k, k_pad, static_cast<uint32_t*>(rows) + t * k);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor packed_rows(const at::Tensor& ids, int64_t weight_ptr, int64_t out_features, int64_t k, int64_t k_padded,
+                       at::ScalarType dtype) {
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && (ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt),
+              "packed_rows: ids must be a CPU [T] int32 or int64 tensor");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "packed_rows: dtype must be float32 or bfloat16");
+  TORCH_CHECK(weight_ptr != 0 && out_features > 0 && k > 0 && k_padded >= k && (dtype == at::kFloat || k_padded % 2 == 0),
+              "packed_rows: weight_ptr, out_features, k and k_padded must describe the packed [N, Kpad] weight");
+  const at::Tensor ids64 = ids.to(at::kLong).contiguous();
+  const int64_t count = ids64.size(0);
+  const int64_t* id = ids64.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < out_features, "packed_rows: id ", id[t], " is outside [0, ", out_features, ")");
+  }
+  at::Tensor rows = at::empty({count, k}, ids.options().dtype(dtype));
+  gather_packed_rows(id, count, reinterpret_cast<const void*>(weight_ptr), dtype == at::kBFloat16, k, k_padded,
+                     rows.data_ptr());
+  return rows;
+}
+
 }  // namespace tengyun
 
 TORCH_LIBRARY_FRAGMENT(tengyun, m) {
   m.def("packed_gemv(Tensor x, int weight_ptr, int out_features, int k_padded, Tensor? bias) -> Tensor");
   m.def("packed_gemv_supported(str dtype) -> bool", &tengyun::packed_gemv_supported);
+  m.def("packed_rows(Tensor ids, int weight_ptr, int out_features, int k, int k_padded, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tengyun, CPU, m) { m.impl("packed_gemv", &tengyun::packed_gemv); }
+TORCH_LIBRARY_IMPL(tengyun, CPU, m) {
+  m.impl("packed_gemv", &tengyun::packed_gemv);
+  m.impl("packed_rows", &tengyun::packed_rows);
+}

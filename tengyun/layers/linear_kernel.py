@@ -5,8 +5,13 @@ The platform picks the kernel (``Platform.linear_kernel``); layers only call pre
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+# ids [T] -> rows [T, in] of a prepared weight, bit for bit the rows of the weight as loaded
+RowReader = Callable[[torch.Tensor], torch.Tensor]
 
 
 class DenseLinearKernel:
@@ -19,6 +24,11 @@ class DenseLinearKernel:
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def row_reader(self, prepared, original: torch.Tensor) -> RowReader | None:
+        """Reads rows of ``original`` [out, in] from ``prepared`` (its copy), so a tied embedding can
+        look tokens up there and the original can be freed; None where this kernel cannot."""
+        return None
 
 
 class OneDNNPackedLinearKernel(DenseLinearKernel):

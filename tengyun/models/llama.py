@@ -138,8 +138,7 @@ class LlamaForCausalLM(nn.Module):
         if is_last_pp_rank():
             self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype)
             if self.tie_word_embeddings and is_first_pp_rank():
-                self.lm_head.weight = self.model.embed_tokens.weight
-                self.lm_head.tied_to_embedding = True
+                self.lm_head.tie_to(self.model.embed_tokens)
         else:
             self.lm_head = PPMissingLayer()
 

@@ -95,7 +95,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: 
     """Per-rank parameters of pipeline stage ``stage`` (its layers: spec.stage_layers). The first
     stage holds the embedding; the last the final norm and LM head (tied embeddings still need
     the LM head on the last stage when pp > 1, and where the platform's linear kernel keeps its own
-    repacked copy of the weight: ``tied_head_copy``, Platform.repacks_linear_weights), and the
+    repacked copy of the weight next to the embedding's: ``tied_head_copy``, Platform.tied_head_copy), and the
     MTP head's ``mtp_layers`` with --speculative-config method mtp."""
     h, vocab = spec.hidden_size, spec.vocab_size
     start, end = spec.stage_layers(stage, pp)

@@ -244,7 +244,7 @@ def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, k
     from tengyun.platforms import platform_class
 
     last = stage == pp - 1
-    params = stage_params(spec, tp, pp, stage, platform_class(request.device).repacks_linear_weights,
+    params = stage_params(spec, tp, pp, stage, platform_class(request.device).tied_head_copy(dtype, tp),
                           request.mtp_layers)
     start, end = params.layers
     weights = int(params.total * DTYPE_BYTES[dtype] * scale)

@@ -14,7 +14,8 @@ class Platform:
     # not survive fork: CUDA's cudaGetDeviceCount calls cuInit; Ascend's ACL is treated the same.
     fork_safe: bool = False
     # The linear kernel keeps weights in its own layout (a copy): a tied LM head then holds the
-    # embedding matrix twice, once for lookups and once packed. `tengyun plan` counts it.
+    # embedding matrix twice, once for lookups and once packed, unless tied_head_copy says the
+    # packed copy serves the lookups. `tengyun plan` counts it.
     repacks_linear_weights: bool = False
     # The KV cache lives in host RAM, sized in bytes by --kv-cache-memory (TENGYUN_CPU_KVCACHE_SPACE);
     # otherwise it takes a fraction of device memory (--gpu-memory-utilization).
@@ -32,6 +33,12 @@ class Platform:
         says nothing) as; the engine and `tengyun plan` both ask here. Accelerators, as vLLM: the
         checkpoint's 16-bit dtype, and bfloat16 for float32 or unknown checkpoints."""
         return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
+
+    @classmethod
+    def tied_head_copy(cls, dtype: str, tp: int) -> bool:
+        """Does a tied LM head served in ``dtype`` at tensor-parallel size ``tp`` hold its own copy
+        of the vocab x hidden matrix next to the embedding's? Torch-free: `tengyun plan` asks."""
+        return cls.repacks_linear_weights
 
     @classmethod
     def is_available(cls) -> bool:

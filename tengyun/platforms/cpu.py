@@ -45,6 +45,15 @@ class CpuPlatform(Platform):
         return "float32"
 
     @classmethod
+    def tied_head_copy(cls, dtype: str, tp: int) -> bool:
+        """One copy where the packed head serves the embedding's lookups (ParallelLMHead.bind_kernels):
+        TP = 1, float32 on AVX-512 cores or bfloat16 on AVX512-BF16 ones (the compiled kernels'
+        small-batch path, cpu_linear.py; built by `make setup`). Elsewhere two copies."""
+        flags = cpu_flags()
+        served = {"float32": "avx512f" in flags, "bfloat16": "avx512_bf16" in flags}.get(dtype, False)
+        return not (tp == 1 and served)
+
+    @classmethod
     def is_available(cls) -> bool:
         return True
 

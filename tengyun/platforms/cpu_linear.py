@@ -3,7 +3,9 @@ batch 1) the compiled small-batch kernel that reads the same packed weight
 (tengyun/csrc/packed_gemv.cpp): oneDNN's M = 1 path streams the weight at ~36 GB/s here, the kernel
 at ~50, which is most of a batch-1 decode step (``benchmarks/README.md``, "Batch-1 decode").
 
-One copy of the weight either way. The kernel assumes oneDNN's blocked layout (64 output columns
+One copy of the weight either way; a tied LM head's packed weight also serves the embedding's
+lookups (``row_reader``: packed_gemv.cpp's packed_rows copies row n out of the blocks), so the
+vocab x hidden matrix is held once. The kernel assumes oneDNN's blocked layout (64 output columns
 per block, K-major inside); ``prepare`` checks that on each weight against oneDNN's own product and
 leaves a weight whose layout differs (another CPU, another oneDNN) to oneDNN alone.
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tengyun.layers.linear_kernel import OneDNNPackedLinearKernel
+from tengyun.layers.linear_kernel import OneDNNPackedLinearKernel, RowReader
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,7 @@ BLOCK = 64  # output columns per oneDNN block (packed_gemv.cpp)
 # float32 and past 8 in bfloat16 (benchmarks/linear_kernels.py --small-rows).
 MAX_SMALL_ROWS = {torch.float32: 2, torch.bfloat16: 8}
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest |y|
+_ROW_CHECK_CHUNK = 8192  # rows compared at a time when row_reader checks a packed copy
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,26 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
             x = x if x.stride(-1) == 1 else x.contiguous()
             return self._gemv(x, weight.data_ptr, weight.out_features, weight.k_padded, bias)
         return super().apply(x, weight.packed, bias)
+
+    def row_reader(self, prepared: PackedLinearWeight, original: torch.Tensor) -> RowReader | None:
+        """ids [T] -> rows [T, K] read from the packed copy, once every row read back equals
+        ``original`` [N, K] bit for bit; None where the layout check failed or a row differs."""
+        if prepared.data_ptr is None or original.dtype != self.dtype or original.dim() != 2:
+            return None
+        out_features, k = original.shape
+        packed_rows = torch.ops.tengyun.packed_rows.default
+
+        def read(ids: torch.Tensor) -> torch.Tensor:
+            rows = packed_rows(ids.reshape(-1), prepared.data_ptr, out_features, k, prepared.k_padded, self.dtype)
+            return rows.view(*ids.shape, k)
+
+        for start in range(0, out_features, _ROW_CHECK_CHUNK):
+            ids = torch.arange(start, min(start + _ROW_CHECK_CHUNK, out_features))
+            if not torch.equal(read(ids), original[start:start + len(ids)]):
+                logger.info("oneDNN's packed %s [%d, %d] weight does not read back row for row; the tied "
+                            "embedding keeps its own copy", self.dtype, out_features, k)
+                return None
+        return read
 
     def _reads_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int, k_padded: int) -> bool:
         """The kernel's product on 3 random rows equals oneDNN's, within float32 summation order."""

@@ -194,7 +194,8 @@ def _stored(folder: Path) -> int:
 def test_plan_counts_the_stored_bytes(modelslim, tiny_checkpoints):
     """fp32 model, every tensor stored in the dtype Tengyun holds it in: the plan grows or shrinks
     from the dense model's by exactly the checkpoint's bytes (int8 weights, scales, offsets,
-    deq_scale, quant_bias; the plan also counts CPU's own packed copy of the tied LM head), less
+    deq_scale, quant_bias; the plan also counts CPU's packed copy of the tied LM head where the
+    embedding keeps its own), less
     the static input_scale / input_offset pairs the checkpoint repeats per projection that a
     fused layer holds once (q/k/v and gate/up see one input): 3 pairs of float32 per layer."""
     dense = tiny_checkpoints["qwen2"]
