@@ -15,7 +15,7 @@
 //
 // torch.ops.tengyun.w8a8_gemv(x, weight, weight_scale, bias, quant_bias, input_scale_reciprocal,
 //                             input_offset) -> y
-//   x [M, K] float32 or bfloat16 (unit last stride), M <= 8; weight int8 [N, K] contiguous;
+//   x [M, K] float32 or bfloat16 (unit last stride), M <= 64; weight int8 [N, K] contiguous;
 //   weight_scale [N] (or [N, 1]) float32, bfloat16 or float16, contiguous; bias [N] in x's dtype or
 //   None; quant_bias int32 [N] or None (msModelSlim: added to the int32 sums).
 //   input_scale_reciprocal None: per-token dynamic quantisation (quant_kernels.quantize_per_token):
@@ -40,7 +40,8 @@
 namespace tengyun {
 namespace {
 
-constexpr int kMaxRows = 8;
+constexpr int kMaxRows = 8;      // rows per tile pass (register budget: 16 sums)
+constexpr int64_t kMaxOpRows = 64;  // rows per call: past 8, each tile of 2 outputs runs 8 rows at a time
 constexpr int64_t kChunk = 64;  // inputs per vpdpbusd
 // Tiles run front to back through the weight: each 64-byte load prefetches the line this far ahead
 // (a tile's C rows are C * K contiguous bytes, so the prefetches cover the weight once, in order).
@@ -73,6 +74,13 @@ TY_INT8_TARGET inline __m512 from_bf16_bits(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// v as computed: the compiler may not fuse the product that made it into a later add (GCC contracts
+// _mm512_mul_ps + _mm512_add_ps into an fma by default; torch rounds the product first).
+TY_INT8_TARGET inline __m512 rounded(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
 TY_INT8_TARGET inline __m512 load_floats(const void* p, bool bf16, int64_t i, __mmask16 mask) {
   if (!bf16) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
   return from_bf16_bits(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
@@ -99,7 +107,7 @@ TY_INT8_TARGET float quantize_row(int8_t* q_out, int32_t* offset, const void* x,
     if (static_quant == nullptr) {
       q = _mm512_div_ps(v, _mm512_set1_ps(scale));
     } else {
-      const __m512 product = _mm512_mul_ps(v, _mm512_set1_ps(static_quant[0]));
+      const __m512 product = rounded(_mm512_mul_ps(v, _mm512_set1_ps(static_quant[0])));
       q = _mm512_add_ps(product, _mm512_set1_ps(static_quant[1]));
     }
     q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // half to even
@@ -144,7 +152,7 @@ TY_INT8_TARGET void store_row(const Int8GemvArgs& a, __m512i acc, int64_t r, int
   acc = _mm512_add_epi32(acc, _mm512_set1_epi32(a.row_offset[r]));
   if (a.quant_bias != nullptr) acc = _mm512_add_epi32(acc, _mm512_maskz_loadu_epi32(mask, a.quant_bias + n0));
   const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(a.s_x[r]));
-  const __m512 y = _mm512_mul_ps(scaled, load_scales(a, n0, mask));
+  const __m512 y = rounded(_mm512_mul_ps(scaled, load_scales(a, n0, mask)));
   if (!a.bf16) {  // the bias add is its own rounding (no fma), as torch's y + bias
     __m512 out = y;
     if (a.bias != nullptr) out = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, static_cast<const float*>(a.bias) + n0));
@@ -159,9 +167,9 @@ TY_INT8_TARGET void store_row(const Int8GemvArgs& a, __m512i acc, int64_t r, int
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + r * a.n + n0, mask, out);
 }
 
-// Rows [0, M) x outputs [n0, n0 + C) (clipped at n): M * C <= 16 sums of 16 lanes each.
+// Rows [r0, r0 + M) x outputs [n0, n0 + C) (clipped at n): M * C <= 16 sums of 16 lanes each.
 template <int M, int C>
-TY_INT8_TARGET void tile(const Int8GemvArgs& a, int64_t n0) {
+TY_INT8_TARGET void tile(const Int8GemvArgs& a, int64_t r0, int64_t n0) {
   const int8_t* w[C];
   for (int c = 0; c < C; ++c) w[c] = a.w + std::min(n0 + c, a.n - 1) * a.k;  // past n: a valid row, unused
   __m512i acc[M][C];  // registers: every index is a constant once the loops below unroll
@@ -176,7 +184,7 @@ TY_INT8_TARGET void tile(const Int8GemvArgs& a, int64_t n0) {
     const __mmask64 mask = k < full ? ~__mmask64(0) : (__mmask64(1) << (a.k - k)) - 1;
     __m512i xs[M];
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) xs[m] = _mm512_loadu_si512(a.xq + m * a.k_pad + k);
+    for (int m = 0; m < M; ++m) xs[m] = _mm512_loadu_si512(a.xq + (r0 + m) * a.k_pad + k);
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + (k / kChunk * C + c) * kChunk), _MM_HINT_T0);
@@ -191,18 +199,30 @@ TY_INT8_TARGET void tile(const Int8GemvArgs& a, int64_t n0) {
   alignas(64) int32_t lanes[16];  // lane m * C + c: row m, output n0 + c
   _mm512_store_si512(lanes, reduce16(v));
   const int64_t cols = std::min<int64_t>(C, a.n - n0);
-  for (int m = 0; m < M; ++m) store_row(a, _mm512_maskz_loadu_epi32(tail_mask(C), lanes + m * C), m, n0, cols);
+  for (int m = 0; m < M; ++m) store_row(a, _mm512_maskz_loadu_epi32(tail_mask(C), lanes + m * C), r0 + m, n0, cols);
 }
 
-using TileFn = void (*)(const Int8GemvArgs&, int64_t);
+using TileFn = void (*)(const Int8GemvArgs&, int64_t, int64_t);
 
-// Tile width per row count: C = 16 / M rounded down to a power of two.
-int tile_columns(int64_t rows) { return rows == 1 ? 16 : rows == 2 ? 8 : rows <= 4 ? 4 : 2; }
+// Tile width per row count: C = 16 / M rounded down to a power of two; past 8 rows, 2.
+int64_t tile_columns(int64_t rows) { return rows == 1 ? 16 : rows == 2 ? 8 : rows <= 4 ? 4 : 2; }
 
-TileFn tile_for(int64_t rows) {
+TileFn tile_for(int64_t rows, int64_t cols) {
   static constexpr TileFn tiles[kMaxRows] = {tile<1, 16>, tile<2, 8>, tile<3, 4>, tile<4, 4>,
                                              tile<5, 2>,  tile<6, 2>, tile<7, 2>, tile<8, 2>};
-  return tiles[rows - 1];
+  static constexpr TileFn pairs[kMaxRows] = {tile<1, 2>, tile<2, 2>, tile<3, 2>, tile<4, 2>,
+                                             tile<5, 2>, tile<6, 2>, tile<7, 2>, tile<8, 2>};
+  return (cols == 2 ? pairs : tiles)[rows - 1];
+}
+
+// Outputs [t0 * cols, t1 * cols), every row: 8 rows at a time while the tile's weight rows sit in L1.
+void run_tiles(const Int8GemvArgs& a, int64_t cols, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < a.rows; r0 += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, a.rows - r0);
+      tile_for(rows, cols)(a, r0, t * cols);
+    }
+  }
 }
 #endif  // TY_HAVE_X86_COPIES
 
@@ -228,9 +248,9 @@ void check_args(const at::Tensor& x, const at::Tensor& weight, const c10::option
                 const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& scale_reciprocal,
                 const c10::optional<at::Tensor>& offset) {
   TORCH_CHECK(supported(), "w8a8_gemv: this CPU lacks AVX-512 VNNI (w8a8_gemv_supported)");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kMaxRows &&
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kMaxOpRows &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "w8a8_gemv: x must be a CPU float32 or bfloat16 [M <= 8, K] with unit last stride");
+              "w8a8_gemv: x must be a CPU float32 or bfloat16 [M <= 64, K] with unit last stride");
   const int64_t n = weight.size(0);
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.size(1) == x.size(1) && n > 0 && x.size(1) < (int64_t(1) << 17),
@@ -267,24 +287,22 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 #if TY_HAVE_X86_COPIES
   const int64_t k_pad = (k + kChunk - 1) / kChunk * kChunk;
   std::vector<int8_t> xq(rows * k_pad);
-  float s_x[kMaxRows], static_quant[2];
-  int32_t row_offset[kMaxRows];
+  std::vector<float> s_x(rows);
+  std::vector<int32_t> row_offset(rows);
+  float static_quant[2];
   const bool is_static = given(input_scale_reciprocal);
   if (is_static) static_quant[0] = *input_scale_reciprocal->data_ptr<float>(), static_quant[1] = *input_offset->data_ptr<float>();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const char* x_bytes = static_cast<const char*>(x.data_ptr());
   for (int64_t r = 0; r < rows; ++r) {
-    s_x[r] = quantize_row(xq.data() + r * k_pad, row_offset + r, x_bytes + r * x.stride(0) * x.element_size(), bf16,
-                          k, k_pad, is_static ? static_quant : nullptr);
+    s_x[r] = quantize_row(xq.data() + r * k_pad, row_offset.data() + r, x_bytes + r * x.stride(0) * x.element_size(),
+                          bf16, k, k_pad, is_static ? static_quant : nullptr);
   }
-  Int8GemvArgs a{xq.data(), s_x, row_offset, weight.data_ptr<int8_t>(), weight_scale.data_ptr(),
+  Int8GemvArgs a{xq.data(), s_x.data(), row_offset.data(), weight.data_ptr<int8_t>(), weight_scale.data_ptr(),
                  given(quant_bias) ? quant_bias->data_ptr<int32_t>() : nullptr, given(bias) ? bias->data_ptr() : nullptr,
                  y.data_ptr(), rows, n, k, k_pad, bf16, s_w_type};
   const int64_t cols = tile_columns(rows), tiles = (n + cols - 1) / cols;
-  const TileFn fn = tile_for(rows);
-  at::parallel_for(0, tiles, 16 / cols, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) fn(a, t * cols);
-  });
+  at::parallel_for(0, tiles, 16 / cols, [&](int64_t t0, int64_t t1) { run_tiles(a, cols, t0, t1); });
 #endif
   return y;
 }

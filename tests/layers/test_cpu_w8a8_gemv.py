@@ -93,6 +93,19 @@ def test_static_kernel_is_bit_equal_to_the_pytorch_path(gemv, shape, dtype):
         assert torch.equal(kernel.apply(x, prepared, None), want), (rows, shape)
 
 
+def test_static_quantisation_rounds_the_product_before_the_offset(gemv):
+    """x = -0.33 (float32 -0.32999998) * 50 rounds to -16.5, + 3 is -13.5 -> -14 (half to even);
+    an fma would give -13.4999991 -> -13."""
+    kernel = CpuW8A8StaticKernel(static_scheme(), compiled=True)
+    tensors = {**_static_tensors(16, 16), "input_scale": torch.tensor([0.02]), "input_offset": torch.tensor([3.0]),
+               "weight": torch.eye(16, dtype=torch.int8), "deq_scale": torch.ones(16),
+               "quant_bias": torch.zeros(16, dtype=torch.int32)}
+    prepared = kernel.prepare(tensors)
+    x = torch.full((1, 16), -0.33)
+    assert float(x[0, 0]) * 50 != -16.5 and torch.equal(x * prepared["input_scale_reciprocal"], torch.full((1, 16), -16.5))
+    assert torch.equal(kernel.apply(x, prepared, None), torch.full((1, 16), -14.0))
+
+
 def _ops_run(fn) -> set[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         fn()
@@ -155,8 +168,8 @@ def test_cpu_without_avx512_vnni_runs_int_mm_and_the_op_refuses(kernels):  # noq
 
 def test_op_names_a_bad_argument(gemv):
     weight, scale = torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
-    with pytest.raises(RuntimeError, match="M <= 8"):
-        torch.ops.tengyun.w8a8_gemv(torch.zeros(9, 8), weight, scale, None, None, None, None)
+    with pytest.raises(RuntimeError, match="M <= 64"):
+        torch.ops.tengyun.w8a8_gemv(torch.zeros(65, 8), weight, scale, None, None, None, None)
     with pytest.raises(RuntimeError, match="weight must be a contiguous int8"):
         torch.ops.tengyun.w8a8_gemv(torch.zeros(1, 8), weight.t().contiguous().t(), scale, None, None, None, None)
     with pytest.raises(RuntimeError, match="together"):
