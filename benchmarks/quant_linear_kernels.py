@@ -85,7 +85,8 @@ def gemv_rows(dtype: torch.dtype = torch.bfloat16) -> None:
                     times[i].append(_pass_s(kernel, weights[name], x, bias) / LAYERS * 1e6)
             before, after = (statistics.median(t) for t in times)
             totals[rows] = [a + b for a, b in zip(totals.get(rows, [0.0, 0.0]), (before, after))]
-            print(f"| {name} | {rows} | {before:.1f} | {after:.1f} | {before / after:.2f}x | {n * k / after / 1e3:.0f} |")
+            print(f"| {name} | {rows} | {before:.1f} | {after:.1f} | {before / after:.2f}x | "
+                  f"{n * k / after / 1e3:.0f} |")
     for rows, (before, after) in totals.items():
         print(f"| 30 x 4 projections (ms) | {rows} | {before * LAYERS / 1e3:.2f} | {after * LAYERS / 1e3:.2f} | "
               f"{before / after:.2f}x | - |")

@@ -102,7 +102,8 @@ def test_static_quantisation_rounds_the_product_before_the_offset(gemv):
                "quant_bias": torch.zeros(16, dtype=torch.int32)}
     prepared = kernel.prepare(tensors)
     x = torch.full((1, 16), -0.33)
-    assert float(x[0, 0]) * 50 != -16.5 and torch.equal(x * prepared["input_scale_reciprocal"], torch.full((1, 16), -16.5))
+    product = x * prepared["input_scale_reciprocal"]
+    assert float(x[0, 0]) * 50 != -16.5 and torch.equal(product, torch.full((1, 16), -16.5))
     assert torch.equal(kernel.apply(x, prepared, None), torch.full((1, 16), -14.0))
 
 
