@@ -29,6 +29,7 @@ from tengyun.layers.quant_kernels import (
 # At most this many rows run the one-call VNNI kernel; more run torch._int_mm, which it beats up to
 # 8 rows at SmolLM2's shapes (benchmarks/quant_linear_kernels.py --gemv).
 MAX_GEMV_ROWS = 8
+GEMV_MAX_INPUTS = 1 << 17  # int8_gemv's exactness bound: |x_q . w| <= 2^14 K < 2^31
 
 
 def w8a8_gemv_fits() -> bool:
@@ -83,9 +84,10 @@ _GEMV_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """w8a8_gemv's argument contract: x float32/bfloat16 with unit last stride, the weight and its
-    scales contiguous, a bias in x's dtype. Anything else (float16 activations, a strided slice)
-    takes torch._int_mm."""
+    scales contiguous, fewer than 2^17 inputs (its int32 sums' bound), a bias in x's dtype.
+    Anything else (float16 activations, a strided slice) takes torch._int_mm."""
     return (x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and weight.is_contiguous()
+            and weight.shape[-1] < GEMV_MAX_INPUTS
             and scale.dtype in _GEMV_SCALE_DTYPES and scale.is_contiguous()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 

@@ -126,11 +126,16 @@ def test_rows_past_the_limit_run_int_mm_with_the_same_weight(gemv):
     assert CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=0).gemv is None
 
 
-def test_float16_activations_take_int_mm(gemv):
+def test_float16_activations_and_strided_weights_take_int_mm(gemv):
     kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
     tensors = _dynamic_tensors(40, 65, torch.float16)
     x = torch.randn(2, 65).half()
     assert "tengyun::w8a8_gemv" not in _ops_run(lambda: kernel.apply(x, tensors, None))
+    wide = _dynamic_tensors(40, 130, torch.float32)
+    sliced = {**wide, "weight": wide["weight"][:, :65]}  # a row-parallel slice, not copied
+    x = torch.randn(2, 65)
+    assert "tengyun::w8a8_gemv" not in _ops_run(lambda: kernel.apply(x, sliced, None))
+    assert torch.equal(kernel.apply(x, sliced, None), _pytorch_dynamic(x, sliced, None))
 
 
 def test_platform_picks_the_kernel_for_both_w8a8_kinds(gemv):
