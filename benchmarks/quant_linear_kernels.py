@@ -3,11 +3,12 @@ bfloat16 oneDNN (prepacked), W8A8 (per-token int8 activations + torch._int_mm), 
 through torch's int4 matmul with bfloat16 and with float32 activations, and the dequantizing
 reference (what float32 W4A16 runs). Milliseconds per call, best of 3 rounds of 20.
 
-``--gemv``: W8A8 at 1-8 rows, the compiled per-token quantisation + torch._int_mm + compiled rescale
+``--gemv``: W8A8 at 1-24 rows, the compiled per-token quantisation + torch._int_mm + compiled rescale
 (+ bias) against the one-call VNNI kernel (tengyun/csrc/int8_gemv.cpp) on the same int8 weights,
 per projection shape through 30 separate weights (as 30 layers: streamed from memory, not cache)
 and for a whole pass of SmolLM2-135M's 30 x 4 layer projections; old and new alternate, median of
-15 passes; the row counts where the kernel wins set cpu_quant.MAX_GEMV_ROWS.
+15 passes (the kernel run at every row count, past MAX_GEMV_ROWS too); the row counts where the
+kernel wins set cpu_quant.MAX_GEMV_ROWS.
 
     python benchmarks/quant_linear_kernels.py
     OMP_NUM_THREADS=2 python benchmarks/quant_linear_kernels.py --gemv
@@ -68,7 +69,7 @@ def gemv_rows(dtype: torch.dtype = torch.bfloat16) -> None:
         print("the W8A8 small-batch kernel does not run here (kernels not built, or no AVX-512 VNNI)")
         return
     old = CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=0)
-    new = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
+    new = CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=64)
     torch.manual_seed(0)
     weights = {name: [_w8a8_weight(n, k, dtype) for _ in range(LAYERS)] for name, (n, k) in GEMV_SHAPES.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype} activations; "
@@ -76,7 +77,7 @@ def gemv_rows(dtype: torch.dtype = torch.bfloat16) -> None:
     print("| projection | rows | compiled quantise + _int_mm + rescale | int8_gemv | speed-up | int8_gemv GB/s |")
     print("|---|---|---|---|---|---|")
     totals = {}
-    for rows in (1, 2, 4, 8):
+    for rows in (1, 2, 4, 8, 16, 24):
         for name, (n, k) in GEMV_SHAPES.items():
             x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
             times = [[], []]
@@ -106,7 +107,7 @@ def _pass_s(kernel, weights: list, x: torch.Tensor, bias: torch.Tensor) -> float
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--gemv", action="store_true", help="W8A8 at 1-8 rows: torch._int_mm vs int8_gemv")
+    parser.add_argument("--gemv", action="store_true", help="W8A8 at 1-24 rows: torch._int_mm vs int8_gemv")
     if parser.parse_args().gemv:
         return gemv_rows()
     torch.manual_seed(0)

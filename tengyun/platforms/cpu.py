@@ -105,7 +105,7 @@ class CpuPlatform(Platform):
 
     def quant_linear_kernel(self, scheme, dtype):
         """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI), activations quantised and sums
-        rescaled by the compiled kernels where they load; up to 8 rows (decode) one compiled VNNI
+        rescaled by the compiled kernels where they load; up to 16 rows (decode) one compiled VNNI
         call (cpu_quant.MAX_GEMV_ROWS). 4-bit weight-only served in bfloat16: torch's int4 CPU
         matmul. Anything else (float32 activations included, which
         torch's int4 matmul runs ~50x slower): the reference, dequantizing per call. Measured in

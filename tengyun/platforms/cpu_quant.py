@@ -5,7 +5,7 @@ references (which they fall back to for a layer they cannot run).
   cores have it) on the int8 weight's transposed view, int32 sums scaled back in float32. Where the
   compiled kernels load, the quantisation and the rescale are one pass each
   (tengyun/csrc/layer_ops.cpp, bit-equal to the PyTorch ops; they are ~8 and ~4 ops that dominate a
-  batch-1 step's small matmuls), and on AVX-512 VNNI cores up to ``MAX_GEMV_ROWS`` rows (decode)
+  batch-1 step's small matmuls), and on AVX-512 VNNI cores up to ``MAX_GEMV_ROWS`` (16) rows
   run all three in one call (tengyun/csrc/int8_gemv.cpp: int32 sums bit-equal to torch._int_mm's,
   the same rescale) on the same int8 [out, in] weight: one copy serves both paths.
   msModelSlim's static W8A8 alike, activations quantised with its one input scale and offset,
@@ -26,9 +26,10 @@ from tengyun.layers.quant_kernels import (
 )
 
 
-# At most this many rows run the one-call VNNI kernel; more run torch._int_mm, which it beats up to
-# 8 rows at SmolLM2's shapes (benchmarks/quant_linear_kernels.py --gemv).
-MAX_GEMV_ROWS = 8
+# At most this many rows run the one-call VNNI kernel (it takes up to 64); more run torch._int_mm,
+# which it beats up to 16 rows at SmolLM2's shapes and not from 24-32 (benchmarks/quant_linear_kernels.py
+# --gemv, benchmarks/README.md).
+MAX_GEMV_ROWS = 16
 GEMV_MAX_INPUTS = 1 << 17  # int8_gemv's exactness bound: |x_q . w| <= 2^14 K < 2^31
 
 
