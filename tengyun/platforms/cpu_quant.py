@@ -30,6 +30,7 @@ from tengyun.layers.quant_kernels import (
 # which it beats up to 16 rows at SmolLM2's shapes and not from 24-32 (benchmarks/quant_linear_kernels.py
 # --gemv, benchmarks/README.md).
 MAX_GEMV_ROWS = 16
+GEMV_OP_MAX_ROWS = 64  # what the op takes (int8_gemv.cpp kMaxOpRows)
 GEMV_MAX_INPUTS = 1 << 17  # int8_gemv's exactness bound: |x_q . w| <= 2^14 K < 2^31
 
 
@@ -52,13 +53,14 @@ class CpuW8A8Kernel(QuantLinearKernel):
     def __init__(self, scheme, compiled: bool = False, max_gemv_rows: int | None = None):
         """compiled: the kernel library is loaded (cpu_kernels.load_error() is None); its one-pass
         quantize_per_token_int8 and rescale_int32 replace the PyTorch ops, and up to max_gemv_rows
-        rows (default MAX_GEMV_ROWS; 0: never) run w8a8_gemv where the CPU has VNNI."""
+        rows (default MAX_GEMV_ROWS; 0: never; at most GEMV_OP_MAX_ROWS) run w8a8_gemv where the
+        CPU has VNNI."""
         super().__init__(scheme)
         ops = torch.ops.tengyun if compiled else None
         self.quantize = ops.quantize_per_token_int8.default if ops else None  # overloads resolved once
         self.rescale = ops.rescale_int32.default if ops else None
         self.gemv = _gemv_op(compiled, max_gemv_rows)
-        self.max_gemv_rows = MAX_GEMV_ROWS if max_gemv_rows is None else max_gemv_rows
+        self.max_gemv_rows = min(GEMV_OP_MAX_ROWS, MAX_GEMV_ROWS if max_gemv_rows is None else max_gemv_rows)
 
     def apply(self, x, prepared, bias):
         x2 = x.reshape(-1, x.shape[-1])
@@ -132,7 +134,7 @@ class CpuW8A8StaticKernel(ReferenceW8A8StaticKernel):
     def __init__(self, scheme, compiled: bool = False, max_gemv_rows: int | None = None):
         super().__init__(scheme)
         self.gemv = _gemv_op(compiled, max_gemv_rows)
-        self.max_gemv_rows = MAX_GEMV_ROWS if max_gemv_rows is None else max_gemv_rows
+        self.max_gemv_rows = min(GEMV_OP_MAX_ROWS, MAX_GEMV_ROWS if max_gemv_rows is None else max_gemv_rows)
 
     def apply(self, x, prepared, bias):
         x2 = x.reshape(-1, x.shape[-1])

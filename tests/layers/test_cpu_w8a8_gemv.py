@@ -124,6 +124,9 @@ def test_rows_past_the_limit_run_int_mm_with_the_same_weight(gemv):
     assert "aten::_int_mm" in ran and "tengyun::w8a8_gemv" not in ran
     assert torch.equal(kernel.apply(many, prepared, None), _pytorch_dynamic(many, tensors, None))
     assert CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=0).gemv is None
+    wide = CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=1000)  # the op takes 64 rows at most
+    x65 = torch.randn(65, 65)
+    assert torch.equal(wide.apply(x65, prepared, None), _pytorch_dynamic(x65, tensors, None))
 
 
 def test_float16_activations_and_strided_weights_take_int_mm(gemv):
