@@ -132,20 +132,20 @@ class CpuPlatform(Platform):
 
     def quant_linear_kernel(self, scheme, dtype):
         """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI), activations quantised and sums
-        rescaled by the compiled kernels where they load. 4-bit weight-only served in
-        bfloat16: torch's int4 CPU matmul. Anything else (float32 activations included, which
+        rescaled by the compiled kernels where they load; up to 16 rows (decode) one compiled VNNI
+        call (cpu_quant.MAX_GEMV_ROWS). 4-bit weight-only served in bfloat16: torch's int4 CPU
+        matmul. Anything else (float32 activations included, which
         torch's int4 matmul runs ~50x slower): the reference, dequantizing per call. Measured in
         benchmarks/README.md."""
         import torch
 
         from tengyun.platforms import cpu_quant
 
-        if scheme.kernel == "w8a8_int8":
+        if scheme.kernel in ("w8a8_int8", "w8a8_static_int8"):
             from tengyun.layers.attention import cpu_kernels
 
-            return cpu_quant.CpuW8A8Kernel(scheme, compiled=cpu_kernels.load_error() is None)
-        if scheme.kernel == "w8a8_static_int8":
-            return cpu_quant.CpuW8A8StaticKernel(scheme)
+            kernel = cpu_quant.CpuW8A8Kernel if scheme.kernel == "w8a8_int8" else cpu_quant.CpuW8A8StaticKernel
+            return kernel(scheme, compiled=cpu_kernels.load_error() is None)
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu_gguf.py)
             from tengyun.platforms.cpu_gguf import gguf_kernel
 
