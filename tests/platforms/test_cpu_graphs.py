@@ -82,3 +82,18 @@ def test_tensor_parallel_ranks_run_eager():
     its all-reduce. (The TP parity tests run the engine itself at TP 2.)"""
     assert "tensor parallelism" in CpuPlatform().graph_blocker(2)
     assert CpuPlatform().graph_blocker(1) is None
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+def test_traced_quantised_decode_steps_give_the_eager_tokens(tiny_checkpoints, tmp_path, scheme):
+    """The quantised kernels (int8 GEMV / torch._int_mm, the compiled 4-bit kernel) inside a trace."""
+    from tengyun.quantization.quantize import quantize_folder
+
+    _needs_kernel("bfloat16")
+    folder = str(quantize_folder(tiny_checkpoints["llama"], tmp_path / scheme, scheme, 32).out_dir)
+    llm = LLM(folder, dtype="bfloat16", **ARGS)
+    graphs = llm.llm_engine.executor.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 6]
+    got = llm.generate(_prompts(), _params())
+    _same_outputs(got, LLM(folder, dtype="bfloat16", enforce_eager=True, **ARGS).generate(_prompts(), _params()))
+    assert all(graphs.steps[s] for s in graphs.sizes), graphs.steps
