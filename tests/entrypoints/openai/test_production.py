@@ -105,11 +105,12 @@ def test_supervisor_memory_threshold_restarts_gracefully(server_model, tengyun):
     sup = tengyun("supervise", "--memory-threshold", "0.001", "--check-interval", "1",
                   "--metrics-port", str(metrics_port), "--",
                   "serve", str(server_model), "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout",
-                  "600", *SERVE_FLAGS)
+                  "600", "--enforce-eager", *SERVE_FLAGS)
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     wait_health(url)
     # The supervisor reads memory one --check-interval after it logs the server healthy; the
-    # 2,000-token request sent right after that line takes ~2 s even on a quiet machine.
+    # 2,000-token request sent right after that line takes ~2 s even on a quiet machine when
+    # decoding eagerly (decode graphs finish this tiny model's request in under the 1 s interval).
     sup.wait_log(r"The server is healthy")
     assert restarts_metric(metrics_url, "memory") == 0
     chunks, _, _ = stream_completion(url, {"prompt": "The quick brown fox", "max_tokens": 2000, "ignore_eos": True,
