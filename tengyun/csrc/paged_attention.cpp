@@ -35,6 +35,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "cpu_isa.h"
 

@@ -93,6 +93,42 @@ inline void block_scores(const float* q, Rows k, int64_t n, int64_t padded, floa
 
 #undef TY_PIECES
 
+#if TY_ISA == 512
+#define TY_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+// s[t] = scale * (q . k_t) for t < n from bfloat16 q and K rows as they lie (k_t at k + t * k_stride),
+// P chunks of 32 dims, with AVX512_BF16's vdpbf16ps: each product exact in float32, pairs summed,
+// then accumulated in float32 (the float32 path's precision; only the summation order differs).
+template <int P>
+TY_BF16_TARGET void scores_dot_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t k_stride, int64_t n,
+                                    float scale, float* s) {
+  __m512bh qv[P];
+  for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    V part[16];
+    const int64_t m = std::min<int64_t>(16, n - t0);
+    for (int64_t i = 0; i < m; ++i) {
+      const c10::BFloat16* row = k + (t0 + i) * k_stride;
+      V a = _mm512_dpbf16_ps(Vec::zero(), qv[0], (__m512bh)_mm512_loadu_si512(row));
+      for (int c = 1; c < P; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+      part[i] = a;
+    }
+    for (int64_t i = m; i < 16; ++i) part[i] = Vec::zero();
+    Vec::store(s + t0, Vec::mul(Vec::transpose_sum(part), Vec::set1(scale)));
+  }
+}
+
+TY_BF16_TARGET inline void block_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t k_stride,
+                                             int64_t n, int64_t dim, float scale, float* s) {
+  switch (dim / 32) {
+    case 1: return scores_dot_bf16<1>(q, k, k_stride, n, scale, s);
+    case 2: return scores_dot_bf16<2>(q, k, k_stride, n, scale, s);
+    case 3: return scores_dot_bf16<3>(q, k, k_stride, n, scale, s);
+    default: return scores_dot_bf16<4>(q, k, k_stride, n, scale, s);
+  }
+}
+#undef TY_BF16_TARGET
+#endif
+
 // One V row's chunk c as W floats: a float32 row where it lies (the cache, or a widened copy), or a
 // bfloat16 / float16 row read in place and widened in registers.
 inline V load_chunk(const float* p) { return Vec::load(p); }
@@ -202,6 +238,7 @@ constexpr int64_t kAheadBlocks = 2;  // blocks prefetched ahead of the one being
 
 struct Layout {  // attend_group's scratch, in floats
   int64_t group, rows, padded, span, score_stride, block_size;
+  bool dot_bf16 = false;  // scores by block_scores_bf16 (bfloat16 q and cache, AVX512_BF16, see run_typed)
   explicit Layout(const Problem& p)
       : group(p.q_heads / p.kv_heads), rows(group * p.max_query_len), padded(round_up(p.head_dim, Vec::W)),
         span(std::max<int64_t>(1, kSpanTokens / p.block_size) * p.block_size),
@@ -227,6 +264,9 @@ struct Task {
   int64_t b, h, len, first, nq, rows, group, num_blocks;
   const int64_t* table;  // the sequence's block ids
   int64_t limit(int64_t r) const { return len - (nq - 1 - r / group); }
+  int64_t query_row(const Problem& p, int64_t r) const {  // row r's [head_dim] row of q / out
+    return (first + r / group) * p.q_heads + h * group + r % group;
+  }
 };
 
 inline Task make_task(const Problem& p, const Layout& lay, int64_t b, int64_t h) {
@@ -256,6 +296,20 @@ void span_scores(const Problem& p, const Layout& lay, const Task& task, int64_t 
     if (ahead < j1) prefetch_block<CacheT>(p, task, p.k_cache, ahead);
     else if (j0 + ahead - j1 < j1) prefetch_block<CacheT>(p, task, p.v_cache, j0 + ahead - j1);
     const int64_t n = std::min(bs, task.len - j * bs);
+#if TY_ISA == 512
+    if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+      if (lay.dot_bf16) {  // q and K as they lie, no widening
+        for (int64_t r = 0; r < task.rows; ++r) {
+          const int64_t m = std::min(n, task.limit(r) - j * bs);
+          if (m > 0)
+            block_scores_bf16(static_cast<const c10::BFloat16*>(p.q) + task.query_row(p, r) * dim,
+                              k_cache + task.table[j] * p.block_stride, row_stride, m, dim, p.scale,
+                              work + lay.scores() + r * lay.score_stride + (j - j0) * bs);
+        }
+        continue;
+      }
+    }
+#endif
     const Rows k = block_rows(k_cache + task.table[j] * p.block_stride, n, row_stride, dim, lay.padded,
                               work + lay.k_rows());
     for (int64_t r = 0; r < task.rows; ++r) {
@@ -358,7 +412,12 @@ void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, flo
 // Every (sequence, KV head) pair, spread over torch's OpenMP threads.
 template <typename CacheT, typename IoT>
 void run_typed(const Problem& p) {
-  const Layout lay(p);
+  Layout lay(p);
+#if TY_ISA == 512
+  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
+  lay.dot_bf16 = std::is_same_v<CacheT, c10::BFloat16> && std::is_same_v<IoT, c10::BFloat16> && has_bf16_dot &&
+                 p.head_dim % 32 == 0 && p.head_dim <= 128;
+#endif
   const int64_t tasks = p.batch * p.kv_heads;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.threads, tasks)));
 #pragma omp parallel num_threads(threads)
