@@ -24,11 +24,12 @@ MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "qwen2.5-coder": "Qw
 
 def build_engine(args):
     if args.model == "embedded":
-        return LLM(max_model_len=300, kv_cache_memory="1GiB", dtype=args.dtype).llm_engine
+        return LLM(max_model_len=300, kv_cache_memory="1GiB", dtype=args.dtype, block_size=args.block_size).llm_engine
     from tengyun.models.model_source import resolve_model
 
     folder = str(resolve_model(MODELS[args.model], "auto").folder)
-    return LLM(folder, max_model_len=512, kv_cache_memory="1GiB", dtype=args.dtype).llm_engine
+    return LLM(folder, max_model_len=512, kv_cache_memory="1GiB", dtype=args.dtype,
+               block_size=args.block_size).llm_engine
 
 
 def timed(obj, name: str, into: dict[str, list[float]]) -> None:
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="requests, all at once")
     parser.add_argument("--model", choices=["embedded", *MODELS], default="embedded")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the platform's)")
     args = parser.parse_args()
     engine = build_engine(args)
     runner = engine.executor.runner

@@ -1,5 +1,11 @@
 // CPU paged attention for decodes and short chunks: K/V read in place from the paged cache (no
-// gather copy), 16-bit caches widened to float32 a row at a time, float32 accumulation.
+// gather copy), float32 accumulation. One task per (sequence, KV head) attends all its query rows
+// (the group of query heads x the chunk's tokens) together, 512 tokens at a time: the scores of
+// every row (each K block widened to float32 once when 16-bit), one softmax update per row, then
+// the values with each V row read (and widened in registers) once for all rows; blocks prefetched
+// two ahead (paged_attention_impl.h). With bfloat16 q and cache on a CPU with AVX512_BF16 the
+// scores are vdpbf16ps dot products of the rows as they lie (products exact in float32, float32
+// sums: the float32 path's precision, another summation order).
 //
 // torch.ops.tengyun.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
 //                                          query_start_loc=None)
@@ -31,6 +37,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "cpu_isa.h"
 
@@ -67,7 +74,9 @@ inline float fp16_to_float(uint16_t bits) { return static_cast<float>(c10::Half(
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
 namespace avx512 {
+namespace {  // internal linkage: direct calls, inlined at will
 #include "paged_attention_impl.h"
+}  // namespace
 }  // namespace avx512
 #pragma GCC pop_options
 #undef TY_ISA
@@ -76,7 +85,9 @@ namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
+namespace {  // internal linkage: direct calls, inlined at will
 #include "paged_attention_impl.h"
+}  // namespace
 }  // namespace avx2
 #pragma GCC pop_options
 #undef TY_ISA
@@ -84,7 +95,9 @@ namespace avx2 {
 
 #define TY_ISA 0
 namespace generic {
+namespace {  // internal linkage: direct calls, inlined at will
 #include "paged_attention_impl.h"
+}  // namespace
 }  // namespace generic
 #undef TY_ISA
 

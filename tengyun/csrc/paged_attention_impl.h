@@ -7,129 +7,7 @@
 // Cache layout (shared by every backend): k/v [num_blocks, block_size, num_kv_heads, head_dim];
 // row t of block n, KV head h starts at n * block_stride + (t * num_kv_heads + h) * head_dim.
 
-#if TY_ISA == 512
-struct Vec {  // 16 float lanes
-  static constexpr int64_t W = 16;
-  using T = __m512;
-  static inline T zero() { return _mm512_setzero_ps(); }
-  static inline T set1(float x) { return _mm512_set1_ps(x); }
-  static inline T load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-  static inline T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-  static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
-  static inline T sub(T a, T b) { return _mm512_sub_ps(a, b); }
-  static inline T max(T a, T b) { return _mm512_max_ps(a, b); }
-  static inline float hsum(T v) { return _mm512_reduce_add_ps(v); }
-  static constexpr int kMaxPiece = 8;  // chunks of W held in registers at once (of 32 zmm)
-  // v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes (45 ops, not 16 reductions).
-  static inline T transpose_sum(const T* v) {
-    T w[8], x[4], y[2];
-    for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-      w[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i)  // per 128-bit lane: partial sums of v[4i .. 4i+3]
-      x[i] = add(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; ++i)  // 128-bit lanes: [x(2i) L0+L1, x(2i) L2+L3, x(2i+1) L0+L1, x(2i+1) L2+L3]
-      y[i] = add(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-    return add(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-  }
-  static inline float hmax(T v) { return _mm512_reduce_max_ps(v); }
-  static inline T load_bf16(const uint16_t* p) {  // bfloat16 is the high half of a float32
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  static inline T load_fp16(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static inline T exp(T x) {  // Cephes expf: 2^n * e^r, |r| <= ln2 / 2; ~1 ulp
-    x = _mm512_min_ps(_mm512_max_ps(x, set1(-87.3f)), set1(88.3f));
-    T n = _mm512_roundscale_ps(mul(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    T r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
-    return _mm512_scalef_ps(exp_reduced(r), n);
-  }
-  static inline T exp_reduced(T r) {
-    T y = fmadd(set1(1.9875691500e-4f), r, set1(1.3981999507e-3f));
-    y = fmadd(y, r, set1(8.3334519073e-3f));
-    y = fmadd(y, r, set1(4.1665795894e-2f));
-    y = fmadd(y, r, set1(1.6666665459e-1f));
-    y = fmadd(y, r, set1(5.0000001201e-1f));
-    return _mm512_add_ps(fmadd(y, mul(r, r), r), set1(1.0f));
-  }
-};
-#elif TY_ISA == 256
-struct Vec {  // 8 float lanes
-  static constexpr int64_t W = 8;
-  using T = __m256;
-  static inline T zero() { return _mm256_setzero_ps(); }
-  static inline T set1(float x) { return _mm256_set1_ps(x); }
-  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  static inline T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-  static inline T max(T a, T b) { return _mm256_max_ps(a, b); }
-  static constexpr int kMaxPiece = 4;  // chunks of W held in registers at once (of 16 ymm)
-  static inline T transpose_sum(const T* v) {  // v[0..7] -> lane i = sum of v[i]'s lanes
-    T a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // per 128: v0..v3 halves
-    T b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return add(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  }
-  static inline float hsum(T v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
-  static inline float hmax(T v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-  }
-  static inline T load_bf16(const uint16_t* p) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  static inline T load_fp16(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static inline T exp(T x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.3f)), set1(88.3f));
-    T n = _mm256_round_ps(mul(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    T r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
-    T y = fmadd(set1(1.9875691500e-4f), r, set1(1.3981999507e-3f));
-    y = fmadd(y, r, set1(8.3334519073e-3f));
-    y = fmadd(y, r, set1(4.1665795894e-2f));
-    y = fmadd(y, r, set1(1.6666665459e-1f));
-    y = fmadd(y, r, set1(5.0000001201e-1f));
-    y = _mm256_add_ps(fmadd(y, mul(r, r), r), set1(1.0f));
-    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return mul(y, _mm256_castsi256_ps(pow2n));
-  }
-};
-#else
-struct Vec {  // one lane: plain C++ for CPUs without AVX2 (and non-x86 builds)
-  static constexpr int64_t W = 1;
-  using T = float;
-  static inline T zero() { return 0.0f; }
-  static inline T set1(float x) { return x; }
-  static inline T load(const float* p) { return *p; }
-  static inline void store(float* p, T v) { *p = v; }
-  static inline T fmadd(T a, T b, T c) { return a * b + c; }
-  static inline T mul(T a, T b) { return a * b; }
-  static inline T add(T a, T b) { return a + b; }
-  static inline T sub(T a, T b) { return a - b; }
-  static inline T max(T a, T b) { return a > b ? a : b; }
-  static inline float hsum(T v) { return v; }
-  static constexpr int kMaxPiece = 8;
-  static inline T transpose_sum(const T* v) { return v[0]; }
-  static inline float hmax(T v) { return v; }
-  static inline T load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
-  static inline T load_fp16(const uint16_t* p) { return fp16_to_float(*p); }
-  static inline T exp(T x) { return std::exp(x); }
-};
-#endif
+#include "paged_attention_vec.h"  // struct Vec: W float lanes of this ISA
 
 using V = typename Vec::T;
 
@@ -196,19 +74,6 @@ void scores_piece(const float* q, Rows k, int64_t n, float* s, bool accumulate) 
   }
 }
 
-// acc[P chunks] = acc * correction + sum_t p[t] * v_t, the accumulators held in registers.
-template <int P>
-void values_piece(float* acc, float correction, const float* p, Rows v, int64_t n) {
-  V a[P];
-  for (int c = 0; c < P; ++c) a[c] = Vec::mul(Vec::load(acc + c * Vec::W), Vec::set1(correction));
-  for (int64_t t = 0; t < n; ++t) {
-    const V weight = Vec::set1(p[t]);
-    const float* row = v.data + t * v.stride;
-    for (int c = 0; c < P; ++c) a[c] = Vec::fmadd(weight, Vec::load(row + c * Vec::W), a[c]);
-  }
-  for (int c = 0; c < P; ++c) Vec::store(acc + c * Vec::W, a[c]);
-}
-
 #define TY_PIECES(CALL) \
   switch (piece) {      \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
@@ -226,54 +91,162 @@ inline void block_scores(const float* q, Rows k, int64_t n, int64_t padded, floa
   }
 }
 
-inline void block_values(float* acc, float correction, const float* p, Rows v, int64_t n, int64_t padded) {
-  for (int64_t c0 = 0; c0 < padded / Vec::W; c0 += Vec::kMaxPiece) {
-    const int64_t piece = std::min<int64_t>(Vec::kMaxPiece, padded / Vec::W - c0), off = c0 * Vec::W;
-    const Rows part{v.data + off, v.stride};
-#define TY_VALUES(P) values_piece<P>(acc + off, correction, p, part, n)
-    TY_PIECES(TY_VALUES)
-#undef TY_VALUES
-  }
-}
 #undef TY_PIECES
 
-inline float row_max(const float* s, int64_t n) {
-  V m = Vec::set1(-INFINITY);
-  int64_t t = 0;
-  for (; t + Vec::W <= n; t += Vec::W) m = Vec::max(m, Vec::load(s + t));
-  float best = Vec::hmax(m);
-  for (; t < n; ++t) best = std::max(best, s[t]);
-  return best;
+#if TY_ISA == 512
+#define TY_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+// s[t] = scale * (q . k_t) for t < n from bfloat16 q and K rows as they lie (k_t at k + t * k_stride),
+// P chunks of 32 dims, with AVX512_BF16's vdpbf16ps: each product exact in float32, pairs summed,
+// then accumulated in float32 (the float32 path's precision; only the summation order differs).
+template <int P>
+TY_BF16_TARGET void scores_dot_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t k_stride, int64_t n,
+                                    float scale, float* s) {
+  __m512bh qv[P];
+  for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    V part[16];
+    const int64_t m = std::min<int64_t>(16, n - t0);
+    for (int64_t i = 0; i < m; ++i) {
+      const c10::BFloat16* row = k + (t0 + i) * k_stride;
+      V a = _mm512_dpbf16_ps(Vec::zero(), qv[0], (__m512bh)_mm512_loadu_si512(row));
+      for (int c = 1; c < P; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+      part[i] = a;
+    }
+    for (int64_t i = m; i < 16; ++i) part[i] = Vec::zero();
+    Vec::store(s + t0, Vec::mul(Vec::transpose_sum(part), Vec::set1(scale)));
+  }
 }
 
-inline float exp_minus_and_sum(float* s, int64_t n, float shift) {  // s[t] = exp(s[t] - shift); -> sum
+TY_BF16_TARGET inline void block_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t k_stride,
+                                             int64_t n, int64_t dim, float scale, float* s) {
+  switch (dim / 32) {
+    case 1: return scores_dot_bf16<1>(q, k, k_stride, n, scale, s);
+    case 2: return scores_dot_bf16<2>(q, k, k_stride, n, scale, s);
+    case 3: return scores_dot_bf16<3>(q, k, k_stride, n, scale, s);
+    default: return scores_dot_bf16<4>(q, k, k_stride, n, scale, s);
+  }
+}
+#undef TY_BF16_TARGET
+#endif
+
+// One V row's chunk c as W floats: a float32 row where it lies (the cache, or a widened copy), or a
+// bfloat16 / float16 row read in place and widened in registers.
+inline V load_chunk(const float* p) { return Vec::load(p); }
+inline V load_chunk(const c10::BFloat16* p) { return Vec::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline V load_chunk(const c10::Half* p) { return Vec::load_fp16(reinterpret_cast<const uint16_t*>(p)); }
+
+// R rows x P chunks of accumulators in registers: acc_r += sum_{t < n} p_r[t] * v_t, row r's
+// accumulators at acc + r * acc_stride, its weights at w + r * w_stride, v_t at v + t * v_stride.
+// Each V row is loaded (and widened) once for the R rows; R * P independent FMA chains.
+template <int R, int P, typename E>
+void values_tile(float* acc, int64_t acc_stride, const float* w, int64_t w_stride, const E* v, int64_t v_stride,
+                 int64_t n) {
+  V a[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < P; ++c) a[r][c] = Vec::load(acc + r * acc_stride + c * Vec::W);
+  for (int64_t t = 0; t < n; ++t) {
+    V x[P];
+    for (int c = 0; c < P; ++c) x[c] = load_chunk(v + t * v_stride + c * Vec::W);
+    for (int r = 0; r < R; ++r) {
+      const V weight = Vec::set1(w[r * w_stride + t]);
+      for (int c = 0; c < P; ++c) a[r][c] = Vec::fmadd(weight, x[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < P; ++c) Vec::store(acc + r * acc_stride + c * Vec::W, a[r][c]);
+}
+
+template <int R, typename E>
+void values_rows(int64_t piece, float* acc, int64_t acc_stride, const float* w, int64_t w_stride, const E* v,
+                 int64_t v_stride, int64_t n) {
+  static_assert(Vec::kValuePiece == 4, "values_rows covers pieces of 1 to 4 chunks");
+  switch (piece) {
+    case 1: return values_tile<R, 1>(acc, acc_stride, w, w_stride, v, v_stride, n);
+    case 2: return values_tile<R, 2>(acc, acc_stride, w, w_stride, v, v_stride, n);
+    case 3: return values_tile<R, 3>(acc, acc_stride, w, w_stride, v, v_stride, n);
+    default: return values_tile<R, 4>(acc, acc_stride, w, w_stride, v, v_stride, n);
+  }
+}
+
+// acc [rows, padded] += w [rows, n] (row stride w_stride) . V [n, padded] (row stride v_stride):
+// the head dim in pieces of kValuePiece chunks, the rows in even tiles of at most kRowTile (7 -> 4 + 3).
+template <typename E>
+void block_values(float* acc, int64_t padded, const float* w, int64_t w_stride, const E* v, int64_t v_stride,
+                  int64_t n, int64_t rows) {
+  static_assert(Vec::kRowTile <= 6, "block_values covers tiles of 1 to 6 rows");
+  const int64_t tiles = (rows + Vec::kRowTile - 1) / Vec::kRowTile, tile = (rows + tiles - 1) / tiles;
+  for (int64_t c0 = 0; c0 < padded / Vec::W; c0 += Vec::kValuePiece) {
+    const int64_t piece = std::min<int64_t>(Vec::kValuePiece, padded / Vec::W - c0), off = c0 * Vec::W;
+    for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+      float* a = acc + r0 * padded + off;
+      const float* wr = w + r0 * w_stride;
+#define TY_ROWS(R) values_rows<(R < Vec::kRowTile ? R : Vec::kRowTile)>(piece, a, padded, wr, w_stride, v + off, \
+                                                                        v_stride, n)
+      switch (std::min(tile, rows - r0)) {
+        case 1: TY_ROWS(1); break; case 2: TY_ROWS(2); break; case 3: TY_ROWS(3); break;
+        case 4: TY_ROWS(4); break; case 5: TY_ROWS(5); break; default: TY_ROWS(6); break;
+      }
+#undef TY_ROWS
+    }
+  }
+}
+
+inline float row_max(const float* s, int64_t m) {  // max of s[0..m), m > 0; lanes past m unread
+  V best = Vec::set1(-INFINITY);
+  int64_t t = 0;
+  for (; t + Vec::W <= m; t += Vec::W) best = Vec::max(best, Vec::load(s + t));
+  if (t < m) best = Vec::max(best, Vec::keep_first(Vec::load(s + t), m - t, -INFINITY));
+  return Vec::hmax(best);
+}
+
+// s[t] = exp(s[t] - shift) for t < m, 0 for m <= t < end (end a multiple of W) -> sum over t < m.
+inline float exp_minus_and_sum(float* s, int64_t m, int64_t end, float shift) {
   V sum = Vec::zero();
   const V sh = Vec::set1(shift);
   int64_t t = 0;
-  for (; t + Vec::W <= n; t += Vec::W) {
+  for (; t + Vec::W <= m; t += Vec::W) {
     const V e = Vec::exp(Vec::sub(Vec::load(s + t), sh));
     Vec::store(s + t, e);
     sum = Vec::add(sum, e);
   }
-  float total = Vec::hsum(sum);
-  for (; t < n; ++t) total += (s[t] = std::exp(s[t] - shift));
-  return total;
+  if (t < m) {
+    const V e = Vec::keep_first(Vec::exp(Vec::sub(Vec::load(s + t), sh)), m - t, 0.0f);
+    Vec::store(s + t, e);
+    sum = Vec::add(sum, e);
+    t += Vec::W;
+  }
+  for (; t < end; t += Vec::W) Vec::store(s + t, Vec::zero());
+  return Vec::hsum(sum);
+}
+
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));  // not __builtin_prefetch: GCC deleted loops of those here
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
 }
 
 inline void prefetch_rows(const void* first, int64_t rows, int64_t row_stride_bytes, int64_t row_bytes) {
   const char* base = static_cast<const char*>(first);
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(base + t * row_stride_bytes + b, 0, 3);
+    for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line(base + t * row_stride_bytes + b);
 }
 
+constexpr int64_t kSpanTokens = 512;  // scores held at once: whole blocks, this many tokens or one block
+constexpr int64_t kAheadBlocks = 2;  // blocks prefetched ahead of the one being read
+
 struct Layout {  // attend_group's scratch, in floats
-  int64_t group, rows, padded, score_stride, block_size;
+  int64_t group, rows, padded, span, score_stride, block_size;
+  bool dot_bf16 = false;  // scores by block_scores_bf16 (bfloat16 q and cache, AVX512_BF16, see run_typed)
   explicit Layout(const Problem& p)
       : group(p.q_heads / p.kv_heads), rows(group * p.max_query_len), padded(round_up(p.head_dim, Vec::W)),
-        score_stride(round_up(p.block_size, Vec::W)), block_size(p.block_size) {}
+        span(std::max<int64_t>(1, kSpanTokens / p.block_size) * p.block_size),
+        score_stride(round_up(span, Vec::W) + Vec::W), block_size(p.block_size) {}
   // rows = group x (most query tokens of a sequence); row r = i * group + g (query token i, head g)
-  // [rows, padded] scaled queries | [rows, padded] accumulators | [rows, score_stride] scores |
-  // [block_size, padded] K block as float32 | the same for V | [rows] running max | [rows] running sum
+  // [rows, padded] scaled queries | [rows, padded] accumulators | [rows, score_stride] one span's
+  // scores, then softmax numerators | [block_size, padded] K block as float32 | the same for V |
+  // [rows] running max | [rows] running sum | [rows] the span's correction of the accumulators
   int64_t query() const { return 0; }
   int64_t acc() const { return rows * padded; }
   int64_t scores() const { return 2 * rows * padded; }
@@ -281,77 +254,176 @@ struct Layout {  // attend_group's scratch, in floats
   int64_t v_rows() const { return k_rows() + block_size * padded; }
   int64_t run_max() const { return v_rows() + block_size * padded; }
   int64_t run_sum() const { return run_max() + rows; }
-  int64_t floats() const { return run_sum() + rows; }
+  int64_t correction() const { return run_sum() + rows; }
+  int64_t floats() const { return correction() + rows; }
 };
 
-// Online-softmax update of one query row with the first m tokens of a block: s = q . K (scale is
-// folded into q), run_max / run_sum rescaled, acc = acc * correction + softmax numerators . V.
-inline void attend_rows(const float* query, float* acc, float* s, float& run_max, float& run_sum, Rows k, Rows v,
-                        int64_t m, int64_t padded) {
-  block_scores(query, k, m, padded, s);
-  const float new_max = std::max(run_max, row_max(s, m));
-  const float correction = run_sum > 0.0f ? std::exp(run_max - new_max) : 0.0f;
-  run_sum = run_sum * correction + exp_minus_and_sum(s, m, new_max);
-  run_max = new_max;
-  block_values(acc, correction, s, v, m, padded);
+// Sequence b, KV head h: `rows` query rows, row r = query token r / group (of nq) and query head
+// h * group + r % group; row r sees the first limit(r) = len - (nq - 1 - r / group) tokens (causal).
+struct Task {
+  int64_t b, h, len, first, nq, rows, group, num_blocks;
+  const int64_t* table;  // the sequence's block ids
+  int64_t limit(int64_t r) const { return len - (nq - 1 - r / group); }
+  int64_t query_row(const Problem& p, int64_t r) const {  // row r's [head_dim] row of q / out
+    return (first + r / group) * p.q_heads + h * group + r % group;
+  }
+};
+
+inline Task make_task(const Problem& p, const Layout& lay, int64_t b, int64_t h) {
+  const int64_t first = p.query_start ? p.query_start[b] : b;  // query tokens [first, first + nq)
+  const int64_t nq = p.query_start ? p.query_start[b + 1] - first : 1, len = p.seq_lens[b];
+  return {b, h, len, first, nq, nq * lay.group, lay.group, (len + p.block_size - 1) / p.block_size,
+          p.block_tables + b * p.table_stride};
 }
 
-// Sequence b, KV head h: the `group` query heads that read KV head h, for each of the sequence's
-// query tokens (one in a decode; the last token and the drafts in a speculative verify), attended
-// together over the sequence's blocks with an online softmax, so each K/V row is read from memory
-// once. Query token i of n attends over the first seq_lens[b] - (n - 1 - i) tokens (causal).
+// Block j's rows of KV head h in `cache` (K or V) into the cache hierarchy; nothing past the task.
+template <typename CacheT>
+inline void prefetch_block(const Problem& p, const Task& task, const void* cache, int64_t j) {
+  if (j >= task.num_blocks) return;
+  const CacheT* first = static_cast<const CacheT*>(cache) + task.table[j] * p.block_stride + task.h * p.head_dim;
+  prefetch_rows(first, std::min(p.block_size, task.len - j * p.block_size), p.kv_heads * p.head_dim * sizeof(CacheT),
+                p.head_dim * sizeof(CacheT));
+}
+
+// Pass 1 over blocks [j0, j1) (one span): scores[r][t - j0 * bs] = q_r . k_t for the tokens row r
+// sees; each K block widened (when needed) once for every row. Prefetches K ahead, then the span's V.
+template <typename CacheT>
+void span_scores(const Problem& p, const Layout& lay, const Task& task, int64_t j0, int64_t j1, float* work) {
+  const int64_t bs = p.block_size, dim = p.head_dim, row_stride = p.kv_heads * dim;
+  const CacheT* k_cache = static_cast<const CacheT*>(p.k_cache) + task.h * dim;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t ahead = j + kAheadBlocks;
+    if (ahead < j1) prefetch_block<CacheT>(p, task, p.k_cache, ahead);
+    else if (j0 + ahead - j1 < j1) prefetch_block<CacheT>(p, task, p.v_cache, j0 + ahead - j1);
+    const int64_t n = std::min(bs, task.len - j * bs);
+#if TY_ISA == 512
+    if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+      if (lay.dot_bf16) {  // q and K as they lie, no widening
+        for (int64_t r = 0; r < task.rows; ++r) {
+          const int64_t m = std::min(n, task.limit(r) - j * bs);
+          if (m > 0)
+            block_scores_bf16(static_cast<const c10::BFloat16*>(p.q) + task.query_row(p, r) * dim,
+                              k_cache + task.table[j] * p.block_stride, row_stride, m, dim, p.scale,
+                              work + lay.scores() + r * lay.score_stride + (j - j0) * bs);
+        }
+        continue;
+      }
+    }
+#endif
+    const Rows k = block_rows(k_cache + task.table[j] * p.block_stride, n, row_stride, dim, lay.padded,
+                              work + lay.k_rows());
+    for (int64_t r = 0; r < task.rows; ++r) {
+      const int64_t m = std::min(n, task.limit(r) - j * bs);  // tokens of this block row r sees
+      if (m > 0)
+        block_scores(work + lay.query() + r * lay.padded, k, m, lay.padded,
+                     work + lay.scores() + r * lay.score_stride + (j - j0) * bs);
+    }
+  }
+}
+
+// Online-softmax update of every row with the span's scores (tokens [span0, span0 + span_len)):
+// run_max / run_sum rescaled, scores turned into numerators (0 past what the row sees, to the
+// span's end), correction[r] the factor row r's accumulators take before the span's values (1
+// for a row that sees none of the span: nothing changes).
+inline void span_softmax(const Layout& lay, const Task& task, int64_t span0, int64_t span_len, float* work) {
+  float *run_max = work + lay.run_max(), *run_sum = work + lay.run_sum(), *correction = work + lay.correction();
+  const int64_t end = round_up(span_len, Vec::W);
+  for (int64_t r = 0; r < task.rows; ++r) {
+    float* s = work + lay.scores() + r * lay.score_stride;
+    const int64_t m = std::min(span_len, task.limit(r) - span0);
+    if (m <= 0) {
+      correction[r] = 1.0f;
+      std::fill(s, s + end, 0.0f);
+      continue;
+    }
+    const float new_max = std::max(run_max[r], row_max(s, m));
+    correction[r] = run_sum[r] > 0.0f ? std::exp(run_max[r] - new_max) : 0.0f;
+    run_sum[r] = run_sum[r] * correction[r] + exp_minus_and_sum(s, m, end, new_max);
+    run_max[r] = new_max;
+  }
+}
+
+// Pass 2 over blocks [j0, j1): acc_r = acc_r * correction[r] + sum_t numerator_r[t] * v_t, every
+// row at once per V row (a row's zero numerators past its limit add exact zeros: the K/V of a
+// chunk's later tokens, in the cache and finite, times 0). Prefetches V ahead, then the next span's K.
+template <typename CacheT>
+void span_values(const Problem& p, const Layout& lay, const Task& task, int64_t j0, int64_t j1, float* work) {
+  const int64_t bs = p.block_size, dim = p.head_dim, row_stride = p.kv_heads * dim, padded = lay.padded;
+  float* acc = work + lay.acc();
+  for (int64_t r = 0; r < task.rows; ++r) {
+    const V c = Vec::set1(work[lay.correction() + r]);
+    for (float* a = acc + r * padded; a < acc + (r + 1) * padded; a += Vec::W) Vec::store(a, Vec::mul(Vec::load(a), c));
+  }
+  const CacheT* v_cache = static_cast<const CacheT*>(p.v_cache) + task.h * dim;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t ahead = j + kAheadBlocks;
+    prefetch_block<CacheT>(p, task, ahead < j1 ? p.v_cache : p.k_cache, ahead);
+    const int64_t n = std::min(bs, task.len - j * bs);
+    const CacheT* v = v_cache + task.table[j] * p.block_stride;
+    const float* w = work + lay.scores() + (j - j0) * bs;
+    if (dim == padded) {  // rows read in place, widened in registers
+      block_values(acc, padded, w, lay.score_stride, v, row_stride, n, task.rows);
+    } else {
+      const Rows x = block_rows(v, n, row_stride, dim, padded, work + lay.v_rows());
+      block_values(acc, padded, w, lay.score_stride, x.data, x.stride, n, task.rows);
+    }
+  }
+}
+
+template <typename IoT>
+void load_queries(const Problem& p, const Layout& lay, const Task& task, float* work) {
+  const int64_t dim = p.head_dim, padded = lay.padded;
+  for (int64_t r = 0; r < task.rows; ++r) {  // row r: query token r / group, its head h * group + r % group
+    const IoT* q = static_cast<const IoT*>(p.q) + ((task.first + r / task.group) * p.q_heads + task.h * task.group +
+                                                   r % task.group) * dim;
+    float* query = work + lay.query() + r * padded;
+    for (int64_t d = 0; d < padded; ++d) query[d] = d < dim ? static_cast<float>(q[d]) * p.scale : 0.0f;
+    std::fill(work + lay.acc() + r * padded, work + lay.acc() + (r + 1) * padded, 0.0f);
+    work[lay.run_max() + r] = -INFINITY;
+    work[lay.run_sum() + r] = 0.0f;
+  }
+}
+
+// The group's query rows attended over the sequence's blocks, a span (kSpanTokens) at a time: all
+// scores of the span, one softmax update per row, then the values, every row per K/V row read.
+// Row r's arithmetic depends only on its own limit, so token i of a chunk equals a decode row of
+// limit(r) tokens bit for bit.
 template <typename CacheT, typename IoT>
 void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, float* work) {
-  const int64_t group = lay.group, dim = p.head_dim, padded = lay.padded, bs = p.block_size;
-  const int64_t row_stride = p.kv_heads * dim, len = p.seq_lens[b];
-  const int64_t first = p.query_start ? p.query_start[b] : b;  // query tokens [first, first + nq)
-  const int64_t nq = p.query_start ? p.query_start[b + 1] - first : 1, rows = nq * group;
-  float *query = work + lay.query(), *acc = work + lay.acc(), *scores = work + lay.scores();
-  float *run_max = work + lay.run_max(), *run_sum = work + lay.run_sum();
-  for (int64_t r = 0; r < rows; ++r) {  // row r: query token r / group, its head h * group + r % group
-    const IoT* q = static_cast<const IoT*>(p.q) + ((first + r / group) * p.q_heads + h * group + r % group) * dim;
-    for (int64_t d = 0; d < padded; ++d) query[r * padded + d] = d < dim ? static_cast<float>(q[d]) * p.scale : 0.0f;
-    std::fill(acc + r * padded, acc + (r + 1) * padded, 0.0f);
-    run_max[r] = -INFINITY;
-    run_sum[r] = 0.0f;
+  const Task task = make_task(p, lay, b, h);
+  load_queries<IoT>(p, lay, task, work);
+  for (int64_t j = 0; j < kAheadBlocks; ++j) prefetch_block<CacheT>(p, task, p.k_cache, j);
+  const int64_t span_blocks = lay.span / p.block_size;
+  for (int64_t j0 = 0; j0 < task.num_blocks; j0 += span_blocks) {
+    const int64_t j1 = std::min(task.num_blocks, j0 + span_blocks), span0 = j0 * p.block_size;
+    span_scores<CacheT>(p, lay, task, j0, j1, work);
+    span_softmax(lay, task, span0, std::min(lay.span, task.len - span0), work);
+    span_values<CacheT>(p, lay, task, j0, j1, work);
   }
-  const CacheT* k_cache = static_cast<const CacheT*>(p.k_cache);
-  const CacheT* v_cache = static_cast<const CacheT*>(p.v_cache);
-  const int64_t* table = p.block_tables + b * p.table_stride;
-  const int64_t num_blocks = (len + bs - 1) / bs, stride_bytes = row_stride * sizeof(CacheT);
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    const int64_t n = std::min(bs, len - j * bs), start = table[j] * p.block_stride + h * dim;
-    if (j + 1 < num_blocks) {  // stream: the next block's rows of this head, while this one computes
-      const int64_t next = table[j + 1] * p.block_stride + h * dim, next_rows = std::min(bs, len - (j + 1) * bs);
-      prefetch_rows(k_cache + next, next_rows, stride_bytes, dim * sizeof(CacheT));
-      prefetch_rows(v_cache + next, next_rows, stride_bytes, dim * sizeof(CacheT));
-    }
-    const Rows k = block_rows(k_cache + start, n, row_stride, dim, padded, work + lay.k_rows());
-    const Rows v = block_rows(v_cache + start, n, row_stride, dim, padded, work + lay.v_rows());
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t m = std::min(n, len - (nq - 1 - i) - j * bs);  // tokens of this block query token i sees
-      if (m <= 0) continue;
-      for (int64_t r = i * group; r < (i + 1) * group; ++r)
-        attend_rows(query + r * padded, acc + r * padded, scores + r * lay.score_stride, run_max[r], run_sum[r], k, v,
-                    m, padded);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    IoT* out = static_cast<IoT*>(p.out) + ((first + r / group) * p.q_heads + h * group + r % group) * dim;
-    const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;  // len 0 (a padding row): zeros
-    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<IoT>(acc[r * padded + d] * inv);
+  const float* acc = work + lay.acc();
+  for (int64_t r = 0; r < task.rows; ++r) {
+    IoT* out = static_cast<IoT*>(p.out) + ((task.first + r / task.group) * p.q_heads + h * task.group +
+                                           r % task.group) * p.head_dim;
+    const float sum = work[lay.run_sum() + r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // len 0 (padding): zeros
+    for (int64_t d = 0; d < p.head_dim; ++d) out[d] = static_cast<IoT>(acc[r * lay.padded + d] * inv);
   }
 }
 
 // Every (sequence, KV head) pair, spread over torch's OpenMP threads.
 template <typename CacheT, typename IoT>
 void run_typed(const Problem& p) {
-  const Layout lay(p);
+  Layout lay(p);
+#if TY_ISA == 512
+  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
+  lay.dot_bf16 = std::is_same_v<CacheT, c10::BFloat16> && std::is_same_v<IoT, c10::BFloat16> && has_bf16_dot &&
+                 p.head_dim % 32 == 0 && p.head_dim <= 128;
+#endif
   const int64_t tasks = p.batch * p.kv_heads;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.threads, tasks)));
 #pragma omp parallel num_threads(threads)
   {
     float* work = static_cast<float*>(std::aligned_alloc(64, round_up(lay.floats() * sizeof(float), 64)));
+    std::fill(work, work + lay.floats(), 0.0f);  // lanes past a row's scores are read (then masked)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task)
       attend_group<CacheT, IoT>(p, lay, task / p.kv_heads, task % p.kv_heads, work);

@@ -120,6 +120,34 @@ def test_several_query_tokens_per_sequence_are_causal_decode_rows(isa, heads, kv
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (5, 1, 24)])
+def test_contexts_longer_than_a_span_and_chunks_across_its_edge(isa, heads, kv_heads, dim, block_size, dtype):
+    """The kernel holds 512 tokens' scores at a time (paged_attention_impl.h kSpanTokens) and
+    rescales between spans: contexts of 2-3 spans, and chunks whose tokens end on both sides of
+    token 512 (limits 510..514: the last ones see none of the second span) equal decode rows bit
+    for bit, and SDPA."""
+    gen = torch.Generator().manual_seed(heads + block_size)
+    lens = torch.tensor([514, 1100, 512, 513, 700])
+    counts = torch.tensor([5, 1, 3, 16, 2])  # 514 with 5 tokens: limits 510 .. 514
+    per_seq = -(-int(lens.max()) // block_size)
+    num_blocks = lens.numel() * per_seq
+    tables = torch.randperm(num_blocks, generator=gen).view(-1, per_seq)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    q = (3 * torch.randn(int(starts[-1]), heads, dim, generator=gen)).to(dtype)  # peaked: max shifts between spans
+    row_lens = torch.cat([lens[b] - torch.arange(n - 1, -1, -1) for b, n in enumerate(counts.tolist())])
+    row_tables = tables.repeat_interleave(counts, dim=0)
+    out, rows = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, dim ** -0.5, starts)
+    cpu_kernels.paged_decode_attention(rows, q, k_cache, v_cache, row_tables, row_lens, dim ** -0.5)
+    torch.testing.assert_close(out, rows, atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, row_tables, row_lens, dim ** -0.5),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_query_and_cache_dtypes_may_differ(kernels, q_dtype, cache_dtype):
     q, k_cache, v_cache, tables, lens = _random_case(9, 3, 64, 16, cache_dtype, 7)

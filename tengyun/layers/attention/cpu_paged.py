@@ -1,11 +1,12 @@
 """Paged attention on CPU with the compiled decode kernel (tengyun/csrc/paged_attention.cpp).
 
-Decodes read their K/V blocks in place from the paged cache (no gather copy; 16-bit caches widened
-a row at a time, float32 accumulation, the next block prefetched), one OpenMP task per (sequence,
-KV head). So do short chunks (at most MAX_PAGED_QUERY query tokens: a speculative verify's last
-token and drafts, a short prompt), every query token with its causal limit, each block read once
-for all of a sequence's tokens; token i of a chunk computes exactly what a decode row of its
-length would. Writing K/V and longer prefill chunks are torch_sdpa's, unchanged. Picked by
+Decodes read their K/V blocks in place from the paged cache (no gather copy; float32 accumulation,
+blocks prefetched ahead), one OpenMP task per (sequence, KV head) that attends all the KV head's
+query heads together, 512 tokens at a time: every score, one softmax update, then the values with
+each V row read once for all heads. So do short chunks (at most MAX_PAGED_QUERY query tokens: a
+speculative verify's last token and drafts, a short prompt), every query token with its causal
+limit, each block read once for all of a sequence's tokens; token i of a chunk computes exactly
+what a decode row of its length would. Writing K/V and longer prefill chunks are torch_sdpa's, unchanged. Picked by
 ``CpuPlatform.attention_backend`` only when the kernel library loads (cpu_kernels.py).
 """
 
