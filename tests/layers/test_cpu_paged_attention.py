@@ -112,11 +112,18 @@ def test_several_query_tokens_per_sequence_are_causal_decode_rows(isa, heads, kv
     over its own causal prefix; bit for bit the decode kernel on one row per token, and SDPA's."""
     q, k_cache, v_cache, tables, lens, starts, row_tables, row_lens = _multi_query_case(
         heads, kv_heads, dim, block_size, dtype, heads * dim + block_size)
+    _assert_chunks_are_decode_rows(q, k_cache, v_cache, tables, lens, starts, row_tables, row_lens, dtype)
+
+
+def _assert_chunks_are_decode_rows(q, k_cache, v_cache, tables, lens, starts, row_tables, row_lens, dtype):
+    """The kernel over chunks (query_start_loc ``starts``) equals it over one row per query token
+    (row_tables / row_lens: each token's causal limit) bit for bit, and SDPA within TOLERANCE."""
+    scale = q.shape[-1] ** -0.5
     out, rows = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, dim ** -0.5, starts)
-    cpu_kernels.paged_decode_attention(rows, q, k_cache, v_cache, row_tables, row_lens, dim ** -0.5)
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, scale, starts)
+    cpu_kernels.paged_decode_attention(rows, q, k_cache, v_cache, row_tables, row_lens, scale)
     torch.testing.assert_close(out, rows, atol=0, rtol=0)
-    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, row_tables, row_lens, dim ** -0.5),
+    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, row_tables, row_lens, scale),
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -140,12 +147,7 @@ def test_contexts_longer_than_a_span_and_chunks_across_its_edge(isa, heads, kv_h
     q = (3 * torch.randn(int(starts[-1]), heads, dim, generator=gen)).to(dtype)  # peaked: max shifts between spans
     row_lens = torch.cat([lens[b] - torch.arange(n - 1, -1, -1) for b, n in enumerate(counts.tolist())])
     row_tables = tables.repeat_interleave(counts, dim=0)
-    out, rows = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, dim ** -0.5, starts)
-    cpu_kernels.paged_decode_attention(rows, q, k_cache, v_cache, row_tables, row_lens, dim ** -0.5)
-    torch.testing.assert_close(out, rows, atol=0, rtol=0)
-    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, row_tables, row_lens, dim ** -0.5),
-                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    _assert_chunks_are_decode_rows(q, k_cache, v_cache, tables, lens, starts, row_tables, row_lens, dtype)
 
 
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])

@@ -20,17 +20,10 @@ from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, small_batch_kernel_fits
 from tengyun.worker.worker import weight_bytes
 
+from test_cpu_linear import fits  # noqa: F401 - skips a dtype the small-batch kernel does not run here
 from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture
-def fits(kernels, request):  # noqa: F811
-    dtype = request.node.callspec.params["dtype"]
-    if not onednn_available(dtype) or not small_batch_kernel_fits(dtype):
-        pytest.skip(f"this CPU or torch build does not run the small-batch kernel for {dtype}")
-    return dtype
 
 
 def _ids(vocab: int, count: int, seed: int) -> torch.Tensor:
@@ -42,7 +35,7 @@ def _ids(vocab: int, count: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab,hidden", [(1000, 576), (49, 33), (197, 64), (64, 7), (3, 2)])
-def test_packed_rows_equal_f_embedding_bit_for_bit(fits, dtype, vocab, hidden):
+def test_packed_rows_equal_f_embedding_bit_for_bit(fits, dtype, vocab, hidden):  # noqa: F811
     weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(vocab)).to(dtype)
     kernel = CpuPackedLinearKernel(dtype)
     prepared = kernel.prepare(weight)
@@ -69,7 +62,7 @@ def _tied_pair(vocab: int, hidden: int, dtype: torch.dtype) -> tuple[torch.nn.Mo
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_tied_head_frees_the_embeddings_weight_and_serves_its_lookups(fits, dtype):
+def test_a_tied_head_frees_the_embeddings_weight_and_serves_its_lookups(fits, dtype):  # noqa: F811
     vocab, hidden = 197, 48
     pair, weight = _tied_pair(vocab, hidden, dtype)
     before = weight_bytes(pair)  # the one plain weight
