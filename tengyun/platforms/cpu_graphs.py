@@ -44,6 +44,10 @@ def trace_decode_forward(forward, state: list[torch.Tensor]):
     except (RuntimeError, AttributeError) as error:  # AttributeError: a torch without TorchScript
         logger.debug("Decode forward not traceable (%s); that batch size stays eager", error)
         return None
+    except Exception as error:  # noqa: BLE001 - a trace must never stop the engine from serving
+        logger.warning("Tracing the decode forward failed (%s: %s); that batch size stays eager",
+                       type(error).__name__, error)
+        return None
 
     def replay() -> torch.Tensor:
         with torch.jit.optimized_execution(False):  # the plain interpreter: no profiling runs

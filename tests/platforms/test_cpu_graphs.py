@@ -97,3 +97,27 @@ def test_traced_quantised_decode_steps_give_the_eager_tokens(tiny_checkpoints, t
     got = llm.generate(_prompts(), _params())
     _same_outputs(got, LLM(folder, dtype="bfloat16", enforce_eager=True, **ARGS).generate(_prompts(), _params()))
     assert all(graphs.steps[s] for s in graphs.sizes), graphs.steps
+
+
+def test_a_trace_replays_writes_to_the_state_it_is_given():
+    """The cache update nothing in the same forward reads back: replayed because the cache is
+    one of the trace's inputs (as a constant its write would be dropped)."""
+    from tengyun.platforms.cpu_graphs import trace_decode_forward
+
+    cache, slot, x = torch.zeros(4, 3), torch.tensor([1]), torch.ones(1, 3)
+
+    def forward():
+        cache[slot] = cache[slot] + x
+        return x * 2
+
+    replay = trace_decode_forward(forward, [cache])  # 2 warm-up runs, the trace, 1 first replay
+    assert cache[1].tolist() == [4.0] * 3
+    x.fill_(10.0)  # a static input changed between replays
+    assert replay().tolist() == [[20.0] * 3]
+    assert cache[1].tolist() == [14.0] * 3 and cache[0].tolist() == [0.0] * 3
+
+
+def test_a_forward_that_cannot_be_traced_gives_none():
+    from tengyun.platforms.cpu_graphs import trace_decode_forward
+
+    assert trace_decode_forward(lambda: {"hidden": torch.zeros(2)}, []) is None  # a dict output
