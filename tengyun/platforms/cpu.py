@@ -133,8 +133,9 @@ class CpuPlatform(Platform):
     def quant_linear_kernel(self, scheme, dtype):
         """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI), activations quantised and sums
         rescaled by the compiled kernels where they load; up to 16 rows (decode) one compiled VNNI
-        call (cpu_quant.MAX_GEMV_ROWS). 4-bit weight-only served in bfloat16: torch's int4 CPU
-        matmul. Anything else (float32 activations included, which
+        call (cpu_quant.MAX_GEMV_ROWS). 4-bit weight-only and GGUF served in bfloat16: the compiled
+        quant kernel's layout where it runs (cpu_quant_layout.py), else torch's int4 CPU matmul.
+        Anything else (float32 activations included, which
         torch's int4 matmul runs ~50x slower): the reference, dequantizing per call. Measured in
         benchmarks/README.md."""
         import torch
@@ -149,16 +150,12 @@ class CpuPlatform(Platform):
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu_gguf.py)
             from tengyun.platforms.cpu_gguf import gguf_kernel
 
-            from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
-
-            return gguf_kernel(scheme, dtype, compiled=quant_gemv_fits())
+            return gguf_kernel(scheme, dtype, compiled=self._compiled_quant_layout())
         dtype_name = str(dtype).removeprefix("torch.")
         if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-            from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
-
             # the compiled kernel's layout where it runs; else torch's, and layers whose outputs
             # torch cannot pack stay on the reference
-            return cpu_quant.CpuInt4PackKernel(scheme, compiled=quant_gemv_fits())
+            return cpu_quant.CpuInt4PackKernel(scheme, compiled=self._compiled_quant_layout())
         if scheme.weight_bits == 4 and dtype_name != "bfloat16" and native_bf16():
             logger.info("%s in %s runs the dequantizing reference on CPU; --dtype bfloat16 runs torch's int4 "
                         "matmul (docs/quantization.md)", scheme.description, dtype_name)

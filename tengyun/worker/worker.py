@@ -167,8 +167,8 @@ class Worker:
         reason, backend = None, self.kernels.attention
         if get_pp_size() > 1:
             reason = "pipeline parallelism (activations cross ranks between stages)"
-        elif self.platform.graph_blocker(get_tp_size()):
-            reason = self.platform.graph_blocker(get_tp_size())
+        elif blocker := self.platform.graph_blocker(get_tp_size()):
+            reason = blocker
         elif not backend.supports_decode_graphs:
             reason = f"the {backend.name} attention backend"
         elif any(not getattr(m, "supports_graph_capture", True) for m in self.model.modules()):

@@ -6,8 +6,9 @@ query heads together, 512 tokens at a time: every score, one softmax update, the
 each V row read once for all heads. So do short chunks (at most MAX_PAGED_QUERY query tokens: a
 speculative verify's last token and drafts, a short prompt), every query token with its causal
 limit, each block read once for all of a sequence's tokens; token i of a chunk computes exactly
-what a decode row of its length would. Writing K/V and longer prefill chunks are torch_sdpa's, unchanged. Picked by
-``CpuPlatform.attention_backend`` only when the kernel library loads (cpu_kernels.py).
+what a decode row of its length would. Writing K/V and longer prefill chunks are torch_sdpa's,
+unchanged. Picked by ``CpuPlatform.attention_backend`` only when the kernel library loads
+(cpu_kernels.py).
 """
 
 from __future__ import annotations
