@@ -1,11 +1,13 @@
-"""AsyncLLMEngine: the LLMEngine step loop in its own thread, fed and read from asyncio.
+"""The LLMEngine step loop fed and read from asyncio, with two transports.
 
-    event loop (HTTP)                          engine thread
-    generate() --AddRequest/AbortRequest-->    inbox (queue.SimpleQueue), applied between steps
-    per-request asyncio.Queue <--StepResult--  loop.call_soon_threadsafe, once per step
+    event loop (HTTP)                          engine loop (run_engine_loop)
+    generate() --AddRequest/AbortRequest-->    applied between steps
+    per-request asyncio.Queue <--StepResult--  once per step that changed something
 
-Only small picklable messages cross the boundary, never shared engine objects, so the loop
-can move into its own process later behind the same interface. Pure Python: no torch import.
+AsyncLLMEngine runs the loop in a thread of this process; engine_process.EngineProcessClient
+runs it in a child process (the server's default), so the model's threads never wait for the
+HTTP side's GIL. Only small picklable messages cross the boundary, never shared engine
+objects. Pure Python: no torch import.
 """
 
 from __future__ import annotations
@@ -67,39 +69,49 @@ class EngineDead:
 StepListener = Callable[[list[RequestProgress], Any], None]
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: Any):
-        self.engine = engine  # touched only by the engine thread once start() ran
-        self.config = engine.config
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+def run_engine_loop(engine: Any, receive: Callable[[bool], list], emit: Callable[[Any], None]) -> None:
+    """The engine side of either transport, until Shutdown: apply the messages ``receive(block)``
+    returns (block: nothing to step, so wait for one), step while requests remain, ``emit`` a
+    StepResult after every step that changed something; on any error emit EngineDead and stop."""
+    try:
+        while True:
+            rejected: dict[str, Exception] = {}
+            for message in receive(not engine.has_unfinished_requests()):
+                if isinstance(message, Shutdown):
+                    engine.shutdown()
+                    return
+                if isinstance(message, AbortRequest):
+                    engine.abort_request(message.request_ids)
+                else:
+                    try:
+                        engine.add_request(message.request_id, message.prompt, message.params,
+                                           message.arrival_time, message.first_turn)
+                    except Exception as e:  # bad input: that caller's error, nobody else's
+                        rejected[message.request_id] = e
+            outputs, progress = engine.step_with_progress() if engine.has_unfinished_requests() else ([], [])
+            if progress or rejected:
+                emit(StepResult(outputs, engine.get_stats(), rejected, progress))
+    except BaseException as e:  # noqa: BLE001 - report any death, then stop
+        logger.exception("Engine loop died")
+        emit(EngineDead(f"The engine loop died: {type(e).__name__}: {e}"))
+        engine.shutdown()
+
+
+class AsyncEngineBase:
+    """The event-loop side both transports share: per-request streams, step listeners, death.
+    A subclass delivers messages to the engine loop (``_send``) and feeds ``_dispatch`` with what
+    the loop emits, on the event loop."""
+
+    def __init__(self, config: Any, latest_stats: Any):
+        self.config = config
         self._streams: dict[str, asyncio.Queue] = {}
         self._listeners: list[StepListener] = []
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_error: str | None = None
-        self.latest_stats = engine.get_stats()
+        self.latest_stats = latest_stats
 
-    @classmethod
-    def from_config(cls, config: Any) -> "AsyncLLMEngine":
-        from tengyun.engine.llm_engine import LLMEngine
-
-        return cls(LLMEngine.from_config(config))
-
-    # ----- lifecycle ----------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the engine thread; call from the event loop that will call generate()."""
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tengyun-engine", daemon=True)
-        self._thread.start()
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._inbox.put(Shutdown())
-            self._thread.join(timeout)
-
-    @property
-    def is_healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+    def _send(self, message: AddRequest | AbortRequest | Shutdown) -> None:
+        raise NotImplementedError
 
     @property
     def errored(self) -> bool:
@@ -127,7 +139,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(AddRequest(request_id, prompt, params, arrival_time or time.time(), first_turn))
+        self._send(AddRequest(request_id, prompt, params, arrival_time or time.time(), first_turn))
         finished = False
         try:
             while not finished:
@@ -145,57 +157,10 @@ class AsyncLLMEngine:
     def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if ids and self.dead_error is None:
-            self._inbox.put(AbortRequest(ids))
+            self._send(AbortRequest(ids))
 
     def abort_all(self) -> None:
         self.abort(list(self._streams))
-
-    # ----- engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                rejected: dict[str, Exception] = {}
-                for message in self._receive(block=not engine.has_unfinished_requests()):
-                    if isinstance(message, Shutdown):
-                        engine.shutdown()
-                        return
-                    if isinstance(message, AbortRequest):
-                        engine.abort_request(message.request_ids)
-                    else:
-                        try:
-                            engine.add_request(message.request_id, message.prompt, message.params,
-                                               message.arrival_time, message.first_turn)
-                        except Exception as e:  # bad input: that caller's error, nobody else's
-                            rejected[message.request_id] = e
-                outputs, progress = engine.step_with_progress() if engine.has_unfinished_requests() else ([], [])
-                if progress or rejected:
-                    self._emit(StepResult(outputs, engine.get_stats(), rejected, progress))
-        except BaseException as e:  # noqa: BLE001 - report any death, then stop
-            logger.exception("Engine loop died")
-            self._emit(EngineDead(f"The engine loop died: {type(e).__name__}: {e}"))
-            engine.shutdown()
-
-    def _receive(self, block: bool) -> list:
-        """Messages waiting in the inbox; with ``block``, wait for one, checking every
-        HEALTH_CHECK_INTERVAL_S that the executor's workers are alive (raises if not)."""
-        messages = []
-        while block and not messages:
-            try:
-                messages.append(self._inbox.get(timeout=HEALTH_CHECK_INTERVAL_S))
-            except queue.Empty:
-                self.engine.check_health()
-        while True:
-            try:
-                messages.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return messages
-
-    def _emit(self, message: StepResult | EngineDead) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._dispatch, message)
-        except RuntimeError:  # event loop closed: nobody is listening any more
-            pass
 
     # ----- event loop side ----------------------------------------------------------------
     def _dispatch(self, message: StepResult | EngineDead) -> None:
@@ -217,3 +182,59 @@ class AsyncLLMEngine:
                 listener(message.progress, message.stats)
             except Exception:  # a metrics bug must not break serving
                 logger.exception("Step listener %r failed", listener)
+
+
+class AsyncLLMEngine(AsyncEngineBase):
+    """The engine loop in a thread of this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tests)."""
+
+    def __init__(self, engine: Any):
+        super().__init__(engine.config, engine.get_stats())
+        self.engine = engine  # touched only by the engine thread once start() ran
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> "AsyncLLMEngine":
+        from tengyun.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_config(config))
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will call generate()."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=run_engine_loop, args=(self.engine, self._receive, self._emit),
+                                        name="tengyun-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(Shutdown())
+            self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    def _send(self, message: AddRequest | AbortRequest | Shutdown) -> None:
+        self._inbox.put(message)
+
+    def _receive(self, block: bool) -> list:
+        """Messages waiting in the inbox; with ``block``, wait for one, checking every
+        HEALTH_CHECK_INTERVAL_S that the executor's workers are alive (raises if not)."""
+        messages = []
+        while block and not messages:
+            try:
+                messages.append(self._inbox.get(timeout=HEALTH_CHECK_INTERVAL_S))
+            except queue.Empty:
+                self.engine.check_health()
+        while True:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _emit(self, message: StepResult | EngineDead) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+        except RuntimeError:  # event loop closed: nobody is listening any more
+            pass

@@ -25,12 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, ProcessCollector, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tengyun import __version__
 from tengyun.config import EngineConfig
-from tengyun.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from tengyun.engine.async_engine import AsyncEngineBase, AsyncLLMEngine, EngineDeadError
+from tengyun.engine.engine_process import EngineProcessClient, engine_in_thread_reason
 from tengyun.entrypoints.openai.cli_args import (
     check_server_args, load_chat_template, make_arg_parser, resolve_api_key,
 )
@@ -65,7 +66,8 @@ class ServerState:
                  log_stats_interval: float | None = 10.0, shutdown_timeout: float = 30.0,
                  base_url: str | None = None, chat_options: dict[str, Any] | None = None,
                  limits: RequestLimits | None = None, metrics_options: dict[str, Any] | None = None,
-                 frontend: FrontendOptions | None = None, device_metrics_interval: float | None = None):
+                 frontend: FrontendOptions | None = None, device_metrics_interval: float | None = None,
+                 engine_process: EngineProcessClient | None = None):
         self.config = config  # finalized: served_model_name and max_model_len are known
         self.limits = limits or RequestLimits(max_request_bytes=default_max_request_bytes(config.max_model_len),
                                               max_seqs_per_request=config.max_num_seqs)
@@ -75,7 +77,8 @@ class ServerState:
         self.base_url = base_url  # for the example curl line printed when ready
         self.chat_options = chat_options or {}  # enable_auto_tool_choice, tool_call_parser, reasoning_parser
         self.sampling_defaults = sampling_defaults(config)  # --generation-config; logged once when any
-        self.engine: AsyncLLMEngine | None = None
+        self.engine_process = engine_process  # launched before the server started; else a thread here
+        self.engine: AsyncEngineBase | None = None
         self.worker: TokenizerWorker | None = None
         self.frontend = frontend or FrontendOptions()
         self.generating = 0  # generation requests in flight: GET /load with --enable-server-load-tracking
@@ -110,9 +113,8 @@ class ServerState:
         try:
             logger.info("Loading %s (served as %r) ...", self.config.model_path, self.config.served_model_name)
             started = time.perf_counter()
-            engine = await _in_daemon_thread(AsyncLLMEngine.from_config, self.config)
+            engine = await self._loaded_engine()
             tokenizer = await _in_daemon_thread(get_tokenizer, self.config)  # the front end's own copy
-            engine.start()
             self.engine = engine
             await self._warm_up(engine, tokenizer)
             self.metrics.start_from(engine.latest_stats)  # warm-up tokens are not user traffic
@@ -132,10 +134,24 @@ class ServerState:
                 logger.info("Try it: %s", self.example_curl())
         except Exception as e:
             self.load_error = e
-            logger.error("Engine start failed: %s", e, exc_info=not isinstance(e, ValueError))
+            logged = self.engine_process is not None and e is self.engine_process.start_error  # traceback there
+            logger.error("Engine start failed: %s", e, exc_info=not isinstance(e, ValueError) and not logged)
+
+    async def _loaded_engine(self) -> AsyncEngineBase:
+        """The started engine once its model is loaded: the engine process launched before the
+        server (it has been loading since), or an AsyncLLMEngine built in a thread here."""
+        if self.engine_process is not None:
+            self.engine_process.start()
+            await self.engine_process.wait_ready()
+            pid = self.engine_process.process.pid  # its memory and CPU, beside this process's process_*
+            ProcessCollector(namespace="tengyun_engine", pid=lambda: pid, registry=self.metrics.registry)
+            return self.engine_process
+        engine = await _in_daemon_thread(AsyncLLMEngine.from_config, self.config)
+        engine.start()
+        return engine
 
     @staticmethod
-    async def _warm_up(engine: AsyncLLMEngine, tokenizer: Any) -> None:
+    async def _warm_up(engine: AsyncEngineBase, tokenizer: Any) -> None:
         """One short generation through the whole path, so the first user request is not slow."""
         prompt = tokenizer.encode("Hello, warm-up.", add_special_tokens=False) or [0]
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -417,6 +433,25 @@ def run_server(args: argparse.Namespace) -> int:
         from tengyun.executor.multiproc_executor import run_headless
 
         return run_headless(config)
+    engine_process = _launch_engine_process(config, args.disable_frontend_multiprocessing)  # first: one thread
+    try:
+        return _serve(args, config, engine_process)
+    finally:
+        if engine_process is not None:
+            engine_process.shutdown()
+
+
+def _launch_engine_process(config: EngineConfig, in_thread: bool) -> EngineProcessClient | None:
+    """The engine process, forked now (it loads the model while the server starts), or None
+    where the engine runs in a thread of this process; logs why."""
+    reason = engine_in_thread_reason(platform_class(config.device_type).fork_safe, in_thread)
+    if reason is not None:
+        logger.info("Engine: in a thread of the server process (%s)", reason)
+        return None
+    return EngineProcessClient.launch(config)
+
+
+def _serve(args: argparse.Namespace, config: EngineConfig, engine_process: EngineProcessClient | None) -> int:
     state = ServerState(
         config, api_key=resolve_api_key(args), chat_template=load_chat_template(args.chat_template),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
@@ -428,6 +463,7 @@ def run_server(args: argparse.Namespace) -> int:
         metrics_options=EngineMetrics.options_from_args(args),
         frontend=FrontendOptions.from_args(args),
         device_metrics_interval=args.device_metrics_interval,
+        engine_process=engine_process,
     )
     app = build_app(state, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials,
                     args.root_path)

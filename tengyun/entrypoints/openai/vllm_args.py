@@ -13,13 +13,12 @@ logger = logging.getLogger("tengyun.server")
 
 # flag -> why it changes nothing here (accepted, logged once)
 NO_EFFECT = {
-    "--disable-frontend-multiprocessing": "the HTTP front end and the engine loop always share one process here",
     "--enable-log-requests": "Tengyun does not log request contents",
     "--max-log-len": "Tengyun does not log request contents",
     "--swap-space": "a preempted sequence is recomputed, never swapped to host memory",
     "--disable-custom-all-reduce": "tensor parallelism uses torch.distributed's all-reduce",
 }
-NO_EFFECT_SWITCHES = {"--disable-frontend-multiprocessing", "--enable-log-requests", "--disable-custom-all-reduce"}
+NO_EFFECT_SWITCHES = {"--enable-log-requests", "--disable-custom-all-reduce"}
 LORA = ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
         "--fully-sharded-loras", "--lora-dtype"]
 LORA_SWITCHES = {"--enable-lora", "--fully-sharded-loras"}
@@ -52,6 +51,9 @@ def add_vllm_server_args(parser: argparse.ArgumentParser) -> None:
                        help="listen on this Unix socket instead of --host/--port")
     group.add_argument("--runner", default="auto", choices=RUNNERS,
                        help="auto / generate (what Tengyun runs); pooling and draft are refused")
+    group.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                       help="run the engine loop in a thread of the server process instead of a process of "
+                            "its own (the two then share one GIL: slower under load)")
     for name in FrontendOptions.__dataclass_fields__:
         group.add_argument("--" + name.replace("_", "-"), action="store_true", help=_help(name))
     for flag in NO_EFFECT:

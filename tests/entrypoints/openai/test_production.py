@@ -108,19 +108,22 @@ def test_supervisor_memory_threshold_restarts_gracefully(server_model, tengyun):
                   "600", "--enforce-eager", *SERVE_FLAGS)
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     wait_health(url)
-    # The supervisor reads memory one --check-interval after it logs the server healthy; the
-    # 2,000-token request sent right after that line takes ~2 s even on a quiet machine when
-    # decoding eagerly (decode graphs finish this tiny model's request in under the 1 s interval).
     sup.wait_log(r"The server is healthy")
     assert restarts_metric(metrics_url, "memory") == 0
-    chunks, _, _ = stream_completion(url, {"prompt": "The quick brown fox", "max_tokens": 2000, "ignore_eos": True,
-                                           "stream_options": {"include_usage": True}})
+    # The supervisor restarts one --check-interval after it logs the server healthy. The request
+    # stays in flight through that however fast the engine is: the client stops reading after the
+    # first chunk, so the server cannot send the last byte of ~1 MB of chunks (logprobs make them
+    # large) until the drain has begun; then the client reads the rest.
+    body = {"prompt": "The quick brown fox", "max_tokens": 2000, "ignore_eos": True, "logprobs": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        sup.wait_log(r"Restart 1 \(memory\): memory \S+% \(\d+ MiB of \d+ MiB\) >= --memory-threshold 0.001")
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
     assert chunks[-1]["usage"]["completion_tokens"] == 2000
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
         == ["length"]
-
-    log = sup.wait_log(r"Restart 1 \(memory\): memory \S+% \(\d+ MiB of \d+ MiB\) >= --memory-threshold 0.001")
-    assert log
     assert "finishing 1 in-flight request(s)" in sup.log()  # the request above was mid-flight at the restart
     sup.wait_log(r"Started the server: pid \d+", 2)
     wait_health(url)

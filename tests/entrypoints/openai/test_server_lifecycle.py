@@ -1,10 +1,13 @@
 """Readiness and shutdown: /health before warm-up, SIGTERM drains in-flight requests and exits
-0, a dead engine loop gives 503 and exit 1, a start-up failure exits 2 naming the flag."""
+0, a dead engine loop (or a killed engine process) gives 503 and exit 1, a start-up failure
+exits 2 naming the flag."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import signal
 import time
 
@@ -77,6 +80,22 @@ def test_dead_engine_loop_fails_the_request_and_exits_nonzero(start_server, tmp_
     assert_error(r, 503, "injected device failure")
     assert server.wait_exit() == 1
     assert "The engine loop died: RuntimeError: injected device failure" in server.log()
+
+
+def test_the_engine_runs_in_its_own_process_which_dying_gives_503_and_exit_1(start_server):  # noqa: F811
+    server = start_server().wait_ready()
+    pid = int(re.search(r"Engine: in process (\d+)", server.log()).group(1))
+    with open(f"/proc/{pid}/stat") as stat:
+        assert int(stat.read().rsplit(")", 1)[1].split()[1]) == server.proc.pid  # its parent: the server
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
+                      timeout=120).status_code == 200
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert re.search(r"^tengyun_engine_process_resident_memory_bytes \d", metrics, re.M)
+    assert re.search(r"^process_resident_memory_bytes \d", metrics, re.M)  # the server process's own
+    os.kill(pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=120)
+    assert_error(r, 503, "The engine process exited unexpectedly (killed by SIGKILL")
+    assert server.wait_exit() == 1
 
 
 def test_start_up_failure_exits_2_naming_the_flag(start_server):  # noqa: F811

@@ -15,9 +15,10 @@ from remote_server import running_server, server_model, start_server  # noqa: F4
 
 MODEL = "dropin"
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
-NO_EFFECT = ["--disable-frontend-multiprocessing", "--enable-log-requests", "--max-log-len", "100",
+NO_EFFECT = ["--enable-log-requests", "--max-log-len", "100",
              "--swap-space", "4", "--disable-custom-all-reduce"]
-FEATURES = ["--enable-request-id-headers", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+FEATURES = ["--disable-frontend-multiprocessing", "--enable-request-id-headers", "--enable-server-load-tracking",
+            "--enable-tokenizer-info-endpoint",
             "--enable-prompt-tokens-details", "--return-tokens-as-token-ids", "--runner", "generate",
             "--root-path", "/llm",
             "--limit-mm-per-prompt", '{"image": 0}']
@@ -113,6 +114,11 @@ def test_flags_without_effect_start_the_server_with_one_log_line_each(server):
     log = server.log()
     for flag in (f for f in NO_EFFECT if f.startswith("--")):
         assert log.count(f"{flag} accepted for vLLM compatibility; it has no effect here") == 1
+
+
+def test_disable_frontend_multiprocessing_keeps_the_engine_in_the_server_process(server):
+    assert "Engine: in a thread of the server process (--disable-frontend-multiprocessing)" in server.log()
+    assert "Engine: in process" not in server.log()
 
 
 @pytest.mark.parametrize("flags, words", [

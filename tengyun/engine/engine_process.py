@@ -1,0 +1,256 @@
+"""EngineProcessClient: the engine loop in a child process, the API server's default.
+
+    API process (asyncio)                                engine process (its main thread)
+    generate() -> sender thread --requests pipe-->       run_engine_loop: reads between steps
+    _dispatch  <- reader thread <--results pipe--        one StepResult per step
+
+In one process the model's step loop and the HTTP event loop take turns on the GIL: every
+torch op releases it and must win it back, and while the event loop parses a request or
+writes a chunk the step waits (up to the 5 ms switch interval each time). vLLM runs its
+engine core in its own process for the same reason. Here the engine process is forked before
+the HTTP server binds its port or starts a thread, from a process that has not touched a
+device, so it shares nothing with the server but two pipes:
+
+- requests (API -> engine): AddRequest, AbortRequest, Shutdown. A sender thread writes them,
+  so a long prompt never blocks the event loop while the engine is mid-step.
+- results (engine -> API): EngineReady or EngineStartFailed once, then StepResult per step
+  and EngineDead. A reader thread unpickles them and hands them to the event loop.
+
+The engine process ignores SIGINT and SIGTERM: the API process decides when it stops (after a
+drain, with Shutdown), and it exits by itself when the API process is gone (end of file on
+the requests pipe, or a changed parent). Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+from dataclasses import dataclass
+from multiprocessing import Pipe, get_context
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from tengyun.engine.async_engine import (
+    HEALTH_CHECK_INTERVAL_S, AbortRequest, AddRequest, AsyncEngineBase, EngineDead, Shutdown, StepResult,
+    run_engine_loop,
+)
+
+logger = logging.getLogger(__name__)
+
+MULTIPROCESSING_ENVS = ("TENGYUN_ENABLE_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING")  # first set wins
+SHUTDOWN_GRACE_S = 10.0  # after Shutdown: how long the engine process may take before it is killed
+
+
+@dataclass
+class EngineReady:
+    stats: Any  # EngineStats of the loaded, idle engine
+    pid: int
+
+
+@dataclass
+class EngineStartFailed:
+    error: BaseException  # what building the engine raised (a ValueError names the flag to change)
+
+
+def engine_in_thread_reason(fork_safe: bool, disable_frontend_multiprocessing: bool = False) -> str | None:
+    """Why the server should run the engine loop in a thread of its own process, or None for a
+    child process: the flag or the environment asks for it, or the device runtime cannot be forked."""
+    if disable_frontend_multiprocessing:
+        return "--disable-frontend-multiprocessing"
+    name, value = next(((n, os.environ[n]) for n in MULTIPROCESSING_ENVS if os.environ.get(n)), (None, "1"))
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1; got {value!r}.")
+    if value == "0":
+        return f"{name}=0"
+    if not fork_safe:
+        return "this device's runtime is not known to survive fork"
+    if threading.active_count() > 1:  # Python threads; torch's import leaves an idle native one
+        return f"{threading.active_count()} threads are running, and fork copies a lock another thread holds as held"
+    return None
+
+
+class EngineProcessClient(AsyncEngineBase):
+    """AsyncLLMEngine's interface over an engine loop in a child process (see the module doc)."""
+
+    @classmethod
+    def launch(cls, config: Any, build: Callable[[Any], Any] | None = None) -> "EngineProcessClient":
+        """Fork the engine process, which builds ``build(config)`` (LLMEngine.from_config) and
+        serves it. Call while this process has one thread; start() and wait_ready() follow."""
+        requests_out, requests_in = Pipe(duplex=False)
+        results_out, results_in = Pipe(duplex=False)
+        process = get_context("fork").Process(
+            target=_engine_process_main,
+            args=(build or _build_llm_engine, config, requests_out, results_in, (requests_in, results_out)),
+            name="tengyun-engine", daemon=False)  # not daemon: its executor may start rank processes
+        process.start()
+        requests_out.close()
+        results_in.close()
+        logger.info("Engine: in process %d, loading there while the HTTP server starts here", process.pid)
+        return cls(config, process, requests_in, results_out)
+
+    def __init__(self, config: Any, process: Any, requests: Connection, results: Connection):
+        super().__init__(config, latest_stats=None)
+        self.process = process
+        self._requests = requests  # written by the sender thread only
+        self._results = results  # read by the reader thread only
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: asyncio.Future | None = None
+        self._loaded = False  # EngineReady arrived
+        self.start_error: BaseException | None = None  # what loading raised there (its traceback is logged there)
+
+    # ----- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the sender and reader threads; call from the event loop that will call generate()."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        threading.Thread(target=self._send_forever, name="tengyun-engine-send", daemon=True).start()
+        threading.Thread(target=self._read_forever, name="tengyun-engine-read", daemon=True).start()
+
+    async def wait_ready(self) -> None:
+        """Until the engine process has loaded the model; raises what loading raised."""
+        await asyncio.shield(self._ready)
+
+    def shutdown(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
+        """Ask the engine process to stop, wait up to ``timeout`` s, then kill it. One still loading
+        is killed at once: it reads no message until loaded, and has nothing to finish."""
+        if self.process.is_alive():
+            self._outbox.put(Shutdown())
+            self.process.join(timeout if self._loaded else 0)
+            if self.process.is_alive() and not self._loaded:
+                logger.info("Stopping the engine process while it loads (SIGKILL)")
+                self.process.kill()
+                self.process.join(5.0)
+            elif self.process.is_alive():
+                logger.warning("The engine process did not stop within %.0f s: killing it", timeout)
+                self.process.kill()
+                self.process.join(5.0)
+        self._outbox.put(None)  # stops the sender thread
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.process.is_alive() and self.dead_error is None
+
+    # ----- transport ----------------------------------------------------------------------
+    def _send(self, message: AddRequest | AbortRequest | Shutdown) -> None:
+        self._outbox.put(message)
+
+    def _send_forever(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._requests.send(message)
+            except (OSError, ValueError):  # the engine process is gone: the reader reports it
+                return
+
+    def _read_forever(self) -> None:
+        while True:
+            try:
+                message = self._results.recv()
+            except (EOFError, OSError):
+                self.process.join(5.0)
+                self._post(EngineDead(f"The engine process exited unexpectedly ({_exit_text(self.process.exitcode)})."))
+                return
+            self._post(message)
+
+    def _post(self, message: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._on_message, message)
+        except RuntimeError:  # event loop closed: nobody is listening any more
+            pass
+
+    def _on_message(self, message: Any) -> None:
+        """On the event loop: settle the start-up future, or dispatch as the thread transport does."""
+        if isinstance(message, EngineReady):
+            self.latest_stats, self._loaded = message.stats, True
+            self._ready.done() or self._ready.set_result(None)
+        elif isinstance(message, EngineStartFailed):
+            self.start_error = message.error
+            self.dead_error = f"The engine failed to start: {message.error}"
+            self._ready.done() or self._ready.set_exception(message.error)
+        elif isinstance(message, EngineDead):
+            if self.dead_error is None:  # the loop's own report comes before the end of the pipe
+                self._ready.done() or self._ready.set_exception(RuntimeError(message.message))
+                self._dispatch(message)
+        else:
+            self._dispatch(message)
+
+
+# ----- the engine process ---------------------------------------------------------------------
+def _build_llm_engine(config: Any) -> Any:
+    from tengyun.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_config(config)
+
+
+def _engine_process_main(build: Callable[[Any], Any], config: Any, requests: Connection, results: Connection,
+                         api_ends: tuple[Connection, ...]) -> None:
+    for end in api_ends:  # the copies fork made of the API process's ends: only then does its exit read as EOF
+        end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains in the API process, which then says Shutdown
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does a SIGTERM sent to the whole group (systemd)
+    from tengyun.executor.worker_process import _exit_with_parent
+
+    _exit_with_parent()
+    try:
+        engine = build(config)
+    except BaseException as e:  # noqa: BLE001 - the API process reports it and exits 2 (config) or 1
+        if not isinstance(e, ValueError):
+            logger.exception("Loading the engine failed")
+        _send_result(results, EngineStartFailed(portable_error(e)))
+        return
+    _send_result(results, EngineReady(engine.get_stats(), os.getpid()))
+    run_engine_loop(engine, lambda block: _receive(engine, requests, block),
+                    lambda message: _send_result(results, message))
+
+
+def _receive(engine: Any, requests: Connection, block: bool) -> list:
+    """The messages waiting on the requests pipe; with ``block``, wait for one, checking every
+    HEALTH_CHECK_INTERVAL_S that the executor's workers are alive. End of file (the API process
+    is gone) reads as Shutdown."""
+    messages: list = []
+    try:
+        while block and not messages:
+            if requests.poll(HEALTH_CHECK_INTERVAL_S):
+                messages.append(requests.recv())
+            else:
+                engine.check_health()
+        while requests.poll():
+            messages.append(requests.recv())
+    except (EOFError, OSError):
+        messages.append(Shutdown())
+    return messages
+
+
+def _send_result(results: Connection, message: Any) -> None:
+    if isinstance(message, StepResult) and message.rejected:
+        message.rejected = {rid: portable_error(e) for rid, e in message.rejected.items()}
+    try:
+        results.send(message)
+    except (OSError, ValueError):  # the API process is gone; the next receive reads Shutdown
+        pass
+
+
+def portable_error(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling as itself, else a ValueError / RuntimeError with its text
+    (an exception whose __init__ takes other arguments than its message does not unpickle)."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+        if type(copy) is type(error) and str(copy) == str(error):
+            return error
+    except Exception:  # noqa: BLE001 - any pickling failure means: send the text
+        pass
+    kind = ValueError if isinstance(error, ValueError) else RuntimeError
+    return kind(f"{type(error).__name__}: {error}" if kind is RuntimeError else str(error))
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        return f"killed by {name}" + (": out of memory?" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
