@@ -101,6 +101,7 @@ class EngineProcessClient(AsyncEngineBase):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: asyncio.Future | None = None
         self._loaded = False  # EngineReady arrived
+        self._stopping = False  # shutdown() ran: the end of the results pipe is expected
         self.start_error: BaseException | None = None  # what loading raised there (its traceback is logged there)
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -118,6 +119,7 @@ class EngineProcessClient(AsyncEngineBase):
     def shutdown(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
         """Ask the engine process to stop, wait up to ``timeout`` s, then kill it. One still loading
         is killed at once: it reads no message until loaded, and has nothing to finish."""
+        self._stopping = True
         if self.process.is_alive():
             self._outbox.put(Shutdown())
             self.process.join(timeout if self._loaded else 0)
@@ -151,6 +153,8 @@ class EngineProcessClient(AsyncEngineBase):
             try:
                 message = self._results.recv()
             except (EOFError, OSError):
+                if self._stopping:
+                    return
                 self.process.join(5.0)
                 self._post(EngineDead(f"The engine process exited unexpectedly ({_exit_text(self.process.exitcode)})."))
                 return

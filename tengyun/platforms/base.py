@@ -84,6 +84,9 @@ class Platform:
     def init_process(self) -> None:
         """Process-wide tuning done once by the worker before the model is built."""
 
+    def after_load(self) -> None:
+        """Process-wide tuning done once by the worker after the weights and caches are allocated."""
+
     def step_threads(self, world_size: int):
         """Called once by the worker in the thread that built the model, after building it. ->
         None, or a callable the worker wraps each model step in, in the thread that runs it

@@ -62,6 +62,7 @@ class Worker:
         if self.mtp_head is not None:
             self.runner.mtp = MtpProposer.build(config, self.mtp_head, self.model, self.num_blocks + int(graphs),
                                                 TORCH_DTYPES[config.kv_cache_dtype], self.device)
+        self.platform.after_load()
         self.step_threads = self.platform.step_threads(rank.world_size if rank else 1)
 
     def _init_device(self) -> tuple[Platform, torch.device]:

@@ -1,0 +1,47 @@
+"""CpuPlatform's allocator settings, seen through glibc's own accounting (mallinfo2): after
+after_load(), a 64 MiB tensor comes from the heap, not from a fresh mmap that page-faults on
+every first touch. Run in a subprocess: the settings are process-wide."""
+
+from __future__ import annotations
+
+import ctypes.util
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import ctypes, ctypes.util, torch
+from tengyun.platforms.cpu import CpuPlatform
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = MallInfo2
+
+def mmapped_by_a_64_mib_tensor():
+    before = libc.mallinfo2().hblkhd  # bytes in mmapped chunks
+    tensor = torch.ones(64 << 20, dtype=torch.uint8)
+    return libc.mallinfo2().hblkhd - before
+
+platform = CpuPlatform()
+platform.init_process()  # before loading: blocks above 32 MiB are still mmapped (and given back)
+print(mmapped_by_a_64_mib_tensor() >= 64 << 20)
+platform.after_load()
+print(mmapped_by_a_64_mib_tensor() == 0)
+"""
+
+
+def _has_mallinfo2() -> bool:
+    name = ctypes.util.find_library("c")
+    return bool(name) and hasattr(ctypes.CDLL(name), "mallinfo2")
+
+
+@pytest.mark.skipif(not _has_mallinfo2(), reason="glibc >= 2.33 (mallinfo2) needed to observe the allocator")
+def test_after_load_serves_large_blocks_from_the_heap():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
