@@ -2,7 +2,7 @@
 at SmolLM2-135M's shapes. Prints milliseconds per call (best of 3 rounds of 30 calls).
 
 ``--small-rows``: oneDNN vs the compiled small-batch kernel on the same packed weights
-(platforms/cpu_linear.py) at 1-8 rows, through all 30 layers' four projections of SmolLM2-135M
+(platforms/cpu_linear.py) at 1-16 rows, through all 30 layers' four projections of SmolLM2-135M
 (30 separate random weights, 212 MB in bf16: streamed from memory as in a decode step, not from
 cache), median of 15 passes; the row counts where the kernel wins set MAX_SMALL_ROWS.
 
@@ -39,7 +39,7 @@ def _ms(fn, calls: int = 30) -> float:
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 
 
-def small_rows() -> None:
+def small_rows(row_counts: tuple[int, ...] = (1, 2, 4, 8, 12, 16)) -> None:
     from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, small_batch_kernel_fits
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M's 30 x 4 layer weights")
@@ -52,7 +52,7 @@ def small_rows() -> None:
         kernel = CpuPackedLinearKernel(dtype, max_small_rows=1 << 30)
         layers = [[kernel.prepare(torch.randn(n, k).to(dtype) * 0.02) for n, k in LAYER_SHAPES] for _ in range(30)]
         nbytes = 30 * sum(n * k for n, k in LAYER_SHAPES) * torch.finfo(dtype).bits // 8
-        for rows in (1, 2, 4, 8):
+        for rows in row_counts:
             xs = {k: torch.randn(rows, k).to(dtype) for _, k in LAYER_SHAPES}
             run = functools.partial(_pass_ms, kernel, layers, xs)
             onednn = statistics.median(run(False) for _ in range(15))
@@ -75,7 +75,7 @@ def _pass_ms(kernel, layers, xs: dict, small: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--small-rows", action="store_true", help="oneDNN vs the small-batch kernel, 1-8 rows")
+    parser.add_argument("--small-rows", action="store_true", help="oneDNN vs the small-batch kernel, 1-16 rows")
     if parser.parse_args().small_rows:
         return small_rows()
     torch.manual_seed(0)

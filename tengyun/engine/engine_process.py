@@ -102,6 +102,9 @@ class EngineProcessClient(AsyncEngineBase):
         self._ready: asyncio.Future | None = None
         self._loaded = False  # EngineReady arrived
         self._stopping = False  # shutdown() ran: the end of the results pipe is expected
+        # multiprocessing's join is not thread-safe: of two threads waiting, one reaps the child
+        # and the other sees no exit code. The reader thread and shutdown() both wait.
+        self._process_lock = threading.Lock()
         self.start_error: BaseException | None = None  # what loading raised there (its traceback is logged there)
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -120,22 +123,27 @@ class EngineProcessClient(AsyncEngineBase):
         """Ask the engine process to stop, wait up to ``timeout`` s, then kill it. One still loading
         is killed at once: it reads no message until loaded, and has nothing to finish."""
         self._stopping = True
-        if self.process.is_alive():
+        if self.wait_exit(0) is None:
             self._outbox.put(Shutdown())
-            self.process.join(timeout if self._loaded else 0)
-            if self.process.is_alive() and not self._loaded:
-                logger.info("Stopping the engine process while it loads (SIGKILL)")
+            exiting = self._loaded or self.start_error is not None  # a failed start exits by itself
+            if self.wait_exit(timeout if exiting else 0) is None:
+                if exiting:
+                    logger.warning("The engine process did not stop within %.0f s: killing it", timeout)
+                else:
+                    logger.info("Stopping the engine process while it loads (SIGKILL)")
                 self.process.kill()
-                self.process.join(5.0)
-            elif self.process.is_alive():
-                logger.warning("The engine process did not stop within %.0f s: killing it", timeout)
-                self.process.kill()
-                self.process.join(5.0)
+                self.wait_exit(5.0)
         self._outbox.put(None)  # stops the sender thread
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The engine process's exit code once it has exited within ``timeout`` s, else None."""
+        with self._process_lock:
+            self.process.join(timeout)
+            return self.process.exitcode
 
     @property
     def is_healthy(self) -> bool:
-        return self.process.is_alive() and self.dead_error is None
+        return self.dead_error is None and self.wait_exit(0) is None
 
     # ----- transport ----------------------------------------------------------------------
     def _send(self, message: AddRequest | AbortRequest | Shutdown) -> None:
@@ -155,8 +163,8 @@ class EngineProcessClient(AsyncEngineBase):
             except (EOFError, OSError):
                 if self._stopping:
                     return
-                self.process.join(5.0)
-                self._post(EngineDead(f"The engine process exited unexpectedly ({_exit_text(self.process.exitcode)})."))
+                code = self.wait_exit(5.0)
+                self._post(EngineDead(f"The engine process exited unexpectedly ({_exit_text(code)})."))
                 return
             self._post(message)
 

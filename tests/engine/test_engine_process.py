@@ -86,7 +86,7 @@ def test_a_start_up_error_reaches_wait_ready_with_its_type_and_text():
             assert isinstance(client.start_error, ValueError) and client.errored
         finally:
             client.shutdown(timeout=10)
-        assert client.process.exitcode == 0
+        assert client.wait_exit(0) == 0  # it exited by itself after reporting
 
     asyncio.run(main())
 
@@ -111,7 +111,7 @@ def test_sigterm_and_sigint_leave_the_engine_process_serving():
         os.kill(client.process.pid, signal.SIGTERM)  # systemd signals the whole group; the server drains
         os.kill(client.process.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
         assert await _texts(client, "still", 3) == ["a", "ab", "abc"]
-        assert client.process.is_alive()
+        assert client.wait_exit(0) is None  # still running
 
     _run(body)
 
@@ -119,8 +119,7 @@ def test_sigterm_and_sigint_leave_the_engine_process_serving():
 def test_the_engine_process_stops_when_the_api_process_is_gone():
     async def body(client):
         client._requests.close()  # what the API process's exit does to the engine process's pipe
-        client.process.join(10)
-        assert client.process.exitcode == 0  # read end of file as Shutdown: engine.shutdown(), exit 0
+        assert client.wait_exit(10) == 0  # read end of file as Shutdown: engine.shutdown(), exit 0
 
     _run(body)
 
@@ -131,7 +130,7 @@ def test_shutdown_stops_the_process():
         return client
 
     client = _run(body)
-    assert not client.process.is_alive() and client.process.exitcode == 0
+    assert client.wait_exit(0) == 0
 
 
 class NeedsTwoArguments(Exception):

@@ -40,14 +40,14 @@ def _reference(x, weight, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 577), (17, 33), (64, 2), (3, 7)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 16])  # 12, 16: several 4-row passes over each block
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_kernel_matches_f_linear(fits, dtype, out_features, in_features, rows, with_bias):
     gen = torch.Generator().manual_seed(out_features * in_features + rows)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
     x = torch.randn(rows, 2 * in_features, generator=gen).to(dtype)[:, ::2]  # strided rows: copied first
-    kernel = CpuPackedLinearKernel(dtype, max_small_rows=8)
+    kernel = CpuPackedLinearKernel(dtype, max_small_rows=16)
     prepared = kernel.prepare(weight)
     assert prepared.data_ptr is not None and kernel.rejected == 0  # the layout check passed
     out = kernel.apply(x, prepared, bias)

@@ -56,6 +56,22 @@ def test_traced_decode_steps_give_the_eager_tokens(tiny_checkpoints, tiny_hybrid
     assert llm.llm_engine.get_stats().kv_cache_usage == 0.0
 
 
+def test_bfloat16_traces_decode_batches_up_to_16(tiny_checkpoints):
+    """The bfloat16 small-batch limit (16 rows) sets the largest graph: 16 sequences decode from
+    graphs of 16, 8, 4, 2 and 1 as they finish, with the eager tokens."""
+    _needs_kernel("bfloat16")
+    args = {**ARGS, "max_num_seqs": 16, "kv_cache_memory": "8MiB"}
+    prompts = [[(5 * i + j) % 290 + 1 for j in range(3 + i)] for i in range(16)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True, logprobs=3) for i in range(16)]
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="bfloat16", **args)
+    graphs = llm.llm_engine.executor.runner.decode_graphs
+    assert graphs.sizes == [1, 2, 4, 8, 16]
+    got = llm.generate(prompts, params)
+    want = LLM(str(tiny_checkpoints["llama"]), dtype="bfloat16", enforce_eager=True, **args).generate(prompts, params)
+    _same_outputs(got, want)
+    assert graphs.steps[16], graphs.steps  # a 9..16-sequence decode replayed the largest graph
+
+
 def test_a_size_that_cannot_be_traced_runs_eager(tiny_checkpoints, monkeypatch):
     """Batch 4 at float32 runs oneDNN's packed weights, which a trace cannot hold: sizes 1 and 2
     replay, 3..5 run eager, and the tokens are the eager ones."""
