@@ -97,6 +97,22 @@ def run_engine_loop(engine: Any, receive: Callable[[bool], list], emit: Callable
         engine.shutdown()
 
 
+def receive_messages(take: Callable[[float], Any], engine: Any, block: bool) -> list:
+    """The messages waiting for the engine loop, from ``take(timeout)`` (the next message within
+    ``timeout`` s, 0: only one already there; None if none came). With ``block``, wait for one,
+    checking every HEALTH_CHECK_INTERVAL_S that the executor's workers are alive (raises if not)."""
+    messages = []
+    while block and not messages:
+        message = take(HEALTH_CHECK_INTERVAL_S)
+        if message is None:
+            engine.check_health()
+        else:
+            messages.append(message)
+    while (message := take(0)) is not None:
+        messages.append(message)
+    return messages
+
+
 class AsyncEngineBase:
     """The event-loop side both transports share: per-request streams, step listeners, death.
     A subclass delivers messages to the engine loop (``_send``) and feeds ``_dispatch`` with what
@@ -219,19 +235,13 @@ class AsyncLLMEngine(AsyncEngineBase):
         self._inbox.put(message)
 
     def _receive(self, block: bool) -> list:
-        """Messages waiting in the inbox; with ``block``, wait for one, checking every
-        HEALTH_CHECK_INTERVAL_S that the executor's workers are alive (raises if not)."""
-        messages = []
-        while block and not messages:
-            try:
-                messages.append(self._inbox.get(timeout=HEALTH_CHECK_INTERVAL_S))
-            except queue.Empty:
-                self.engine.check_health()
-        while True:
-            try:
-                messages.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return messages
+        return receive_messages(self._take, self.engine, block)
+
+    def _take(self, timeout: float) -> Any:
+        try:
+            return self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
 
     def _emit(self, message: StepResult | EngineDead) -> None:
         try:

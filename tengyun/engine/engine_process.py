@@ -36,8 +36,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from tengyun.engine.async_engine import (
-    HEALTH_CHECK_INTERVAL_S, AbortRequest, AddRequest, AsyncEngineBase, EngineDead, Shutdown, StepResult,
-    run_engine_loop,
+    AbortRequest, AddRequest, AsyncEngineBase, EngineDead, Shutdown, StepResult, receive_messages, run_engine_loop,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,6 +71,18 @@ def engine_in_thread_reason(fork_safe: bool, disable_frontend_multiprocessing: b
     if threading.active_count() > 1:  # Python threads; torch's import leaves an idle native one
         return f"{threading.active_count()} threads are running, and fork copies a lock another thread holds as held"
     return None
+
+
+def launch_for_server(config: Any, fork_safe: bool, disable_frontend_multiprocessing: bool
+                      ) -> "EngineProcessClient | None":
+    """The server's engine process, forked now (it loads the model while the server starts), or
+    None where the engine runs in a thread of the server process; logs which and why. Call while
+    the server process still has one thread."""
+    reason = engine_in_thread_reason(fork_safe, disable_frontend_multiprocessing)
+    if reason is not None:
+        logger.info("Engine: in a thread of the server process (%s)", reason)
+        return None
+    return EngineProcessClient.launch(config)
 
 
 class EngineProcessClient(AsyncEngineBase):
@@ -220,21 +231,12 @@ def _engine_process_main(build: Callable[[Any], Any], config: Any, requests: Con
 
 
 def _receive(engine: Any, requests: Connection, block: bool) -> list:
-    """The messages waiting on the requests pipe; with ``block``, wait for one, checking every
-    HEALTH_CHECK_INTERVAL_S that the executor's workers are alive. End of file (the API process
-    is gone) reads as Shutdown."""
-    messages: list = []
+    """receive_messages from the requests pipe; its end of file (the API process is gone) reads
+    as Shutdown."""
     try:
-        while block and not messages:
-            if requests.poll(HEALTH_CHECK_INTERVAL_S):
-                messages.append(requests.recv())
-            else:
-                engine.check_health()
-        while requests.poll():
-            messages.append(requests.recv())
+        return receive_messages(lambda timeout: requests.recv() if requests.poll(timeout) else None, engine, block)
     except (EOFError, OSError):
-        messages.append(Shutdown())
-    return messages
+        return [Shutdown()]
 
 
 def _send_result(results: Connection, message: Any) -> None:
@@ -263,6 +265,9 @@ def _exit_text(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
         return f"killed by {name}" + (": out of memory?" if -code == signal.SIGKILL else "")
     return f"exit code {code}"

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tengyun import __version__
 from tengyun.config import EngineConfig
 from tengyun.engine.async_engine import AsyncEngineBase, AsyncLLMEngine, EngineDeadError
-from tengyun.engine.engine_process import EngineProcessClient, engine_in_thread_reason
+from tengyun.engine.engine_process import EngineProcessClient, launch_for_server
 from tengyun.entrypoints.openai.cli_args import (
     check_server_args, load_chat_template, make_arg_parser, resolve_api_key,
 )
@@ -433,22 +433,13 @@ def run_server(args: argparse.Namespace) -> int:
         from tengyun.executor.multiproc_executor import run_headless
 
         return run_headless(config)
-    engine_process = _launch_engine_process(config, args.disable_frontend_multiprocessing)  # first: one thread
+    engine_process = launch_for_server(config, platform_class(config.device_type).fork_safe,
+                                       args.disable_frontend_multiprocessing)  # first: one thread here
     try:
         return _serve(args, config, engine_process)
     finally:
         if engine_process is not None:
             engine_process.shutdown()
-
-
-def _launch_engine_process(config: EngineConfig, in_thread: bool) -> EngineProcessClient | None:
-    """The engine process, forked now (it loads the model while the server starts), or None
-    where the engine runs in a thread of this process; logs why."""
-    reason = engine_in_thread_reason(platform_class(config.device_type).fork_safe, in_thread)
-    if reason is not None:
-        logger.info("Engine: in a thread of the server process (%s)", reason)
-        return None
-    return EngineProcessClient.launch(config)
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig, engine_process: EngineProcessClient | None) -> int:
