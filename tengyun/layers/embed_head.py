@@ -1,4 +1,12 @@
-"""Vocab-parallel embedding and LM head: each TP rank holds a contiguous slice of the vocab."""
+"""Vocab-parallel embedding and LM head: each TP rank holds a contiguous slice of the vocab.
+
+Either holds a dense ``weight`` [vocab / tp, hidden], or (a GGUF kept quantised, whose
+token_embd / output tensors are blocks: QuantConfig.vocab_layers, as vLLM's GGUF embedding and
+head) its scheme's ``qweight`` [vocab / tp, hidden / block, block bytes], rows by token. A
+quantised embedding looks tokens up by dequantizing their rows; a quantised head multiplies
+through the platform's quant kernel where that kernel streams the blocks (else its weight is
+dequantized once at bind and it runs dense, as before).
+"""
 
 from __future__ import annotations
 
@@ -11,36 +19,87 @@ from tengyun.distributed.parallel_state import (
 )
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel, RowReader
-from tengyun.layers.weight_loading import check_shape, set_weight_loader
+from tengyun.layers.quant_kernels import reference_kernel
+from tengyun.layers.weight_loading import (
+    check_integer_dtype, check_shape, layout_dtype, set_weight_loader,
+)
+from tengyun.quantization.config import QuantizationError
+from tengyun.quantization.scheme import OUT, LinearScheme
+
+_DEQUANTIZE_ROWS = 8192  # rows dequantized at a time when a quantised head turns dense at bind
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.hidden_size, self.params_dtype = vocab_size, hidden_size, dtype
         self.shard_size = -(-vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
-        # Where a tied LM head's kernel holds the only copy of the weight (weight then empty):
-        # ids -> rows from that copy, bit for bit what F.embedding would return (ParallelLMHead).
+        self.scheme: LinearScheme | None = None  # set by use_quant_scheme
+        # local ids -> rows where they are not read by F.embedding from ``weight``: a quantised
+        # embedding's blocks, or a tied LM head kernel's copy (then the only copy; ParallelLMHead).
         self.row_reader: RowReader | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_shape(torch.empty((self.vocab_size, param.shape[1]), device="meta"), loaded)
+        check_shape(torch.empty((self.vocab_size, *param.shape[1:]), device="meta"), loaded)
+        if self.scheme is not None:
+            check_integer_dtype(param, loaded, param.tensor_layout, self.scheme.description)
         rows = min(self.shard_size, self.vocab_size - self.vocab_start)
-        param.data.zero_()
+        param.data.zero_()  # padding rows of the last shard: zero (zero blocks dequantize to 0)
         param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
+    # ----- quantised rows (GGUF) ------------------------------------------------------------------
+    def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
+        """Hold ``scheme``'s tensors instead of ``weight`` (before loading): each must run over the
+        vocab along dim 0, one row per token, as a GGUF's blocks do."""
+        if any(t.axis(OUT) != (0, 1) or not t.kept for t in scheme.tensors):
+            raise QuantizationError(f"{name}: {scheme.description} does not store one row per token; Tengyun "
+                                    f"keeps only a GGUF's embedding and LM head quantised.")
+        problem = scheme.shape_problem(self.shard_size, self.hidden_size)
+        if problem:
+            raise ValueError(f"{name}: {scheme.description} cannot hold {self.vocab_size} x {self.hidden_size}: "
+                             f"{problem}.")
+        device = device or self.weight.device
+        del self.weight
+        for layout in scheme.tensors:
+            param = nn.Parameter(torch.empty(layout.shape(self.shard_size, self.hidden_size),
+                                             dtype=layout_dtype(layout, self.params_dtype), device=device),
+                                 requires_grad=False)
+            param.tensor_layout, param.described_as = layout, scheme.description  # type: ignore[attr-defined]
+            set_weight_loader(param, self.weight_loader)
+            self.register_parameter(layout.name, param)
+        self.scheme = scheme
+
+    def quant_tensors(self) -> dict[str, torch.Tensor]:
+        return {t.name: getattr(self, t.name).data for t in self.scheme.tensors}
+
+    def dequantized(self) -> torch.Tensor:
+        """The quantised rows as a dense [vocab / tp, hidden] weight in params_dtype."""
+        read = reference_kernel(self.scheme).row_reader(self.quant_tensors(), self.params_dtype)
+        ids = torch.arange(self.shard_size, device=self.quant_tensors()[self.scheme.tensors[0].name].device)
+        return torch.cat([read(chunk) for chunk in ids.split(_DEQUANTIZE_ROWS)])
+
+    def bind_kernels(self, kernels: KernelBundle) -> None:
+        if self.scheme is not None and self.row_reader is None:  # its own blocks (a tied head may take over)
+            self.row_reader = reference_kernel(self.scheme).row_reader(self.quant_tensors(), self.params_dtype)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.row_reader is not None:
+            return self.row_reader(ids.reshape(-1)).view(*ids.shape, -1)
+        if self.scheme is not None:  # not bound yet (a model built outside the worker)
+            read = reference_kernel(self.scheme).row_reader(self.quant_tensors(), self.params_dtype)
+            return read(ids.reshape(-1)).view(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.row_reader is not None:  # TP = 1 only (ParallelLMHead.bind_kernels)
-            return self.row_reader(input_ids)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = self._rows(local.masked_fill(outside, 0))
         y.masked_fill_(outside.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(y)
 
@@ -60,10 +119,26 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
         self.tied_embedding = [embedding]
 
+    def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
+        """A tied head shares its (already quantised) embedding's tensors; an untied one holds its own."""
+        if self.tied_embedding:
+            embedding = self.tied_embedding[0]
+            del self.weight
+            for layout in embedding.scheme.tensors:
+                self.register_parameter(layout.name, getattr(embedding, layout.name))
+            self.scheme = embedding.scheme
+        else:
+            super().use_quant_scheme(scheme, name, device)
+        self.kernel = reference_kernel(self.scheme)
+
     def bind_kernels(self, kernels: KernelBundle) -> None:
         """Hand the weight to the linear kernel. A repacking kernel frees the original (an untied
-        head would otherwise hold its weight twice); a tied one too where, at TP = 1, the kernel's
-        copy reads back every row exactly and so serves the embedding's lookups."""
+        head would otherwise hold its weight twice); a tied one too where the kernel's copy reads
+        back every row exactly and so serves the embedding's lookups (dense: at TP = 1)."""
+        if self.scheme is not None:
+            if self._bind_quant_kernel(kernels):
+                return
+            self._turn_dense()
         self.kernel = kernels.linear
         self.kernel_weight = self.kernel.prepare(self.weight.data)
         if not self.kernel.frees_original:
@@ -75,8 +150,45 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.tied_embedding[0].row_reader = reader
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
+    def _bind_quant_kernel(self, kernels: KernelBundle) -> bool:
+        """Multiply through the platform's kernel for the scheme where it streams the blocks (a
+        tied embedding then reads its rows from that kernel's copy when it can). False: none does."""
+        kernel = kernels.quant_linear.get(self.scheme)
+        if kernel is None or not kernel.streams_quantised:
+            return False
+        self.kernel, self.kernel_weight = kernel, kernel.prepare(self.quant_tensors())
+        if not kernel.frees_original:
+            return True
+        if self.tied_embedding:
+            reader = kernel.row_reader(self.kernel_weight, self.params_dtype)
+            if reader is None:
+                return True  # the embedding keeps reading its blocks: two copies
+            self.tied_embedding[0].row_reader = reader
+        for layout in self.scheme.tensors:  # shared with a tied embedding, which reads the kernel's copy now
+            param = getattr(self, layout.name)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        return True
+
+    def _turn_dense(self) -> None:
+        """No kernel here multiplies the blocks faster than a dense weight would: dequantize once
+        (a tied embedding with it, so the two share one dense weight again, as when the .gguf
+        was loaded dequantized)."""
+        dense = nn.Parameter(self.dequantized(), requires_grad=False)
+        for layout in self.scheme.tensors:
+            delattr(self, layout.name)
+        self.scheme, self.weight = None, dense
+        if self.tied_embedding:
+            embedding = self.tied_embedding[0]
+            for layout in embedding.scheme.tensors:
+                delattr(embedding, layout.name)
+            embedding.scheme, embedding.row_reader, embedding.weight = None, None, dense
+
+    def _weight(self):
+        if self.kernel_weight is not None:
+            return self.kernel_weight
+        return self.weight if self.scheme is None else self.quant_tensors()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        weight = self.weight if self.kernel_weight is None else self.kernel_weight
-        logits = self.kernel.apply(hidden, weight, None)  # [N, vocab / tp] (padded shard)
+        logits = self.kernel.apply(hidden, self._weight(), None)  # [N, vocab / tp] (padded shard)
         logits = tensor_model_parallel_gather(logits)  # [N, padded vocab] on TP rank 0
         return None if logits is None else logits[:, : self.vocab_size]

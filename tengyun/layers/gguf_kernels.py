@@ -111,6 +111,12 @@ class GgufReferenceKernel(QuantLinearKernel):
         super().__init__(scheme)
         self.type_name = ggml_type_of(scheme).name
 
+    def row_reader(self, prepared, dtype):
+        if "qweight" not in prepared:  # a subclass's layout
+            return None
+        qweight, type_name = prepared["qweight"], self.type_name  # uint8 [out, blocks, bytes]
+        return lambda ids: dequantize_blocks(qweight[ids], type_name, dtype)
+
     def apply(self, x, prepared, bias):
         qweight = prepared["qweight"]
         tiles = [F.linear(x, dequantize_blocks(qweight[r:r + ROWS_PER_TILE], self.type_name, x.dtype))

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tengyun.distributed.parallel_state import get_tp_size
+from tengyun.layers.linear_kernel import RowReader
 from tengyun.quantization.awq_gptq_packing import unpack_awq, unpack_gptq
 from tengyun.quantization.packing import dequantize, unpack_int32
 from tengyun.quantization.scheme import LinearScheme
@@ -32,6 +33,9 @@ Tensors = dict[str, torch.Tensor]
 
 class QuantLinearKernel:
     frees_original = False  # prepare returns new tensors: the layer drops its loaded ones
+    # apply reads the quantised weight as held, without dequantizing all of it at decode's row
+    # counts: what a quantised LM head needs to be faster than a dense one (embed_head.py)
+    streams_quantised = False
 
     def __init__(self, scheme: LinearScheme):
         self.scheme = scheme
@@ -41,6 +45,12 @@ class QuantLinearKernel:
 
     def apply(self, x: torch.Tensor, prepared: Tensors, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def row_reader(self, prepared: Tensors, dtype: torch.dtype) -> RowReader | None:
+        """ids [T] -> rows [T, in] in ``dtype`` of the weight ``prepared`` holds, each its
+        dequantized values rounded once (so a quantised embedding, or a tied one read from its
+        LM head's kernel, looks tokens up); None where this kernel cannot."""
+        return None
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

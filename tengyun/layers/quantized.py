@@ -7,6 +7,8 @@ model inside ``deferred_weights()``, so those dense weights were only ever meta 
 layers left unquantised get real storage here. Fused layers match
 through the model's packed_modules_mapping: qkv_proj is quantised when q_proj, k_proj and
 v_proj are, all with one scheme; stacked MoE experts (FusedMoE) when expert 0's projections are.
+Where the format stores them quantised too (QuantConfig.vocab_layers: GGUF), the embedding and LM
+head take their scheme's tensors (embed_head.py); a tied head shares its embedding's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tengyun.layers.fused_moe import FusedMoE
 from tengyun.layers.linear import LinearBase
 from tengyun.layers.weight_loading import materialize
@@ -39,6 +42,14 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
     -> the schemes the model's layers now hold (what the platform picks kernels for)."""
     used: set[LinearScheme] = set()
     for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding):
+            if quant is not None and quant.vocab_layers:
+                scheme = _vocab_scheme(model, name, module, quant)
+                if scheme is not None:
+                    module.use_quant_scheme(scheme, name, device)
+                    if isinstance(module, ParallelLMHead):
+                        used.add(scheme)  # the head multiplies through the platform's kernel
+            continue
         if not isinstance(module, (LinearBase, FusedMoE)):
             continue
         if quant is not None:
@@ -51,6 +62,17 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
         raise QuantizationError(f"config.json's quantization_config ({quant.method}) targets none of this "
                                 f"model's linear layers: check its config_groups targets and ignore list.")
     return tuple(sorted(used, key=lambda s: s.description))
+
+
+def _vocab_scheme(model: nn.Module, name: str, module: VocabParallelEmbedding,
+                  quant: QuantConfig) -> LinearScheme | None:
+    """The embedding's stored scheme; a tied head's is its embedding's (a tied checkpoint stores
+    the embedding only), also on a last pipeline stage that holds the head without the embedding."""
+    if isinstance(module, ParallelLMHead) and module.tied_embedding:
+        return module.tied_embedding[0].scheme
+    if isinstance(module, ParallelLMHead) and getattr(model, "tie_word_embeddings", False):
+        return quant.scheme_for(name.removesuffix("lm_head") + "model.embed_tokens")
+    return quant.scheme_for(name)
 
 
 def _scheme_of(model: nn.Module, name: str, module: nn.Module, quant: QuantConfig) -> LinearScheme | None:

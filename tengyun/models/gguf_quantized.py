@@ -8,7 +8,9 @@ names and dequantizes) with each decoder linear weight replaced by its raw GGUF 
 
 in the row order transformers gives the dense weight (Llama's q/k rows un-permuted, found by
 running transformers' own tensor processor on the row numbers), and checked to dequantize to
-exactly that dense weight. Norms, embeddings and lm_head stay dequantized (float32).
+exactly that dense weight. The embedding (token_embd) and LM head (output) keep their blocks
+too where their type is one Tengyun keeps (model.embed_tokens.qweight, lm_head.qweight; a tied
+model stores only the embedding's), else stay dense; norms stay dequantized (float32).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tengyun.quantization.gguf import AS_Q8_0, SUPPORTED_TYPES, quantization_con
 DENSE_TYPES = ("F32", "F16", "BF16")  # linear weights of these types load as dense layers
 _LINEAR = re.compile(r"^blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 _FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # Tengyun runs each group as one layer
+_VOCAB = ("token_embd.weight", "output.weight")  # kept when their type is, else dense: never refused
 _AS_Q8_0 = {"Q5_0": q5_0_as_q8_0, "Q4_0": q4_0_as_q8_0}  # file type -> its blocks re-encoded as Q8_0 (lossless)
 
 
@@ -55,11 +58,13 @@ def kept_types(gguf_file: Path) -> dict[str, str]:
         if "_exps." in tensor.name:
             raise QuantizationError(f"{tensor.name}: --quantization gguf keeps dense models' blocks, not MoE "
                                     f"experts; drop --quantization gguf to load the .gguf dequantized.")
-        if _LINEAR.match(tensor.name) and type_name not in DENSE_TYPES:
+        if tensor.name in _VOCAB and (type_name in SUPPORTED_TYPES or type_name in AS_Q8_0):
+            types[tensor.name] = "Q8_0" if type_name in AS_Q8_0 else type_name
+        elif _LINEAR.match(tensor.name) and type_name not in DENSE_TYPES:
             if type_name not in SUPPORTED_TYPES and type_name not in AS_Q8_0:
                 raise QuantizationError(unsupported_type_message(tensor.name, type_name, gguf_dequantizable(type_name)))
             types[tensor.name] = "Q8_0" if type_name in AS_Q8_0 else type_name
-    for name in types:
+    for name in [n for n in types if n not in _VOCAB]:
         block, kind = _LINEAR.match(name).groups()
         group = [f"blk.{block}.{k}.weight" for k in next((g for g in _FUSED if kind in g), (kind,))]
         shown = {n: types.get(n) for n in group}
@@ -98,7 +103,7 @@ def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torc
     key_map = get_gguf_hf_weights_map(skeleton, processor)
     kept: dict[str, str] = {}
     for tensor in reader.tensors:
-        if tensor.name not in stored:
+        if tensor.name not in stored or key_map.get(tensor.name) not in tensors:  # a tied model's output: unused
             continue
         hf_name, rows, type_name = key_map[tensor.name], int(tensor.data.shape[0]), stored[tensor.name]
         blocks = torch.from_numpy(np.array(tensor.data)).reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
@@ -111,7 +116,7 @@ def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torc
         module = hf_name.removesuffix(".weight")
         tensors[f"{module}.qweight"] = blocks
         kept[module] = type_name
-    if not kept:
+    if not kept.keys() - {"model.embed_tokens", "lm_head"}:
         raise QuantizationError(f"{gguf_file} holds no decoder linear weight in {', '.join(SUPPORTED_TYPES)}: "
                                 f"drop --quantization gguf, it loads dequantized to --dtype.")
     return quantization_config(gguf_file.name, kept)

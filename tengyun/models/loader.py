@@ -33,6 +33,8 @@ INDEX_FILE = "model.safetensors.index.json"
 _QKV_SHARDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by the rotary layer
 _EMBED = "model.embed_tokens.weight"
+# A tied head's tensors: the embedding's, dense or a GGUF's blocks (layers/embed_head.py)
+_EMBED_TENSORS = {f"model.embed_tokens.{t}": f"lm_head.{t}" for t in ("weight", "qweight")}
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,8 @@ def _plan(model: torch.nn.Module, stored: dict[str, _Stored], folder: Path) -> l
     tied = _is_tied(model, params)
     other_stages = missing_prefixes(model)  # pipeline parallel: layers another stage loads
     # Last pipeline stage of a tied model: the head has no embedding to share, so it loads the embedding's tensor.
-    head_from_embed = tied and "lm_head.weight" in params and _EMBED not in params
+    head_from_embed = (tied and not params.keys() & _EMBED_TENSORS.keys()
+                       and bool(params.keys() & set(_EMBED_TENSORS.values())))
     # The model's own renaming (e.g. a multimodal wrapper's prefix off; None: not loaded), else names as is.
     rename = getattr(model, "checkpoint_rename", None) or (lambda n: n)
     custom = getattr(model, "checkpoint_name_to_param", None)
@@ -182,10 +185,10 @@ def _plan(model: torch.nn.Module, stored: dict[str, _Stored], folder: Path) -> l
         if renamed is None:  # the model's own choice not to load it
             continue
         for part, (name, _) in enumerate(_parts(model, renamed, torch.empty(info.shape, device="meta"))):
-            if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            if name.endswith(_SKIPPED_SUFFIXES) or (tied and name in _EMBED_TENSORS.values()):
                 continue
-            if head_from_embed and name == _EMBED:
-                plan.append((info.file, stored_name, _Target("lm_head.weight", None, part)))
+            if head_from_embed and name in _EMBED_TENSORS:
+                plan.append((info.file, stored_name, _Target(_EMBED_TENSORS[name], None, part)))
                 continue
             if name.startswith(other_stages):
                 continue
@@ -206,7 +209,7 @@ def _plan(model: torch.nn.Module, stored: dict[str, _Stored], folder: Path) -> l
 
 def _check_complete(plan: list, params: dict, packed: dict[str, list[str]], head_shared: bool, folder: Path) -> None:
     """Every parameter (every shard of a packed or stacked one) has a planned tensor."""
-    expected = {(n, None) for n in params if not (head_shared and n == "lm_head.weight")}
+    expected = {(n, None) for n in params if not (head_shared and n in _EMBED_TENSORS.values())}
     for packed_name, shard_names in packed.items():
         for n in [n for n, _ in expected if f".{packed_name}." in n]:
             expected.discard((n, None))

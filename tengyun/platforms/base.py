@@ -187,6 +187,15 @@ class Platform:
 
         return scheme.nbytes(out, in_, DTYPE_BYTES[dtype], in_total)
 
+    @classmethod
+    def quantized_head(cls, scheme, dtype: str) -> str | None:
+        """How an LM head stored quantised as ``scheme`` (a GGUF's output / tied token_embd) is held
+        when served in ``dtype``: "rows" (its kernel streams the blocks and its copy serves a tied
+        embedding's lookups), "kernel" (streams them; a tied embedding keeps its blocks), None
+        (dequantized once at bind: dense). What `tengyun plan` counts (embed_head.py does it).
+        Torch-free. Here: dense."""
+        return None
+
     def layer_ops(self):
         """How RMSNorm and rotary embedding compute (tengyun/layers/layer_ops.py)."""
         from tengyun.layers.layer_ops import TORCH_LAYER_OPS

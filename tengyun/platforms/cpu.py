@@ -176,6 +176,15 @@ class CpuPlatform(Platform):
         return super().quant_linear_kernel(scheme, dtype)
 
     @classmethod
+    def quantized_head(cls, scheme, dtype: str) -> str | None:
+        """GGUF in bfloat16 (blocks of 32): the compiled layout ("rows") or torch's int4 layout."""
+        from tengyun.platforms import cpu_gguf
+
+        if not (scheme.kernel.startswith("gguf_") and cpu_gguf.int4pack_fits(scheme, dtype, 16)):
+            return None
+        return "rows" if cls._compiled_quant_layout() else "kernel"
+
+    @classmethod
     def quantized_weight_bytes(cls, scheme, out: int, in_: int, dtype: str, in_total: int | None = None) -> int:
         """4-bit in bfloat16: the compiled kernel's layout (where it runs) keeps the packed bytes
         (outputs padded to 32) with a scale in ``dtype`` and, unless symmetric, a uint8 zero point

@@ -90,6 +90,7 @@ def int4_planes(qweight: torch.Tensor, type_name: str) -> list[tuple[torch.Tenso
 
 class CpuGgufInt4PackKernel(GgufReferenceKernel):
     frees_original = True
+    streams_quantised = True
 
     def prepare(self, tensors: Tensors) -> Tensors:
         qweight = tensors["qweight"]  # uint8 [out, blocks, bytes]
@@ -122,6 +123,7 @@ class CpuGgufCompiledKernel(GgufReferenceKernel):
     """Q4_0, Q4_1, Q4_K and Q8_0 in the compiled kernel's layout (the module docstring)."""
 
     frees_original = True
+    streams_quantised = True
 
     def prepare(self, tensors: Tensors) -> Tensors:
         q, scale, offset = q_scale_offset(tensors["qweight"], self.type_name)  # [out, in], [out, in / 32] x 2
@@ -132,10 +134,16 @@ class CpuGgufCompiledKernel(GgufReferenceKernel):
         kept = torch.float16 if self.type_name == "Q4_1" else torch.float32  # Q4_K: d * sc needs 17 bits
         return cpu_quant_layout.pack(q, 4, scale.to(kept), offsets=offset.to(kept))
 
+    def _bits_zero(self) -> tuple[int, int]:
+        return (8, 0) if self.type_name == "Q8_0" else (4, 8 if self.type_name == "Q4_0" else 0)
+
     def apply(self, x, prepared, bias):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        bits, zero = (8, 0) if self.type_name == "Q8_0" else (4, 8 if self.type_name == "Q4_0" else 0)
-        return cpu_quant_layout.linear(x2, prepared, bits, zero, bias).reshape(*x.shape[:-1], -1)
+        return cpu_quant_layout.linear(x2, prepared, *self._bits_zero(), bias).reshape(*x.shape[:-1], -1)
+
+    def row_reader(self, prepared, dtype):
+        bits, zero = self._bits_zero()
+        return lambda ids: cpu_quant_layout.rows(prepared, ids, bits, zero, dtype)
 
 
 class CpuGgufDequantizedKernel(GgufReferenceKernel):

@@ -89,6 +89,28 @@ def dequantized_t(prepared: Tensors, bits: int, zero: int, dtype: str = "float32
                                                 prepared["qcolumns"].shape[0], dtype)
 
 
+def rows(prepared: Tensors, ids: torch.Tensor, bits: int, zero: int, dtype: torch.dtype) -> torch.Tensor:
+    """ids [T] -> the layout's weight rows [T, in] in ``dtype``: w = n * s + o in float32 (the
+    kernel's w: n * s is exact for 16-bit scales and Q4_K's 17-bit d * sc, so one rounding, as
+    fma), rounded once. Row r is column r % 32 of block r // 32."""
+    block, column = ids // COLS, ids % COLS
+    packed, scales = prepared["qpacked"], prepared["qscales"]
+    if bits == 8:  # int8 [blocks, in, 32]
+        n = packed[block, :, column]  # [T, in]
+    else:  # uint8 [blocks, in, 16] = [blocks, in / 2 pairs, 16 columns, 2 inputs]: low half columns 0-15
+        pairs = packed.view(packed.shape[0], -1, COLS // 2, 2)[block, :, column % (COLS // 2)]  # [T, in / 2, 2]
+        n = (pairs >> (4 * (column >= COLS // 2)).to(torch.uint8).view(-1, 1, 1)) & 0x0F
+    n = n.reshape(ids.shape[0], scales.shape[1], -1).float()  # [T, groups, group]
+    scale = scales[block, :, column].float().unsqueeze(-1)  # [T, groups, 1]
+    if "qoffsets" in prepared:
+        offset = prepared["qoffsets"][block, :, column].float().unsqueeze(-1)
+    elif "qzeros" in prepared:
+        offset = -prepared["qzeros"][block, :, column].float().unsqueeze(-1) * scale
+    else:
+        offset = -float(zero) * scale
+    return (n * scale + offset).reshape(ids.shape[0], -1).to(dtype)
+
+
 @functools.cache
 def _quant_linear_op():
     """The op's overload, resolved once (a call through torch.ops.tengyun.quant_linear resolves it

@@ -33,6 +33,10 @@ class QuantConfig:
     method: str  # the registry key, e.g. "compressed-tensors"
     groups: tuple[QuantGroup, ...]
     ignore: tuple[str, ...] = ()  # module names or "re:<regex>" kept unquantised (e.g. "lm_head")
+    # The embedding and LM head may be stored quantised too, by their module names
+    # (model.embed_tokens, lm_head): a GGUF's token_embd / output, as vLLM's GGUF loader keeps
+    # them. Other formats quantise linear layers only (vLLM's ParallelLMHead is not a LinearBase).
+    vocab_layers: bool = False
 
     def scheme_for(self, module: str) -> LinearScheme | None:
         """The scheme of the linear layer the checkpoint stores as ``module``

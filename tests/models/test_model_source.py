@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from tengyun.models import model_source
 from tengyun.models.model_source import (
+    KEPT_CONVERT_VERSION,
     QWEN_CODER_HUB_ID,
     QWEN_CODER_SHA256,
     SMOLLM2_HUB_ID,
@@ -173,7 +174,7 @@ def test_gguf_kept_quantised_is_a_second_conversion_beside_the_dequantized_one(t
     dequantized = resolve_model(str(gguf), "auto")
     kept = resolve_model(str(gguf), "auto", quantization="gguf")
     assert fake_convert == [gguf, (gguf, True)]
-    assert kept.folder == dequantized.folder.with_name(dequantized.folder.name + "-gguf")
+    assert kept.folder == dequantized.folder.with_name(f"{dequantized.folder.name}-gguf{KEPT_CONVERT_VERSION}")
     assert resolve_model(str(gguf), "auto", quantization="compressed-tensors").folder == dequantized.folder
 
 

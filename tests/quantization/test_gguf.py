@@ -273,18 +273,29 @@ def _plan(model, *flags):
 
 def test_plan_of_the_gguf_kept_quantised_counts_its_blocks():
     """SmolLM2-135M: 30 layers of q, k, v, o (576 x 576, 2 x 192 x 576, 576 x 576) and gate, up,
-    down (3 x 1536 x 576) in Q4_1 (20 bytes per 32 weights); the rest (embeddings, norms) dense."""
+    down (3 x 1536 x 576) in Q4_1 (20 bytes per 32 weights); token_embd (the tied LM head) in
+    Q8_0; the norms dense."""
     linear = 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576)
-    dense = 49152 * 576 + 61 * 576  # token_embd (tied lm_head), 2 norms per layer and the final one
+    vocab, norms = 49152 * 576, 61 * 576  # 2 norms per layer and the final one
     kept = _plan(smollm2_gguf(), "--quantization", "gguf", "--device", "npu", "--dtype", "bfloat16")
-    assert kept["quantization"] == "GGUF Q4_1 (4-bit blocks of 32, kept quantised)"
-    assert kept["stages"][0]["weight_bytes"] == linear // 32 * 20 + 2 * dense
-    # On CPU torch's int4 layout holds as much (16 bytes of nibbles + a bf16 scale and zero per 32
-    # weights); the CPU plan adds the tied LM head's packed copy (oneDNN), 49152 x 576 in bf16,
-    # only where the embedding keeps its own (no AVX512-BF16 here: Platform.tied_head_copy).
+    assert kept["quantization"] == ("GGUF Q4_1 (4-bit blocks of 32, kept quantised); "
+                                    "GGUF Q8_0 (8-bit blocks of 32, kept quantised)")
+    # No NPU kernel streams the head's blocks: it and its tied embedding turn dense, one weight.
+    assert kept["stages"][0]["weight_bytes"] == linear // 32 * 20 + 2 * (vocab + norms)
+    # On CPU in bf16 the Q4_1 layers hold as much (torch's int4 layout: 16 bytes of nibbles + a
+    # bf16 scale and zero per 32 weights; the compiled one: nibbles, fp16 scale and offset); the
+    # head streams its Q8_0 blocks (32 int8 + a 2-byte scale per 32 weights in either layout, the
+    # int4 one as two planes of nibbles), and where the compiled layout holds it (AVX512-BF16)
+    # the tied embedding reads its rows there; else it keeps its blocks (34 bytes per 32).
     repacked = _plan(smollm2_gguf(), "--quantization", "gguf", "--device", "cpu", "--dtype", "bfloat16")
-    head_copy = 2 * 49152 * 576 if CpuPlatform.tied_head_copy("bfloat16", 1) else 0
-    assert repacked["stages"][0]["weight_bytes"] == linear // 32 * 20 + 2 * dense + head_copy
+    compiled = CpuPlatform._compiled_quant_layout()
+    head = vocab + vocab // 32 * 2 if compiled else 2 * (vocab // 2 + vocab // 32 * 2 * 2)
+    embedding = 0 if compiled else vocab // 32 * 34
+    assert repacked["stages"][0]["weight_bytes"] == linear // 32 * 20 + 2 * norms + head + embedding
+    # float32: the reference kernel would dequantize the head at every step, so it turns dense.
+    fp32 = _plan(smollm2_gguf(), "--quantization", "gguf", "--device", "cpu", "--dtype", "float32")
+    head_copy = 4 * vocab if CpuPlatform.tied_head_copy("float32", 1) else 0
+    assert fp32["stages"][0]["weight_bytes"] == linear // 32 * 20 + 4 * (vocab + norms) + head_copy
     assert _plan(smollm2_gguf(), "--device", "cpu", "--dtype", "bfloat16")["quantization"] is None
 
 

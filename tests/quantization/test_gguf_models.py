@@ -23,6 +23,8 @@ from tengyun.quantization.gguf import GGML_TYPES, quantization_config  # noqa: E
 # Per decoder layer: (q/k/v, o, gate/up, down) types; fused layers share one.
 LAYER_TYPES = [("Q4_0", "Q8_0", "Q4_1", "Q4_0"), ("Q8_0", "Q4_1", "Q4_0", "Q8_0")]
 _PROJ = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
+# The embedding and LM head as a .gguf stores them (token_embd, output): rows by token.
+VOCAB_TYPES = {"model.embed_tokens.weight": "Q4_1", "lm_head.weight": "Q8_0"}
 
 
 def _kept_and_twin(dense, kept, twin):
@@ -32,8 +34,9 @@ def _kept_and_twin(dense, kept, twin):
     kept_tensors, twin_tensors, types = {}, {}, {}
     for name, tensor in tensors.items():
         parts = name.split(".")  # model.layers.L.self_attn.q_proj.weight
-        if name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _PROJ:
-            type_name = LAYER_TYPES[int(parts[2]) % len(LAYER_TYPES)][_PROJ[parts[-2]]]
+        layer = name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _PROJ
+        if layer or name in VOCAB_TYPES:
+            type_name = LAYER_TYPES[int(parts[2]) % len(LAYER_TYPES)][_PROJ[parts[-2]]] if layer else VOCAB_TYPES[name]
             qtype = gguf.GGMLQuantizationType[type_name]
             blocks = gguf_quantize(tensor.float().numpy(), qtype)  # uint8 [out, in / 32 * block bytes]
             module = name.removesuffix(".weight")
