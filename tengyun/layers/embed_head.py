@@ -40,8 +40,11 @@ class VocabParallelEmbedding(nn.Module):
         set_weight_loader(self.weight, self.weight_loader)
         self.scheme: LinearScheme | None = None  # set by use_quant_scheme
         # local ids -> rows where they are not read by F.embedding from ``weight``: a quantised
-        # embedding's blocks, or a tied LM head kernel's copy (then the only copy; ParallelLMHead).
+        # embedding's blocks or its kernel's layout of them, or a tied LM head kernel's copy
+        # (then the only copy; ParallelLMHead).
         self.row_reader: RowReader | None = None
+        self.kernel_weight = None  # the quant kernel's layout the row reader reads, when it has one
+        self.head_tied = False  # a ParallelLMHead shares this weight (it binds the kernels for both)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         check_shape(torch.empty((self.vocab_size, *param.shape[1:]), device="meta"), loaded)
@@ -83,16 +86,31 @@ class VocabParallelEmbedding(nn.Module):
         return torch.cat([read(chunk) for chunk in ids.split(_DEQUANTIZE_ROWS)])
 
     def bind_kernels(self, kernels: KernelBundle) -> None:
-        if self.scheme is not None and self.row_reader is None:  # its own blocks (a tied head may take over)
-            self.row_reader = reference_kernel(self.scheme).row_reader(self.quant_tensors(), self.params_dtype)
+        """A quantised embedding reads its rows from the platform's kernel layout where that kernel
+        reads rows (the CPU compiled layout: same bytes as Q8_0 / Q4_0 / Q4_1 blocks, a decode
+        graph can trace it), else from its blocks. A tied one: its head decides (ParallelLMHead)."""
+        if self.scheme is None:
+            return
+        self.row_reader = reference_kernel(self.scheme).row_reader(self.quant_tensors(), self.params_dtype)
+        kernel = kernels.quant_linear.get(self.scheme)
+        if self.head_tied or kernel is None or not kernel.frees_original:
+            return
+        prepared = kernel.prepare(self.quant_tensors())
+        reader = kernel.row_reader(prepared, self.params_dtype)
+        if reader is not None:
+            self.row_reader, self.kernel_weight = reader, prepared
+            for layout in self.scheme.tensors:
+                param = getattr(self, layout.name)
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.row_reader is not None:
-            return self.row_reader(ids.reshape(-1)).view(*ids.shape, -1)
-        if self.scheme is not None:  # not bound yet (a model built outside the worker)
+        read = self.row_reader
+        if read is None and self.scheme is not None:  # not bound yet (a model built outside the worker)
             read = reference_kernel(self.scheme).row_reader(self.quant_tensors(), self.params_dtype)
-            return read(ids.reshape(-1)).view(*ids.shape, -1)
-        return F.embedding(ids, self.weight)
+        if read is None:
+            return F.embedding(ids, self.weight)
+        # (a shape tuple: view(*shape) of one size would trace as view(dtype), breaking decode graphs)
+        return read(ids.reshape(-1)).reshape((*ids.shape, -1))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -118,6 +136,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Share ``embedding``'s weight (a list: not a submodule, the model holds it already)."""
         self.weight = embedding.weight
         self.tied_embedding = [embedding]
+        embedding.head_tied = True
 
     def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
         """A tied head shares its (already quantised) embedding's tensors; an untied one holds its own."""
@@ -182,6 +201,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             for layout in embedding.scheme.tensors:
                 delattr(embedding, layout.name)
             embedding.scheme, embedding.row_reader, embedding.weight = None, None, dense
+            embedding.kernel_weight = None
 
     def _weight(self):
         if self.kernel_weight is not None:

@@ -47,8 +47,7 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
                 scheme = _vocab_scheme(model, name, module, quant)
                 if scheme is not None:
                     module.use_quant_scheme(scheme, name, device)
-                    if isinstance(module, ParallelLMHead):
-                        used.add(scheme)  # the head multiplies through the platform's kernel
+                    used.add(scheme)  # the platform's kernel: the head's matmul, the embedding's rows
             continue
         if not isinstance(module, (LinearBase, FusedMoE)):
             continue

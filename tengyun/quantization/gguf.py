@@ -1,6 +1,8 @@
 """GGUF kept quantised (quant_method "gguf", as vLLM's ``--quantization gguf``): the decoder's
-linear weights stay in llama.cpp's blocks; everything else (norms, embeddings, lm_head) is
-dequantized once when the .gguf is converted (tengyun/models/gguf_quantized.py).
+linear weights stay in llama.cpp's blocks, and so do the embedding and LM head where their type
+is one of these (model.embed_tokens / lm_head, rows by token: QuantConfig.vocab_layers,
+tengyun/layers/embed_head.py); norms are dequantized once when the .gguf is converted
+(tengyun/models/gguf_quantized.py).
 
 A linear layer of ``out`` x ``in`` features holds one tensor, its GGUF rows unchanged:
 

@@ -112,8 +112,8 @@ def _engine(folder, dtype: str, **engine):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     try:
         outs = [o.outputs[0] for o in llm.generate(_prompts(), params)]
-        model = llm.llm_engine.executor.model
-        return outs, model, weight_bytes(model)
+        model, graphs = llm.llm_engine.executor.model, llm.llm_engine.executor.runner.decode_graphs
+        return outs, model, weight_bytes(model), graphs
     finally:
         llm.llm_engine.shutdown()
 
@@ -121,7 +121,7 @@ def _engine(folder, dtype: str, **engine):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama: its own head; qwen2: tied
 def test_kept_vocab_layers_in_float32_give_hf_tokens_on_the_twin(kept_models, arch):  # noqa: F811
     kept, twin = kept_models[arch]
-    outs, model, _ = _engine(kept, "float32")
+    outs, model, _, _ = _engine(kept, "float32")
     assert model.model.embed_tokens.scheme is not None or arch == "qwen2"  # tied: dense with its head
     assert [o.token_ids for o in outs] == _hf_greedy(twin, _prompts())
 
@@ -130,19 +130,23 @@ def test_kept_vocab_layers_in_float32_give_hf_tokens_on_the_twin(kept_models, ar
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama: its own head; qwen2: tied
 def test_kept_vocab_layers_in_bfloat16_run_quantised_hold_less_and_answer_as_a_dense_head(
         kept_models, arch, monkeypatch):  # noqa: F811
-    """bfloat16, against the same folder with the head forced dense (its kernel said not to
+    """bfloat16: the head runs the compiled kernel, the embedding reads the compiled layout and the
+    decode steps replay graphs (a trace of the whole forward: rows read without view(dtype)).
+    Against the same folder with the head forced dense (its kernel said not to
     stream, so it dequantizes once at bind, the embedding too where tied): the only difference is
     the head's arithmetic (the blocks' exact values with float32 sums, against weights rounded to
     bfloat16), so the same tokens (measured) and logprobs within 0.05; the weights held differ by
     exactly the dense head's bytes minus the layout's (tied: the one dense weight both shared)."""
     kept, _ = kept_models[arch]
-    outs, model, quantised = _engine(kept, "bfloat16")
+    outs, model, quantised, graphs = _engine(kept, "bfloat16")
     head, embed = model.lm_head, model.model.embed_tokens
     assert isinstance(head.kernel, CpuGgufCompiledKernel) and head.qweight.numel() == 0
-    assert embed.scheme is not None and embed.row_reader is not None
-    assert (embed.qweight.numel() == 0) == (arch == "qwen2")  # tied: read from the head kernel's copy
+    # the embedding reads its rows from a compiled layout (its own, or the tied head's): one copy
+    assert embed.scheme is not None and embed.qweight.numel() == 0
+    assert (embed.kernel_weight is None) == (arch == "qwen2")
+    assert graphs is not None and any(graphs.steps.values()), "the decode steps replayed no graph"
     monkeypatch.setattr(CpuGgufCompiledKernel, "streams_quantised", False)
-    dense_outs, dense_model, dense = _engine(kept, "bfloat16")
+    dense_outs, dense_model, dense, _ = _engine(kept, "bfloat16")
     assert dense_model.lm_head.scheme is None and (dense_model.model.embed_tokens.scheme is None) == (arch == "qwen2")
     for out, expected in zip(outs, dense_outs):
         assert out.token_ids == expected.token_ids
