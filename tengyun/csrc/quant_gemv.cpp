@@ -15,7 +15,8 @@
 //   the weight is w[n, k] = fma(n, s, o), one rounding (with 16-bit scales and integer zeros,
 //   -zero * s is exact, so w is (n - zero) * s rounded once, as the references dequantise);
 //   quant_dequantize_t returns exactly these w.
-//   8 bits: y[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n]), float32 FMAs in k order.
+//   8 bits, up to kMaxRows rows: y[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n]), float32 FMAs
+//           in k order; more rows: as 4 bits below with n = q (int8 is exact in bfloat16).
 //   4 bits: y[m, n] = bf16(sum_g (s * P_g + o * X_g) + bias[n]) with P_g = sum_{k in g} x[m, k] n[n, k]
 //           (vdpbf16ps: nibbles exact in bfloat16, exact products, float32 sums) and X_g = sum_{k in g}
 //           x[m, k] in float32: the same sum as with w, in another float32 rounding order.
@@ -34,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cpu_isa.h"
 
@@ -59,6 +61,9 @@ struct QuantArgs {
   int64_t rows, n, k, group, blocks, x_stride;
   float zero;
 };
+
+// 8 bits at more than kMaxRows rows: block8_many_rows (bfloat16 pairs, as the 4-bit path) instead of the tiles.
+bool many_rows8(const QuantArgs& a, int bits) { return bits == 8 && a.rows > kMaxRows && a.group % 2 == 0; }
 
 #if TY_HAVE_X86_COPIES
 #define TY_QUANT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -195,6 +200,87 @@ TY_QUANT_TARGET void tile4(const QuantArgs& a, int64_t r0, int64_t b) {
   }
 }
 
+// 8 bits, more than kMaxRows rows: each group of block b is widened once into bfloat16 pairs (int8
+// is exact in bfloat16) in ``pairs`` [group / 2][2 halves][32], then every row runs the 4-bit
+// path's arithmetic on it: s * sum(x q) (vdpbf16ps: exact products, float32 sums) + o * sum(x),
+// accumulated per row in ``acc`` [rows][32]. The widening is paid once per group, not once per
+// pass of kMaxRows rows (the float32 tiles' cost at 16-32 rows: an LM head's decode batch).
+constexpr int kPairRows = 8;  // rows per pass over a group's pairs: 8 x 2 sums, the 2 pair vectors
+
+alignas(64) constexpr int16_t kPairLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr int16_t kPairHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+// 32 int16 -> 32 bfloat16 (exact: |v| <= 128).
+TY_QUANT_TARGET inline __m512i int16_to_bf16(__m512i v) {
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+}
+
+TY_QUANT_TARGET void widen_group8(const uint8_t* p, int64_t group, uint16_t* pairs) {
+  const __m512i low_index = _mm512_load_si512(kPairLow), high_index = _mm512_load_si512(kPairHigh);
+  for (int64_t i = 0; i < group; i += 2, p += 2 * kCols, pairs += 2 * kCols) {
+    const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kCols)));
+    _mm512_storeu_si512(pairs, int16_to_bf16(_mm512_permutex2var_epi16(k0, low_index, k1)));
+    _mm512_storeu_si512(pairs + kCols, int16_to_bf16(_mm512_permutex2var_epi16(k0, high_index, k1)));
+  }
+}
+
+template <int M>
+TY_QUANT_TARGET void pair_rows8(const QuantArgs& a, const uint16_t* pairs, int64_t g, int64_t r0,
+                                const __m512 (&s)[2], const __m512 (&o)[2], float* acc) {
+  const int64_t groups = a.k / a.group;
+  __m512 part[M][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
+  for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 2, pairs += 2 * kCols) {
+    const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs));
+    const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + kCols));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;  // x[k] in the low half, x[k + 1] in the high
+      std::memcpy(&pair, a.xb + (r0 + m) * a.x_stride + k, sizeof pair);
+      const __m512bh xs = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      part[m][0] = _mm512_dpbf16_ps(part[m][0], xs, lo);
+      part[m][1] = _mm512_dpbf16_ps(part[m][1], xs, hi);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    const __m512 x_sum = _mm512_set1_ps(a.x_sums[(r0 + m) * groups + g]);
+    for (int h = 0; h < 2; ++h) {
+      float* at = acc + (r0 + m) * kCols + 16 * h;
+      _mm512_storeu_ps(at, _mm512_fmadd_ps(o[h], x_sum, _mm512_fmadd_ps(s[h], part[m][h], _mm512_loadu_ps(at))));
+    }
+  }
+}
+
+using PairRowsFn = void (*)(const QuantArgs&, const uint16_t*, int64_t, int64_t, const __m512 (&)[2],
+                            const __m512 (&)[2], float*);
+
+TY_QUANT_TARGET void block8_many_rows(const QuantArgs& a, int64_t b, uint16_t* pairs, float* acc) {
+  static constexpr PairRowsFn passes[kPairRows] = {pair_rows8<1>, pair_rows8<2>, pair_rows8<3>, pair_rows8<4>,
+                                                   pair_rows8<5>, pair_rows8<6>, pair_rows8<7>, pair_rows8<8>};
+  std::fill(acc, acc + a.rows * kCols, 0.0f);
+  const uint8_t* p = a.packed + b * a.k * kCols;
+  for (int64_t g = 0; g < a.k / a.group; ++g, p += a.group * kCols) {
+    widen_group8(p, a.group, pairs);
+    __m512 s[2], o[2];
+    load_group(a, b, g, 0, s[0], o[0]);
+    load_group(a, b, g, 1, s[1], o[1]);
+    for (int64_t r = 0; r < a.rows; r += kPairRows) {
+      passes[std::min<int64_t>(kPairRows, a.rows - r) - 1](a, pairs, g, r, s, o, acc);
+    }
+  }
+  for (int64_t m = 0; m < a.rows; ++m) {
+    store_row(a, _mm512_loadu_ps(acc + m * kCols), m, b * kCols);
+    store_row(a, _mm512_loadu_ps(acc + m * kCols + 16), m, b * kCols + 16);
+  }
+}
+
 using TileFn = void (*)(const QuantArgs&, int64_t, int64_t);
 
 TileFn tile_for(int bits, int rows) {
@@ -204,6 +290,12 @@ TileFn tile_for(int bits, int rows) {
 }
 
 void linear_blocks(const QuantArgs& a, int bits, int64_t b0, int64_t b1) {
+  if (many_rows8(a, bits)) {
+    std::vector<uint16_t> pairs(a.group * kCols);
+    std::vector<float> acc(a.rows * kCols);
+    for (int64_t b = b0; b < b1; ++b) block8_many_rows(a, b, pairs.data(), acc.data());
+    return;
+  }
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t r = 0; r < a.rows; r += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.rows - r));
@@ -342,7 +434,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
   if (x.size(0) == 0) return y;
   const at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
   at::Tensor widened, sums;
-  if (bits == 8) {
+  a.rows = x.size(0);
+  if (bits == 8 && !many_rows8(a, 8)) {
     widened = xc.to(at::kFloat).contiguous();  // bfloat16 widens exactly
     a.xf = widened.data_ptr<float>();
   } else {
