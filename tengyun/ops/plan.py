@@ -260,7 +260,10 @@ def _vocab_bytes_change(spec: ModelSpec, request: PlanRequest, dtype: str, param
         if with_head and head == "rows":
             change -= params.embedding * width
         elif not with_head or head is not None:  # with a dense tied head it turns dense too
-            change += embed_scheme.nbytes(rows, hidden, width) - params.embedding * width
+            own = platform.quantized_head(embed_scheme, dtype) == "rows"  # its rows from the kernel's layout
+            held = (platform.quantized_weight_bytes(embed_scheme, rows, hidden, dtype) if own
+                    else embed_scheme.nbytes(rows, hidden, width))
+            change += held - params.embedding * width
     return change
 
 

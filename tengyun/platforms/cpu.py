@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import time
@@ -20,8 +21,31 @@ _M_MMAP_MAX = -4
 _KEEP_BYTES = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit
 
 
+# glibc's own allocator variables: where the user set one, Tengyun leaves the allocator to them
+# (e.g. MALLOC_MMAP_MAX_=65536, glibc's default, gives large freed blocks back to the system).
+_GLIBC_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def _user_malloc_settings() -> str | None:
+    """The glibc malloc variable the user set (GLIBC_TUNABLES' glibc.malloc.* included), if any."""
+    named = next((name for name in _GLIBC_MALLOC_ENV if name in os.environ), None)
+    if named is None and "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        named = "GLIBC_TUNABLES"
+    return named
+
+
+@functools.cache
+def _say_allocator_left_to(variable: str) -> None:
+    logger.info("%s is set: keeping glibc's allocator settings as given (Tengyun's heap reuse is off)", variable)
+
+
 def _mallopt(*settings: tuple[int, int]) -> bool:
-    """glibc's mallopt(param, value) for each setting -> whether all took (False off glibc)."""
+    """glibc's mallopt(param, value) for each setting -> whether all took (False off glibc, or
+    where the user set glibc's own malloc variables: theirs win, one log line says so)."""
+    user = _user_malloc_settings()
+    if user is not None:
+        _say_allocator_left_to(user)
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         ok = all(libc.mallopt(param, value) for param, value in settings)

