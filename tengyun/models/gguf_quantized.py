@@ -15,6 +15,7 @@ model stores only the embedding's), else stay dense; norms stay dequantized (flo
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -24,6 +25,8 @@ import torch
 from tengyun.layers.gguf_kernels import dequantize_blocks, q4_0_as_q8_0, q5_0_as_q8_0
 from tengyun.quantization.config import QuantizationError
 from tengyun.quantization.gguf import AS_Q8_0, SUPPORTED_TYPES, quantization_config, unsupported_type_message
+
+logger = logging.getLogger(__name__)
 
 DENSE_TYPES = ("F32", "F16", "BF16")  # linear weights of these types load as dense layers
 _LINEAR = re.compile(r"^blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
@@ -47,9 +50,11 @@ def gguf_dequantizable(type_name: str) -> bool:
 
 def kept_types(gguf_file: Path) -> dict[str, str]:
     """{GGUF name: the ggml type Tengyun stores} of every decoder linear weight kept quantised
-    (Q5_0 as Q8_0, and Q4_0 too in a fused layer with Q8_0: lossless). Refuses, before
-    converting, an unsupported type, MoE experts, or a fused layer (q/k/v, gate/up) still mixing
-    types."""
+    (Q5_0 as Q8_0, and Q4_0 too in a fused layer with Q8_0: lossless). A fused layer (q/k/v,
+    gate/up) still mixing types (llama.cpp's Q4_K_M: Q6_K attn_v beside Q4_K q and k) is left out:
+    Tengyun runs it as one layer holding one type, so it loads dense (dequantized to --dtype), a
+    log line naming them. Refuses, before converting, an unsupported type or MoE
+    experts."""
     import gguf
 
     types: dict[str, str] = {}
@@ -64,16 +69,20 @@ def kept_types(gguf_file: Path) -> dict[str, str]:
             if type_name not in SUPPORTED_TYPES and type_name not in AS_Q8_0:
                 raise QuantizationError(unsupported_type_message(tensor.name, type_name, gguf_dequantizable(type_name)))
             types[tensor.name] = "Q8_0" if type_name in AS_Q8_0 else type_name
+    mixed: list[str] = []
     for name in [n for n in types if n not in _VOCAB]:
         block, kind = _LINEAR.match(name).groups()
         group = [f"blk.{block}.{k}.weight" for k in next((g for g in _FUSED if kind in g), (kind,))]
         shown = {n: types.get(n) for n in group}
         if len(set(shown.values())) > 1 and set(shown.values()) <= {"Q8_0", "Q4_0"}:
             types.update({n: "Q8_0" for n in group})
-        elif len(set(shown.values())) > 1:
-            raise QuantizationError(f"{', '.join(f'{n} {t}' for n, t in shown.items())}: Tengyun runs these as "
-                                    f"one layer, which holds one ggml type; drop --quantization gguf to load the "
-                                    f".gguf dequantized to --dtype.")
+        elif len(set(shown.values())) > 1 and name in types:
+            mixed.append(", ".join(f"{n} {t or 'dense'}" for n, t in shown.items()))
+            for n in group:
+                types.pop(n, None)
+    if mixed:
+        logger.info("%s: %d fused layer(s) mix ggml types and load dense (dequantized to --dtype), as Tengyun runs "
+                    "each as one layer holding one type: %s", gguf_file.name, len(mixed), "; ".join(mixed[:3]))
     return types
 
 

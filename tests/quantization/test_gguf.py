@@ -245,12 +245,17 @@ def test_an_unsupported_type_names_the_tensor_the_supported_types_and_the_dequan
     assert "drop --quantization gguf to load the .gguf dequantized to --dtype" in message
 
 
-def test_one_fused_layer_mixing_types_is_refused(tmp_path):
+def test_a_fused_layer_mixing_types_loads_dense_and_says_so(tmp_path, caplog):
+    """llama.cpp's Q4_K_M: a Q6_K (here Q8_0) attn_v beside Q4_K q and k. Tengyun runs q/k/v as one
+    layer holding one type, so that layer stays dense; the others keep their blocks."""
     path = tmp_path / "mixed.gguf"
     _write_gguf(path, {"blk.3.attn_q.weight": ("Q4_K", 256, 256), "blk.3.attn_k.weight": ("Q4_K", 256, 256),
-                       "blk.3.attn_v.weight": ("Q8_0", 256, 256)})
-    with pytest.raises(QuantizationError, match="blk.3.attn_v.weight Q8_0: Tengyun runs these as one layer"):
-        kept_types(path)
+                       "blk.3.attn_v.weight": ("Q8_0", 256, 256), "blk.3.attn_output.weight": ("Q4_K", 256, 256),
+                       "blk.3.ffn_gate.weight": ("Q4_1", 256, 256), "blk.3.ffn_up.weight": ("F32", 256, 256)})
+    with caplog.at_level("INFO", logger="tengyun.models.gguf_quantized"):
+        assert kept_types(path) == {"blk.3.attn_output.weight": "Q4_K"}
+    assert "2 fused layer(s) mix ggml types and load dense" in caplog.text
+    assert "blk.3.attn_v.weight Q8_0" in caplog.text and "blk.3.ffn_up.weight dense" in caplog.text
 
 
 def test_q5_0_is_stored_as_q8_0_and_so_is_q4_0_fused_with_q8_0(tmp_path):

@@ -27,16 +27,17 @@ _PROJ = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up
 VOCAB_TYPES = {"model.embed_tokens.weight": "Q4_1", "lm_head.weight": "Q8_0"}
 
 
-def _kept_and_twin(dense, kept, twin):
+def _kept_and_twin(dense, kept, twin, layer_types=LAYER_TYPES):
     """``dense`` (an fp32 HF folder) -> ``kept`` (each decoder linear weight as gguf-quantized
-    ``qweight`` blocks, config.json naming the types) and ``twin`` (dense, the blocks dequantized)."""
+    ``qweight`` blocks, config.json naming the types; a type None: left dense) and ``twin`` (dense,
+    the blocks dequantized)."""
     tensors = load_file(dense / "model.safetensors")
     kept_tensors, twin_tensors, types = {}, {}, {}
     for name, tensor in tensors.items():
         parts = name.split(".")  # model.layers.L.self_attn.q_proj.weight
         layer = name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _PROJ
-        if layer or name in VOCAB_TYPES:
-            type_name = LAYER_TYPES[int(parts[2]) % len(LAYER_TYPES)][_PROJ[parts[-2]]] if layer else VOCAB_TYPES[name]
+        type_name = layer_types[int(parts[2]) % len(layer_types)][_PROJ[parts[-2]]] if layer else VOCAB_TYPES.get(name)
+        if type_name is not None:
             qtype = gguf.GGMLQuantizationType[type_name]
             blocks = gguf_quantize(tensor.float().numpy(), qtype)  # uint8 [out, in / 32 * block bytes]
             module = name.removesuffix(".weight")
@@ -66,6 +67,16 @@ def kept_models(tiny_checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_kept_blocks_give_hf_greedy_tokens_on_the_dequantized_twin(kept_models, arch):
     kept, twin = kept_models[arch]
+    assert [o.token_ids for o in _tengyun(kept)] == _hf_greedy(twin, _prompts())
+
+
+def test_a_dense_fused_layer_among_kept_blocks_gives_hf_tokens(tiny_checkpoints, tmp_path):
+    """A fused layer whose .gguf tensors mix types loads dense (gguf_quantized.kept_types): here
+    layer 1's gate/up, beside quantised layers and a quantised embedding and head."""
+    mixed = [LAYER_TYPES[0], (*LAYER_TYPES[1][:2], None, LAYER_TYPES[1][3])]
+    kept, twin = _kept_and_twin(tiny_checkpoints["llama"], tmp_path / "kept", tmp_path / "twin", mixed)
+    assert "model.layers.1.mlp.gate_proj" not in json.loads((kept / "config.json").read_text())[
+        "quantization_config"]["tensor_types"]
     assert [o.token_ids for o in _tengyun(kept)] == _hf_greedy(twin, _prompts())
 
 
