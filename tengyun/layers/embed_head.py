@@ -93,8 +93,8 @@ class VocabParallelEmbedding(nn.Module):
             return
         self.row_reader = reference_kernel(self.scheme).row_reader(self.quant_tensors(), self.params_dtype)
         kernel = kernels.quant_linear.get(self.scheme)
-        if self.head_tied or kernel is None or not kernel.frees_original:
-            return
+        if self.head_tied or kernel is None or not (kernel.frees_original and kernel.streams_quantised):
+            return  # (a kernel that holds its weight dense, Q6_K's on CPU, is no place to read rows from)
         prepared = kernel.prepare(self.quant_tensors())
         reader = kernel.row_reader(prepared, self.params_dtype)
         if reader is not None:
