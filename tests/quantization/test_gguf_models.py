@@ -80,6 +80,14 @@ def test_a_dense_fused_layer_among_kept_blocks_gives_hf_tokens(tiny_checkpoints,
     assert [o.token_ids for o in _tengyun(kept)] == _hf_greedy(twin, _prompts())
 
 
+def test_a_tied_kept_head_on_a_last_pipeline_stage_gives_the_single_process_tokens(kept_models):
+    """qwen2 (tied): under PP=2 the last stage has no embedding to share, so its head loads the
+    embedding's blocks (model.embed_tokens.qweight) as its own."""
+    kept, _ = kept_models["qwen2"]
+    single = [o.token_ids for o in _tengyun(kept)]
+    assert [o.token_ids for o in _tengyun(kept, pipeline_parallel_size=2)] == single
+
+
 def test_kept_blocks_under_tp2_over_gloo_give_the_single_process_tokens(kept_models):
     kept, _ = kept_models["llama"]  # row-parallel o_proj / down_proj: 32 / 64 inputs per rank, whole blocks
     single = [o.token_ids for o in _tengyun(kept)]
