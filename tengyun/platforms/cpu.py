@@ -171,8 +171,9 @@ class CpuPlatform(Platform):
     def quant_linear_kernel(self, scheme, dtype):
         """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI), activations quantised and sums
         rescaled by the compiled kernels where they load; up to 16 rows (decode) one compiled VNNI
-        call (cpu_quant.MAX_GEMV_ROWS). 4-bit weight-only and GGUF served in bfloat16: the compiled
-        quant kernel's layout where it runs (cpu_quant_layout.py), else torch's int4 CPU matmul.
+        call (cpu_quant.MAX_GEMV_ROWS). 4- and 8-bit weight-only and GGUF served in bfloat16: the
+        compiled quant kernel's layout where it runs (cpu_quant_layout.py), else (4-bit, GGUF)
+        torch's int4 CPU matmul.
         Anything else (float32 activations included, which
         torch's int4 matmul runs ~50x slower): the reference, dequantizing per call. Measured in
         benchmarks/README.md."""
@@ -190,6 +191,8 @@ class CpuPlatform(Platform):
 
             return gguf_kernel(scheme, dtype, compiled=self._compiled_quant_layout())
         dtype_name = str(dtype).removeprefix("torch.")
+        if int8_layout_fits(scheme, dtype_name) and self._compiled_quant_layout():
+            return cpu_quant.CpuInt8WeightOnlyKernel(scheme)
         if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             # the compiled kernel's layout where it runs; else torch's, and layers whose outputs
             # torch cannot pack stay on the reference
@@ -223,11 +226,18 @@ class CpuPlatform(Platform):
 
             repacked = weight_bytes(scheme, out, in_, dtype, compiled=cls._compiled_quant_layout())
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total) if repacked is None else repacked
-        if not int4pack_fits(scheme, dtype, 16):
+        eight_bit = int8_layout_fits(scheme, dtype) and cls._compiled_quant_layout()
+        if not (eight_bit or int4pack_fits(scheme, dtype, 16)):
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
         if scheme.act_order:
             in_ = in_total or in_
         permutation = 8 * in_ if scheme.act_order else 0
+        if eight_bit:  # int8 values; a scale in dtype, or a float32 scale and offset with zero points
+            from tengyun.platforms.cpu_quant_layout import layout_bytes
+
+            groups = in_ // (scheme.group_size or in_)
+            scale_bytes = DTYPE_BYTES[dtype] if scheme.symmetric else 4
+            return layout_bytes(out, in_, groups, 8, scale_bytes, False, not scheme.symmetric) + permutation
         groups = in_ // scheme.group_size
         if cls._compiled_quant_layout():  # cpu_quant_layout.py: outputs padded to 32, uint8 zero points
             from tengyun.platforms.cpu_quant_layout import layout_bytes
@@ -263,6 +273,12 @@ class CpuPlatform(Platform):
 
 
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)  # what torch's _weight_int4pack_mm_for_cpu takes
+
+
+def int8_layout_fits(scheme, dtype: str) -> bool:
+    """8-bit weight-only served in bfloat16: the compiled kernel's 8-bit layout where it runs
+    (CpuInt8WeightOnlyKernel). Torch-free."""
+    return scheme.kernel == "wna16_int" and scheme.weight_bits == 8 and dtype == "bfloat16"
 
 
 def int4pack_fits(scheme, dtype: str, out: int) -> bool:

@@ -153,6 +153,37 @@ class CpuInt4PackKernel(ReferenceWNA16Kernel):
         return y if bias is None else y + bias
 
 
+class CpuInt8WeightOnlyKernel(ReferenceWNA16Kernel):
+    """8-bit weight-only (GPTQ 8-bit, compressed-tensors W8A16) in the compiled kernel's 8-bit
+    layout (cpu_quant_layout.py), act order as CpuInt4PackKernel. n = q (the stored value - 128,
+    int8), s the scale; a zero point becomes the offset o = -zero * s in float32 (scales widened to
+    float32): fma(n, s, o) is then (q - zero) * s exactly, the reference's value, where -zero * s
+    is exact in float32 (always for 16-bit scales); elsewhere the layer keeps the reference."""
+
+    frees_original = True
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        ordered = in_group_order(unpacked_weight(tensors, self.scheme), self.scheme.group_size)
+        if ordered is None:
+            return tensors
+        (q, scale, zero, _), perm = ordered
+        if zero is None:
+            prepared = cpu_quant_layout.pack(q, 8, scale)
+        else:
+            offsets = -zero.float() * scale.float()
+            if not torch.equal(offsets.double(), -zero.double() * scale.double()):
+                return tensors
+            prepared = cpu_quant_layout.pack(q, 8, scale.float(), offsets=offsets)
+        return prepared if perm is None else {**prepared, "perm": perm}
+
+    def apply(self, x, prepared, bias):
+        if "qpacked" not in prepared:
+            return super().apply(x, prepared, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = gather_inputs(x2, prepared["perm"]) if "perm" in prepared else x2.contiguous()
+        return cpu_quant_layout.linear(x2, prepared, 8, 0, bias).reshape(*x.shape[:-1], -1)
+
+
 class CpuW8A8StaticKernel(ReferenceW8A8StaticKernel):
     """msModelSlim static W8A8: the reference's prepare, the int32 sums through torch._int_mm, or
     up to max_gemv_rows rows through w8a8_gemv (its static quantisation, quant_bias added to the

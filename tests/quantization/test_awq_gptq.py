@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from tengyun.config import EngineConfig
-from tengyun.layers.quant_kernels import in_group_order, reference_kernel, unpacked_weight
+from tengyun.layers.quant_kernels import dequantize_unpacked, in_group_order, reference_kernel, unpacked_weight
 from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
 from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cpu_quant import CpuInt4PackKernel
+from tengyun.platforms import cpu_quant_layout
+from tengyun.platforms.cpu_quant import CpuInt4PackKernel, CpuInt8WeightOnlyKernel
 from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
 from tengyun.platforms.npu import NpuPlatform
 from tengyun.quantization import awq, gptq
@@ -114,6 +115,31 @@ def test_cpu_int4_matmul_serves_awq_and_gptq_like_the_reference(fmt, compiled):
     assert ("qpacked" if compiled else "int4pack") in prepared and ("perm" in prepared) == fmt.desc_act
     torch.manual_seed(0)
     _close_to_reference(kernel, scheme, tensors, prepared)
+
+
+@pytest.mark.skipif(not quant_gemv_fits(), reason="the compiled quant kernel does not run here")
+@pytest.mark.parametrize("fmt", [Format("gptq", bits=8), Format("gptq", bits=8, sym=True),
+                                 Format("gptq", bits=8, desc_act=True), Format("gptq", bits=8, group=-1)])
+def test_cpu_8_bit_weight_only_runs_the_compiled_8_bit_layout_like_the_reference(fmt):
+    """GPTQ 8-bit in bfloat16: the compiled kernel's 8-bit layout (it used to dequantize per call),
+    every weight exactly the reference's (zero points as float32 offsets), outputs within bf16
+    rounding at decode (1, 4 rows: float32 FMAs) and batch sizes (5, 32 rows: bf16 pairs), and
+    the bytes `tengyun plan` counts."""
+    scheme, tensors = _layer(fmt)
+    kernel = CpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
+    assert isinstance(kernel, CpuInt8WeightOnlyKernel)
+    prepared = kernel.prepare(dict(tensors))
+    assert "qpacked" in prepared and ("perm" in prepared) == fmt.desc_act
+    unpacked, _ = in_group_order(unpacked_weight(tensors, scheme), scheme.group_size)
+    weight_t = cpu_quant_layout.dequantized_t(prepared, 8, 0)  # [in, out], in group order
+    assert torch.equal(weight_t.t(), dequantize_unpacked(unpacked, torch.float32))
+    held = sum(t.untyped_storage().nbytes() for t in prepared.values())
+    assert held == CpuPlatform.quantized_weight_bytes(scheme, OUT, IN, "bfloat16", IN)
+    torch.manual_seed(0)
+    for rows in (1, 4, 5, 32):
+        x = torch.randn(rows, IN, dtype=torch.bfloat16)
+        torch.testing.assert_close(kernel.apply(x, prepared, None).float(),
+                                   reference_kernel(scheme).apply(x, tensors, None).float(), rtol=2e-2, atol=0.125)
 
 
 def test_act_order_row_parallel_slice_pads_every_group_for_the_int4_matmul():
