@@ -52,9 +52,8 @@ def kept_types(gguf_file: Path) -> dict[str, str]:
     """{GGUF name: the ggml type Tengyun stores} of every decoder linear weight kept quantised
     (Q5_0 as Q8_0, and Q4_0 too in a fused layer with Q8_0: lossless). A fused layer (q/k/v,
     gate/up) still mixing types (llama.cpp's Q4_K_M: Q6_K attn_v beside Q4_K q and k) is left out:
-    Tengyun runs it as one layer holding one type, so it loads dense (dequantized to --dtype), a
-    log line naming them. Refuses, before converting, an unsupported type or MoE
-    experts."""
+    Tengyun runs it as one layer holding one type, so it loads dense (dequantized to --dtype), and
+    a log line names them. Refuses, before converting, an unsupported type or MoE experts."""
     import gguf
 
     types: dict[str, str] = {}
