@@ -10,6 +10,8 @@ dequantized once at bind and it runs dense, as before).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,8 @@ from tengyun.layers.weight_loading import (
 )
 from tengyun.quantization.config import QuantizationError
 from tengyun.quantization.scheme import OUT, LinearScheme
+
+logger = logging.getLogger(__name__)
 
 _DEQUANTIZE_ROWS = 8192  # rows dequantized at a time when a quantised head turns dense at bind
 
@@ -176,6 +180,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if kernel is None or not kernel.streams_quantised:
             return False
         self.kernel, self.kernel_weight = kernel, kernel.prepare(self.quant_tensors())
+        logger.info("LM head kept quantised: %s through %s", self.scheme.description, type(kernel).__name__)
         if not kernel.frees_original:
             return True
         if self.tied_embedding:
@@ -192,6 +197,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """No kernel here multiplies the blocks faster than a dense weight would: dequantize once
         (a tied embedding with it, so the two share one dense weight again, as when the .gguf
         was loaded dequantized)."""
+        logger.info("LM head: %s dequantized once to %s (no kernel here multiplies its blocks faster than a "
+                    "dense weight)%s", self.scheme.description, str(self.params_dtype).removeprefix("torch."),
+                    ", the tied embedding with it" if self.tied_embedding else "")
         dense = nn.Parameter(self.dequantized(), requires_grad=False)
         for layout in self.scheme.tensors:
             delattr(self, layout.name)
