@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 from typing import Any
 
 from tengyun.config import EngineConfig
 
+logger = logging.getLogger(__name__)
 
-def get_tokenizer(config: EngineConfig) -> Any:
+
+def class_path(tokenizer: Any) -> str | None:
+    """"module:class" of a loaded tokenizer (what get_tokenizer's ``same_class_as`` takes)."""
+    return None if tokenizer is None else f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}"
+
+
+def get_tokenizer(config: EngineConfig, same_class_as: str | None = None) -> Any:
+    """AutoTokenizer's tokenizer for the model. ``same_class_as``: the class AutoTokenizer picked
+    in the engine process (class_path); the API process loads that class directly, which gives the
+    same tokenizer without importing torch (AutoTokenizer imports transformers' configuration
+    module, which imports torch: ~180 MiB the front end does not need). Remote code, a class
+    outside transformers or any failure: AutoTokenizer."""
+    if same_class_as and not config.trust_remote_code:
+        tokenizer = _load_class(same_class_as, config)
+        if tokenizer is not None:
+            return tokenizer
     from transformers import AutoTokenizer
 
     try:
@@ -18,6 +36,17 @@ def get_tokenizer(config: EngineConfig) -> Any:
             f"Could not load a tokenizer from {config.tokenizer_path}: {e}. Pass --tokenizer with a "
             f"folder holding tokenizer.json (or tokenizer.model / vocab.json + merges.txt)."
         ) from e
+
+
+def _load_class(path: str, config: EngineConfig) -> Any:
+    module, _, name = path.partition(":")
+    if not module.startswith("transformers."):
+        return None
+    try:
+        return getattr(importlib.import_module(module), name).from_pretrained(str(config.tokenizer_path))
+    except Exception as e:  # noqa: BLE001 - AutoTokenizer then says what is wrong
+        logger.debug("Loading the tokenizer as %s failed (%s); using AutoTokenizer", path, e)
+        return None
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: Any) -> set[int]:

@@ -125,6 +125,9 @@ class AsyncEngineBase:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_error: str | None = None
         self.latest_stats = latest_stats
+        # "module:class" of the tokenizer the engine loaded, where it runs in another process
+        # (tokenizer.get_tokenizer loads that class without importing torch); None: load as it does
+        self.tokenizer_class: str | None = None
 
     def _send(self, message: AddRequest | AbortRequest | Shutdown) -> None:
         raise NotImplementedError

@@ -35,6 +35,7 @@ from multiprocessing import Pipe, get_context
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from tengyun.tokenizer import class_path
 from tengyun.engine.async_engine import (
     AbortRequest, AddRequest, AsyncEngineBase, EngineDead, Shutdown, StepResult, receive_messages, run_engine_loop,
 )
@@ -49,6 +50,7 @@ SHUTDOWN_GRACE_S = 10.0  # after Shutdown: how long the engine process may take 
 class EngineReady:
     stats: Any  # EngineStats of the loaded, idle engine
     pid: int
+    tokenizer_class: str | None = None  # tokenizer.class_path of the engine's tokenizer
 
 
 @dataclass
@@ -189,6 +191,7 @@ class EngineProcessClient(AsyncEngineBase):
         """On the event loop: settle the start-up future, or dispatch as the thread transport does."""
         if isinstance(message, EngineReady):
             self.latest_stats, self._loaded = message.stats, True
+            self.tokenizer_class = message.tokenizer_class
             self._ready.done() or self._ready.set_result(None)
         elif isinstance(message, EngineStartFailed):
             self.start_error = message.error
@@ -225,7 +228,7 @@ def _engine_process_main(build: Callable[[Any], Any], config: Any, requests: Con
             logger.exception("Loading the engine failed")
         _send_result(results, EngineStartFailed(portable_error(e)))
         return
-    _send_result(results, EngineReady(engine.get_stats(), os.getpid()))
+    _send_result(results, EngineReady(engine.get_stats(), os.getpid(), class_path(getattr(engine, "tokenizer", None))))
     run_engine_loop(engine, lambda block: _receive(engine, requests, block),
                     lambda message: _send_result(results, message))
 

@@ -46,6 +46,21 @@ def test_requests_stream_through_the_process_concurrently():
     _run(body)
 
 
+def test_ready_names_the_engines_tokenizer_class_for_the_api_process():
+    """The API process loads that class itself (tokenizer.get_tokenizer), without AutoTokenizer."""
+    import json
+
+    def build(config):
+        engine = FakeLLMEngine()
+        engine.tokenizer = json.JSONDecoder()  # any object: only its class is sent
+        return engine
+
+    async def body(client):
+        assert client.tokenizer_class == "json.decoder:JSONDecoder"
+
+    _run(body, build)
+
+
 def test_a_rejected_request_gets_its_error_and_the_others_keep_running():
     async def body(client):
         long = asyncio.create_task(_texts(client, "ok", 20))

@@ -114,7 +114,7 @@ class ServerState:
             logger.info("Loading %s (served as %r) ...", self.config.model_path, self.config.served_model_name)
             started = time.perf_counter()
             engine = await self._loaded_engine()
-            tokenizer = await _in_daemon_thread(get_tokenizer, self.config)  # the front end's own copy
+            tokenizer = await _in_daemon_thread(get_tokenizer, self.config, engine.tokenizer_class)  # own copy
             self.engine = engine
             await self._warm_up(engine, tokenizer)
             self.metrics.start_from(engine.latest_stats)  # warm-up tokens are not user traffic
