@@ -24,6 +24,7 @@ the requests pipe, or a changed parent). Pure Python: no torch import.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import pickle
@@ -43,6 +44,7 @@ from tengyun.engine.async_engine import (
 logger = logging.getLogger(__name__)
 
 MULTIPROCESSING_ENVS = ("TENGYUN_ENABLE_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING")  # first set wins
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SHUTDOWN_GRACE_S = 10.0  # after Shutdown: how long the engine process may take before it is killed
 
 
@@ -212,15 +214,33 @@ def _build_llm_engine(config: Any) -> Any:
     return LLMEngine.from_config(config)
 
 
+def _die_with_parent() -> None:
+    """Exit when the API process is gone. Linux: the kernel sends SIGKILL (PR_SET_PDEATHSIG; the
+    API process forks from its main thread, which lives as long as it does), so no thread polls:
+    a polling Python thread wakes to contend for the GIL with a load blocked in C (safetensors
+    opening a hung mount holds it), ~1% of a core that a stalled start-up must not show
+    (`tengyun supervise --start-stall-timeout`). Elsewhere: the polling thread."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        armed = False
+    if not armed:
+        from tengyun.executor.worker_process import _exit_with_parent
+
+        _exit_with_parent()
+    elif os.getppid() != parent:  # it went before the signal was armed
+        os._exit(1)
+
+
 def _engine_process_main(build: Callable[[Any], Any], config: Any, requests: Connection, results: Connection,
                          api_ends: tuple[Connection, ...]) -> None:
     for end in api_ends:  # the copies fork made of the API process's ends: only then does its exit read as EOF
         end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains in the API process, which then says Shutdown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does a SIGTERM sent to the whole group (systemd)
-    from tengyun.executor.worker_process import _exit_with_parent
-
-    _exit_with_parent()
+    _die_with_parent()
     try:
         engine = build(config)
     except BaseException as e:  # noqa: BLE001 - the API process reports it and exits 2 (config) or 1

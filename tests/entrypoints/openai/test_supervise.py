@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -83,6 +84,27 @@ def hanging_model(server_model: Path, folder: Path) -> Path:  # noqa: F811
             (folder / f.name).write_bytes(f.read_bytes())
     os.mkfifo(folder / "model.safetensors")
     return folder
+
+
+def test_an_engine_process_blocked_in_its_load_dies_with_a_killed_server(server_model, tengyun, tmp_path):  # noqa: F811
+    """The engine process's main thread is stuck in open() (holding the GIL), so it reads no end
+    of file and no Python thread can run: the kernel kills it when the server goes
+    (PR_SET_PDEATHSIG). It spends no CPU meanwhile (the stall check above relies on that)."""
+    model = hanging_model(server_model, tmp_path / "hangs")
+    t = tengyun("serve", str(model), *SERVE_FLAGS, "--host", "127.0.0.1", "--port", str(free_port()))
+    engine = int(t.wait_log(r"Engine: in process (\d+)")[0].group(1))
+    time.sleep(2)  # into the blocked open()
+    with open(f"/proc/{engine}/stat") as stat:
+        before = sum(int(v) for v in stat.read().rsplit(")", 1)[1].split()[11:13])
+    time.sleep(3)
+    with open(f"/proc/{engine}/stat") as stat:
+        assert sum(int(v) for v in stat.read().rsplit(")", 1)[1].split()[11:13]) - before <= 1  # clock ticks
+    os.kill(t.proc.pid, signal.SIGKILL)
+    t.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{engine}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split(")")[1].split()[0] == "Z"
 
 
 def test_start_up_that_hangs_is_restarted_after_the_stall_timeout_not_the_start_timeout(
