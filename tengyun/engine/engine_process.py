@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import multiprocessing
 import os
 import pickle
 import queue
@@ -220,9 +221,10 @@ def _die_with_parent() -> None:
     a polling Python thread wakes to contend for the GIL with a load blocked in C (safetensors
     opening a hung mount holds it), ~1% of a core that a stalled start-up must not show
     (`tengyun supervise --start-stall-timeout`). Elsewhere: the polling thread."""
-    parent = os.getppid()
+    recorded = multiprocessing.parent_process()  # its pid as of the fork, whatever happened since
+    parent = recorded.pid if recorded is not None else os.getppid()
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None)
         armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
     except (OSError, AttributeError):
         armed = False
