@@ -7,9 +7,13 @@ partial outputs are all-reduced, so every rank ends with the full result.
 Quantised experts (``use_quant_scheme``) stack each of the scheme's tensors per expert:
 ``w13_weight_packed`` [E_local, *layout of a 2I x H layer], ``w2_weight_scale`` [E_local, *layout
 of an H x I layer], ...; a quantised linear kernel runs each expert (tengyun/layers/quant_kernels.py).
+w13 and w2 may hold different schemes (a GGUF Q4_K_M stores gate/up as Q4_K and down as Q6_K), or
+one of them none (dense).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +70,9 @@ class FusedMoE(nn.Module):
         set_weight_loader(self.w13_weight, self.weight_loader)
         set_weight_loader(self.w2_weight, self.weight_loader)
         self.params_dtype, self.w2_features = dtype, (hidden_size, intermediate_size)
-        self.scheme: LinearScheme | None = None  # set by use_quant_scheme
-        self.kernel, self.kernel_weight = None, None  # quantised experts' kernel and its prepared tensors
+        self.schemes: dict[str, LinearScheme] = {}  # "w13" / "w2" -> its experts' scheme (absent: dense)
+        self.kernels: dict[str, object] = {}  # "w13" / "w2" -> the quantised experts' kernel
+        self.kernel_weight: dict[str, list] | None = None  # -> each local expert's prepared tensors (bound)
 
     @staticmethod
     def checkpoint_name_to_param(name: str) -> tuple[str, tuple[int, int | None]] | None:
@@ -117,9 +122,10 @@ class FusedMoE(nn.Module):
             return
         out, in_ = self._features(param.expert_param)
         check_shape(torch.empty(layout.shape(out, in_), device="meta"), loaded)
-        check_integer_dtype(target, loaded, layout, self.scheme.description)
+        scheme = self.schemes[param.expert_param]
+        check_integer_dtype(target, loaded, layout, scheme.description)
         if not layout.kept:
-            check_dropped(layout, loaded, self.scheme, out, in_, "expert")
+            check_dropped(layout, loaded, scheme, out, in_, "expert")
             return
         out_axis = layout.axis(OUT)
         if block is not None and out_axis is not None:  # no output dim (g_idx): gate and up share it
@@ -128,52 +134,60 @@ class FusedMoE(nn.Module):
         target.copy_(loaded)
 
     # ----- quantisation -------------------------------------------------------------------------
-    def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
-        """Hold ``scheme``'s tensors per expert, on ``device`` (default: the dense weights'), instead
-        of the dense w13 / w2 (before loading)."""
+    def use_quant_scheme(self, scheme: LinearScheme | Mapping[str, LinearScheme | None], name: str,
+                         device: torch.device | None = None) -> None:
+        """Hold the experts' quantised tensors on ``device`` (default: the dense weights') instead of
+        the dense w13 / w2 (before loading). ``scheme``: one for both stacks, or {"w13": ..., "w2": ...}
+        (None: that stack stays dense)."""
+        schemes = dict(scheme) if isinstance(scheme, Mapping) else {"w13": scheme, "w2": scheme}
         hidden, inter = self.w2_features
-        for out, in_ in ((inter, hidden), (hidden, inter)):
-            problem = scheme.shape_problem(out, in_)
-            if problem:
-                raise ValueError(f"{name}: {scheme.description} cannot hold an expert's {out} x {in_} "
-                                 f"features: {problem}.")
         device = device or self.w13_weight.device
         for prefix, (out, in_) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+            stack_scheme = schemes.get(prefix)
+            if stack_scheme is None:
+                continue
+            problem = stack_scheme.shape_problem(out // 2 if prefix == "w13" else out, in_)
+            if problem:
+                raise ValueError(f"{name}: {stack_scheme.description} cannot hold an expert's "
+                                 f"{out // 2 if prefix == 'w13' else out} x {in_} features: {problem}.")
             shard_ids = getattr(self, f"{prefix}_weight").shard_ids
             delattr(self, f"{prefix}_weight")
-            for layout in scheme.tensors:
+            for layout in stack_scheme.tensors:
                 dtype = layout_dtype(layout, self.params_dtype)
                 param = nn.Parameter(torch.empty(self.num_local, *layout.shape(out, in_), dtype=dtype, device=device),
                                      requires_grad=False)
                 param.tensor_layout, param.expert_param, param.shard_ids = layout, prefix, shard_ids
-                param.described_as = scheme.description
+                param.described_as = stack_scheme.description
                 set_weight_loader(param, self.weight_loader)
                 self.register_parameter(f"{prefix}_{layout.name}", param)
-        self.scheme, self.kernel = scheme, reference_kernel(scheme)
+            self.schemes[prefix] = stack_scheme
+            self.kernels[prefix] = reference_kernel(stack_scheme)
 
     def _expert_tensors(self, prefix: str, local: int) -> dict[str, torch.Tensor]:
-        return {t.name: getattr(self, f"{prefix}_{t.name}").data[local] for t in self.scheme.tensors if t.kept}
+        return {t.name: getattr(self, f"{prefix}_{t.name}").data[local] for t in self.schemes[prefix].tensors
+                if t.kept}
 
     def bind_kernels(self, kernels: KernelBundle) -> None:
         """Quantised experts: the platform's kernel prepares each expert once."""
-        if self.scheme is None:
+        if not self.schemes:
             return
-        kernel = self.kernel = kernels.quant_linear.get(self.scheme) or reference_kernel(self.scheme)
-        self.kernel_weight = {prefix: [kernel.prepare(self._expert_tensors(prefix, local))
-                                       for local in range(self.num_local)] for prefix in ("w13", "w2")}
-        for prefix in ("w13", "w2"):
-            for layout in self.scheme.tensors:
+        self.kernel_weight = {}
+        for prefix, scheme in self.schemes.items():
+            kernel = self.kernels[prefix] = kernels.quant_linear.get(scheme) or reference_kernel(scheme)
+            self.kernel_weight[prefix] = [kernel.prepare(self._expert_tensors(prefix, local))
+                                          for local in range(self.num_local)]
+            for layout in scheme.tensors:
                 if kernel.frees_original or not layout.kept:
                     param = getattr(self, f"{prefix}_{layout.name}")
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def _expert(self, prefix: str, local: int, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] through local expert ``local``'s w13 or w2."""
-        if self.scheme is None:
+        if prefix not in self.schemes:
             return F.linear(x, getattr(self, f"{prefix}_weight")[local])
         prepared = (self.kernel_weight[prefix][local] if self.kernel_weight is not None
                     else self._expert_tensors(prefix, local))
-        return self.kernel.apply(x, prepared, None)
+        return self.kernels[prefix].apply(x, prepared, None)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""

@@ -28,7 +28,7 @@ def checkpoint_modules(model: nn.Module, name: str, module: nn.Module | None = N
     """A layer's name -> the checkpoint modules stored for it:
     model.layers.0.self_attn.qkv_proj -> [...q_proj, ...k_proj, ...v_proj]; the stacked experts
     model.layers.0.mlp.experts -> expert 0's [...experts.0.gate_proj, ...up_proj, ...down_proj]
-    (every expert takes expert 0's scheme)."""
+    (every expert takes expert 0's scheme; gate and up one, down its own: FusedMoE's w13 and w2)."""
     if isinstance(module, FusedMoE):
         return [f"{name}.0.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
     prefix, _, last = name.rpartition(".")
@@ -51,7 +51,12 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
             continue
         if not isinstance(module, (LinearBase, FusedMoE)):
             continue
-        if quant is not None:
+        if quant is not None and isinstance(module, FusedMoE):
+            stacks = _expert_schemes(model, name, module, quant)
+            if any(stacks.values()):
+                module.use_quant_scheme(stacks, name, device)
+                used.update(s for s in stacks.values() if s is not None)
+        elif quant is not None:
             scheme = _scheme_of(model, name, module, quant)
             if scheme is not None:
                 module.use_quant_scheme(scheme, name, device)
@@ -74,8 +79,16 @@ def _vocab_scheme(model: nn.Module, name: str, module: VocabParallelEmbedding,
     return quant.scheme_for(name)
 
 
-def _scheme_of(model: nn.Module, name: str, module: nn.Module, quant: QuantConfig) -> LinearScheme | None:
-    stored = checkpoint_modules(model, name, module)
+def _expert_schemes(model: nn.Module, name: str, module: FusedMoE,
+                    quant: QuantConfig) -> dict[str, LinearScheme | None]:
+    """{"w13": gate and up's scheme (one: they stack), "w2": down's} of expert 0."""
+    gate, up, down = checkpoint_modules(model, name, module)
+    return {"w13": _scheme_of(model, name, module, quant, (gate, up)), "w2": quant.scheme_for(down)}
+
+
+def _scheme_of(model: nn.Module, name: str, module: nn.Module, quant: QuantConfig,
+               stored: tuple[str, ...] | None = None) -> LinearScheme | None:
+    stored = stored or checkpoint_modules(model, name, module)
     schemes = {quant.scheme_for(part) for part in stored}
     if len(schemes) > 1:
         raise QuantizationError(

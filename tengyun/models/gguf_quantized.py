@@ -8,9 +8,17 @@ names and dequantizes) with each decoder linear weight replaced by its raw GGUF 
 
 in the row order transformers gives the dense weight (Llama's q/k rows un-permuted, found by
 running transformers' own tensor processor on the row numbers), and checked to dequantize to
-exactly that dense weight. The embedding (token_embd) and LM head (output) keep their blocks
-too where their type is one Tengyun keeps (model.embed_tokens.qweight, lm_head.qweight; a tied
-model stores only the embedding's), else stay dense; norms stay dequantized (float32).
+exactly that dense weight. MoE experts (Qwen3-MoE's blk.N.ffn_{gate,up,down}_exps, [E, rows,
+blocks]) are split per expert, as the loader reads any MoE checkpoint:
+
+    model.layers.0.mlp.experts.gate_up_proj   float32 [E, 2I, H]
+ -> model.layers.0.mlp.experts.{e}.gate_proj.qweight, .up_proj.qweight  uint8 [I, H / block, bytes]
+
+and config.json names them by expert 0 (every expert of a layer shares its .gguf tensor's type;
+gate and up one, down may differ: llama.cpp's Q4_K_M stores some down_exps as Q6_K). The
+embedding (token_embd) and LM head (output) keep their blocks too where their type is one Tengyun
+keeps (model.embed_tokens.qweight, lm_head.qweight; a tied model stores only the embedding's),
+else stay dense; norms stay dequantized (float32).
 """
 
 from __future__ import annotations
@@ -29,8 +37,11 @@ from tengyun.quantization.gguf import AS_Q8_0, SUPPORTED_TYPES, quantization_con
 logger = logging.getLogger(__name__)
 
 DENSE_TYPES = ("F32", "F16", "BF16")  # linear weights of these types load as dense layers
-_LINEAR = re.compile(r"^blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
-_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # Tengyun runs each group as one layer
+_LINEAR = re.compile(r"^blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down"
+                     r"|ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight$")
+# Tengyun runs each group as one layer (the experts' gate and up as one stack: FusedMoE's w13)
+_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_exps", "ffn_up_exps"))
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _VOCAB = ("token_embd.weight", "output.weight")  # kept when their type is, else dense: never refused
 _AS_Q8_0 = {"Q5_0": q5_0_as_q8_0, "Q4_0": q4_0_as_q8_0}  # file type -> its blocks re-encoded as Q8_0 (lossless)
 
@@ -53,15 +64,12 @@ def kept_types(gguf_file: Path) -> dict[str, str]:
     (Q5_0 as Q8_0, and Q4_0 too in a fused layer with Q8_0: lossless). A fused layer (q/k/v,
     gate/up) still mixing types (llama.cpp's Q4_K_M: Q6_K attn_v beside Q4_K q and k) is left out:
     Tengyun runs it as one layer holding one type, so it loads dense (dequantized to --dtype), and
-    a log line names them. Refuses, before converting, an unsupported type or MoE experts."""
+    a log line names them. Refuses, before converting, an unsupported type."""
     import gguf
 
     types: dict[str, str] = {}
     for tensor in gguf.GGUFReader(str(gguf_file)).tensors:
         type_name = tensor.tensor_type.name
-        if "_exps." in tensor.name:
-            raise QuantizationError(f"{tensor.name}: --quantization gguf keeps dense models' blocks, not MoE "
-                                    f"experts; drop --quantization gguf to load the .gguf dequantized.")
         if tensor.name in _VOCAB and (type_name in SUPPORTED_TYPES or type_name in AS_Q8_0):
             types[tensor.name] = "Q8_0" if type_name in AS_Q8_0 else type_name
         elif _LINEAR.match(tensor.name) and type_name not in DENSE_TYPES:
@@ -101,7 +109,6 @@ def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torc
     ``skeleton``) with each quantised decoder linear weight swapped for its ``qweight`` blocks.
     -> config.json's quantization_config. Raises QuantizationError naming the tensor."""
     import gguf
-    from gguf import GGML_QUANT_SIZES
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     reader = gguf.GGUFReader(str(gguf_file))
@@ -111,15 +118,17 @@ def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torc
     key_map = get_gguf_hf_weights_map(skeleton, processor)
     kept: dict[str, str] = {}
     for tensor in reader.tensors:
-        if tensor.name not in stored or key_map.get(tensor.name) not in tensors:  # a tied model's output: unused
+        if tensor.name not in stored:
             continue
-        hf_name, rows, type_name = key_map[tensor.name], int(tensor.data.shape[0]), stored[tensor.name]
-        blocks = torch.from_numpy(np.array(tensor.data)).reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
-        blocks = _AS_Q8_0.get(tensor.tensor_type.name, lambda b: b)(blocks) if type_name == "Q8_0" else blocks
-        blocks = blocks[_row_order(processor, tensor.name, rows, parsed, key_map)].contiguous()
-        if not torch.equal(dequantize_blocks(blocks, type_name), tensors[hf_name]):
-            raise QuantizationError(f"{tensor.name} ({type_name}): its kept blocks do not dequantize to what "
-                                    f"transformers reads; drop --quantization gguf to load the .gguf dequantized.")
+        if _EXPERTS.match(tensor.name):
+            kept.update(_keep_experts(tensor, stored[tensor.name], key_map, tensors))
+            continue
+        if key_map.get(tensor.name) not in tensors:  # a tied model's output: unused
+            continue
+        hf_name, type_name = key_map[tensor.name], stored[tensor.name]
+        blocks = _stored_blocks(tensor, type_name)
+        blocks = blocks[_row_order(processor, tensor.name, blocks.shape[0], parsed, key_map)].contiguous()
+        _check_blocks(tensor.name, type_name, blocks, tensors[hf_name])
         del tensors[hf_name]
         module = hf_name.removesuffix(".weight")
         tensors[f"{module}.qweight"] = blocks
@@ -128,3 +137,40 @@ def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torc
         raise QuantizationError(f"{gguf_file} holds no decoder linear weight in {', '.join(SUPPORTED_TYPES)}: "
                                 f"drop --quantization gguf, it loads dequantized to --dtype.")
     return quantization_config(gguf_file.name, kept)
+
+
+def _stored_blocks(tensor, type_name: str) -> torch.Tensor:
+    """A .gguf tensor's blocks as Tengyun stores them: uint8 [(E,) rows, blocks, block bytes], Q5_0
+    (and Q4_0 fused with Q8_0) re-encoded as Q8_0."""
+    from gguf import GGML_QUANT_SIZES
+
+    data = torch.from_numpy(np.array(tensor.data))
+    blocks = data.reshape(*data.shape[:-1], -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
+    return _AS_Q8_0.get(tensor.tensor_type.name, lambda b: b)(blocks) if type_name == "Q8_0" else blocks
+
+
+def _check_blocks(gguf_name: str, type_name: str, blocks: torch.Tensor, dense: torch.Tensor) -> None:
+    if not torch.equal(dequantize_blocks(blocks, type_name), dense):
+        raise QuantizationError(f"{gguf_name} ({type_name}): its kept blocks do not dequantize to what "
+                                f"transformers reads; drop --quantization gguf to load the .gguf dequantized.")
+
+
+def _keep_experts(tensor, type_name: str, key_map: dict, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """blk.N.ffn_{gate,up,down}_exps [E, rows, blocks, bytes] -> per-expert ``qweight`` entries of
+    ``tensors``, in place of transformers' stacked experts.gate_up_proj [E, 2I, H] (gate rows, then
+    up) / experts.down_proj [E, H, I]; checked to dequantize to them. -> {expert 0's module: type}."""
+    layer, proj = _EXPERTS.match(tensor.name).groups()
+    hf_name = key_map[tensor.name.removesuffix(".weight")]  # ...mlp.experts.gate_up_proj / down_proj
+    blocks = _stored_blocks(tensor, type_name)
+    dense = tensors[hf_name]
+    if proj != "down":
+        half = dense.shape[1] // 2
+        dense = dense.narrow(1, 0 if proj == "gate" else half, half)
+    for expert in range(blocks.shape[0]):
+        _check_blocks(f"{tensor.name} (expert {expert})", type_name, blocks[expert], dense[expert])
+    prefix = hf_name.rpartition(".")[0]  # model.layers.N.mlp.experts
+    for expert in range(blocks.shape[0]):
+        tensors[f"{prefix}.{expert}.{proj}_proj.qweight"] = blocks[expert].clone()
+    if proj == "down" or f"{prefix}.0.gate_proj.qweight" in tensors and f"{prefix}.0.up_proj.qweight" in tensors:
+        del tensors[hf_name]  # gate_up_proj goes once both halves are kept (kept_types keeps both or neither)
+    return {f"{prefix}.0.{proj}_proj": type_name}

