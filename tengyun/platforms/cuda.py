@@ -1,13 +1,36 @@
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.metadata
+import importlib.util
 import logging
 import os
+import re
+import sys
+from pathlib import Path
 
 from tengyun.platforms.base import Platform, fullest_device, torch_memory_readings
 from tengyun.platforms.startup import DeviceStartupError, RuntimeProblem
 
 logger = logging.getLogger(__name__)
+
+
+def torch_cuda_version() -> str | None:
+    """torch.version.cuda (None: a build without CUDA), read from torch/version.py when torch is not
+    imported yet: platform selection in the API process then leaves torch to the engine process it
+    forks (a CPU server's API process holds ~200 MiB less; tengyun/engine/engine_process.py)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].version.cuda
+    spec = importlib.util.find_spec("torch")
+    version_file = Path(next(iter(spec.submodule_search_locations or ()), "")) / "version.py" if spec else None
+    try:
+        match = re.search(r"^cuda\b[^=\n]*=\s*(.+)$", version_file.read_text(), re.MULTILINE)
+        return ast.literal_eval(match.group(1).strip())
+    except (AttributeError, OSError, ValueError, SyntaxError):  # no torch, or a layout this does not know
+        import torch
+
+        return torch.version.cuda
 
 
 class CudaPlatform(Platform):
@@ -34,19 +57,18 @@ class CudaPlatform(Platform):
 
     @classmethod
     def runtime_installed(cls) -> bool:
-        import torch
-
-        return torch.version.cuda is not None
+        return torch_cuda_version() is not None
 
     @classmethod
     def runtime_problem(cls, timeout_s: float) -> RuntimeProblem | None:
-        """In this process: torch's CUDA check reads NVML and does not create a context."""
-        import torch
-
-        if torch.version.cuda is None:
-            return RuntimeProblem(f"torch {torch.__version__} is a build without CUDA",
+        """In this process: torch's CUDA check reads NVML and does not create a context. A torch
+        without CUDA is told from its version file, without importing torch."""
+        if torch_cuda_version() is None:
+            return RuntimeProblem(f"torch {importlib.metadata.version('torch')} is a build without CUDA",
                                   "install a CUDA build of torch (https://pytorch.org/get-started/locally/)",
                                   installed=False)
+        import torch
+
         if not torch.cuda.is_available():
             return RuntimeProblem("torch.cuda.is_available() is False",
                                   "check the NVIDIA driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES, or pass "

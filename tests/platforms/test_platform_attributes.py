@@ -73,3 +73,14 @@ def test_launch_lists_devices_through_the_platforms_smi_tool(monkeypatch):
     assert device_ids(NpuPlatform(), "4,5") == [4, 5]
     monkeypatch.setattr(probe, "npu_smi_info", lambda: probe.CommandOutput(127, "", "npu-smi: not found"))
     assert device_ids(NpuPlatform(), None) == []
+
+
+def test_torch_cuda_version_is_read_from_torch_without_importing_it():
+    """What platform selection asks in the API process (CudaPlatform.runtime_installed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tengyun.platforms.cuda import torch_cuda_version; found = torch_cuda_version(); "
+            "imported = 'torch' in sys.modules; import torch; print(found == torch.version.cuda, imported)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["True", "False"]

@@ -98,6 +98,23 @@ def test_the_engine_runs_in_its_own_process_which_dying_gives_503_and_exit_1(sta
     assert server.wait_exit() == 1
 
 
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch" in maps.read()
+
+
+def test_the_api_process_of_a_cpu_server_never_loads_torch(start_server):  # noqa: F811
+    """Platform selection reads torch's CUDA build from torch/version.py (platforms/cuda.py), so
+    the API process forks its engine without importing torch (~200 MiB of RSS): only the engine
+    process maps libtorch, also after requests are served."""
+    server = start_server().wait_ready()
+    engine = int(re.search(r"Engine: in process (\d+)", server.log()).group(1))
+    for stream in (False, True):
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": stream},
+                          timeout=120).status_code == 200
+    assert _maps_torch(engine) and not _maps_torch(server.proc.pid)
+
+
 def test_start_up_failure_exits_2_naming_the_flag(start_server):  # noqa: F811
     server = start_server("--kv-cache-memory", "16KiB")
     assert server.wait_exit() == 2
