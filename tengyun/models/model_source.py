@@ -210,11 +210,30 @@ def converted_dir(gguf_file: Path, keep_quantized: bool = False) -> Path:
     A cheap key: hashing the file itself would cost a second per 500 MB on every start. Editing or
     replacing the file changes its mtime and so its key; a copy elsewhere is converted again.
     """
-    st = gguf_file.stat()
-    ident = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERT_VERSION}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     kept = f"-gguf{KEPT_CONVERT_VERSION}" if keep_quantized else ""
-    return cache_dir() / "converted" / f"{gguf_file.stem}-{key}{kept}"
+    return cache_dir() / "converted" / f"{gguf_file.stem}-{_convert_key(gguf_file, CONVERT_VERSION)}{kept}"
+
+
+def _convert_key(gguf_file: Path, version: int) -> str:
+    st = gguf_file.stat()
+    ident = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def remove_stale_conversions(gguf_file: Path) -> list[Path]:
+    """Delete what earlier Tengyun versions converted from this same file (same path, size and
+    mtime; older CONVERT_VERSION or KEPT_CONVERT_VERSION): each is a full copy of the model that
+    nothing reads any more. -> the folders removed."""
+    current = {converted_dir(gguf_file).name, converted_dir(gguf_file, True).name}
+    suffixes = ["", "-gguf", *(f"-gguf{v}" for v in range(2, KEPT_CONVERT_VERSION + 1))]
+    removed = []
+    for version in range(1, CONVERT_VERSION + 1):
+        stem = f"{gguf_file.stem}-{_convert_key(gguf_file, version)}"
+        for folder in (cache_dir() / "converted" / f"{stem}{suffix}" for suffix in suffixes):
+            if folder.name not in current and (folder / "config.json").is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
 
 
 def convert_gguf(gguf_file: Path, keep_quantized: bool = False) -> Path:
@@ -242,6 +261,10 @@ def convert_gguf(gguf_file: Path, keep_quantized: bool = False) -> Path:
         logger.info(
             "converted %s (%d tensors) into %s in %.1fs", gguf_file, n_tensors, target, time.perf_counter() - start
         )
+        stale = remove_stale_conversions(gguf_file)
+        if stale:
+            logger.info("removed %d conversion(s) of %s made by an earlier Tengyun version: %s", len(stale),
+                        gguf_file.name, ", ".join(p.name for p in stale))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

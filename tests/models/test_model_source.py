@@ -178,6 +178,27 @@ def test_gguf_kept_quantised_is_a_second_conversion_beside_the_dequantized_one(t
     assert resolve_model(str(gguf), "auto", quantization="compressed-tensors").folder == dequantized.folder
 
 
+def test_a_new_conversion_removes_what_earlier_versions_converted_from_the_same_file(
+        tmp_path, tmp_cache, fake_convert, monkeypatch, caplog):
+    gguf, other = tmp_path / "tiny.Q4_0.gguf", tmp_path / "other.gguf"
+    gguf.write_bytes(b"GGUF")
+    other.write_bytes(b"GGUF")
+    monkeypatch.setattr(model_source, "CONVERT_VERSION", 1)
+    monkeypatch.setattr(model_source, "KEPT_CONVERT_VERSION", 2)
+    old_dense = resolve_model(str(gguf), "auto").folder
+    old_kept = resolve_model(str(gguf), "auto", quantization="gguf").folder
+    unrelated = resolve_model(str(other), "auto").folder
+    monkeypatch.setattr(model_source, "CONVERT_VERSION", 2)  # an upgrade that changes the layout
+    monkeypatch.setattr(model_source, "KEPT_CONVERT_VERSION", 3)
+    with caplog.at_level(logging.INFO, logger="tengyun.models.model_source"):
+        new_dense = resolve_model(str(gguf), "auto").folder
+    assert not old_dense.exists() and not old_kept.exists()
+    assert new_dense.is_dir() and unrelated.is_dir()  # another file's conversion stays
+    assert "removed 2 conversion(s) of tiny.Q4_0.gguf made by an earlier Tengyun version" in caplog.text
+    new_kept = resolve_model(str(gguf), "auto", quantization="gguf").folder
+    assert new_dense.is_dir() and new_kept.is_dir()  # the current pair never removes each other
+
+
 def test_conversion_that_loses_a_race_uses_the_winners_folder(tmp_path, tmp_cache, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
