@@ -3,15 +3,15 @@ bfloat16 oneDNN (prepacked), W8A8 (per-token int8 activations + torch._int_mm), 
 through torch's int4 matmul with bfloat16 and with float32 activations, and the dequantizing
 reference (what float32 W4A16 runs). Milliseconds per call, best of 3 rounds of 20.
 
-``--gemv``: W8A8 at 1-24 rows, the compiled per-token quantisation + torch._int_mm + compiled rescale
-(+ bias) against the one-call VNNI kernel (tengyun/csrc/int8_gemv.cpp) on the same int8 weights,
-per projection shape through 30 separate weights (as 30 layers: streamed from memory, not cache)
-and for a whole pass of SmolLM2-135M's 30 x 4 layer projections; old and new alternate, median of
-15 passes (the kernel run at every row count, past MAX_GEMV_ROWS too); the row counts where the
-kernel wins set cpu_quant.MAX_GEMV_ROWS.
+``--packed``: W8A8 from 1 row (decode) to 2048 (prefill), the compiled per-token quantisation +
+torch._int_mm + compiled rescale (+ bias) on the int8 [out, in] weights against the packed kernel
+(tengyun/csrc/int8_gemv.cpp) on the same weights repacked, for a whole pass of a model's layer
+projections, each layer its own weights (streamed from memory, not cache: SmolLM2-135M's 30 x 4,
+or with ``--shapes qwen2.5-coder`` Qwen2.5-Coder-0.5B's 24 x 4); the two alternate, median of 5
+passes (2 past 64 rows).
 
     python benchmarks/quant_linear_kernels.py
-    OMP_NUM_THREADS=2 python benchmarks/quant_linear_kernels.py --gemv
+    OMP_NUM_THREADS=2 python benchmarks/quant_linear_kernels.py --packed [--shapes qwen2.5-coder]
 """
 
 from __future__ import annotations
@@ -49,53 +49,56 @@ def _kernels(weight: torch.Tensor) -> dict:
     return {
         "fp32 oneDNN": (onednn, onednn.prepare(weight), torch.float32),
         "bf16 oneDNN": (onednn, onednn.prepare(weight.bfloat16()), torch.bfloat16),
-        "W8A8 int_mm": (CpuW8A8Kernel(w8a8_scheme()), {"weight": q8, "weight_scale": s8.reshape(-1, 1)}, torch.float32),
+        "W8A8 int_mm": (CpuW8A8Kernel(w8a8_scheme(), pack=False), {"weight": q8, "weight_scale": s8.reshape(-1, 1)},
+                        torch.float32),
         "W4A16 int4 bf16": (int4, int4.prepare({**packed, "weight_scale": s4.bfloat16()}), torch.bfloat16),
         "W4A16 int4 fp32": (int4, int4.prepare({**packed, "weight_scale": s4}), torch.float32),
         "W4A16 dequant fp32": (ReferenceWNA16Kernel(w4), {**packed, "weight_scale": s4}, torch.float32),
     }
 
 
-GEMV_SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
-               "down 1536->576": (576, 1536)}
-LAYERS = 30
+# (out, in) of each layer's projections, and the number of layers
+MODEL_SHAPES = {
+    "smollm2": ({"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
+                 "down 1536->576": (576, 1536)}, 30),
+    "qwen2.5-coder": ({"qkv 896->1152": (1152, 896), "o 896->896": (896, 896), "gate_up 896->9728": (9728, 896),
+                       "down 4864->896": (896, 4864)}, 24),
+}
 
 
-def gemv_rows(dtype: torch.dtype = torch.bfloat16) -> None:
-    from tengyun.layers.attention import cpu_kernels
-    from tengyun.platforms.cpu_quant import w8a8_gemv_fits
+def packed_rows(model: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    from tengyun.platforms.cpu_quant import w8a8_packed_fits
 
-    if cpu_kernels.load_error() is not None or not w8a8_gemv_fits():
-        print("the W8A8 small-batch kernel does not run here (kernels not built, or no AVX-512 VNNI)")
+    if not w8a8_packed_fits():
+        print("the packed W8A8 kernel does not run here (kernels not built, or no AVX-512 VNNI)")
         return
-    old = CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=0)
-    new = CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=64)
+    shapes, layers = MODEL_SHAPES[model]
+    old = CpuW8A8Kernel(w8a8_scheme(), compiled=True, pack=False)
+    new = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
     torch.manual_seed(0)
-    weights = {name: [_w8a8_weight(n, k, dtype) for _ in range(LAYERS)] for name, (n, k) in GEMV_SHAPES.items()}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype} activations; "
-          f"{LAYERS} weights per shape; us per call, median of 15 (best of 15)")
-    print("| projection | rows | compiled quantise + _int_mm + rescale | int8_gemv | speed-up of medians (of bests) |")
-    print("|---|---|---|---|---|")
-    totals: dict[int, list[float]] = {}
-    for rows in (1, 2, 4, 8, 16, 24):
-        for name, (n, k) in GEMV_SHAPES.items():
-            x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
-            times: list[list[float]] = [[], []]
-            for _ in range(15):
-                for i, kernel in enumerate((old, new)):
-                    times[i].append(_pass_s(kernel, weights[name], x, bias) / LAYERS * 1e6)
-            stats = [statistics.median(times[0]), statistics.median(times[1]), min(times[0]), min(times[1])]
-            totals[rows] = [a + b for a, b in zip(totals.get(rows, [0.0] * 4), stats)]
-            print(_gemv_row(name, rows, stats, 1.0))
-    for rows, stats in totals.items():
-        print(_gemv_row("30 x 4 projections (ms)", rows, stats, LAYERS / 1e3))
+    plain = [[_w8a8_weight(n, k, dtype) for n, k in shapes.values()] for _ in range(layers)]
+    packed = [[new.prepare(w) for w in layer] for layer in plain]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype} activations, {model}: "
+          f"{layers} x {len(shapes)} projections, each layer its own weights; ms per pass, median (best)")
+    print("| rows | compiled quantise + _int_mm + rescale | packed kernel | speed-up of medians |")
+    print("|---|---|---|---|")
+    for rows in (1, 4, 8, 16, 24, 32, 48, 64, 256, 2048):
+        xs = [(torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)) for n, k in shapes.values()]
+        times: list[list[float]] = [[], []]
+        for _ in range(5 if rows <= 64 else 2):
+            for i, (kernel, weights) in enumerate(((old, plain), (new, packed))):
+                times[i].append(_model_pass_s(kernel, weights, xs) * 1e3)
+        medians = [statistics.median(t) for t in times]
+        print(f"| {rows} | {medians[0]:.1f} ({min(times[0]):.1f}) | {medians[1]:.1f} ({min(times[1]):.1f}) | "
+              f"{medians[0] / medians[1]:.2f}x |")
 
 
-def _gemv_row(name: str, rows: int, stats: list[float], unit: float) -> str:
-    """stats: medians old, new, bests old, new (us) -> a table row in unit x us."""
-    old, new, old_best, new_best = (v * unit for v in stats)
-    return (f"| {name} | {rows} | {old:.1f} ({old_best:.1f}) | {new:.1f} ({new_best:.1f}) | "
-            f"{old / new:.2f}x ({old_best / new_best:.2f}x) |")
+def _model_pass_s(kernel, weights: list, xs: list) -> float:
+    start = time.perf_counter()
+    for layer in weights:
+        for prepared, (x, bias) in zip(layer, xs):
+            kernel.apply(x, prepared, bias)
+    return time.perf_counter() - start
 
 
 def _w8a8_weight(out_features: int, in_features: int, dtype: torch.dtype) -> dict:
@@ -103,18 +106,13 @@ def _w8a8_weight(out_features: int, in_features: int, dtype: torch.dtype) -> dic
     return {"weight": q, "weight_scale": scale.reshape(-1, 1).to(dtype)}
 
 
-def _pass_s(kernel, weights: list, x: torch.Tensor, bias: torch.Tensor) -> float:
-    start = time.perf_counter()
-    for prepared in weights:
-        kernel.apply(x, prepared, bias)
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--gemv", action="store_true", help="W8A8 at 1-24 rows: torch._int_mm vs int8_gemv")
-    if parser.parse_args().gemv:
-        return gemv_rows()
+    parser.add_argument("--packed", action="store_true", help="W8A8 at 1-2048 rows: torch._int_mm vs the packed kernel")
+    parser.add_argument("--shapes", choices=sorted(MODEL_SHAPES), default="smollm2")
+    args = parser.parse_args()
+    if args.packed:
+        return packed_rows(args.shapes)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| shape | rows | " + " | ".join(COLUMNS) + " |")

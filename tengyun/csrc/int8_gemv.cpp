@@ -1,30 +1,34 @@
-// W8A8 linear layers for a few rows (decode at batch 1-8) in one call: activations quantised to
-// int8, int32 sums with AVX-512 VNNI (vpdpbusd), rescaled to the output dtype (+ bias).
+// W8A8 linear layers in one call for any number of rows: activations quantised to int8, int32
+// sums with AVX-512 VNNI (vpdpbusd), rescaled to the output dtype (+ bias).
 //
-// The weight is the checkpoint's int8 [N, K], row-major, as torch._int_mm reads it (its .t()) for
-// larger batches: one copy serves both. Each output's K bytes are contiguous, so a 64-byte load is
-// 64 inputs of one output; a tile keeps C outputs x M rows of 16-lane int32 sums and reduces them
-// across lanes once at the end (16 sums per tree of 45 ops).
+// The weight is repacked once (cpu_quant.pack_w8a8_weight) from the checkpoint's int8 [N, K] into
+// packed uint8 [ceil(N / 16), quads = ceil(K / 4), 64]: block b, quad q holds outputs 16b..16b+15 x
+// inputs 4q..4q+3 (byte 4j + i: output 16b + j, input 4q + i) as u = w + 128, zero weights (u =
+// 128) past N and K. One vpdpbusd takes 16 outputs' 4 inputs against the row's 4 x_q bytes
+// broadcast, so each output keeps its int32 sum in its own lane: a tile of R rows x C blocks holds
+// R * C sums and reads C weight vectors per quad, with no reduction across lanes. Its panel of C
+// blocks stays in L2 while every row passes, so one call serves decode (the weight streamed once,
+// at memory speed) and prefill (measured faster than torch._int_mm, which repacks the weight on
+// every call: benchmarks/README.md).
 //
-// vpdpbusd multiplies unsigned by signed bytes: the weight goes in as u = w + 128 (w XOR 0x80 as a
-// byte, 0..255, one vpxorq per load) against the signed x_q, so sum_k u_k x_k = sum_k w_k x_k +
-// 128 sum_k x_k, and the row's correction -128 sum_k x_q,k (computed while quantising) takes it
-// back out: no extra tensor per output. vpdpbusd adds the four u8 x s8 products to int32 without
-// saturation, so every sum is exact modulo 2^32, i.e. torch._int_mm's (exact while |x_q . w| <
-// 2^31, K < 2^17).
+// vpdpbusd multiplies unsigned by signed bytes: the weight goes in as u = w + 128 against the
+// signed x_q, so sum_k u_k x_k = sum_k w_k x_k + 128 sum_k x_k, and the row's correction
+// -128 sum_k x_q,k (computed while quantising) takes it back out. vpdpbusd adds the four u8 x s8
+// products to int32 without saturation, so every sum is exact modulo 2^32, i.e. torch._int_mm's
+// (exact while |x_q . w| < 2^31, K < 2^17).
 //
-// torch.ops.tengyun.w8a8_gemv(x, weight, weight_scale, bias, quant_bias, input_scale_reciprocal,
-//                             input_offset) -> y
-//   x [M, K] float32 or bfloat16 (unit last stride), M <= 64; weight int8 [N, K] contiguous;
-//   weight_scale [N] (or [N, 1]) float32, bfloat16 or float16, contiguous; bias [N] in x's dtype or
-//   None; quant_bias int32 [N] or None (msModelSlim: added to the int32 sums).
+// torch.ops.tengyun.w8a8_packed_gemm(x, packed, weight_scale, bias, quant_bias, input_scale_reciprocal,
+//                                    input_offset, n) -> y [M, n]
+//   x [M, K] float32 or bfloat16 (unit last stride); packed as above; weight_scale [n] float32,
+//   bfloat16 or float16, contiguous; bias [n] in x's dtype or None; quant_bias int32 [n] or None
+//   (msModelSlim: added to the int32 sums).
 //   input_scale_reciprocal None: per-token dynamic quantisation (quant_kernels.quantize_per_token):
 //     s_x = max(max|x|, 1e-10) / 127, x_q = clamp(rint(x / s_x), -128, 127);
 //     y = round(float(acc) * s_x * float(weight_scale)), then round(y + bias).
 //   input_scale_reciprocal, input_offset float32 [1] (quant_kernels.quantize_per_tensor):
 //     x_q = clamp(rint(x * r + offset), -128, 127); y = round(float(acc + quant_bias) * weight_scale).
 //   Same float32 operations in the same order as the PyTorch ops: bit-equal outputs.
-// torch.ops.tengyun.w8a8_gemv_supported() -> bool: this CPU has AVX-512 F/BW/VL/DQ + VNNI (and the
+// torch.ops.tengyun.w8a8_packed_supported() -> bool: this CPU has AVX-512 F/BW/VL/DQ + VNNI (and the
 //   AVX-512 copies are the active ones, cpu_isa.h); the op refuses to run otherwise.
 
 #include <ATen/ATen.h>
@@ -32,7 +36,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -40,11 +47,9 @@
 namespace tengyun {
 namespace {
 
-constexpr int kMaxRows = 8;      // rows per tile pass (register budget: 16 sums)
-constexpr int64_t kMaxOpRows = 64;  // rows per call: past 8, each tile of 2 outputs runs 8 rows at a time
-constexpr int64_t kChunk = 64;  // inputs per vpdpbusd
-// Tiles run front to back through the weight: each 64-byte load prefetches the line this far ahead
-// (a tile's C rows are C * K contiguous bytes, so the prefetches cover the weight once, in order).
+constexpr int kMaxRows = 8;     // rows per tile (R * C sums + C weights in 32 registers)
+constexpr int64_t kChunk = 64;  // x_q rows are padded to this many bytes (the quantiser's stride)
+// Each of a tile's C weight streams prefetches the line this far ahead of its load.
 constexpr int64_t kPrefetchBytes = 8192;
 
 enum class ScaleType { f32, bf16, f16 };
@@ -53,7 +58,7 @@ struct Int8GemvArgs {
   const int8_t* xq;          // [rows][k_pad] x_q, zero past k
   const float* s_x;          // [rows] (1 for static quantisation)
   const int32_t* row_offset; // [rows] -128 sum_k x_q
-  const int8_t* w;           // [n][k]
+  const uint8_t* w;          // packed [ceil(n / 16)][quads][64]
   const void* s_w;           // [n] in s_w_type
   const int32_t* quant_bias; // [n] or nullptr
   const void* bias;          // [n] in the output dtype, or nullptr
@@ -66,7 +71,9 @@ struct Int8GemvArgs {
 #if TY_HAVE_X86_COPIES
 #define TY_INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
+// Lanes [0, left) of 16: all for left >= 16, none for left <= 0.
 inline __mmask16 tail_mask(int64_t left) {
+  if (left <= 0) return 0;
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
 }
 
@@ -119,18 +126,6 @@ TY_INT8_TARGET float quantize_row(int8_t* q_out, int32_t* offset, const void* x,
   return scale;
 }
 
-// v[i] -> lane i holds the sum of v[i]'s 16 lanes.
-TY_INT8_TARGET __attribute__((always_inline)) inline __m512i reduce16(const __m512i (&v)[16]) {
-  __m512i a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0xdd));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xdd));
-}
-
 // bfloat16 bits of v, rounded to nearest even as c10::BFloat16 (NaN -> 0x7fc0).
 TY_INT8_TARGET inline __m256i to_bf16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
@@ -167,60 +162,74 @@ TY_INT8_TARGET void store_row(const Int8GemvArgs& a, __m512i acc, int64_t r, int
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + r * a.n + n0, mask, out);
 }
 
-// Rows [r0, r0 + M) x outputs [n0, n0 + C) (clipped at n): M * C <= 16 sums of 16 lanes each.
-template <int M, int C>
-TY_INT8_TARGET void tile(const Int8GemvArgs& a, int64_t r0, int64_t n0) {
-  const int8_t* w[C];
-  for (int c = 0; c < C; ++c) w[c] = a.w + std::min(n0 + c, a.n - 1) * a.k;  // past n: a valid row, unused
-  __m512i acc[M][C];  // registers: every index is a constant once the loops below unroll
+// The most blocks of 16 outputs a tile of R rows holds: R * C sums + C weights in 32 registers.
+constexpr int packed_columns(int rows) { return rows == 1 ? 8 : rows == 2 ? 6 : rows == 3 ? 5 : rows == 4 ? 4 : 3; }
+
+inline int32_t load_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Rows [r0, r0 + R) x outputs [16 b0, 16 (b0 + C)) (clipped at n).
+template <int R, int C>
+TY_INT8_TARGET void packed_tile(const Int8GemvArgs& a, int64_t quads, int64_t r0, int64_t b0) {
+  if constexpr (C <= packed_columns(R)) {
+    const uint8_t* w = a.w + b0 * quads * 64;
+    __m512i acc[R][C];
 #pragma GCC unroll 8
-  for (int m = 0; m < M; ++m)
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_si512();
-  const int64_t full = a.k / kChunk * kChunk;
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(a.w + n0 * a.k) + kPrefetchBytes;  // may pass the end: a hint
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t k = 0; k < a.k_pad; k += kChunk) {
-    const __mmask64 mask = k < full ? ~__mmask64(0) : (__mmask64(1) << (a.k - k)) - 1;
-    __m512i xs[M];
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) xs[m] = _mm512_loadu_si512(a.xq + (r0 + m) * a.k_pad + k);
-#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+    const int8_t* x = a.xq + r0 * a.k_pad;
+    for (int64_t q = 0; q < quads; ++q) {
+      __m512i wv[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (c * quads + q) * 64 + kPrefetchBytes), _MM_HINT_T0);
+        wv[c] = _mm512_loadu_si512(w + (c * quads + q) * 64);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(load_quad(x + r * a.k_pad + 4 * q));
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xb);
+      }
+    }
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (k / kChunk * C + c) * kChunk), _MM_HINT_T0);
-      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w[c] + k), flip);  // w + 128 as u8
+      const int64_t n0 = (b0 + c) * 16, cols = std::min<int64_t>(16, a.n - n0);
+      if (cols <= 0) break;
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[m][c] = _mm512_dpbusd_epi32(acc[m][c], wv, xs[m]);
+      for (int r = 0; r < R; ++r) store_row(a, acc[r][c], r0 + r, n0, cols);
     }
   }
-  __m512i v[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) v[i] = i < M * C ? acc[i / C][i % C] : _mm512_setzero_si512();
-  alignas(64) int32_t lanes[16];  // lane m * C + c: row m, output n0 + c
-  _mm512_store_si512(lanes, reduce16(v));
-  const int64_t cols = std::min<int64_t>(C, a.n - n0);
-  for (int m = 0; m < M; ++m) store_row(a, _mm512_maskz_loadu_epi32(tail_mask(C), lanes + m * C), r0 + m, n0, cols);
 }
 
-using TileFn = void (*)(const Int8GemvArgs&, int64_t, int64_t);
+using PackedFn = void (*)(const Int8GemvArgs&, int64_t, int64_t, int64_t);
 
-// Tile width per row count: C = 16 / M rounded down to a power of two; past 8 rows, 2.
-int64_t tile_columns(int64_t rows) { return rows == 1 ? 16 : rows == 2 ? 8 : rows <= 4 ? 4 : 2; }
-
-TileFn tile_for(int64_t rows, int64_t cols) {
-  static constexpr TileFn tiles[kMaxRows] = {tile<1, 16>, tile<2, 8>, tile<3, 4>, tile<4, 4>,
-                                             tile<5, 2>,  tile<6, 2>, tile<7, 2>, tile<8, 2>};
-  static constexpr TileFn pairs[kMaxRows] = {tile<1, 2>, tile<2, 2>, tile<3, 2>, tile<4, 2>,
-                                             tile<5, 2>, tile<6, 2>, tile<7, 2>, tile<8, 2>};
-  return (cols == 2 ? pairs : tiles)[rows - 1];
+template <int R, int... Cs>
+constexpr std::array<PackedFn, sizeof...(Cs)> packed_row(std::integer_sequence<int, Cs...>) {
+  return {packed_tile<R, Cs + 1>...};
 }
 
-// Outputs [t0 * cols, t1 * cols), every row: 8 rows at a time while the tile's weight rows sit in L1.
-void run_tiles(const Int8GemvArgs& a, int64_t cols, int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t r0 = 0; r0 < a.rows; r0 += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, a.rows - r0);
-      tile_for(rows, cols)(a, r0, t * cols);
+template <int... Rs>
+constexpr std::array<std::array<PackedFn, 8>, 8> packed_tiles(std::integer_sequence<int, Rs...>) {
+  return {packed_row<Rs + 1>(std::make_integer_sequence<int, 8>())...};
+}
+
+constexpr auto kPackedTiles = packed_tiles(std::make_integer_sequence<int, 8>());
+
+// Panels [p0, p1) of C blocks, every row, in groups of at most 8 rows of near-equal size.
+void run_packed(const Int8GemvArgs& a, int64_t quads, int64_t blocks, int C, int64_t p0, int64_t p1) {
+  const int64_t groups = (a.rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t b0 = p * C;
+    const int cols = static_cast<int>(std::min<int64_t>(C, blocks - b0));
+    for (int64_t g = 0, r0 = 0; g < groups; ++g) {
+      const int64_t rows = (a.rows - r0) / (groups - g);  // the rest shared evenly: sizes differ by <= 1
+      kPackedTiles[rows - 1][cols - 1](a, quads, r0, b0);
+      r0 += rows;
     }
   }
 }
@@ -240,69 +249,92 @@ bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defi
 ScaleType scale_type(const at::Tensor& s_w, int64_t n) {
   TORCH_CHECK(s_w.is_contiguous() && s_w.numel() == n &&
                   (s_w.scalar_type() == at::kFloat || s_w.scalar_type() == at::kBFloat16 || s_w.scalar_type() == at::kHalf),
-              "w8a8_gemv: weight_scale must be a contiguous float32, bfloat16 or float16 [N]");
+              "w8a8_packed_gemm: weight_scale must be a contiguous float32, bfloat16 or float16 [N]");
   return s_w.scalar_type() == at::kFloat ? ScaleType::f32 : s_w.scalar_type() == at::kBFloat16 ? ScaleType::bf16 : ScaleType::f16;
 }
 
-void check_args(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& scale_reciprocal,
-                const c10::optional<at::Tensor>& offset) {
-  TORCH_CHECK(supported(), "w8a8_gemv: this CPU lacks AVX-512 VNNI (w8a8_gemv_supported)");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kMaxOpRows &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "w8a8_gemv: x must be a CPU float32 or bfloat16 [M <= 64, K] with unit last stride");
-  const int64_t n = weight.size(0);
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.size(1) == x.size(1) && n > 0 && x.size(1) < (int64_t(1) << 17),
-              "w8a8_gemv: weight must be a contiguous int8 [N, K] with x's K (< 2^17)");
+// x [M, K] and the optional tensors of a layer of n outputs.
+void check_inputs(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& scale_reciprocal,
+                  const c10::optional<at::Tensor>& offset) {
+  TORCH_CHECK(supported(), "w8a8_packed_gemm: this CPU lacks AVX-512 VNNI (w8a8_packed_supported)");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.size(1) < (int64_t(1) << 17),
+              "w8a8_packed_gemm: x must be a CPU float32 or bfloat16 [M, K < 2^17] with unit last stride");
+  TORCH_CHECK(n > 0, "w8a8_packed_gemm: the layer needs at least one output");
   if (given(bias)) {
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == n,
-                "w8a8_gemv: bias must be a contiguous [N] in x's dtype");
+                "w8a8_packed_gemm: bias must be a contiguous [N] in x's dtype");
   }
   if (given(quant_bias)) {
     TORCH_CHECK(quant_bias->scalar_type() == at::kInt && quant_bias->is_contiguous() && quant_bias->numel() == n,
-                "w8a8_gemv: quant_bias must be a contiguous int32 [N]");
+                "w8a8_packed_gemm: quant_bias must be a contiguous int32 [N]");
   }
-  TORCH_CHECK(given(scale_reciprocal) == given(offset), "w8a8_gemv: pass input_scale_reciprocal and input_offset together");
+  TORCH_CHECK(given(scale_reciprocal) == given(offset), "w8a8_packed_gemm: pass input_scale_reciprocal and input_offset together");
   if (given(scale_reciprocal)) {
     TORCH_CHECK(scale_reciprocal->scalar_type() == at::kFloat && scale_reciprocal->numel() == 1 &&
                     offset->scalar_type() == at::kFloat && offset->numel() == 1,
-                "w8a8_gemv: input_scale_reciprocal and input_offset must be float32 [1]");
+                "w8a8_packed_gemm: input_scale_reciprocal and input_offset must be float32 [1]");
   }
 }
 
-}  // namespace
+// x's rows quantised as the kernels read them: x_q [rows][k_pad] (zero past k), s_x, -128 sum x_q.
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> s_x;
+  std::vector<int32_t> row_offset;
+  int64_t k_pad;
+};
 
-bool w8a8_gemv_supported() { return supported(); }
-
-at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& quant_bias,
-                     const c10::optional<at::Tensor>& input_scale_reciprocal,
-                     const c10::optional<at::Tensor>& input_offset) {
-  check_args(x, weight, bias, quant_bias, input_scale_reciprocal, input_offset);
-  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
-  const ScaleType s_w_type = scale_type(weight_scale, n);
-  at::Tensor y = at::empty({rows, n}, x.options());
-  if (rows == 0) return y;
+QuantizedRows quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& input_scale_reciprocal,
+                            const c10::optional<at::Tensor>& input_offset) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  QuantizedRows out{{}, std::vector<float>(rows), std::vector<int32_t>(rows), (k + kChunk - 1) / kChunk * kChunk};
+  out.xq.resize(rows * out.k_pad);
 #if TY_HAVE_X86_COPIES
-  const int64_t k_pad = (k + kChunk - 1) / kChunk * kChunk;
-  std::vector<int8_t> xq(rows * k_pad);
-  std::vector<float> s_x(rows);
-  std::vector<int32_t> row_offset(rows);
   float static_quant[2];
   const bool is_static = given(input_scale_reciprocal);
   if (is_static) static_quant[0] = *input_scale_reciprocal->data_ptr<float>(), static_quant[1] = *input_offset->data_ptr<float>();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const char* x_bytes = static_cast<const char*>(x.data_ptr());
-  for (int64_t r = 0; r < rows; ++r) {
-    s_x[r] = quantize_row(xq.data() + r * k_pad, row_offset.data() + r, x_bytes + r * x.stride(0) * x.element_size(),
-                          bf16, k, k_pad, is_static ? static_quant : nullptr);
-  }
-  Int8GemvArgs a{xq.data(), s_x.data(), row_offset.data(), weight.data_ptr<int8_t>(), weight_scale.data_ptr(),
-                 given(quant_bias) ? quant_bias->data_ptr<int32_t>() : nullptr, given(bias) ? bias->data_ptr() : nullptr,
-                 y.data_ptr(), rows, n, k, k_pad, bf16, s_w_type};
-  const int64_t cols = tile_columns(rows), tiles = (n + cols - 1) / cols;
-  at::parallel_for(0, tiles, 16 / cols, [&](int64_t t0, int64_t t1) { run_tiles(a, cols, t0, t1); });
+  const int64_t row_bytes = x.stride(0) * x.element_size();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      out.s_x[r] = quantize_row(out.xq.data() + r * out.k_pad, out.row_offset.data() + r, x_bytes + r * row_bytes,
+                                bf16, k, out.k_pad, is_static ? static_quant : nullptr);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+bool w8a8_packed_supported() { return supported(); }
+
+at::Tensor w8a8_packed_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
+                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& quant_bias,
+                            const c10::optional<at::Tensor>& input_scale_reciprocal,
+                            const c10::optional<at::Tensor>& input_offset, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, "w8a8_packed_gemm: x must be [M, K]");
+  const int64_t k = x.size(1), quads = (k + 3) / 4, blocks = (n + 15) / 16;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(0) == blocks && packed.size(1) == quads && packed.size(2) == 64,
+              "w8a8_packed_gemm: packed must be a contiguous uint8 [ceil(n / 16), ceil(K / 4), 64] (cpu_quant.pack_w8a8_weight)");
+  check_inputs(x, n, bias, quant_bias, input_scale_reciprocal, input_offset);
+  const int64_t rows = x.size(0);
+  const ScaleType s_w_type = scale_type(weight_scale, n);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if TY_HAVE_X86_COPIES
+  const QuantizedRows q = quantize_rows(x, input_scale_reciprocal, input_offset);
+  Int8GemvArgs a{q.xq.data(), q.s_x.data(), q.row_offset.data(), packed.data_ptr<uint8_t>(),
+                 weight_scale.data_ptr(), given(quant_bias) ? quant_bias->data_ptr<int32_t>() : nullptr,
+                 given(bias) ? bias->data_ptr() : nullptr, y.data_ptr(), rows, n, k, q.k_pad,
+                 x.scalar_type() == at::kBFloat16, s_w_type};
+  const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
+  const int C = packed_columns(static_cast<int>((rows + groups - 1) / groups));
+  at::parallel_for(0, (blocks + C - 1) / C, 1, [&](int64_t p0, int64_t p1) { run_packed(a, quads, blocks, C, p0, p1); });
 #endif
   return y;
 }
@@ -310,9 +342,11 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 }  // namespace tengyun
 
 TORCH_LIBRARY_FRAGMENT(tengyun, m) {
-  m.def("w8a8_gemv(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? quant_bias, "
-        "Tensor? input_scale_reciprocal, Tensor? input_offset) -> Tensor");
-  m.def("w8a8_gemv_supported() -> bool", &tengyun::w8a8_gemv_supported);
+  m.def("w8a8_packed_gemm(Tensor x, Tensor packed, Tensor weight_scale, Tensor? bias, Tensor? quant_bias, "
+        "Tensor? input_scale_reciprocal, Tensor? input_offset, int n) -> Tensor");
+  m.def("w8a8_packed_supported() -> bool", &tengyun::w8a8_packed_supported);
 }
 
-TORCH_LIBRARY_IMPL(tengyun, CPU, m) { m.impl("w8a8_gemv", &tengyun::w8a8_gemv); }
+TORCH_LIBRARY_IMPL(tengyun, CPU, m) {
+  m.impl("w8a8_packed_gemm", &tengyun::w8a8_packed_gemm);
+}

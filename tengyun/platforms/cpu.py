@@ -169,9 +169,10 @@ class CpuPlatform(Platform):
         return CpuPackedLinearKernel(dtype) if small_batch_kernel_fits(dtype) else OneDNNPackedLinearKernel()
 
     def quant_linear_kernel(self, scheme, dtype):
-        """W8A8: int8 GEMM through torch._int_mm (oneDNN, VNNI), activations quantised and sums
-        rescaled by the compiled kernels where they load; up to 16 rows (decode) one compiled VNNI
-        call (cpu_quant.MAX_GEMV_ROWS). 4- and 8-bit weight-only and GGUF served in bfloat16: the
+        """W8A8: where the compiled kernels load and the CPU has VNNI, the weight repacked once and
+        every call one compiled op (cpu_quant.pack_w8a8_weight); else torch._int_mm (oneDNN),
+        activations quantised and sums rescaled by the compiled kernels where they load. 4- and
+        8-bit weight-only and GGUF served in bfloat16: the
         compiled quant kernel's layout where it runs (cpu_quant_layout.py), else (4-bit, GGUF)
         torch's int4 CPU matmul.
         Anything else (float32 activations included, which
@@ -221,6 +222,11 @@ class CpuPlatform(Platform):
         (``in_`` < ``in_total``) is padded to every group: the whole layer's inputs."""
         from tengyun.model_spec import DTYPE_BYTES
 
+        if scheme.kernel in ("w8a8_int8", "w8a8_static_int8") and cls._packs_w8a8():
+            from tengyun.platforms.cpu_quant import packed_weight_bytes  # outputs padded to 16, inputs to 4
+
+            stored = super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
+            return stored - out * in_ + packed_weight_bytes(out, in_)
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: its int4 repack, or its blocks
             from tengyun.platforms.cpu_gguf import weight_bytes
 
@@ -246,6 +252,13 @@ class CpuPlatform(Platform):
         if out % 16:
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
         return out * in_ // 2 + 2 * out * groups * DTYPE_BYTES[dtype] + permutation
+
+    @staticmethod
+    def _packs_w8a8() -> bool:
+        """Do W8A8 layers take the packed layout here (cpu_quant.w8a8_packed_fits)?"""
+        from tengyun.platforms.cpu_quant import w8a8_packed_fits
+
+        return w8a8_packed_fits()
 
     @staticmethod
     def _compiled_quant_layout() -> bool:

@@ -1,15 +1,15 @@
 """CPU kernels for quantised linear layers, arithmetic as tengyun/layers/quant_kernels.py's
 references (which they fall back to for a layer they cannot run).
 
-- W8A8: activations quantised per token, then torch._int_mm (oneDNN's int8 GEMM, VNNI where the
-  cores have it) on the int8 weight's transposed view, int32 sums scaled back in float32. Where the
-  compiled kernels load, the quantisation and the rescale are one pass each
-  (tengyun/csrc/layer_ops.cpp, bit-equal to the PyTorch ops; they are ~8 and ~4 ops that dominate a
-  batch-1 step's small matmuls), and on AVX-512 VNNI cores up to ``MAX_GEMV_ROWS`` (16) rows
-  run all three in one call (tengyun/csrc/int8_gemv.cpp: int32 sums bit-equal to torch._int_mm's,
-  the same rescale) on the same int8 [out, in] weight: one copy serves both paths.
-  msModelSlim's static W8A8 alike, activations quantised with its one input scale and offset,
-  quant_bias added to the int32 sums.
+- W8A8: on AVX-512 VNNI cores where the compiled kernels load, the int8 weight is repacked once
+  (``pack_w8a8_weight``: blocks of 16 outputs x 4 inputs, the one copy kept) and every call, decode
+  or prefill, quantises, multiplies and rescales in one op (tengyun/csrc/int8_gemv.cpp: int32 sums
+  bit-equal to torch._int_mm's, the same float32 rescale). Elsewhere activations are quantised per
+  token, then torch._int_mm (oneDNN's int8 GEMM) on the int8 weight's transposed view, int32 sums
+  scaled back in float32, the quantisation and the rescale one compiled pass each where the
+  kernels load (tengyun/csrc/layer_ops.cpp, bit-equal to the PyTorch ops). msModelSlim's static
+  W8A8 alike, activations quantised with its one input scale and offset, quant_bias added to the
+  int32 sums.
 - 4-bit weight-only in bfloat16: where the compiled kernels load and the cores have AVX-512 BF16,
   the weight repacked once into the compiled kernel's layout (cpu_quant_layout.py: nibbles in
   blocks of 32 outputs, the checkpoint's scales and zero points; w = (n - zero) * scale exactly
@@ -31,73 +31,93 @@ from tengyun.layers.quant_kernels import (
 from tengyun.platforms import cpu_quant_layout
 
 
-# At most this many rows run the one-call VNNI kernel (it takes up to 64); more run torch._int_mm,
-# which it beats up to 16 rows at SmolLM2's shapes and not from 24-32 (benchmarks/quant_linear_kernels.py
-# --gemv, benchmarks/README.md).
-MAX_GEMV_ROWS = 16
-GEMV_OP_MAX_ROWS = 64  # what the op takes (int8_gemv.cpp kMaxOpRows)
-GEMV_MAX_INPUTS = 1 << 17  # int8_gemv's exactness bound: |x_q . w| <= 2^14 K < 2^31
+GEMV_MAX_INPUTS = 1 << 17  # the packed op's exactness bound: |x_q . w| <= 2^14 K < 2^31
 
 
-def w8a8_gemv_fits() -> bool:
-    """Whether the compiled kernels are loaded and this CPU runs the W8A8 small-batch kernel
+def w8a8_packed_fits() -> bool:
+    """Whether the compiled kernels are loaded and this CPU runs the packed W8A8 kernel
     (AVX-512 F/BW/VL/DQ + VNNI)."""
     from tengyun.layers.attention import cpu_kernels
 
-    return cpu_kernels.load_error() is None and bool(torch.ops.tengyun.w8a8_gemv_supported())
+    return cpu_kernels.load_error() is None and bool(torch.ops.tengyun.w8a8_packed_supported())
 
 
-def _gemv_op(compiled: bool, max_gemv_rows: int | None):
-    """torch.ops.tengyun.w8a8_gemv's overload (resolved once: ~0.6 us a call) where it runs, else None."""
-    if not compiled or max_gemv_rows == 0 or not w8a8_gemv_fits():
-        return None
-    return torch.ops.tengyun.w8a8_gemv.default
+def _packed_op(compiled: bool):
+    """torch.ops.tengyun.w8a8_packed_gemm's overload (resolved once: ~0.6 us a call) where it runs, else None."""
+    return torch.ops.tengyun.w8a8_packed_gemm.default if compiled and w8a8_packed_fits() else None
+
+
+def pack_w8a8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> uint8 [ceil(N / 16), ceil(K / 4), 64]: block b, quad q holds outputs
+    16b..16b+15 x inputs 4q..4q+3 (byte 4j + i: output 16b + j, input 4q + i) as w + 128; zero
+    weights past N and K (int8_gemv.cpp)."""
+    out, in_ = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, -in_ % 4, 0, -out % 16))
+    unsigned = (padded.to(torch.int16) + 128).to(torch.uint8)
+    blocks, quads = padded.shape[0] // 16, padded.shape[1] // 4
+    return unsigned.reshape(blocks, 16, quads, 4).permute(0, 2, 1, 3).reshape(blocks, quads, 64).contiguous()
+
+
+def packed_weight_bytes(out: int, in_: int) -> int:
+    """What pack_w8a8_weight holds for an out x in layer."""
+    return -(-out // 16) * 16 * -(-in_ // 4) * 4
+
+
+_PACKED_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _packs(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """The packed op's contract on a layer: fewer than 2^17 inputs (its int32 sums' bound), one
+    scale per output in a dtype it reads."""
+    return (weight.dtype == torch.int8 and weight.dim() == 2 and weight.shape[-1] < GEMV_MAX_INPUTS
+            and scale.dtype in _PACKED_SCALE_DTYPES and scale.numel() == weight.shape[0])
+
+
+def _run_packed(op, x: torch.Tensor, prepared: Tensors, scale: torch.Tensor, bias: torch.Tensor | None,
+                quant_bias=None, reciprocal=None, offset=None) -> torch.Tensor:
+    """x [..., in] through the packed op; activations other than float32/bfloat16 (float16) and a
+    bias in another dtype go through float32."""
+    x2 = x.reshape(-1, x.shape[-1])
+    run_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    x2 = x2.to(run_dtype) if x2.stride(-1) == 1 else x2.to(run_dtype).contiguous()
+    op_bias = None if bias is None else bias.to(run_dtype).contiguous()
+    y = op(x2, prepared["packed"], scale, op_bias, quant_bias, reciprocal, offset, scale.numel())
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 class CpuW8A8Kernel(QuantLinearKernel):
-    def __init__(self, scheme, compiled: bool = False, max_gemv_rows: int | None = None):
-        """compiled: the kernel library is loaded (cpu_kernels.load_error() is None); its one-pass
-        quantize_per_token_int8 and rescale_int32 replace the PyTorch ops, and up to max_gemv_rows
-        rows (default MAX_GEMV_ROWS; 0: never; at most GEMV_OP_MAX_ROWS) run w8a8_gemv where the
-        CPU has VNNI."""
+    def __init__(self, scheme, compiled: bool = False, pack: bool = True):
+        """compiled: the kernel library is loaded (cpu_kernels.load_error() is None); where the CPU
+        has VNNI (and ``pack``) the weight is repacked once and every call runs w8a8_packed_gemm,
+        else the compiled quantize_per_token_int8 and rescale_int32 around torch._int_mm."""
         super().__init__(scheme)
         ops = torch.ops.tengyun if compiled else None
         self.quantize = ops.quantize_per_token_int8.default if ops else None  # overloads resolved once
         self.rescale = ops.rescale_int32.default if ops else None
-        self.gemv = _gemv_op(compiled, max_gemv_rows)
-        self.max_gemv_rows = min(GEMV_OP_MAX_ROWS, MAX_GEMV_ROWS if max_gemv_rows is None else max_gemv_rows)
+        self.packed = _packed_op(compiled) if pack else None
+        self.frees_original = self.packed is not None  # the packed copy replaces the loaded weight
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        weight, scale = tensors["weight"], tensors["weight_scale"]
+        if self.packed is None or not _packs(weight, scale):
+            return tensors
+        return {"packed": pack_w8a8_weight(weight), "weight_scale": scale.reshape(-1).contiguous()}
 
     def apply(self, x, prepared, bias):
+        if "packed" in prepared:
+            return _run_packed(self.packed, x, prepared, prepared["weight_scale"], bias)
         x2 = x.reshape(-1, x.shape[-1])
-        weight = prepared["weight"]
-        scale = prepared["weight_scale"]
-        if self.gemv is not None and x2.shape[0] <= self.max_gemv_rows and _gemv_takes(x2, weight, scale, bias):
-            y = self.gemv(x2, weight, scale.reshape(-1), bias, None, None, None)
-            return y.reshape(*x.shape[:-1], -1)
         if self.quantize is None:
             x_q, s_x = quantize_per_token(x2)
         else:
             x_q, s_x = self.quantize(x2)
-        acc = torch._int_mm(x_q, weight.t())  # [M, out] int32
+        acc = torch._int_mm(x_q, prepared["weight"].t())  # [M, out] int32
         if self.rescale is None:
             y = (acc.float() * s_x * prepared["weight_scale"].float().t()).to(x.dtype)
         else:
             y = self.rescale(acc, s_x, prepared["weight_scale"], x.dtype)
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
-
-
-_GEMV_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """w8a8_gemv's argument contract: x float32/bfloat16 with unit last stride, the weight and its
-    scales contiguous, fewer than 2^17 inputs (its int32 sums' bound), a bias in x's dtype.
-    Anything else (float16 activations, a strided slice) takes torch._int_mm."""
-    return (x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and weight.is_contiguous()
-            and weight.shape[-1] < GEMV_MAX_INPUTS
-            and scale.dtype in _GEMV_SCALE_DTYPES and scale.is_contiguous()
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 class CpuInt4PackKernel(ReferenceWNA16Kernel):
@@ -185,24 +205,30 @@ class CpuInt8WeightOnlyKernel(ReferenceWNA16Kernel):
 
 
 class CpuW8A8StaticKernel(ReferenceW8A8StaticKernel):
-    """msModelSlim static W8A8: the reference's prepare, the int32 sums through torch._int_mm, or
-    up to max_gemv_rows rows through w8a8_gemv (its static quantisation, quant_bias added to the
-    sums) where it runs."""
+    """msModelSlim static W8A8: the reference's prepare, then (where the CPU has VNNI) the weight
+    repacked and every call through w8a8_packed_gemm (its static quantisation, quant_bias added to
+    the int32 sums), else the int32 sums through torch._int_mm."""
 
-    def __init__(self, scheme, compiled: bool = False, max_gemv_rows: int | None = None):
+    def __init__(self, scheme, compiled: bool = False, pack: bool = True):
         super().__init__(scheme)
-        self.gemv = _gemv_op(compiled, max_gemv_rows)
-        self.max_gemv_rows = min(GEMV_OP_MAX_ROWS, MAX_GEMV_ROWS if max_gemv_rows is None else max_gemv_rows)
+        self.packed = _packed_op(compiled) if pack else None
+        self.frees_original = self.packed is not None
+
+    def prepare(self, tensors: Tensors) -> Tensors:
+        prepared = super().prepare(tensors)
+        quant_bias = prepared["quant_bias"]
+        if self.packed is None or not _packs(prepared["weight"], prepared["deq_scale"]) \
+                or quant_bias.dtype != torch.int32:
+            return prepared
+        rest = {k: v for k, v in prepared.items() if k != "weight"}
+        return {**rest, "packed": pack_w8a8_weight(prepared["weight"]), "quant_bias": quant_bias.contiguous(),
+                "deq_scale": prepared["deq_scale"].contiguous()}
 
     def apply(self, x, prepared, bias):
+        if "packed" in prepared:
+            return _run_packed(self.packed, x, prepared, prepared["deq_scale"], None, prepared["quant_bias"],
+                               prepared["input_scale_reciprocal"], prepared["input_offset"])
         x2 = x.reshape(-1, x.shape[-1])
-        weight = prepared["weight"]
-        takes = (_gemv_takes(x2, weight, prepared["deq_scale"], None) and prepared["quant_bias"].dtype == torch.int32
-                 and prepared["quant_bias"].is_contiguous())
-        if self.gemv is not None and x2.shape[0] <= self.max_gemv_rows and takes:
-            y = self.gemv(x2, weight, prepared["deq_scale"], None, prepared["quant_bias"],
-                          prepared["input_scale_reciprocal"], prepared["input_offset"])
-            return y.reshape(*x.shape[:-1], -1)
         x_q = quantize_per_tensor(x2, prepared["input_scale_reciprocal"], prepared["input_offset"])
-        acc = torch._int_mm(x_q, weight.t()) + prepared["quant_bias"]  # [M, out] int32
+        acc = torch._int_mm(x_q, prepared["weight"].t()) + prepared["quant_bias"]  # [M, out] int32
         return (acc.float() * prepared["deq_scale"]).to(x.dtype).reshape(*x.shape[:-1], -1)

@@ -1,8 +1,9 @@
-"""W8A8's small-batch kernel (tengyun/csrc/int8_gemv.cpp, platforms/cpu_quant.py): bit-equal to
-the PyTorch path (per-token quantisation, torch._int_mm, the float32 rescale, then the bias) for
-1-8 rows, odd K, output counts that are not multiples of 16, with and without bias, float32 and
-bfloat16 activations, every weight-scale dtype; msModelSlim's static W8A8 alike; the routing by
-row count; and the fallbacks (torch._int_mm) when the library is absent or the CPU lacks VNNI."""
+"""W8A8's packed kernel (tengyun/csrc/int8_gemv.cpp, platforms/cpu_quant.py): bit-equal to the
+PyTorch path (per-token quantisation, torch._int_mm, the float32 rescale, then the bias) for 1 to
+300 rows (every tile shape, row groups of unequal size, prefill sizes), odd K, output counts that
+are not multiples of 16, with and without bias, float32 and bfloat16 activations, every
+weight-scale dtype; msModelSlim's static W8A8 alike; the layout; and the fallbacks
+(torch._int_mm) when the library is absent or the CPU lacks VNNI."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 
 from tengyun.layers.quant_kernels import quantize_per_tensor, quantize_per_token
 from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cpu_quant import MAX_GEMV_ROWS, CpuW8A8Kernel, CpuW8A8StaticKernel, w8a8_gemv_fits
+from tengyun.platforms.cpu_quant import (
+    CpuW8A8Kernel, CpuW8A8StaticKernel, pack_w8a8_weight, packed_weight_bytes, w8a8_packed_fits,
+)
 from tengyun.quantization.compressed_tensors import w8a8_scheme
 from tengyun.quantization.modelslim import static_scheme
 
@@ -19,11 +22,14 @@ from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip f
 
 SHAPES = [(17, 63), (40, 65), (96, 577), (8, 2)]  # (out, in): K odd or short, out not a multiple of 16
 SCALE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# 1-8: one group of every tile height; 9-16: two groups (sizes differ by one at odd counts); 33 and
+# 300: many groups and panels (prefill)
+ROWS = [*range(1, 17), 33, 300]
 
 
 @pytest.fixture
-def gemv(kernels):  # noqa: F811
-    if not w8a8_gemv_fits():
+def packed(kernels):  # noqa: F811
+    if not w8a8_packed_fits():
         pytest.skip("this CPU lacks AVX-512 VNNI: W8A8 runs torch._int_mm only")
     return kernels
 
@@ -47,28 +53,42 @@ def _pytorch_dynamic(x, tensors, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_dynamic_kernel_is_bit_equal_to_the_pytorch_path(gemv, shape, with_bias, dtype, scale_dtype):
+def test_dynamic_kernel_is_bit_equal_to_the_pytorch_path(packed, shape, with_bias, dtype, scale_dtype):
     kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
-    assert kernel.gemv is not None
+    assert kernel.packed is not None and kernel.frees_original
     tensors = _dynamic_tensors(*shape, scale_dtype)
+    prepared = kernel.prepare(tensors)
+    assert "weight" not in prepared  # the packed copy is the only one
     bias = torch.randn(shape[0]).to(dtype) if with_bias else None
-    for rows in range(1, MAX_GEMV_ROWS + 1):
+    for rows in ROWS:
         x = (torch.randn(rows, shape[1]) * 4).to(dtype)
         x[0, 0] = 0.0 if rows < 3 else x[0, 0]  # an exact zero, and (below) a row of zeros
         if rows == 5:
             x[3] = 0
-        got = kernel.apply(x, kernel.prepare(tensors), bias)
+        got = kernel.apply(x, prepared, bias)
         assert torch.equal(got, _pytorch_dynamic(x, tensors, bias)), (rows, shape)
 
 
-def test_dynamic_kernel_reads_strided_rows_and_keeps_leading_dims(gemv):
+def test_the_layout_holds_blocks_of_16_outputs_by_4_inputs_as_w_plus_128():
+    weight = torch.randint(-128, 128, (17, 6), dtype=torch.int8)
+    packed = pack_w8a8_weight(weight)
+    assert packed.shape == (2, 2, 64) and packed.dtype == torch.uint8
+    assert packed.numel() == packed_weight_bytes(17, 6)
+    for out, in_ in ((0, 0), (5, 3), (15, 4), (16, 5), (16, 0)):
+        block, quad, byte = out // 16, in_ // 4, 4 * (out % 16) + in_ % 4
+        assert int(packed[block, quad, byte]) == int(weight[out, in_]) + 128
+    assert int(packed[1, 0, 4]) == 128 and int(packed[0, 1, 4 * 3 + 2]) == 128  # zero past N and K
+
+
+def test_dynamic_kernel_reads_strided_rows_and_keeps_leading_dims(packed):
     kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
     tensors = _dynamic_tensors(33, 70, torch.float32)
+    prepared = kernel.prepare(tensors)
     wide = torch.randn(3, 140)
     x = wide[:, :70]  # rows 140 apart
-    assert torch.equal(kernel.apply(x, tensors, None), _pytorch_dynamic(x.contiguous(), tensors, None))
+    assert torch.equal(kernel.apply(x, prepared, None), _pytorch_dynamic(x.contiguous(), tensors, None))
     x3 = torch.randn(2, 1, 70)
-    assert kernel.apply(x3, tensors, None).shape == (2, 1, 33)
+    assert kernel.apply(x3, prepared, None).shape == (2, 1, 33)
 
 
 def _static_tensors(out_features, in_features, seed=0):
@@ -81,19 +101,21 @@ def _static_tensors(out_features, in_features, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_static_kernel_is_bit_equal_to_the_pytorch_path(gemv, shape, dtype):
+def test_static_kernel_is_bit_equal_to_the_pytorch_path(packed, shape, dtype):
     kernel = CpuW8A8StaticKernel(static_scheme(), compiled=True)
-    assert kernel.gemv is not None
-    prepared = kernel.prepare(_static_tensors(*shape))
-    for rows in range(1, MAX_GEMV_ROWS + 1):
+    assert kernel.packed is not None
+    tensors = _static_tensors(*shape)
+    prepared = kernel.prepare(tensors)
+    assert "weight" not in prepared
+    for rows in ROWS:
         x = (torch.randn(rows, shape[1]) * 3).to(dtype)
         x_q = quantize_per_tensor(x, prepared["input_scale_reciprocal"], prepared["input_offset"])
-        acc = torch._int_mm(x_q, prepared["weight"].t()) + prepared["quant_bias"]
+        acc = torch._int_mm(x_q, tensors["weight"].t()) + prepared["quant_bias"]
         want = (acc.float() * prepared["deq_scale"]).to(dtype)
         assert torch.equal(kernel.apply(x, prepared, None), want), (rows, shape)
 
 
-def test_static_quantisation_rounds_the_product_before_the_offset(gemv):
+def test_static_quantisation_rounds_the_product_before_the_offset(packed):
     """x = -0.33 (float32 -0.32999998) * 50 rounds to -16.5, + 3 is -13.5 -> -14 (half to even);
     an fma would give -13.4999991 -> -13."""
     kernel = CpuW8A8StaticKernel(static_scheme(), compiled=True)
@@ -113,44 +135,49 @@ def _ops_run(fn) -> set[str]:
     return {event.name for event in profile.events()}
 
 
-def test_rows_past_the_limit_run_int_mm_with_the_same_weight(gemv):
+def test_every_row_count_runs_the_one_packed_op(packed):
     kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
     tensors = _dynamic_tensors(40, 65, torch.float32)
     prepared = kernel.prepare(tensors)
-    assert prepared["weight"] is tensors["weight"]  # one int8 copy serves both paths
-    few, many = torch.randn(MAX_GEMV_ROWS, 65), torch.randn(MAX_GEMV_ROWS + 1, 65)
-    assert "tengyun::w8a8_gemv" in _ops_run(lambda: kernel.apply(few, prepared, None))
-    ran = _ops_run(lambda: kernel.apply(many, prepared, None))
-    assert "aten::_int_mm" in ran and "tengyun::w8a8_gemv" not in ran
-    assert torch.equal(kernel.apply(many, prepared, None), _pytorch_dynamic(many, tensors, None))
-    assert CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=0).gemv is None
-    wide = CpuW8A8Kernel(w8a8_scheme(), compiled=True, max_gemv_rows=1000)  # the op takes 64 rows at most
-    x65 = torch.randn(65, 65)
-    assert torch.equal(wide.apply(x65, prepared, None), _pytorch_dynamic(x65, tensors, None))
+    for rows in (1, 64, 65, 2048):
+        x = torch.randn(rows, 65)
+        ran = _ops_run(lambda: kernel.apply(x, prepared, None))  # noqa: B023 - called at once
+        assert "tengyun::w8a8_packed_gemm" in ran and "aten::_int_mm" not in ran, rows
 
 
-def test_float16_activations_and_strided_weights_take_int_mm(gemv):
+def test_float16_activations_and_scales_run_the_packed_op_through_float32(packed):
     kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
     tensors = _dynamic_tensors(40, 65, torch.float16)
-    x = torch.randn(2, 65).half()
-    assert "tengyun::w8a8_gemv" not in _ops_run(lambda: kernel.apply(x, tensors, None))
-    wide = _dynamic_tensors(40, 130, torch.float32)
-    sliced = {**wide, "weight": wide["weight"][:, :65]}  # a row-parallel slice, not copied
-    x = torch.randn(2, 65)
-    assert "tengyun::w8a8_gemv" not in _ops_run(lambda: kernel.apply(x, sliced, None))
-    assert torch.equal(kernel.apply(x, sliced, None), _pytorch_dynamic(x, sliced, None))
+    prepared = kernel.prepare(tensors)
+    x, bias = torch.randn(3, 65).half(), torch.randn(40).half()
+    got = kernel.apply(x, prepared, bias)
+    want = (_pytorch_dynamic(x.float(), tensors, None) + bias.float()).half()
+    assert got.dtype == torch.float16 and torch.equal(got, want)
 
 
-def test_platform_picks_the_kernel_for_both_w8a8_kinds(gemv):
+def test_unpacked_kernel_runs_int_mm():
+    kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=True, pack=False)
+    assert kernel.packed is None and not kernel.frees_original
+    tensors = _dynamic_tensors(40, 65, torch.float32)
+    assert kernel.prepare(tensors) is tensors
+    x = torch.randn(3, 65)
+    assert torch.equal(kernel.apply(x, tensors, None), _pytorch_dynamic(x, tensors, None))
+
+
+def test_platform_picks_the_packed_kernel_for_both_w8a8_kinds_and_plans_its_bytes(packed):
     platform = CpuPlatform()
-    assert platform.quant_linear_kernel(w8a8_scheme(), torch.bfloat16).gemv is not None
-    assert platform.quant_linear_kernel(static_scheme(), torch.bfloat16).gemv is not None
+    assert platform.quant_linear_kernel(w8a8_scheme(), torch.bfloat16).packed is not None
+    assert platform.quant_linear_kernel(static_scheme(), torch.bfloat16).packed is not None
+    kernel = platform.quant_linear_kernel(w8a8_scheme(), torch.bfloat16)
+    tensors = {**_dynamic_tensors(17, 63, torch.bfloat16)}
+    held = sum(t.numel() * t.element_size() for t in kernel.prepare(tensors).values())
+    assert platform.quantized_weight_bytes(w8a8_scheme(), 17, 63, "bfloat16") == held
 
 
 def test_library_absent_runs_int_mm():
     kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=False)
     static = CpuW8A8StaticKernel(static_scheme(), compiled=False)
-    assert kernel.gemv is None and static.gemv is None
+    assert kernel.packed is None and static.packed is None
     tensors = _dynamic_tensors(40, 65, torch.float32)
     x = torch.randn(1, 65)
     assert torch.equal(kernel.apply(x, tensors, None), _pytorch_dynamic(x, tensors, None))
@@ -163,23 +190,26 @@ def test_cpu_without_avx512_vnni_runs_int_mm_and_the_op_refuses(kernels):  # noq
     except RuntimeError:
         pytest.skip("this CPU lacks AVX2")
     try:
-        assert not w8a8_gemv_fits()
+        assert not w8a8_packed_fits()
         kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
-        assert kernel.gemv is None and CpuW8A8StaticKernel(static_scheme(), compiled=True).gemv is None
+        assert kernel.packed is None and CpuW8A8StaticKernel(static_scheme(), compiled=True).packed is None
         tensors = _dynamic_tensors(40, 65, torch.float32)
         x = torch.randn(1, 65)
         assert torch.equal(kernel.apply(x, tensors, None), _pytorch_dynamic(x, tensors, None))
         with pytest.raises(RuntimeError, match="lacks AVX-512 VNNI"):
-            torch.ops.tengyun.w8a8_gemv(x, tensors["weight"], tensors["weight_scale"], None, None, None, None)
+            torch.ops.tengyun.w8a8_packed_gemm(x, pack_w8a8_weight(tensors["weight"]),
+                                               tensors["weight_scale"].reshape(-1), None, None, None, None, 40)
     finally:
         torch.ops.tengyun.paged_attention_isa(best)
 
 
-def test_op_names_a_bad_argument(gemv):
+def test_op_names_a_bad_argument(packed):
     weight, scale = torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
-    with pytest.raises(RuntimeError, match="M <= 64"):
-        torch.ops.tengyun.w8a8_gemv(torch.zeros(65, 8), weight, scale, None, None, None, None)
-    with pytest.raises(RuntimeError, match="weight must be a contiguous int8"):
-        torch.ops.tengyun.w8a8_gemv(torch.zeros(1, 8), weight.t().contiguous().t(), scale, None, None, None, None)
+    layout = pack_w8a8_weight(weight)
+    op = torch.ops.tengyun.w8a8_packed_gemm
+    with pytest.raises(RuntimeError, match="packed must be a contiguous uint8"):
+        op(torch.zeros(1, 12), layout, scale, None, None, None, None, 4)  # K 12: 3 quads, the layout has 2
+    with pytest.raises(RuntimeError, match="x must be a CPU float32 or bfloat16"):
+        op(torch.zeros(1, 8).half(), layout, scale, None, None, None, None, 4)
     with pytest.raises(RuntimeError, match="together"):
-        torch.ops.tengyun.w8a8_gemv(torch.zeros(1, 8), weight, scale, None, None, torch.ones(1), None)
+        op(torch.zeros(1, 8), layout, scale, None, None, torch.ones(1), None, 4)
