@@ -171,7 +171,8 @@ inline int32_t load_quad(const int8_t* p) {
   return v;
 }
 
-// Rows [r0, r0 + R) x outputs [16 b0, 16 (b0 + C)) (clipped at n).
+// Rows [r0, r0 + R) x outputs [16 b0, 16 (b0 + C)) (clipped at n). Only C <= packed_columns(R)
+// has a body: run_packed picks C for its tallest row group, and shorter groups may take more.
 template <int R, int C>
 TY_INT8_TARGET void packed_tile(const Int8GemvArgs& a, int64_t quads, int64_t r0, int64_t b0) {
   if constexpr (C <= packed_columns(R)) {
