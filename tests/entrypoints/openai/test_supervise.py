@@ -93,12 +93,18 @@ def test_an_engine_process_blocked_in_its_load_dies_with_a_killed_server(server_
     model = hanging_model(server_model, tmp_path / "hangs")
     t = tengyun("serve", str(model), *SERVE_FLAGS, "--host", "127.0.0.1", "--port", str(free_port()))
     engine = int(t.wait_log(r"Engine: in process (\d+)")[0].group(1))
-    time.sleep(2)  # into the blocked open()
-    with open(f"/proc/{engine}/stat") as stat:
-        before = sum(int(v) for v in stat.read().rsplit(")", 1)[1].split()[11:13])
+
+    def cpu_ticks() -> int:
+        with open(f"/proc/{engine}/stat") as stat:
+            return sum(int(v) for v in stat.read().rsplit(")", 1)[1].split()[11:13])
+
+    deadline, last = time.monotonic() + 60, -1
+    while cpu_ticks() != last and time.monotonic() < deadline:  # importing torch first, then the blocked open()
+        last = cpu_ticks()
+        time.sleep(1)
+    before = cpu_ticks()
     time.sleep(3)
-    with open(f"/proc/{engine}/stat") as stat:
-        assert sum(int(v) for v in stat.read().rsplit(")", 1)[1].split()[11:13]) - before <= 1  # clock ticks
+    assert cpu_ticks() - before <= 1  # clock ticks
     os.kill(t.proc.pid, signal.SIGKILL)
     t.proc.wait(timeout=30)
     deadline = time.monotonic() + 10
