@@ -225,8 +225,10 @@ class CpuPlatform(Platform):
         if scheme.kernel in ("w8a8_int8", "w8a8_static_int8") and cls._packs_w8a8():
             from tengyun.platforms.cpu_quant import packed_weight_bytes  # outputs padded to 16, inputs to 4
 
-            stored = super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
-            return stored - out * in_ + packed_weight_bytes(out, in_)
+            if scheme.kernel == "w8a8_int8":  # + weight_scale (a ModelSlim weight_offset is dropped)
+                return packed_weight_bytes(out, in_) + out * DTYPE_BYTES[dtype]
+            # + quant_bias int32, deq_scale float32, the input scale's reciprocal and offset
+            return packed_weight_bytes(out, in_) + 8 * out + 8
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: its int4 repack, or its blocks
             from tengyun.platforms.cpu_gguf import weight_bytes
 

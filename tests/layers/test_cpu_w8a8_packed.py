@@ -16,7 +16,7 @@ from tengyun.platforms.cpu_quant import (
     CpuW8A8Kernel, CpuW8A8StaticKernel, pack_w8a8_weight, packed_weight_bytes, w8a8_packed_fits,
 )
 from tengyun.quantization.compressed_tensors import w8a8_scheme
-from tengyun.quantization.modelslim import static_scheme
+from tengyun.quantization.modelslim import dynamic_scheme, static_scheme
 
 from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
 
@@ -168,10 +168,14 @@ def test_platform_picks_the_packed_kernel_for_both_w8a8_kinds_and_plans_its_byte
     platform = CpuPlatform()
     assert platform.quant_linear_kernel(w8a8_scheme(), torch.bfloat16).packed is not None
     assert platform.quant_linear_kernel(static_scheme(), torch.bfloat16).packed is not None
-    kernel = platform.quant_linear_kernel(w8a8_scheme(), torch.bfloat16)
-    tensors = {**_dynamic_tensors(17, 63, torch.bfloat16)}
-    held = sum(t.numel() * t.element_size() for t in kernel.prepare(tensors).values())
-    assert platform.quantized_weight_bytes(w8a8_scheme(), 17, 63, "bfloat16") == held
+    offset = {"weight_offset": torch.zeros(17, 1, dtype=torch.bfloat16)}  # ModelSlim's, dropped
+    for scheme, tensors in ((w8a8_scheme(), _dynamic_tensors(17, 63, torch.bfloat16)),
+                            (dynamic_scheme(), {**_dynamic_tensors(17, 63, torch.bfloat16), **offset}),
+                            (static_scheme(), _static_tensors(17, 63)), (static_scheme("int64"), {
+                                **_static_tensors(17, 63), "deq_scale": torch.ones(17, dtype=torch.int64)})):
+        held = sum(t.numel() * t.element_size() for t in platform.quant_linear_kernel(scheme, torch.bfloat16)
+                   .prepare(tensors).values())
+        assert platform.quantized_weight_bytes(scheme, 17, 63, "bfloat16") == held, scheme.description
 
 
 def test_library_absent_runs_int_mm():
