@@ -142,19 +142,21 @@ class FusedMoE(nn.Module):
         schemes = dict(scheme) if isinstance(scheme, Mapping) else {"w13": scheme, "w2": scheme}
         hidden, inter = self.w2_features
         device = device or self.w13_weight.device
-        for prefix, (out, in_) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        # (stack, one checkpoint tensor's out x in features, tensors stacked: gate and up make w13)
+        for prefix, (out, in_), stacked in (("w13", (inter, hidden), 2), ("w2", (hidden, inter), 1)):
             stack_scheme = schemes.get(prefix)
             if stack_scheme is None:
                 continue
-            problem = stack_scheme.shape_problem(out // 2 if prefix == "w13" else out, in_)
+            problem = stack_scheme.shape_problem(out, in_)
             if problem:
-                raise ValueError(f"{name}: {stack_scheme.description} cannot hold an expert's "
-                                 f"{out // 2 if prefix == 'w13' else out} x {in_} features: {problem}.")
+                raise ValueError(f"{name}: {stack_scheme.description} cannot hold an expert's {out} x {in_} "
+                                 f"features: {problem}.")
             shard_ids = getattr(self, f"{prefix}_weight").shard_ids
             delattr(self, f"{prefix}_weight")
             for layout in stack_scheme.tensors:
                 dtype = layout_dtype(layout, self.params_dtype)
-                param = nn.Parameter(torch.empty(self.num_local, *layout.shape(out, in_), dtype=dtype, device=device),
+                shape = layout.shape(stacked * out, in_)
+                param = nn.Parameter(torch.empty(self.num_local, *shape, dtype=dtype, device=device),
                                      requires_grad=False)
                 param.tensor_layout, param.expert_param, param.shard_ids = layout, prefix, shard_ids
                 param.described_as = stack_scheme.description
