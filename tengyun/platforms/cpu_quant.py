@@ -31,7 +31,7 @@ from tengyun.layers.quant_kernels import (
 from tengyun.platforms import cpu_quant_layout
 
 
-GEMV_MAX_INPUTS = 1 << 17  # the packed op's exactness bound: |x_q . w| <= 2^14 K < 2^31
+PACKED_MAX_INPUTS = 1 << 17  # the packed op's exactness bound: |x_q . w| <= 2^14 K < 2^31
 
 
 def w8a8_packed_fits() -> bool:
@@ -69,7 +69,7 @@ _PACKED_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _packs(weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """The packed op's contract on a layer: fewer than 2^17 inputs (its int32 sums' bound), one
     scale per output in a dtype it reads."""
-    return (weight.dtype == torch.int8 and weight.dim() == 2 and weight.shape[-1] < GEMV_MAX_INPUTS
+    return (weight.dtype == torch.int8 and weight.dim() == 2 and weight.shape[-1] < PACKED_MAX_INPUTS
             and scale.dtype in _PACKED_SCALE_DTYPES and scale.numel() == weight.shape[0])
 
 

@@ -23,14 +23,15 @@ def torch_cuda_version() -> str | None:
     if "torch" in sys.modules:
         return sys.modules["torch"].version.cuda
     spec = importlib.util.find_spec("torch")
-    version_file = Path(next(iter(spec.submodule_search_locations or ()), "")) / "version.py" if spec else None
-    try:
-        match = re.search(r"^cuda\b[^=\n]*=\s*(.+)$", version_file.read_text(), re.MULTILINE)
-        return ast.literal_eval(match.group(1).strip())
-    except (AttributeError, OSError, ValueError, SyntaxError):  # no torch, or a layout this does not know
-        import torch
+    for folder in (spec.submodule_search_locations or ()) if spec else ():
+        try:
+            match = re.search(r"^cuda\b[^=\n]*=\s*(.+)$", (Path(folder) / "version.py").read_text(), re.MULTILINE)
+            return ast.literal_eval(match.group(1).strip())
+        except (AttributeError, OSError, ValueError, SyntaxError):  # a layout this does not know
+            break
+    import torch  # no torch (ImportError), or asked of torch itself
 
-        return torch.version.cuda
+    return torch.version.cuda
 
 
 class CudaPlatform(Platform):

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-gguf = __import__("gguf")
-from gguf.quants import dequantize, quantize  # noqa: E402
+import gguf
+from gguf.quants import dequantize, quantize
 
 _LAYER = {  # HF suffix after model.layers.N. -> llama.cpp name after blk.N.
     "input_layernorm.weight": "attn_norm.weight",
