@@ -112,7 +112,7 @@ def child(args) -> None:
 def llama_cpp_python() -> Path:
     venv = cache_root() / "bench-venvs" / f"llama-cpp-python-{LLAMA_CPP_VERSION}"
     python = venv / "bin" / "python"
-    if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode:
+    if not python.exists() or subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"}
         print(f"building llama-cpp-python {LLAMA_CPP_VERSION} into {venv} (~15 min)", file=sys.stderr)

@@ -8,6 +8,10 @@ dense ``weight`` [out, in] and ``bias`` [out], or a quantised scheme's packed we
 zeros (``use_quant_scheme``). One loader places them all: along each tensor's OUT dim the layer
 says which output features this rank keeps (``_out_parts``), along its IN dim which inputs
 (``_in_part``), counted in features and divided by the tensor's features per element.
+
+A fused layer whose checkpoint modules are stored in different schemes (a GGUF's Q4_K_M: a Q6_K
+v_proj beside Q4_K q_proj and k_proj) holds each as a child ``LinearShard`` in ``shards``
+(``use_shard_schemes``), run one after another and concatenated, as vLLM's GGUF linear does.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.quant_kernels import reference_kernel
 from tengyun.layers.weight_loading import (
-    WeightFormatError, check_dropped, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
+    WeightFormatError, check_dropped, check_integer_dtype, check_shape, deferred_weights, layout_dtype, materialize,
+    set_weight_loader, weight_device,
 )
 from tengyun.quantization.scheme import BIAS, DENSE_WEIGHT, IN, OUT, LinearScheme, TensorLayout
 
@@ -52,6 +57,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.kernel = DenseLinearKernel()  # the platform's once bound (bind_kernels)
         self.kernel_weight = None  # the kernel's form of the weight (a dict when quantised), once bound
+        self.shards: nn.ModuleList | None = None  # LinearShard per checkpoint module (use_shard_schemes)
 
     def _add_tensor(self, layout: TensorLayout, device: torch.device | None = None) -> None:
         shape = layout.shape(self.out_features, self.in_features if layout.split_in else self.in_total)
@@ -72,6 +78,10 @@ class LinearBase(nn.Module):
     def _shard_out_counts(self) -> list[int]:
         """Output features of every shard this rank places (each must hold whole packed elements)."""
         return [self.out_features]
+
+    def _shard_ids(self) -> list:
+        """The checkpoint modules fused into this layer, in output order, as the loader names them."""
+        return [None]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         layout: TensorLayout = param.tensor_layout  # type: ignore[attr-defined]
@@ -120,11 +130,28 @@ class LinearBase(nn.Module):
         self.scheme = scheme
         self.kernel = reference_kernel(scheme)
 
+    def use_shard_schemes(self, schemes: list[LinearScheme | None], name: str, device: torch.device) -> None:
+        """Hold each fused checkpoint module in its own scheme (None: dense), one per
+        ``_shard_ids()``, as ``shards`` (before loading; the bias stays here, fused)."""
+        del self.weight
+        shards = []
+        for index, (shard_id, scheme) in enumerate(zip(self._shard_ids(), schemes, strict=True)):
+            with deferred_weights():
+                shard = LinearShard(self, shard_id)
+            if scheme is None:
+                materialize(shard, device)
+            else:
+                shard.use_quant_scheme(scheme, f"{name}.shards.{index}", device)
+            shards.append(shard)
+        self.shards = nn.ModuleList(shards)
+
     def _quant_tensors(self) -> dict[str, torch.Tensor]:
         return {t.name: getattr(self, t.name).data for t in self.scheme.tensors if t.kept}
 
     def bind_kernels(self, kernels: KernelBundle) -> None:
         """Hand the loaded weight to the linear kernel; a repacking kernel frees the original."""
+        if self.shards is not None:  # each shard binds its own (it is a module of the model too)
+            return
         if self.scheme is not None:
             self._bind_quant_kernel(kernels)
             return
@@ -147,7 +174,27 @@ class LinearBase(nn.Module):
         return self.weight if self.scheme is None else self._quant_tensors()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shards is not None:  # [..., in] -> each shard's [..., rows], in the fused order
+            y = torch.cat([shard(x) for shard in self.shards], dim=-1)
+            return y if self.bias is None else y + self.bias
         return self.kernel.apply(x, self._weight(), self.bias)
+
+
+class LinearShard(LinearBase):
+    """One checkpoint module of a fused layer, held in its own scheme: the fused layer's output
+    rows [offset, offset + rows) on this rank, loaded as the fused layer would load them."""
+
+    def __init__(self, fused: LinearBase, shard_id):
+        ((_, rows, start),), total = fused._out_parts(shard_id)  # where the fused layer places it
+        self.shard_id, self._parts = shard_id, ([(0, rows, start)], total)  # read by _add_tensor, _out_parts
+        super().__init__(fused.in_features, rows, False, fused.params_dtype)
+
+    def _add_tensor(self, layout: TensorLayout, device: torch.device | None = None) -> None:
+        super()._add_tensor(layout, device)
+        getattr(self, layout.name).shard_ids = [self.shard_id]  # the loader plans this shard only
+
+    def _out_parts(self, shard_id) -> OutParts:
+        return self._parts
 
 
 class ReplicatedLinear(LinearBase):
@@ -186,6 +233,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _shard_out_counts(self) -> list[int]:
         return [size // self.tp_size for size in self.output_sizes]
 
+    def _shard_ids(self) -> list:
+        return list(range(len(self.output_sizes)))
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one weight: [(Hq + 2 * Hkv) * D / tp, hidden] per rank.
@@ -215,6 +265,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _shard_out_counts(self) -> list[int]:
         return [self.num_heads * self.head_size, self.num_kv_heads * self.head_size]
+
+    def _shard_ids(self) -> list:
+        return ["q", "k", "v"]
 
 
 class RowParallelLinear(LinearBase):

@@ -6,7 +6,9 @@ dense ``weight`` for the scheme's tensors (LinearBase.use_quant_scheme). The wor
 model inside ``deferred_weights()``, so those dense weights were only ever meta tensors; the
 layers left unquantised get real storage here. Fused layers match
 through the model's packed_modules_mapping: qkv_proj is quantised when q_proj, k_proj and
-v_proj are, all with one scheme; stacked MoE experts (FusedMoE) when expert 0's projections are.
+v_proj are, all with one scheme (or, where the format allows a mix: a GGUF, each with its own, as
+the layer's shards: LinearBase.use_shard_schemes); stacked MoE experts (FusedMoE) when expert 0's
+projections are.
 Where the format stores them quantised too (QuantConfig.vocab_layers: GGUF), the embedding and LM
 head take their scheme's tensors (embed_head.py); a tied head shares its embedding's.
 """
@@ -41,7 +43,7 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
     tensors on the meta device) takes its scheme's tensors, or its dense ones, on ``device``.
     -> the schemes the model's layers now hold (what the platform picks kernels for)."""
     used: set[LinearScheme] = set()
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):  # a list: a mixed fused layer adds its shards
         if isinstance(module, VocabParallelEmbedding):
             if quant is not None and quant.vocab_layers:
                 scheme = _vocab_scheme(model, name, module, quant)
@@ -56,6 +58,10 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
             if any(stacks.values()):
                 module.use_quant_scheme(stacks, name, device)
                 used.update(s for s in stacks.values() if s is not None)
+        elif quant is not None and _mixed_shards(model, name, module, quant):
+            schemes = [quant.scheme_for(part) for part in checkpoint_modules(model, name, module)]
+            module.use_shard_schemes(schemes, name, device)
+            used.update(s for s in schemes if s is not None)
         elif quant is not None:
             scheme = _scheme_of(model, name, module, quant)
             if scheme is not None:
@@ -84,6 +90,12 @@ def _expert_schemes(model: nn.Module, name: str, module: FusedMoE,
     """{"w13": gate and up's scheme (one: they stack), "w2": down's} of expert 0."""
     gate, up, down = checkpoint_modules(model, name, module)
     return {"w13": _scheme_of(model, name, module, quant, (gate, up)), "w2": quant.scheme_for(down)}
+
+
+def _mixed_shards(model: nn.Module, name: str, module: LinearBase, quant: QuantConfig) -> bool:
+    """Does this fused layer hold its checkpoint modules in different schemes, as its format allows?"""
+    parts = checkpoint_modules(model, name, module)
+    return quant.mixed_shards and len(parts) > 1 and len({quant.scheme_for(part) for part in parts}) > 1
 
 
 def _scheme_of(model: nn.Module, name: str, module: nn.Module, quant: QuantConfig,

@@ -62,9 +62,10 @@ def gguf_dequantizable(type_name: str) -> bool:
 def kept_types(gguf_file: Path) -> dict[str, str]:
     """{GGUF name: the ggml type Tengyun stores} of every decoder linear weight kept quantised
     (Q5_0 as Q8_0, and Q4_0 too in a fused layer with Q8_0: lossless). A fused layer (q/k/v,
-    gate/up) still mixing types (llama.cpp's Q4_K_M: Q6_K attn_v beside Q4_K q and k) is left out:
-    Tengyun runs it as one layer holding one type, so it loads dense (dequantized to --dtype), and
-    a log line names them. Refuses, before converting, an unsupported type."""
+    gate/up) still mixing types (llama.cpp's Q4_K_M: Q6_K attn_v beside Q4_K q and k) keeps each
+    type: its modules run as shards (LinearBase.use_shard_schemes). MoE experts' gate and up mixing
+    types are left out (FusedMoE stacks them as one tensor): they load dense (dequantized to
+    --dtype). A log line names both kinds. Refuses, before converting, an unsupported type."""
     import gguf
 
     types: dict[str, str] = {}
@@ -76,21 +77,33 @@ def kept_types(gguf_file: Path) -> dict[str, str]:
             if type_name not in SUPPORTED_TYPES and type_name not in AS_Q8_0:
                 raise QuantizationError(unsupported_type_message(tensor.name, type_name, gguf_dequantizable(type_name)))
             types[tensor.name] = "Q8_0" if type_name in AS_Q8_0 else type_name
-    mixed: list[str] = []
+    mixed: dict[str, list[str]] = {"dense": [], "shards": []}  # how each fused layer mixing types loads
     for name in [n for n in types if n not in _VOCAB]:
         block, kind = _LINEAR.match(name).groups()
-        group = [f"blk.{block}.{k}.weight" for k in next((g for g in _FUSED if kind in g), (kind,))]
-        shown = {n: types.get(n) for n in group}
+        fused = next((g for g in _FUSED if kind in g), (kind,))
+        shown = {n: types.get(n) for n in [f"blk.{block}.{k}.weight" for k in fused]}
         if len(set(shown.values())) > 1 and set(shown.values()) <= {"Q8_0", "Q4_0"}:
-            types.update({n: "Q8_0" for n in group})
+            types.update({n: "Q8_0" for n in shown})
         elif len(set(shown.values())) > 1 and name in types:
-            mixed.append(", ".join(f"{n} {t or 'dense'}" for n, t in shown.items()))
-            for n in group:
-                types.pop(n, None)
-    if mixed:
-        logger.info("%s: %d fused layer(s) mix ggml types and load dense (dequantized to --dtype), as Tengyun runs "
-                    "each as one layer holding one type: %s", gguf_file.name, len(mixed), "; ".join(mixed[:3]))
+            listed = ", ".join(f"{n} {t or 'dense'}" for n, t in shown.items())
+            kind_of = "dense" if fused == _FUSED[2] else "shards"
+            if listed not in mixed[kind_of]:  # once per layer, not per module
+                mixed[kind_of].append(listed)
+            if fused == _FUSED[2]:  # FusedMoE stacks gate and up as one tensor of one type
+                for n in shown:
+                    types.pop(n, None)
+    _log_mixed(gguf_file, mixed)
     return types
+
+
+def _log_mixed(gguf_file: Path, mixed: dict[str, list[str]]) -> None:
+    if mixed["shards"]:
+        logger.info("%s: %d fused layer(s) mix ggml types (llama.cpp's Q4_K_M does); each module runs with its "
+                    "own type: %s", gguf_file.name, len(mixed["shards"]), "; ".join(mixed["shards"][:3]))
+    if mixed["dense"]:
+        logger.info("%s: %d MoE layer(s) store experts' gate and up in different ggml types and load dense "
+                    "(dequantized to --dtype), as Tengyun stacks them as one tensor: %s", gguf_file.name,
+                    len(mixed["dense"]), "; ".join(mixed["dense"][:3]))
 
 
 def _row_order(processor, gguf_name: str, rows: int, parsed: dict, key_map: dict) -> torch.Tensor:

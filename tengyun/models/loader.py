@@ -3,6 +3,8 @@
 Checkpoint names map onto parameters through the model's `packed_modules_mapping`:
     model.layers.0.self_attn.k_proj.weight -> model.layers.0.self_attn.qkv_proj.weight, shard "k"
     model.layers.0.mlp.up_proj.bias        -> model.layers.0.mlp.gate_up_proj.bias,     shard 1
+    model.layers.0.self_attn.v_proj.qweight -> ...self_attn.qkv_proj.shards.2.qweight, shard "v"
+                                              (a fused layer holding its modules in different schemes)
 every other name is kept as is. A model may also rename checkpoint tensors (`checkpoint_rename`),
 map them itself (`checkpoint_name_to_param`), split one into several (`checkpoint_transform`), or
 leave whole kinds unread (`skipped_checkpoint_prefixes`: prefix -> why, one log line each).
@@ -96,9 +98,10 @@ def _map_name(name: str, params: dict, packed: dict[str, list[str]], custom=None
     for packed_name, shard_names in packed.items():
         for i, shard_name in enumerate(shard_names):
             if f".{shard_name}." in name:
-                param_name = name.replace(f".{shard_name}.", f".{packed_name}.")
-                if param_name in params:
-                    return _Target(param_name, _shard_id(packed_name, i, shard_name))
+                for fused in (f".{packed_name}.", f".{packed_name}.shards.{i}."):  # the layer, or its LinearShard
+                    param_name = name.replace(f".{shard_name}.", fused)
+                    if param_name in params:
+                        return _Target(param_name, _shard_id(packed_name, i, shard_name))
     return _Target(name, None) if name in params else None
 
 
@@ -211,10 +214,10 @@ def _check_complete(plan: list, params: dict, packed: dict[str, list[str]], head
     """Every parameter (every shard of a packed or stacked one) has a planned tensor."""
     expected = {(n, None) for n in params if not (head_shared and n in _EMBED_TENSORS.values())}
     for packed_name, shard_names in packed.items():
-        for n in [n for n, _ in expected if f".{packed_name}." in n]:
+        for n in [n for n, _ in expected if f".{packed_name}." in n and not hasattr(params[n], "shard_ids")]:
             expected.discard((n, None))
             expected |= {(n, _shard_id(packed_name, i, s)) for i, s in enumerate(shard_names)}
-    for n in [n for n, _ in expected if hasattr(params[n], "shard_ids")]:  # e.g. stacked MoE experts
+    for n in [n for n, _ in expected if hasattr(params[n], "shard_ids")]:  # stacked MoE experts, a LinearShard
         expected.discard((n, None))
         expected |= {(n, shard) for shard in params[n].shard_ids}
     missing = sorted(expected - {(t.param_name, t.shard_id) for _, _, t in plan}, key=str)

@@ -121,18 +121,21 @@ class LinearShape:
     """A linear layer on one rank, as a quantised checkpoint names it: ``parts`` are the
     checkpoint modules fused into it (q/k/v_proj -> qkv_proj); ``out`` x ``in_`` its features on
     this rank, ``in_total`` its inputs before a row-parallel split; ``count`` of them (a rank's MoE
-    experts, all named and quantised as expert 0)."""
+    experts, all named and quantised as expert 0); ``part_outs`` the features of each part on this
+    rank where a format may store the parts in different schemes (QuantConfig.mixed_shards)."""
 
     parts: tuple[str, ...]
     out: int
     in_: int
     in_total: int
     count: int = 1
+    part_outs: tuple[int, ...] = ()
 
 
 def _mlp_linears(prefix: str, inter: int, h: int, tp: int) -> list[LinearShape]:
     """gate/up (column-parallel, fused) and down (row-parallel) of a SwiGLU MLP at ``prefix``."""
-    return [LinearShape((f"{prefix}.gate_proj", f"{prefix}.up_proj"), 2 * inter // tp, h, h),
+    return [LinearShape((f"{prefix}.gate_proj", f"{prefix}.up_proj"), 2 * inter // tp, h, h,
+                        part_outs=(inter // tp, inter // tp)),
             LinearShape((f"{prefix}.down_proj",), h, inter // tp, inter)]
 
 
@@ -145,7 +148,8 @@ def decoder_linears(spec: ModelSpec, tp: int, layer: int) -> list[LinearShape]:
     if spec.layer_is_attention(layer):
         q_out = heads * d * (2 if spec.gated_attention else 1)
         qkv = tuple(f"{prefix}.self_attn.{p}_proj" for p in "qkv")
-        linears = [LinearShape(qkv, q_out // tp + 2 * spec.kv_heads_per_rank(tp) * d, h, h),
+        kv_out = spec.kv_heads_per_rank(tp) * d
+        linears = [LinearShape(qkv, q_out // tp + 2 * kv_out, h, h, part_outs=(q_out // tp, kv_out, kv_out)),
                    LinearShape((f"{prefix}.self_attn.o_proj",), h, heads * d // tp, heads * d)]
     else:
         la, at = spec.linear_attention, f"{prefix}.linear_attn"

@@ -228,11 +228,15 @@ def _quantized_weight_bytes(spec: ModelSpec, request: PlanRequest, dtype: str, s
     platform = platform_class(request.device)
     for layer in range(start, end):
         for linear in decoder_linears(spec, request.tp, layer):
-            scheme = next((s for s in map(quant.scheme_for, linear.parts) if s), None)
-            if scheme is not None:
-                dense_bytes += linear.count * (
-                    platform.quantized_weight_bytes(scheme, linear.out, linear.in_, dtype, linear.in_total)
-                    - linear.out * linear.in_ * DTYPE_BYTES[dtype])
+            schemes = [quant.scheme_for(part) for part in linear.parts]
+            # one layer in one scheme, or (a GGUF's mixed q/k/v) each part as its own shard
+            held = (list(zip(schemes, linear.part_outs)) if quant.mixed_shards and linear.part_outs
+                    and len(set(schemes)) > 1 else [(next((s for s in schemes if s), None), linear.out)])
+            for scheme, out in held:
+                if scheme is not None:
+                    dense_bytes += linear.count * (
+                        platform.quantized_weight_bytes(scheme, out, linear.in_, dtype, linear.in_total)
+                        - out * linear.in_ * DTYPE_BYTES[dtype])
     return dense_bytes
 
 

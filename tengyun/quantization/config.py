@@ -37,6 +37,10 @@ class QuantConfig:
     # (model.embed_tokens, lm_head): a GGUF's token_embd / output, as vLLM's GGUF loader keeps
     # them. Other formats quantise linear layers only (vLLM's ParallelLMHead is not a LinearBase).
     vocab_layers: bool = False
+    # The checkpoint modules fused into one layer (q/k/v_proj -> qkv_proj) may be stored in different
+    # schemes, each then held as its own shard (a GGUF's Q4_K_M: Q6_K v_proj, Q4_K q_proj), as vLLM's
+    # GGUF loader allows. Other formats give them one scheme (vLLM refuses a mix as well).
+    mixed_shards: bool = False
 
     def scheme_for(self, module: str) -> LinearScheme | None:
         """The scheme of the linear layer the checkpoint stores as ``module``

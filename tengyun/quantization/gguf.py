@@ -103,4 +103,5 @@ def from_config(quant: Mapping[str, Any], folder: Path | None = None) -> QuantCo
             raise QuantizationError(unsupported_type_message(module, str(type_name), dequantizable=True))
         by_type.setdefault(type_name, []).append(module)
     return QuantConfig(METHOD, tuple(QuantGroup(tuple(modules), scheme_for_type(type_name))
-                                     for type_name, modules in sorted(by_type.items())), vocab_layers=True)
+                                     for type_name, modules in sorted(by_type.items())), vocab_layers=True,
+                       mixed_shards=True)

@@ -245,17 +245,29 @@ def test_an_unsupported_type_names_the_tensor_the_supported_types_and_the_dequan
     assert "drop --quantization gguf to load the .gguf dequantized to --dtype" in message
 
 
-def test_a_fused_layer_mixing_types_loads_dense_and_says_so(tmp_path, caplog):
-    """llama.cpp's Q4_K_M: a Q6_K (here Q8_0) attn_v beside Q4_K q and k. Tengyun runs q/k/v as one
-    layer holding one type, so that layer stays dense; the others keep their blocks."""
+def test_a_fused_layer_mixing_types_keeps_each_type_and_says_so(tmp_path, caplog):
+    """llama.cpp's Q4_K_M: a Q6_K (here Q8_0) attn_v beside Q4_K q and k. Each keeps its type (the
+    layer runs them as shards); a dense ffn_up beside a Q4_1 ffn_gate stays dense, the gate kept."""
     path = tmp_path / "mixed.gguf"
     _write_gguf(path, {"blk.3.attn_q.weight": ("Q4_K", 256, 256), "blk.3.attn_k.weight": ("Q4_K", 256, 256),
                        "blk.3.attn_v.weight": ("Q8_0", 256, 256), "blk.3.attn_output.weight": ("Q4_K", 256, 256),
                        "blk.3.ffn_gate.weight": ("Q4_1", 256, 256), "blk.3.ffn_up.weight": ("F32", 256, 256)})
     with caplog.at_level("INFO", logger="tengyun.models.gguf_quantized"):
-        assert kept_types(path) == {"blk.3.attn_output.weight": "Q4_K"}
-    assert "2 fused layer(s) mix ggml types and load dense" in caplog.text
+        assert kept_types(path) == {"blk.3.attn_q.weight": "Q4_K", "blk.3.attn_k.weight": "Q4_K",
+                                    "blk.3.attn_v.weight": "Q8_0", "blk.3.attn_output.weight": "Q4_K",
+                                    "blk.3.ffn_gate.weight": "Q4_1"}
+    assert "2 fused layer(s) mix ggml types (llama.cpp's Q4_K_M does); each module runs with its own" in caplog.text
     assert "blk.3.attn_v.weight Q8_0" in caplog.text and "blk.3.ffn_up.weight dense" in caplog.text
+
+
+def test_moe_gate_and_up_mixing_types_load_dense(tmp_path, caplog):
+    """FusedMoE stacks the experts' gate and up as one tensor: of one type, or dense."""
+    path = tmp_path / "mixed_moe.gguf"
+    _write_gguf(path, {"blk.0.ffn_gate_exps.weight": ("Q4_K", 256, 256), "blk.0.ffn_up_exps.weight": ("Q8_0", 256, 256),
+                       "blk.0.ffn_down_exps.weight": ("Q8_0", 256, 256)})
+    with caplog.at_level("INFO", logger="tengyun.models.gguf_quantized"):
+        assert kept_types(path) == {"blk.0.ffn_down_exps.weight": "Q8_0"}
+    assert "1 MoE layer(s) store experts' gate and up in different ggml types and load dense" in caplog.text
 
 
 def test_q5_0_is_stored_as_q8_0_and_so_is_q4_0_fused_with_q8_0(tmp_path):

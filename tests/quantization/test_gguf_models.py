@@ -27,16 +27,17 @@ _PROJ = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up
 VOCAB_TYPES = {"model.embed_tokens.weight": "Q4_1", "lm_head.weight": "Q8_0"}
 
 
-def _kept_and_twin(dense, kept, twin, layer_types=LAYER_TYPES):
+def _kept_and_twin(dense, kept, twin, layer_types=LAYER_TYPES, module_types=None):
     """``dense`` (an fp32 HF folder) -> ``kept`` (each decoder linear weight as gguf-quantized
     ``qweight`` blocks, config.json naming the types; a type None: left dense) and ``twin`` (dense,
-    the blocks dequantized)."""
+    the blocks dequantized). ``module_types``: {module: type or None} in place of ``layer_types``."""
     tensors = load_file(dense / "model.safetensors")
     kept_tensors, twin_tensors, types = {}, {}, {}
     for name, tensor in tensors.items():
         parts = name.split(".")  # model.layers.L.self_attn.q_proj.weight
         layer = name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _PROJ
         type_name = layer_types[int(parts[2]) % len(layer_types)][_PROJ[parts[-2]]] if layer else VOCAB_TYPES.get(name)
+        type_name = (module_types or {}).get(name.removesuffix(".weight"), type_name)
         if type_name is not None:
             qtype = gguf.GGMLQuantizationType[type_name]
             blocks = gguf_quantize(tensor.float().numpy(), qtype)  # uint8 [out, in / 32 * block bytes]
@@ -70,9 +71,28 @@ def test_kept_blocks_give_hf_greedy_tokens_on_the_dequantized_twin(kept_models, 
     assert [o.token_ids for o in _tengyun(kept)] == _hf_greedy(twin, _prompts())
 
 
+# llama.cpp's Q4_K_M in miniature: fused layers whose modules differ in type, one of them dense.
+MIXED = {"model.layers.1.self_attn.q_proj": "Q4_1", "model.layers.1.self_attn.k_proj": "Q4_1",
+         "model.layers.1.self_attn.v_proj": "Q8_0", "model.layers.0.mlp.gate_proj": "Q4_0",
+         "model.layers.0.mlp.up_proj": None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_layers_mixing_types_run_each_module_with_its_own_and_give_hf_tokens(tiny_checkpoints, tmp_path, arch):
+    """q/k/v (qwen2: with its fused bias) and gate/up stored in different types run as shards of
+    their fused layer (LinearBase.use_shard_schemes), as vLLM's GGUF linear does; under TP=2 too."""
+    kept, twin = _kept_and_twin(tiny_checkpoints[arch], tmp_path / "kept", tmp_path / "twin", module_types=MIXED)
+    types = json.loads((kept / "config.json").read_text())["quantization_config"]["tensor_types"]
+    assert types["model.layers.1.self_attn.v_proj"] == "Q8_0" and "model.layers.0.mlp.up_proj" not in types
+    tokens = [o.token_ids for o in _tengyun(kept)]
+    assert tokens == _hf_greedy(twin, _prompts())
+    if arch == "llama":  # column-parallel shards: q heads, k/v heads and gate rows split per rank
+        assert [o.token_ids for o in _tengyun(kept, tensor_parallel_size=2)] == tokens
+
+
 def test_a_dense_fused_layer_among_kept_blocks_gives_hf_tokens(tiny_checkpoints, tmp_path):
-    """A fused layer whose .gguf tensors mix types loads dense (gguf_quantized.kept_types): here
-    layer 1's gate/up, beside quantised layers and a quantised embedding and head."""
+    """A fused layer left dense (both modules), beside quantised layers and a quantised embedding
+    and head: here layer 1's gate/up."""
     mixed = [LAYER_TYPES[0], (*LAYER_TYPES[1][:2], None, LAYER_TYPES[1][3])]
     kept, twin = _kept_and_twin(tiny_checkpoints["llama"], tmp_path / "kept", tmp_path / "twin", mixed)
     assert "model.layers.1.mlp.gate_proj" not in json.loads((kept / "config.json").read_text())[
@@ -111,3 +131,25 @@ def test_kept_blocks_in_bfloat16_through_torch_npu_start_as_the_cpu_kernels(kept
     monkeypatch.setattr(CpuPlatform, "quant_linear_kernel", lambda self, scheme, dtype: npu_gguf_kernel(scheme, dtype))
     assert [o.token_ids[:3] for o in _tengyun(kept, dtype="bfloat16")] == [tokens[:3] for tokens in cpu]
     assert fake.calls["npu_weight_quant_batchmatmul"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_plan_counts_mixed_fused_layers_as_the_engine_holds_their_shards(tiny_checkpoints, tmp_path, dtype):
+    """`tengyun plan` counts each shard of a mixed fused layer in its own type, as the engine holds it."""
+    from tengyun.config import EngineConfig
+    from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
+    from tengyun.worker.worker import Worker
+
+    kept, _ = _kept_and_twin(tiny_checkpoints["llama"], tmp_path / "kept", tmp_path / "twin", module_types=MIXED)
+    config = EngineConfig(str(kept), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128,
+                          max_num_seqs=4, block_size=16).finalize()
+    worker = Worker(config)
+    qkv = worker.model.model.layers[1].self_attn.qkv_proj
+    assert [shard.scheme.kernel if shard.scheme else None for shard in qkv.shards] == ["gguf_q4_1"] * 2 + ["gguf_q8_0"]
+    hf_config, checkpoint_bytes, name = read_model(kept)
+    quant = read_quantization(kept, hf_config)
+    plan = make_plan(hf_config, PlanRequest(
+        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
+        checkpoint_bytes, name, quant)
+    assert plan.stages[0].weight_bytes == worker.weight_bytes
