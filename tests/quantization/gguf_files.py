@@ -164,3 +164,31 @@ def _write_twin(folder: Path, twin: Path, hf: dict, dequantized: dict) -> None:
     shutil.copytree(folder, twin)
     save_file({k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in values.items()},
               str(twin / "model.safetensors"))
+
+
+def requantize(src: Path, out: Path, types: dict[str, str]) -> Path:
+    """A copy of the .gguf ``src`` (every metadata key, every other tensor's bytes) with the
+    tensors whose name ends in a key of ``types`` (e.g. "attn_v.weight") dequantized and
+    quantised again by the gguf package as that type: a real model with a Q4_K_M-like mix."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), value_type, sub_type)
+    for tensor in reader.tensors:  # data: [rows, row bytes] uint8 when quantised, else [rows, cols]
+        target = next((t for suffix, t in types.items() if tensor.name.endswith(suffix)), None)
+        if target is None:
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+            continue
+        values = dequantize(np.array(tensor.data), tensor.tensor_type)
+        qtype = gguf.GGMLQuantizationType[target]
+        writer.add_tensor(tensor.name, quantize(values.astype(np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

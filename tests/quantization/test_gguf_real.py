@@ -100,3 +100,30 @@ def test_qwen_coder_kept_quantised_answers_and_agrees_with_hf():
     assert "Paris" in answer.text
     assert top1 >= BF16_MIN_TOP1
     assert worst <= BF16_MAX_LOGPROB_DIFF and mean <= BF16_MEAN_LOGPROB_DIFF
+
+
+def test_a_real_model_mixing_types_in_its_fused_layers_gives_hf_tokens(tmp_path, monkeypatch):
+    """SmolLM2's GGUF rewritten as llama.cpp's Q4_K_M lays types out: attn_v and ffn_up in a type
+    of their own (Q8_0) beside Q4_1 q/k and gate, in every layer. Each module runs as a shard
+    with its own type: in float32 HF's greedy tokens (transformers reading the rewritten file);
+    in bfloat16 (the compiled kernels) within the tolerance above; `tengyun plan` counts it."""
+    from gguf_files import requantize
+
+    monkeypatch.setenv("TENGYUN_CACHE_DIR", str(tmp_path / "cache"))
+    path = requantize(smollm2_gguf(), tmp_path / "SmolLM2-mixed.gguf",
+                      {"attn_v.weight": "Q8_0", "ffn_up.weight": "Q8_0"})
+    reference = _hf_reference(path)
+    llm = LLM(str(path), dtype="float32", **ENGINE)
+    qkv = llm.llm_engine.executor.model.model.layers[0].self_attn.qkv_proj
+    assert [shard.scheme.kernel for shard in qkv.shards] == ["gguf_q4_1", "gguf_q4_1", "gguf_q8_0"]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in reference],
+                           SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens for _, tokens, _ in reference]
+    llm.llm_engine.shutdown()
+    llm = LLM(str(path), dtype="bfloat16", **ENGINE)
+    top1, worst, mean = _agreement(llm, reference)
+    print(f"mixed SmolLM2 bf16 vs HF fp32: top-1 {top1:.3f}, logprob diff max {worst:.3f} mean {mean:.4f}")
+    assert top1 >= BF16_MIN_TOP1
+    assert worst <= BF16_MAX_LOGPROB_DIFF and mean <= BF16_MEAN_LOGPROB_DIFF
+    plan = _plan(path, "--quantization", "gguf", "--device", "cpu", "--dtype", "bfloat16")
+    assert plan["stages"][0]["weight_bytes"] == weight_bytes(llm.llm_engine.executor.model)
