@@ -121,14 +121,7 @@ def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torc
     """``tensors`` (HF name -> dequantized float32, from transformers' load_gguf_checkpoint on the
     ``skeleton``) with each quantised decoder linear weight swapped for its ``qweight`` blocks.
     -> config.json's quantization_config. Raises QuantizationError naming the tensor."""
-    import gguf
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
-
-    reader = gguf.GGUFReader(str(gguf_file))
-    stored = kept_types(gguf_file)
-    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
-    key_map = get_gguf_hf_weights_map(skeleton, processor)
+    reader, stored, processor, key_map = _reading(gguf_file, parsed, skeleton)
     kept: dict[str, str] = {}
     for tensor in reader.tensors:
         if tensor.name not in stored:
@@ -138,18 +131,77 @@ def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torc
             continue
         if key_map.get(tensor.name) not in tensors:  # a tied model's output: unused
             continue
-        hf_name, type_name = key_map[tensor.name], stored[tensor.name]
-        blocks = _stored_blocks(tensor, type_name)
-        blocks = blocks[_row_order(processor, tensor.name, blocks.shape[0], parsed, key_map)].contiguous()
-        _check_blocks(tensor.name, type_name, blocks, tensors[hf_name])
-        del tensors[hf_name]
-        module = hf_name.removesuffix(".weight")
-        tensors[f"{module}.qweight"] = blocks
-        kept[module] = type_name
+        hf_name = key_map[tensor.name]
+        _keep(tensor, stored[tensor.name], hf_name, tensors.pop(hf_name), (processor, parsed, key_map), tensors, kept)
+    return _section(gguf_file, kept)
+
+
+def _reading(gguf_file: Path, parsed: dict, skeleton):
+    """(the file's reader, kept_types, transformers' tensor processor and GGUF -> HF name map)."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = gguf.GGUFReader(str(gguf_file))
+    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
+    return reader, kept_types(gguf_file), processor, get_gguf_hf_weights_map(skeleton, processor)
+
+
+def _keep(tensor, type_name: str, hf_name: str, dense: torch.Tensor | None, mapping: tuple, tensors: dict,
+          kept: dict) -> None:
+    """tensors[module.qweight] = the .gguf tensor's blocks in transformers' row order, checked to
+    dequantize to ``dense`` (what transformers reads for hf_name; None: to the gguf package's
+    dequantization of the same rows, a chunk of rows at a time); kept[module] = its type."""
+    processor, parsed, key_map = mapping
+    blocks = _stored_blocks(tensor, type_name)
+    order = _row_order(processor, tensor.name, blocks.shape[0], parsed, key_map)
+    blocks = blocks[order].contiguous()
+    if dense is not None:
+        _check_blocks(tensor.name, type_name, blocks, dense)
+    else:
+        _check_rows(tensor, type_name, blocks, order)
+    module = hf_name.removesuffix(".weight")
+    tensors[f"{module}.qweight"] = blocks
+    kept[module] = type_name
+
+
+def _section(gguf_file: Path, kept: dict[str, str]) -> dict:
     if not kept.keys() - {"model.embed_tokens", "lm_head"}:
         raise QuantizationError(f"{gguf_file} holds no decoder linear weight in {', '.join(SUPPORTED_TYPES)}: "
                                 f"drop --quantization gguf, it loads dequantized to --dtype.")
     return quantization_config(gguf_file.name, kept)
+
+
+def holds_experts(gguf_file: Path) -> bool:
+    import gguf
+
+    return any(_EXPERTS.match(t.name) for t in gguf.GGUFReader(str(gguf_file)).tensors)
+
+
+def read_kept(gguf_file: Path, parsed: dict, skeleton) -> tuple[dict[str, torch.Tensor], dict]:
+    """A dense model's .gguf tensor by tensor, as transformers' load_gguf_checkpoint reads it
+    (dequantized, its processor's names and row order), but holding only the kept blocks and the
+    dense rest: a kept tensor is checked a chunk of rows at a time, never the whole model's
+    float32 (~4 bytes a parameter) nor one whole tensor's.
+    ``parsed``: load_gguf_checkpoint's result without tensors. -> (HF name -> tensor, config.json's
+    quantization_config), what keep_blocks gives after a full load. MoE files: keep_blocks (the
+    experts' processor merges gate and up across tensors)."""
+    from gguf.quants import dequantize
+
+    reader, stored, processor, key_map = _reading(gguf_file, parsed, skeleton)
+    tensors: dict[str, torch.Tensor] = {}
+    kept: dict[str, str] = {}
+    for tensor in reader.tensors:  # as load_gguf_checkpoint's loop, kept blocks never dequantized whole
+        if tensor.name in stored:
+            if tensor.name in key_map:
+                _keep(tensor, stored[tensor.name], key_map[tensor.name], None, (processor, parsed, key_map), tensors,
+                      kept)
+            continue
+        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                   tensor_key_mapping=key_map, parsed_parameters=parsed)
+        if result.name in key_map:
+            tensors[key_map[result.name]] = torch.from_numpy(np.copy(result.weights)).float()
+    return tensors, _section(gguf_file, kept)
 
 
 def _stored_blocks(tensor, type_name: str) -> torch.Tensor:
@@ -159,13 +211,31 @@ def _stored_blocks(tensor, type_name: str) -> torch.Tensor:
 
     data = torch.from_numpy(np.array(tensor.data))
     blocks = data.reshape(*data.shape[:-1], -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
-    return _AS_Q8_0.get(tensor.tensor_type.name, lambda b: b)(blocks) if type_name == "Q8_0" else blocks
+    as_q8_0 = _AS_Q8_0.get(tensor.tensor_type.name) if type_name == "Q8_0" else None
+    if as_q8_0 is None:
+        return blocks
+    # re-encoded 2048 rows at a time: the re-encoding's integer temporaries stay small (a whole
+    # 151936-row Q5_0 embedding took 4.3 GB at once)
+    return torch.cat([as_q8_0(part) for part in blocks.split(2048)])
 
 
 def _check_blocks(gguf_name: str, type_name: str, blocks: torch.Tensor, dense: torch.Tensor) -> None:
     if not torch.equal(dequantize_blocks(blocks, type_name), dense):
         raise QuantizationError(f"{gguf_name} ({type_name}): its kept blocks do not dequantize to what "
                                 f"transformers reads; drop --quantization gguf to load the .gguf dequantized.")
+
+
+def _check_rows(tensor, type_name: str, blocks: torch.Tensor, order: torch.Tensor, rows: int = 2048) -> None:
+    """As _check_blocks against transformers' dense weight, which is the gguf package's
+    dequantization with its rows in ``order`` (_row_order checked that the processor only reorders
+    them), but ``rows`` rows at a time: never the whole tensor in float32."""
+    from gguf.quants import dequantize
+
+    data = np.asarray(tensor.data)
+    for start in range(0, blocks.shape[0], rows):
+        picked = order[start:start + rows].numpy()
+        dense = torch.from_numpy(dequantize(data[picked], tensor.tensor_type)).float()
+        _check_blocks(f"{tensor.name} (rows {start}+)", type_name, blocks[start:start + rows], dense)
 
 
 def _keep_experts(tensor, type_name: str, key_map: dict, tensors: dict[str, torch.Tensor]) -> dict[str, str]:

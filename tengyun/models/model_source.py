@@ -284,11 +284,42 @@ def _gguf_config(config, gguf_file: Path):
     return config
 
 
+def _read_tensors(gguf_file: Path, skeleton, keep_quantized: bool) -> tuple[dict, dict | None]:
+    """HF name -> tensor: dequantized, GGUF names -> HF names, Llama q/k un-permuted
+    (LlamaTensorProcessor), as AutoModelForCausalLM.from_pretrained(gguf_file=...) does; kept
+    quantised, the decoder's linear weights as their blocks and config.json's quantization_config
+    (a dense model's file read tensor by tensor: its float32 is never held whole)."""
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tengyun.models import gguf_quantized
+
+    if keep_quantized and not gguf_quantized.holds_experts(gguf_file):
+        parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False, model_to_load=skeleton)
+        tensors, section = gguf_quantized.read_kept(gguf_file, parsed, skeleton)
+        _check_complete(gguf_file, skeleton, {n.replace(".qweight", ".weight") for n in tensors})
+        return tensors, section
+    parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton,
+                                  torch_dtype=torch.float32)
+    tensors = parsed["tensors"]
+    _check_complete(gguf_file, skeleton, set(tensors))
+    return tensors, gguf_quantized.keep_blocks(gguf_file, parsed, skeleton, tensors) if keep_quantized else None
+
+
+def _check_complete(gguf_file: Path, skeleton, names: set[str]) -> None:
+    """The .gguf gave every tensor the model's config needs (``names``: HF names read)."""
+    expected = set(skeleton.state_dict())
+    if skeleton.config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - names)
+    if missing:
+        raise ValueError(f"{gguf_file} lacks {len(missing)} tensor(s) its config needs, e.g. {missing[:5]}")
+
+
 def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -> int:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     if keep_quantized:  # before the slow part: refuse what cannot be kept
         from tengyun.models.gguf_quantized import kept_types
@@ -299,24 +330,7 @@ def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -
     # An empty model, for its parameter names only: transformers maps GGUF names onto them.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    # Dequantized, GGUF names -> HF names, Llama q/k un-permuted (LlamaTensorProcessor), as
-    # AutoModelForCausalLM.from_pretrained(gguf_file=...) does for architectures it does not keep packed.
-    parsed = load_gguf_checkpoint(
-        str(gguf_file), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
-    )
-    tensors = parsed["tensors"]
-    expected = set(skeleton.state_dict())
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing = sorted(expected - set(tensors))
-    if missing:
-        raise ValueError(f"{gguf_file} lacks {len(missing)} tensor(s) its config needs, e.g. {missing[:5]}")
-
-    quant_section = None
-    if keep_quantized:
-        from tengyun.models.gguf_quantized import keep_blocks
-
-        quant_section = keep_blocks(gguf_file, parsed, skeleton, tensors)
+    tensors, quant_section = _read_tensors(gguf_file, skeleton, keep_quantized)
     config.save_pretrained(out)
     if quant_section:
         hf_config = json.loads((out / "config.json").read_text())

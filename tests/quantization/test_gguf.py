@@ -324,3 +324,31 @@ def test_serving_a_gguf_with_a_type_tengyun_cannot_keep_exits_2_naming_the_tenso
     assert proc.returncode == 2, proc.stderr
     assert "blk.0.ffn_down.weight is stored as IQ2_XXS, which Tengyun cannot keep quantised" in proc.stderr
     assert "drop --quantization gguf to load the .gguf dequantized" in proc.stderr
+
+
+def test_a_dense_gguf_kept_quantised_is_read_tensor_by_tensor_as_the_full_load_reads_it(monkeypatch):
+    """Kept quantised, a dense model's .gguf is read one tensor at a time (load_gguf_checkpoint
+    without its tensors: never the whole model in float32), giving what the full load and
+    keep_blocks give: the same names, bytes and quantization_config (SmolLM2: Llama's q/k rows
+    permuted by transformers' processor, a tied head; Qwen2.5-Coder's streamed conversion is
+    checked against HF's tokens in test_gguf_real.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    from tengyun.models import gguf_quantized, model_source
+
+    gguf_file = smollm2_gguf()
+    config = model_source._gguf_config(AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name),
+                                       gguf_file)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    calls = []
+    real_load = hf_gguf.load_gguf_checkpoint
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", lambda *a, **k: calls.append(k["return_tensors"])
+                        or real_load(*a, **k))
+    streamed, section = model_source._read_tensors(gguf_file, skeleton, keep_quantized=True)
+    monkeypatch.setattr(gguf_quantized, "holds_experts", lambda _: True)  # the full load, as MoE files take
+    full, full_section = model_source._read_tensors(gguf_file, skeleton, keep_quantized=True)
+    assert calls == [False, True]
+    assert section == full_section and streamed.keys() == full.keys()
+    assert all(torch.equal(streamed[name], full[name]) for name in full)
