@@ -133,21 +133,23 @@ def tiny_hybrid_checkpoints(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, P
 
 
 def free_port_pair() -> int:
-    """A port p with p + 1 free too: --master-port and the node link (--master-port + 1)."""
+    """A port p with p + 1 free too: --master-port and the node link (--master-port + 1), below
+    the kernel's ephemeral range, so no outgoing connection (the TCP store's clients, HTTP) takes
+    p + 1 between this check and the server binding it (seen: a full-suite run lost it so)."""
+    import random
     import socket
 
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            try:
-                with socket.socket() as b:
-                    b.bind(("", port + 1))
-                    return port
-            except OSError:
-                continue
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").is_file() else 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low - 1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("", port))
+                b.bind(("", port + 1))
+                return port
+        except OSError:
+            continue
     raise RuntimeError("no free port pair")
 
 
