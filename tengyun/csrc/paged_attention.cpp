@@ -3,7 +3,7 @@
 // (the group of query heads x the chunk's tokens) together, 512 tokens at a time: the scores of
 // every row (each K block widened to float32 once when 16-bit), one softmax update per row, then
 // the values with each V row read (and widened in registers) once for all rows; blocks prefetched
-// two ahead (paged_attention_impl.h). With bfloat16 q and cache on a CPU with AVX512_BF16 the
+// two ahead into L2 (paged_attention_impl.h). With bfloat16 q and cache on a CPU with AVX512_BF16 the
 // scores are vdpbf16ps dot products of the rows as they lie (products exact in float32, float32
 // sums: the float32 path's precision, another summation order).
 //
