@@ -155,3 +155,23 @@ def free_port_pair() -> int:
 
 def read_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
+
+
+def plan_and_worker(folder, dtype: str):
+    """`tengyun plan` of ``folder`` for this CPU, with the engine's own sizes and KV budget, beside
+    the engine's Worker on it (2 MiB of KV cache, 128 tokens, 4 sequences, blocks of 16): what tests
+    comparing the plan with the runtime build. -> (plan, its QuantConfig, worker)."""
+    from tengyun.config import EngineConfig
+    from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
+    from tengyun.worker.worker import Worker
+
+    config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4,
+                          block_size=16).finalize()
+    worker = Worker(config)
+    hf_config, checkpoint_bytes, name = read_model(folder)
+    quant = read_quantization(folder, hf_config)
+    plan = make_plan(hf_config, PlanRequest(
+        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
+        checkpoint_bytes, name, quant)
+    return plan, quant, worker

@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tengyun.config import EngineConfig
 from tengyun.layers.quant_kernels import dequantize_unpacked, in_group_order, reference_kernel, unpacked_weight
-from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms import cpu_quant_layout
 from tengyun.platforms.cpu_quant import CpuInt4PackKernel, CpuInt8WeightOnlyKernel
@@ -23,12 +21,12 @@ from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
 from tengyun.platforms.npu import NpuPlatform
 from tengyun.quantization import awq, gptq
 from tengyun.quantization.config import QuantizationError, detect_quantization
-from tengyun.worker.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "platforms"))
 import fake_torch_npu  # noqa: E402
 from awq_gptq_layouts import Format, quantize_layer, write_checkpoint  # noqa: E402
+from conftest import plan_and_worker  # noqa: E402
 
 OUT, IN = 96, 256
 
@@ -199,14 +197,6 @@ def test_plan_bytes_of_a_row_parallel_act_order_layer_hold_every_group(monkeypat
 @pytest.mark.parametrize("fmt", [Format("awq"), Format("gptq", desc_act=True), Format("gptq", bits=8, sym=True)])
 def test_plan_counts_the_weights_the_engine_holds(tiny_checkpoints, tmp_path, fmt, dtype):
     folder, _ = write_checkpoint(tiny_checkpoints["qwen2"], tmp_path / "q", tmp_path / "twin", fmt)
-    config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4,
-                          block_size=16).finalize()
-    worker = Worker(config)
-    hf_config, checkpoint_bytes, name = read_model(folder)
-    quant = read_quantization(folder, hf_config)
-    plan = make_plan(hf_config, PlanRequest(
-        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
-        checkpoint_bytes, name, quant)
+    plan, quant, worker = plan_and_worker(folder, dtype)
     assert plan.quantization == quant.describe() == _scheme(fmt).description
     assert plan.stages[0].weight_bytes == worker.weight_bytes

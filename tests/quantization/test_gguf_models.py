@@ -136,20 +136,10 @@ def test_kept_blocks_in_bfloat16_through_torch_npu_start_as_the_cpu_kernels(kept
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_plan_counts_mixed_fused_layers_as_the_engine_holds_their_shards(tiny_checkpoints, tmp_path, dtype):
     """`tengyun plan` counts each shard of a mixed fused layer in its own type, as the engine holds it."""
-    from tengyun.config import EngineConfig
-    from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
-    from tengyun.worker.worker import Worker
+    from conftest import plan_and_worker
 
     kept, _ = _kept_and_twin(tiny_checkpoints["llama"], tmp_path / "kept", tmp_path / "twin", module_types=MIXED)
-    config = EngineConfig(str(kept), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128,
-                          max_num_seqs=4, block_size=16).finalize()
-    worker = Worker(config)
+    plan, _, worker = plan_and_worker(kept, dtype)
     qkv = worker.model.model.layers[1].self_attn.qkv_proj
     assert [shard.scheme.kernel if shard.scheme else None for shard in qkv.shards] == ["gguf_q4_1"] * 2 + ["gguf_q8_0"]
-    hf_config, checkpoint_bytes, name = read_model(kept)
-    quant = read_quantization(kept, hf_config)
-    plan = make_plan(hf_config, PlanRequest(
-        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
-        checkpoint_bytes, name, quant)
     assert plan.stages[0].weight_bytes == worker.weight_bytes
