@@ -1,18 +1,20 @@
-"""The matmul floor of an offline-throughput workload on this CPU: how fast could any engine run
-it if it did nothing but the model's linear layers, each at the best rate this machine's oneDNN
-reaches for that shape?
+"""The floor of an offline-throughput workload on this CPU: how fast could any engine run it if
+it did nothing but the model's linear layers, each at the best rate this machine's oneDNN
+reaches for that shape, and the decode attention's reads of the KV cache at memory bandwidth?
 
 For N prompts x IN tokens in / OUT tokens out (the workload of benchmarks/compare), every
 decoder linear layer (q/k/v fused, o, gate/up fused, down) runs over every prompt token in
 prefill steps of --chunk rows (Tengyun's and vLLM's default 2048 batched tokens) and over every
 generated token but the first in decode steps of N rows; the LM head runs on N rows per step
-(the prompts' last rows, then each decode step). Each shape is timed alone, with its weight
-prepacked for oneDNN (torch.ops.mkldnn._linear_pointwise, what Tengyun runs on CPU) and with
-plain F.linear; the faster counts. Attention, norms, rotary, sampling and the engine itself add
-to this, so a real engine's wall time is above the floor.
+(the prompts' last rows, then each decode step). Each shape is timed alone, cycling over one
+weight per decoder layer (so they stream from memory as in a step), prepacked for oneDNN
+(torch.ops.mkldnn._linear_pointwise, what Tengyun runs on CPU) and as plain F.linear; the faster
+counts. Every decode step also reads each sequence's cached K and V once, timed at the bandwidth
+of a 2-thread sum over 1 GiB. Attention's arithmetic, norms, rotary, sampling and the engine
+itself add to this, so a real engine's wall time is above the floor.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=2 python benchmarks/matmul_floor.py --model smollm2 --num-prompts 64 \\
-        --measured tengyun=504.7,vllm=434.6
+        --measured tengyun=229.5,vllm=206.4
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ import torch
 import torch.nn.functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "qwen2.5-coder": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 
 

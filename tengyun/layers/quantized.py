@@ -58,8 +58,7 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
             if any(stacks.values()):
                 module.use_quant_scheme(stacks, name, device)
                 used.update(s for s in stacks.values() if s is not None)
-        elif quant is not None and _mixed_shards(model, name, module, quant):
-            schemes = [quant.scheme_for(part) for part in checkpoint_modules(model, name, module)]
+        elif quant is not None and (schemes := _mixed_shard_schemes(model, name, module, quant)):
             module.use_shard_schemes(schemes, name, device)
             used.update(s for s in schemes if s is not None)
         elif quant is not None:
@@ -92,10 +91,14 @@ def _expert_schemes(model: nn.Module, name: str, module: FusedMoE,
     return {"w13": _scheme_of(model, name, module, quant, (gate, up)), "w2": quant.scheme_for(down)}
 
 
-def _mixed_shards(model: nn.Module, name: str, module: LinearBase, quant: QuantConfig) -> bool:
-    """Does this fused layer hold its checkpoint modules in different schemes, as its format allows?"""
-    parts = checkpoint_modules(model, name, module)
-    return quant.mixed_shards and len(parts) > 1 and len({quant.scheme_for(part) for part in parts}) > 1
+def _mixed_shard_schemes(model: nn.Module, name: str, module: LinearBase,
+                         quant: QuantConfig) -> list[LinearScheme | None] | None:
+    """Each checkpoint module's scheme where this fused layer holds them in different schemes, as
+    its format allows (QuantConfig.mixed_shards); else None."""
+    if not quant.mixed_shards:
+        return None
+    schemes = [quant.scheme_for(part) for part in checkpoint_modules(model, name, module)]
+    return schemes if len(set(schemes)) > 1 else None
 
 
 def _scheme_of(model: nn.Module, name: str, module: nn.Module, quant: QuantConfig,
