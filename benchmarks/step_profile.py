@@ -13,6 +13,7 @@ the engine step (scheduler, input preparation, outputs), as medians over the dec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -46,9 +47,23 @@ def timed(obj, name: str, into: dict[str, list[float]]) -> None:
     setattr(obj, name, wrapper)
 
 
+@contextlib.contextmanager
+def profiled(enabled: bool):
+    """Under the torch profiler when enabled: print its top ops by self CPU time at the end."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", action="store_true", help="print the top ops of 3 decode steps")
+    parser.add_argument("--profile-prefill", action="store_true", help="print the top ops of the prefill steps")
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64, help="requests, all at once")
     parser.add_argument("--model", choices=["embedded", *MODELS], default="embedded")
@@ -65,12 +80,13 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_tokens=128 + args.decode_steps + 8, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), [rng.randrange(100, 40000) for _ in range(128)], params)
-    start, prefill_steps = time.perf_counter(), 0
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running):
-        engine.step()
-        prefill_steps += 1
-    print(f"prefill of {args.batch} x 128 tokens: {time.perf_counter() - start:.2f} s ({prefill_steps} steps)")
+    with profiled(args.profile_prefill):
+        start, prefill_steps = time.perf_counter(), 0
+        scheduler = engine.scheduler
+        while scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running):
+            engine.step()
+            prefill_steps += 1
+        print(f"prefill of {args.batch} x 128 tokens: {time.perf_counter() - start:.2f} s ({prefill_steps} steps)")
     for _ in range(3):
         engine.step()
     parts.clear()
@@ -85,13 +101,9 @@ def main() -> None:
     for name, seconds in named.items():
         print(f"  {name:15s} {seconds * 1e3:7.2f} ms")
     print(f"  {'the rest':15s} {(step - sum(named.values())) * 1e3:7.2f} ms  (scheduler, inputs, outputs)")
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(3):
-                engine.step()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    with profiled(args.profile):
+        for _ in range(3):
+            engine.step()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A speculative verify step (last token + K drafts per sequence) on CPU: its short chunks through
 the paged kernel (cpu_paged, each block read in place once for the K + 1 query tokens) vs through
-the gathered-K/V SDPA path every chunk took before (``MAX_PAGED_QUERY = 0``).
+the gathered-K/V SDPA path every chunk took before (``MAX_PAGED_QUERY = MAX_PAGED_SEQ_LEN = 0``).
 
     python benchmarks/verify_step.py --part attention   # one layer's attention, synthetic cache
     python benchmarks/verify_step.py --part step        # engine steps, n-gram K = 4, code editing
@@ -37,6 +37,7 @@ K = 4
 def paths(paged: bool) -> None:
     """paged: short chunks in the kernel (the default); else every chunk through SDPA (before)."""
     cpu_paged.MAX_PAGED_QUERY = 16 if paged else 0
+    cpu_paged.MAX_PAGED_SEQ_LEN = 256 if paged else 0
 
 
 def attention_case(batch: int, context: int, dtype: torch.dtype, block_size: int = 16):

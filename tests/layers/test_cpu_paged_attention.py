@@ -177,20 +177,23 @@ def test_the_backend_decodes_as_torch_sdpa_does(kernels, threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_backend_runs_short_chunks_in_the_kernel_as_torch_sdpa_attends(kernels, dtype):
-    """One step: 2 decodes, a 3-token verify over 20 cached tokens, a 20-token chunk (torch_sdpa's
-    path), a 2-token fresh prompt, a 5-token verify ending inside a block: the short chunks'
-    rows are not contiguous. Every token equals torch_sdpa's."""
-    from tengyun.layers.attention.cpu_paged import MAX_PAGED_QUERY
+def test_the_backend_runs_its_chunks_in_the_kernel_as_torch_sdpa_attends(kernels, dtype):
+    """One step: 2 decodes, then chunks (query tokens, cached before them): a 3-token verify over
+    20 cached tokens, a 20-token chunk after 240 (torch_sdpa's path), a 2-token fresh prompt, a
+    5-token verify ending inside a block, a 40-token fresh prompt and a 30-token chunk after 60
+    (short sequences: the kernel's). The kernel's rows are not contiguous. Every token equals
+    torch_sdpa's."""
+    from tengyun.layers.attention.cpu_paged import in_kernel
     from tengyun.layers.attention.metadata import PrefillChunk
 
     gen, bs, heads, kv_heads, dim = torch.Generator().manual_seed(5), 16, 14, 2, 64
-    k_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).to(dtype)
-    tables = torch.randperm(40, generator=gen).view(8, 5)  # one row of blocks per sequence
+    k_cache = torch.randn(160, bs, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(160, bs, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(160, generator=gen).view(8, 20)  # one row of blocks per sequence
     decode_lens = torch.tensor([7, 33])
-    chunks = [(3, 20), (20, 5), (2, 0), (5, 28)]  # (query tokens, cached before them)
-    assert max(n for n, _ in chunks[:1] + chunks[2:]) <= MAX_PAGED_QUERY < chunks[1][0]
+    chunks = [(3, 20), (20, 240), (2, 0), (5, 28), (40, 0), (30, 60)]
+    assert [in_kernel(PrefillChunk(0, n, context, tables[0])) for n, context in chunks] == [
+        True, False, True, True, True, True]
     prefills, slots, start = [], [], 2
     for i, (n, context) in enumerate(chunks):
         table = tables[2 + i]

@@ -3,12 +3,12 @@
 Decodes read their K/V blocks in place from the paged cache (no gather copy; float32 accumulation,
 blocks prefetched ahead), one OpenMP task per (sequence, KV head) that attends all the KV head's
 query heads together, 512 tokens at a time: every score, one softmax update, then the values with
-each V row read once for all heads. So do short chunks (at most MAX_PAGED_QUERY query tokens: a
-speculative verify's last token and drafts, a short prompt), every query token with its causal
-limit, each block read once for all of a sequence's tokens; token i of a chunk computes exactly
-what a decode row of its length would. Writing K/V and longer prefill chunks are torch_sdpa's,
-unchanged. Picked by ``CpuPlatform.attention_backend`` only when the kernel library loads
-(cpu_kernels.py).
+each V row read once for all heads. So do prefill chunks with few query tokens (a speculative
+verify's last token and drafts) or a short whole sequence (a prompt of up to MAX_PAGED_SEQ_LEN
+tokens), every query token with its causal limit, each block read once for all of a sequence's
+tokens; token i of a chunk computes exactly what a decode row of its length would. Writing K/V and
+the other prefill chunks are torch_sdpa's, unchanged. Picked by ``CpuPlatform.attention_backend``
+only when the kernel library loads (cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -21,13 +21,24 @@ from tengyun.layers.attention import cpu_kernels
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 
-# Chunks of at most this many query tokens run in the paged kernel; longer ones are matmul-bound,
-# where torch's SDPA over gathered K/V is faster (the kernel parallelises over sequences x KV heads).
+# A prefill chunk runs in the paged kernel when it has at most MAX_PAGED_QUERY query tokens, or when
+# its whole sequence (cached context + query) is at most MAX_PAGED_SEQ_LEN tokens. Longer ones are
+# matmul-bound, where torch's SDPA (flash kernel) over gathered K/V is faster: the kernel does a
+# decode row's work per query token and parallelises over sequences x KV heads only. Measured
+# (benchmarks/README.md "Prefill attention of short prompts"), SmolLM2's heads, 2 threads, 16-token
+# blocks: 16 fresh prompts of 128 tokens, bf16 8.1 ms in SDPA vs 4.9 ms here (fp32 6.7 vs 5.9);
+# 8 x 256, bf16 11.5 vs 9.4; one prompt of 512, bf16 4.8 vs 6.0; one of 1024, 14.7 vs 35.9.
 MAX_PAGED_QUERY = 16
+MAX_PAGED_SEQ_LEN = 256
+
+
+def in_kernel(chunk: PrefillChunk) -> bool:
+    """Whether cpu_paged attends this prefill chunk in the paged kernel (else torch_sdpa's SDPA)."""
+    return chunk.query_len <= MAX_PAGED_QUERY or chunk.context_len + chunk.query_len <= MAX_PAGED_SEQ_LEN
 
 
 @dataclass
-class ShortChunks:
+class KernelChunks:
     """The step's short chunks as one kernel call, built once per step (shared by every layer)."""
 
     rows: slice | torch.Tensor  # their query rows in the flat batch: a slice when contiguous, else [T'] indices
@@ -75,37 +86,35 @@ class CpuPagedBackend(TorchSDPABackend):
         return out
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """As torch_sdpa's, with short chunks in the paged kernel (their K/V, like everyone's, are
-        in the cache already: write_kv runs first)."""
-        short = _short_chunks(meta)
-        if short is None:
+        """As torch_sdpa's, with the chunks in_kernel picks in the paged kernel (their K/V, like
+        everyone's, are in the cache already: write_kv runs first)."""
+        kernel = _kernel_chunks(meta)
+        if kernel is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         n = meta.num_decode_tokens
         if n:
             out[:n] = self._decode(q[:n], k_cache, v_cache, meta, scale)
-        queries = q[short.rows].contiguous()  # [T', Hq, D]
+        queries = q[kernel.rows].contiguous()  # [T', Hq, D]
         attended = torch.empty_like(queries)
-        cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, short.block_tables, short.seq_lens,
-                                           scale, short.query_start_loc)
-        out[short.rows] = attended
-        for chunk in meta.prefills:
-            if chunk.query_len > MAX_PAGED_QUERY:
-                rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-                out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta, scale)
+        cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, kernel.block_tables, kernel.seq_lens,
+                                           scale, kernel.query_start_loc)
+        out[kernel.rows] = attended
+        others = [chunk for chunk in meta.prefills if not in_kernel(chunk)]
+        self._prefill_chunks(out, q, k, v, k_cache, v_cache, others, meta, scale)
         return out
 
 
-def _short_chunks(meta: AttentionMetadata) -> ShortChunks | None:
-    """meta's chunks of at most MAX_PAGED_QUERY tokens (None: there are none), cached in
-    meta.backend_state for the step's other layers."""
-    if "short_chunks" not in meta.backend_state:
-        chunks = [c for c in meta.prefills if c.query_len <= MAX_PAGED_QUERY]
-        meta.backend_state["short_chunks"] = _build_short_chunks(chunks) if chunks else None
-    return meta.backend_state["short_chunks"]
+def _kernel_chunks(meta: AttentionMetadata) -> KernelChunks | None:
+    """meta's chunks that in_kernel picks (None: there are none), cached in meta.backend_state for
+    the step's other layers."""
+    if "kernel_chunks" not in meta.backend_state:
+        chunks = [c for c in meta.prefills if in_kernel(c)]
+        meta.backend_state["kernel_chunks"] = _build_kernel_chunks(chunks) if chunks else None
+    return meta.backend_state["kernel_chunks"]
 
 
-def _build_short_chunks(chunks: list[PrefillChunk]) -> ShortChunks:
+def _build_kernel_chunks(chunks: list[PrefillChunk]) -> KernelChunks:
     """Chunks (query_start 40, 3 tokens, 20 cached) (43, 2, 9) -> rows 40..44 (a slice),
     query_start_loc [0, 3, 5], seq_lens [23, 11], their block tables padded to the widest."""
     counts = torch.tensor([c.query_len for c in chunks], dtype=torch.int64)
@@ -119,4 +128,4 @@ def _build_short_chunks(chunks: list[PrefillChunk]) -> ShortChunks:
     else:
         rows = torch.cat([torch.arange(c.query_start, c.query_start + c.query_len) for c in chunks])
     seq_lens = torch.tensor([c.context_len + c.query_len for c in chunks], dtype=torch.int64)
-    return ShortChunks(rows, starts, seq_lens, tables)
+    return KernelChunks(rows, starts, seq_lens, tables)

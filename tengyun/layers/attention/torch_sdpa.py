@@ -43,14 +43,18 @@ class TorchSDPABackend(AttentionBackend):
         n = meta.num_decode_tokens
         if n:
             out[:n] = self._decode(q[:n], k_cache, v_cache, meta, scale)
-        for chunks in _fresh_runs(meta.prefills):
+        self._prefill_chunks(out, q, k, v, k_cache, v_cache, meta.prefills, meta, scale)
+        return out
+
+    def _prefill_chunks(self, out, q, k, v, k_cache, v_cache, prefills: list[PrefillChunk], meta, scale: float):
+        """out[rows] <- attention of each chunk's query rows; runs of fresh prompts share one SDPA."""
+        for chunks in _fresh_runs(prefills):
             first = chunks[0]
             rows = slice(first.query_start, first.query_start + len(chunks) * first.query_len)
             if len(chunks) > 1:
                 out[rows] = _fresh_prompts_sdpa(q[rows], k[rows], v[rows], len(chunks), scale)
             else:
                 out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, first, meta, scale)
-        return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D]: one query token per sequence over its gathered context,
