@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -117,12 +118,11 @@ def _row_order(processor, gguf_name: str, rows: int, parsed: dict, key_map: dict
     return torch.from_numpy(order.astype(np.int64))
 
 
-def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torch.Tensor]) -> dict:
+def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torch.Tensor], kept: dict) -> None:
     """``tensors`` (HF name -> dequantized float32, from transformers' load_gguf_checkpoint on the
-    ``skeleton``) with each quantised decoder linear weight swapped for its ``qweight`` blocks.
-    -> config.json's quantization_config. Raises QuantizationError naming the tensor."""
-    reader, stored, processor, key_map = _reading(gguf_file, parsed, skeleton)
-    kept: dict[str, str] = {}
+    ``skeleton``) with each quantised decoder linear weight swapped for its ``qweight`` blocks;
+    ``kept`` gets module -> ggml type (kept_section). Raises QuantizationError naming the tensor."""
+    reader, stored, processor, key_map = _reading(gguf_file, parsed, skeleton, keep=True)
     for tensor in reader.tensors:
         if tensor.name not in stored:
             continue
@@ -133,18 +133,18 @@ def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torc
             continue
         hf_name = key_map[tensor.name]
         _keep(tensor, stored[tensor.name], hf_name, tensors.pop(hf_name), (processor, parsed, key_map), tensors, kept)
-    return _section(gguf_file, kept)
 
 
-def _reading(gguf_file: Path, parsed: dict, skeleton):
-    """(the file's reader, kept_types, transformers' tensor processor and GGUF -> HF name map)."""
+def _reading(gguf_file: Path, parsed: dict, skeleton, keep: bool):
+    """(the file's reader, kept_types (keep) or {}, transformers' tensor processor and GGUF -> HF
+    name map)."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     reader = gguf.GGUFReader(str(gguf_file))
     architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
-    return reader, kept_types(gguf_file), processor, get_gguf_hf_weights_map(skeleton, processor)
+    return reader, kept_types(gguf_file) if keep else {}, processor, get_gguf_hf_weights_map(skeleton, processor)
 
 
 def _keep(tensor, type_name: str, hf_name: str, dense: torch.Tensor | None, mapping: tuple, tensors: dict,
@@ -165,7 +165,9 @@ def _keep(tensor, type_name: str, hf_name: str, dense: torch.Tensor | None, mapp
     kept[module] = type_name
 
 
-def _section(gguf_file: Path, kept: dict[str, str]) -> dict:
+def kept_section(gguf_file: Path, kept: dict[str, str]) -> dict:
+    """config.json's quantization_config for the modules ``kept`` (module -> ggml type); refuses a
+    file none of whose decoder linear weights was kept."""
     if not kept.keys() - {"model.embed_tokens", "lm_head"}:
         raise QuantizationError(f"{gguf_file} holds no decoder linear weight in {', '.join(SUPPORTED_TYPES)}: "
                                 f"drop --quantization gguf, it loads dequantized to --dtype.")
@@ -178,30 +180,40 @@ def holds_experts(gguf_file: Path) -> bool:
     return any(_EXPERTS.match(t.name) for t in gguf.GGUFReader(str(gguf_file)).tensors)
 
 
-def read_kept(gguf_file: Path, parsed: dict, skeleton) -> tuple[dict[str, torch.Tensor], dict]:
+def stream_tensors(gguf_file: Path, parsed: dict, skeleton, kept: dict[str, str] | None) -> Iterator[tuple]:
     """A dense model's .gguf tensor by tensor, as transformers' load_gguf_checkpoint reads it
-    (dequantized, its processor's names and row order), but holding only the kept blocks and the
-    dense rest: a kept tensor is checked a chunk of rows at a time, never the whole model's
-    float32 (~4 bytes a parameter) nor one whole tensor's.
-    ``parsed``: load_gguf_checkpoint's result without tensors. -> (HF name -> tensor, config.json's
-    quantization_config), what keep_blocks gives after a full load. MoE files: keep_blocks (the
-    experts' processor merges gate and up across tensors)."""
+    (dequantized to float32, its processor's names and row order) -> (HF name, tensor) pairs, one
+    tensor held at a time: never the whole model's float32 (~4 bytes a parameter).
+    ``parsed``: load_gguf_checkpoint's result without tensors. ``kept`` a dict (kept quantised):
+    the decoder's linear weights come as their blocks (``module.qweight``, checked a chunk of rows
+    at a time against the dequantization, never one whole tensor's float32) and ``kept`` gets
+    module -> ggml type as they are read, what keep_blocks gives after a full load. MoE files take
+    the full load (the experts' processor merges gate and up across tensors)."""
     from gguf.quants import dequantize
 
-    reader, stored, processor, key_map = _reading(gguf_file, parsed, skeleton)
-    tensors: dict[str, torch.Tensor] = {}
-    kept: dict[str, str] = {}
+    reader, stored, processor, key_map = _reading(gguf_file, parsed, skeleton, keep=kept is not None)
     for tensor in reader.tensors:  # as load_gguf_checkpoint's loop, kept blocks never dequantized whole
         if tensor.name in stored:
             if tensor.name in key_map:
-                _keep(tensor, stored[tensor.name], key_map[tensor.name], None, (processor, parsed, key_map), tensors,
+                one: dict[str, torch.Tensor] = {}
+                _keep(tensor, stored[tensor.name], key_map[tensor.name], None, (processor, parsed, key_map), one,
                       kept)
+                yield from one.items()
             continue
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=key_map, parsed_parameters=parsed)
         if result.name in key_map:
-            tensors[key_map[result.name]] = torch.from_numpy(np.copy(result.weights)).float()
-    return tensors, _section(gguf_file, kept)
+            yield key_map[result.name], _owned(result.weights).float()
+
+
+def _owned(array: np.ndarray) -> torch.Tensor:
+    """A tensor over ``array``'s memory when it is writable and contiguous (dequantizing gives a
+    fresh array, often a reshaped view of its own temporary: copying it doubled the largest
+    tensor at the peak, +520 MiB converting Qwen2.5-Coder dequantized), else over a copy (an F32
+    tensor can come as a read-only view of the file)."""
+    if not (array.flags.writeable and array.flags.c_contiguous):
+        array = np.copy(array)
+    return torch.from_numpy(array)
 
 
 def _stored_blocks(tensor, type_name: str) -> torch.Tensor:

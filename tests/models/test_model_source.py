@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tengyun.models import model_source
+from tengyun.models.loader import safetensors_files
 from tengyun.models.model_source import (
     KEPT_CONVERT_VERSION,
     QWEN_CODER_HUB_ID,
@@ -309,7 +310,11 @@ def test_qwen_coder_converts_with_untied_head_and_qkv_bias():
     source = resolve_model(QWEN_CODER_HUB_ID, "auto")  # default cache dir
     config = json.loads((source.folder / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"], config["tie_word_embeddings"]) == ("qwen2", 24, False)
-    tensors = load_file(source.folder / "model.safetensors")
+    # 2.5 GB of float32: in shards of at most CONVERT_SHARD_BYTES, with HF's index
+    files = safetensors_files(source.folder)
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert all(f.stat().st_size < model_source.CONVERT_SHARD_BYTES + (1 << 20) for f in files)
+    tensors = {name: t for f in files for name, t in load_file(f).items()}
     assert len(tensors) == 291 and tensors["lm_head.weight"].shape == (151936, 896)
     assert tensors["model.layers.0.self_attn.k_proj.bias"].shape == (128,)
     tok = AutoTokenizer.from_pretrained(source.tokenizer_folder)

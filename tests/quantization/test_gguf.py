@@ -326,12 +326,13 @@ def test_serving_a_gguf_with_a_type_tengyun_cannot_keep_exits_2_naming_the_tenso
     assert "drop --quantization gguf to load the .gguf dequantized" in proc.stderr
 
 
-def test_a_dense_gguf_kept_quantised_is_read_tensor_by_tensor_as_the_full_load_reads_it(monkeypatch):
-    """Kept quantised, a dense model's .gguf is read one tensor at a time (load_gguf_checkpoint
-    without its tensors: never the whole model in float32), giving what the full load and
-    keep_blocks give: the same names, bytes and quantization_config (SmolLM2: Llama's q/k rows
-    permuted by transformers' processor, a tied head; Qwen2.5-Coder's streamed conversion is
-    checked against HF's tokens in test_gguf_real.py)."""
+@pytest.mark.parametrize("keep_quantized", [True, False])
+def test_a_dense_gguf_is_read_tensor_by_tensor_as_the_full_load_reads_it(monkeypatch, keep_quantized):
+    """A dense model's .gguf, kept quantised or dequantized, is read one tensor at a time
+    (load_gguf_checkpoint without its tensors: never the whole model in float32), giving what the
+    full load (and keep_blocks) give: the same names, bytes and quantization_config (SmolLM2:
+    Llama's q/k rows permuted by transformers' processor, a tied head; Qwen2.5-Coder's streamed
+    conversion is checked against HF's tokens in test_gguf_real.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
@@ -346,9 +347,15 @@ def test_a_dense_gguf_kept_quantised_is_read_tensor_by_tensor_as_the_full_load_r
     real_load = hf_gguf.load_gguf_checkpoint
     monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", lambda *a, **k: calls.append(k["return_tensors"])
                         or real_load(*a, **k))
-    streamed, section = model_source._read_tensors(gguf_file, skeleton, keep_quantized=True)
+    kept, full_kept = ({}, {}) if keep_quantized else (None, None)
+    streamed = dict(model_source._read_tensors(gguf_file, skeleton, kept))
     monkeypatch.setattr(gguf_quantized, "holds_experts", lambda _: True)  # the full load, as MoE files take
-    full, full_section = model_source._read_tensors(gguf_file, skeleton, keep_quantized=True)
+    full = dict(model_source._read_tensors(gguf_file, skeleton, full_kept))
     assert calls == [False, True]
-    assert section == full_section and streamed.keys() == full.keys()
+    assert kept == full_kept and streamed.keys() == full.keys()
     assert all(torch.equal(streamed[name], full[name]) for name in full)
+    if keep_quantized:
+        assert "model.layers.0.self_attn.q_proj.qweight" in streamed
+        assert gguf_quantized.kept_section(gguf_file, kept)["quant_method"] == "gguf"
+    else:
+        assert streamed["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
