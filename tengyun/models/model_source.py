@@ -304,13 +304,24 @@ def _read_tensors(gguf_file: Path, skeleton, kept: dict[str, str] | None) -> Ite
 
     if not gguf_quantized.holds_experts(gguf_file):
         parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False, model_to_load=skeleton)
-        return gguf_quantized.stream_tensors(gguf_file, parsed, skeleton, kept)
+        return _checked(gguf_quantized.stream_tensors(gguf_file, parsed, skeleton, kept), gguf_file, skeleton)
     parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton,
                                   torch_dtype=torch.float32)
     tensors = parsed["tensors"]
+    _check_complete(gguf_file, skeleton, set(tensors))  # before keep_blocks splits the experts' stacks
     if kept is not None:
         gguf_quantized.keep_blocks(gguf_file, parsed, skeleton, tensors, kept)
     return iter(list(tensors.items()))
+
+
+def _checked(stream: Iterator[tuple], gguf_file: Path, skeleton) -> Iterator[tuple]:
+    """``stream``'s pairs, then _check_complete on the names it gave (a kept ``module.qweight``
+    stands for ``module.weight``)."""
+    names = set()
+    for name, tensor in stream:
+        names.add(name.replace(".qweight", ".weight"))
+        yield name, tensor
+    _check_complete(gguf_file, skeleton, names)
 
 
 def _check_complete(gguf_file: Path, skeleton, names: set[str]) -> None:
@@ -339,7 +350,6 @@ def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -
         skeleton = AutoModelForCausalLM.from_config(config)
     kept: dict[str, str] | None = {} if keep_quantized else None
     names = save_shards(_read_tensors(gguf_file, skeleton, kept), out, CONVERT_SHARD_BYTES)
-    _check_complete(gguf_file, skeleton, {n.replace(".qweight", ".weight") for n in names})
     config.save_pretrained(out)
     if kept is not None:
         hf_config = json.loads((out / "config.json").read_text())

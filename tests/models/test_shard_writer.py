@@ -18,8 +18,8 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
 
 
 def test_tensors_past_the_shard_size_go_in_shards_that_transformers_loads(tiny_checkpoints, tmp_path):
-    """A tiny Llama's weights in shards of at most 64 KiB (its 256 KiB embedding alone in one):
-    HF names, an index whose total_size is the tensors' bytes, and transformers' own
+    """A tiny Llama's weights in shards of at most 64 KiB (a larger tensor alone in one): HF
+    names, an index whose total_size is the tensors' bytes, and transformers' own
     from_pretrained reads the folder back to the same state dict."""
     from transformers import AutoModelForCausalLM
 
