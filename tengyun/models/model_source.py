@@ -311,7 +311,7 @@ def _read_tensors(gguf_file: Path, skeleton, kept: dict[str, str] | None) -> Ite
     _check_complete(gguf_file, skeleton, set(tensors))  # before keep_blocks splits the experts' stacks
     if kept is not None:
         gguf_quantized.keep_blocks(gguf_file, parsed, skeleton, tensors, kept)
-    return iter(list(tensors.items()))
+    return iter(tensors.items())
 
 
 def _checked(stream: Iterator[tuple], gguf_file: Path, skeleton) -> Iterator[tuple]:

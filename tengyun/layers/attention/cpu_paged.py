@@ -39,12 +39,14 @@ def in_kernel(chunk: PrefillChunk) -> bool:
 
 @dataclass
 class KernelChunks:
-    """The step's short chunks as one kernel call, built once per step (shared by every layer)."""
+    """The step's chunks in_kernel picks as one kernel call, and the rest (torch_sdpa's), split once
+    per step (shared by every layer)."""
 
     rows: slice | torch.Tensor  # their query rows in the flat batch: a slice when contiguous, else [T'] indices
     query_start_loc: torch.Tensor  # [C + 1] int64: chunk c's rows are [qsl[c], qsl[c + 1]) of the T'
     seq_lens: torch.Tensor  # [C] int64: context_len + query_len
     block_tables: torch.Tensor  # [C, max_blocks] int64, padded with block 0 (never read)
+    others: list[PrefillChunk]  # the step's chunks in_kernel leaves to SDPA
 
 
 class CpuPagedBackend(TorchSDPABackend):
@@ -100,8 +102,7 @@ class CpuPagedBackend(TorchSDPABackend):
         cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, kernel.block_tables, kernel.seq_lens,
                                            scale, kernel.query_start_loc)
         out[kernel.rows] = attended
-        others = [chunk for chunk in meta.prefills if not in_kernel(chunk)]
-        self._prefill_chunks(out, q, k, v, k_cache, v_cache, others, meta, scale)
+        self._prefill_chunks(out, q, k, v, k_cache, v_cache, kernel.others, meta, scale)
         return out
 
 
@@ -110,11 +111,12 @@ def _kernel_chunks(meta: AttentionMetadata) -> KernelChunks | None:
     the step's other layers."""
     if "kernel_chunks" not in meta.backend_state:
         chunks = [c for c in meta.prefills if in_kernel(c)]
-        meta.backend_state["kernel_chunks"] = _build_kernel_chunks(chunks) if chunks else None
+        others = [c for c in meta.prefills if not in_kernel(c)]
+        meta.backend_state["kernel_chunks"] = _build_kernel_chunks(chunks, others) if chunks else None
     return meta.backend_state["kernel_chunks"]
 
 
-def _build_kernel_chunks(chunks: list[PrefillChunk]) -> KernelChunks:
+def _build_kernel_chunks(chunks: list[PrefillChunk], others: list[PrefillChunk]) -> KernelChunks:
     """Chunks (query_start 40, 3 tokens, 20 cached) (43, 2, 9) -> rows 40..44 (a slice),
     query_start_loc [0, 3, 5], seq_lens [23, 11], their block tables padded to the widest."""
     counts = torch.tensor([c.query_len for c in chunks], dtype=torch.int64)
@@ -128,4 +130,4 @@ def _build_kernel_chunks(chunks: list[PrefillChunk]) -> KernelChunks:
     else:
         rows = torch.cat([torch.arange(c.query_start, c.query_start + c.query_len) for c in chunks])
     seq_lens = torch.tensor([c.context_len + c.query_len for c in chunks], dtype=torch.int64)
-    return KernelChunks(rows, starts, seq_lens, tables)
+    return KernelChunks(rows, starts, seq_lens, tables, others)
