@@ -23,6 +23,7 @@ else stay dense; norms stay dequantized (float32).
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ _LINEAR = re.compile(r"^blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|f
 # Tengyun runs each group as one layer (the experts' gate and up as one stack: FusedMoE's w13)
 _FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_exps", "ffn_up_exps"))
 _EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_KEPT_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate|up|down)_proj\.qweight$")
 _VOCAB = ("token_embd.weight", "output.weight")  # kept when their type is, else dense: never refused
 _AS_Q8_0 = {"Q5_0": q5_0_as_q8_0, "Q4_0": q4_0_as_q8_0}  # file type -> its blocks re-encoded as Q8_0 (lossless)
 
@@ -118,23 +120,6 @@ def _row_order(processor, gguf_name: str, rows: int, parsed: dict, key_map: dict
     return torch.from_numpy(order.astype(np.int64))
 
 
-def keep_blocks(gguf_file: Path, parsed: dict, skeleton, tensors: dict[str, torch.Tensor], kept: dict) -> None:
-    """``tensors`` (HF name -> dequantized float32, from transformers' load_gguf_checkpoint on the
-    ``skeleton``) with each quantised decoder linear weight swapped for its ``qweight`` blocks;
-    ``kept`` gets module -> ggml type (kept_section). Raises QuantizationError naming the tensor."""
-    reader, stored, processor, key_map = _reading(gguf_file, parsed, skeleton, keep=True)
-    for tensor in reader.tensors:
-        if tensor.name not in stored:
-            continue
-        if _EXPERTS.match(tensor.name):
-            kept.update(_keep_experts(tensor, stored[tensor.name], key_map, tensors))
-            continue
-        if key_map.get(tensor.name) not in tensors:  # a tied model's output: unused
-            continue
-        hf_name = key_map[tensor.name]
-        _keep(tensor, stored[tensor.name], hf_name, tensors.pop(hf_name), (processor, parsed, key_map), tensors, kept)
-
-
 def _reading(gguf_file: Path, parsed: dict, skeleton, keep: bool):
     """(the file's reader, kept_types (keep) or {}, transformers' tensor processor and GGUF -> HF
     name map)."""
@@ -147,22 +132,17 @@ def _reading(gguf_file: Path, parsed: dict, skeleton, keep: bool):
     return reader, kept_types(gguf_file) if keep else {}, processor, get_gguf_hf_weights_map(skeleton, processor)
 
 
-def _keep(tensor, type_name: str, hf_name: str, dense: torch.Tensor | None, mapping: tuple, tensors: dict,
-          kept: dict) -> None:
-    """tensors[module.qweight] = the .gguf tensor's blocks in transformers' row order, checked to
-    dequantize to ``dense`` (what transformers reads for hf_name; None: to the gguf package's
-    dequantization of the same rows, a chunk of rows at a time); kept[module] = its type."""
+def _keep(tensor, type_name: str, hf_name: str, mapping: tuple, kept: dict) -> tuple[str, torch.Tensor]:
+    """(module.qweight, the .gguf tensor's blocks in transformers' row order), checked a chunk of rows
+    at a time to dequantize to what transformers reads for ``hf_name``; kept[module] = its type."""
     processor, parsed, key_map = mapping
-    blocks = _stored_blocks(tensor, type_name)
+    blocks = _stored_blocks(np.asarray(tensor.data), tensor.tensor_type, type_name)
     order = _row_order(processor, tensor.name, blocks.shape[0], parsed, key_map)
     blocks = blocks[order].contiguous()
-    if dense is not None:
-        _check_blocks(tensor.name, type_name, blocks, dense)
-    else:
-        _check_rows(tensor, type_name, blocks, order)
+    _check_rows(tensor, type_name, blocks, order)
     module = hf_name.removesuffix(".weight")
-    tensors[f"{module}.qweight"] = blocks
     kept[module] = type_name
+    return f"{module}.qweight", blocks
 
 
 def kept_section(gguf_file: Path, kept: dict[str, str]) -> dict:
@@ -174,36 +154,63 @@ def kept_section(gguf_file: Path, kept: dict[str, str]) -> dict:
     return quantization_config(gguf_file.name, kept)
 
 
-def holds_experts(gguf_file: Path) -> bool:
-    import gguf
-
-    return any(_EXPERTS.match(t.name) for t in gguf.GGUFReader(str(gguf_file)).tensors)
-
-
-def stream_tensors(gguf_file: Path, parsed: dict, skeleton, kept: dict[str, str] | None) -> Iterator[tuple]:
-    """A dense model's .gguf tensor by tensor, as transformers' load_gguf_checkpoint reads it
-    (dequantized to float32, its processor's names and row order) -> (HF name, tensor) pairs, one
-    tensor held at a time: never the whole model's float32 (~4 bytes a parameter).
+def stream_tensors(gguf_file: Path, parsed: dict, skeleton, kept: dict[str, str] | None,
+                   stored: dict[str, str] | None = None) -> Iterator[tuple]:
+    """A .gguf tensor by tensor, as transformers' load_gguf_checkpoint reads it (dequantized to
+    float32, its processor's names and row order; MoE experts' gate and up merged into one
+    experts.gate_up_proj [E, 2I, H] stack) -> (HF name, tensor) pairs, one tensor (or one layer's
+    expert stack) held at a time: never the whole model's float32 (~4 bytes a parameter).
     ``parsed``: load_gguf_checkpoint's result without tensors. ``kept`` a dict (kept quantised):
-    the decoder's linear weights come as their blocks (``module.qweight``, checked a chunk of rows
-    at a time against the dequantization, never one whole tensor's float32) and ``kept`` gets
-    module -> ggml type as they are read, what keep_blocks gives after a full load. MoE files take
-    the full load (the experts' processor merges gate and up across tensors)."""
-    from gguf.quants import dequantize
-
-    reader, stored, processor, key_map = _reading(gguf_file, parsed, skeleton, keep=kept is not None)
+    the decoder's linear weights come as their blocks (``module.qweight``, experts one per expert:
+    ``...mlp.experts.{e}.gate_proj.qweight``), each checked to dequantize to the gguf package's
+    dequantization a chunk of rows (or an expert) at a time, and ``kept`` gets module -> ggml type
+    as they are read. ``stored``: kept_types(gguf_file) when the caller has it already."""
+    reader, types, processor, key_map = _reading(gguf_file, parsed, skeleton, keep=kept is not None and not stored)
+    types = stored or types
+    mapping = (processor, parsed, key_map)
+    stacks = _ExpertStacks(reader, parsed, key_map)
     for tensor in reader.tensors:  # as load_gguf_checkpoint's loop, kept blocks never dequantized whole
-        if tensor.name in stored:
-            if tensor.name in key_map:
-                one: dict[str, torch.Tensor] = {}
-                _keep(tensor, stored[tensor.name], key_map[tensor.name], None, (processor, parsed, key_map), one,
-                      kept)
-                yield from one.items()
-            continue
+        if tensor.name not in types:
+            yield from stacks.read(tensor, processor, key_map)
+        elif _EXPERTS.match(tensor.name):
+            yield from _keep_experts(tensor, types[tensor.name], key_map, kept)
+        elif tensor.name in key_map:  # else a tied model's output: unused
+            yield _keep(tensor, types[tensor.name], key_map[tensor.name], mapping, kept)
+
+
+class _ExpertStacks:
+    """Dequantized tensors as load_gguf_checkpoint gives them. transformers' MoE processor writes a
+    layer's experts into one stack of its ``parsed_parameters["tensors"]`` (gate rows, then up, in
+    experts.gate_up_proj [E, 2I, H]; down alone in experts.down_proj) instead of returning them:
+    each stack is held here until every .gguf tensor mapped onto it was read."""
+
+    def __init__(self, reader, parsed: dict, key_map: dict) -> None:
+        self.parts = collections.Counter(key_map.get(t.name.removesuffix(".weight")) for t in reader.tensors
+                                         if _EXPERTS.match(t.name))
+        self.parsed = {**parsed, "tensors": {}}  # what the processor reads, and where it stacks
+
+    def read(self, tensor, processor, key_map: dict) -> Iterator[tuple]:
+        from gguf.quants import dequantize
+
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
-                                   tensor_key_mapping=key_map, parsed_parameters=parsed)
-        if result.name in key_map:
-            yield key_map[result.name], _owned(result.weights).float()
+                                   tensor_key_mapping=key_map, parsed_parameters=self.parsed)
+        if result.name is not None:  # returned, not stacked
+            if result.name in key_map:
+                yield key_map[result.name], _owned(result.weights).float()
+            return
+        hf_name = key_map[tensor.name.removesuffix(".weight")]
+        self.parts[hf_name] -= 1
+        if self.parts[hf_name] == 0:
+            yield hf_name, self.parsed["tensors"].pop(hf_name).float()
+
+
+def skeleton_name(name: str) -> str:
+    """The skeleton's parameter a streamed tensor stands for: a kept ``module.qweight`` for
+    ``module.weight``, a kept expert's for its layer's experts.gate_up_proj / down_proj."""
+    expert = _KEPT_EXPERT.match(name)
+    if expert:
+        return f"{expert.group(1)}.{'down_proj' if expert.group(2) == 'down' else 'gate_up_proj'}"
+    return name.replace(".qweight", ".weight")
 
 
 def _owned(array: np.ndarray) -> torch.Tensor:
@@ -216,14 +223,14 @@ def _owned(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _stored_blocks(tensor, type_name: str) -> torch.Tensor:
-    """A .gguf tensor's blocks as Tengyun stores them: uint8 [(E,) rows, blocks, block bytes], Q5_0
-    (and Q4_0 fused with Q8_0) re-encoded as Q8_0."""
+def _stored_blocks(data: np.ndarray, qtype, type_name: str) -> torch.Tensor:
+    """A .gguf tensor's raw data (uint8 [rows, row bytes]) as Tengyun stores its blocks: uint8 [rows,
+    blocks, block bytes], Q5_0 (and Q4_0 fused with Q8_0) re-encoded as Q8_0."""
     from gguf import GGML_QUANT_SIZES
 
-    data = torch.from_numpy(np.array(tensor.data))
-    blocks = data.reshape(*data.shape[:-1], -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
-    as_q8_0 = _AS_Q8_0.get(tensor.tensor_type.name) if type_name == "Q8_0" else None
+    data = torch.from_numpy(np.array(data))
+    blocks = data.reshape(*data.shape[:-1], -1, GGML_QUANT_SIZES[qtype][1])
+    as_q8_0 = _AS_Q8_0.get(qtype.name) if type_name == "Q8_0" else None
     if as_q8_0 is None:
         return blocks
     # re-encoded 2048 rows at a time: the re-encoding's integer temporaries stay small (a whole
@@ -250,22 +257,20 @@ def _check_rows(tensor, type_name: str, blocks: torch.Tensor, order: torch.Tenso
         _check_blocks(f"{tensor.name} (rows {start}+)", type_name, blocks[start:start + rows], dense)
 
 
-def _keep_experts(tensor, type_name: str, key_map: dict, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """blk.N.ffn_{gate,up,down}_exps [E, rows, blocks, bytes] -> per-expert ``qweight`` entries of
-    ``tensors``, in place of transformers' stacked experts.gate_up_proj [E, 2I, H] (gate rows, then
-    up) / experts.down_proj [E, H, I]; checked to dequantize to them. -> {expert 0's module: type}."""
-    layer, proj = _EXPERTS.match(tensor.name).groups()
-    hf_name = key_map[tensor.name.removesuffix(".weight")]  # ...mlp.experts.gate_up_proj / down_proj
-    blocks = _stored_blocks(tensor, type_name)
-    dense = tensors[hf_name]
-    if proj != "down":
-        half = dense.shape[1] // 2
-        dense = dense.narrow(1, 0 if proj == "gate" else half, half)
-    for expert in range(blocks.shape[0]):
-        _check_blocks(f"{tensor.name} (expert {expert})", type_name, blocks[expert], dense[expert])
-    prefix = hf_name.rpartition(".")[0]  # model.layers.N.mlp.experts
-    for expert in range(blocks.shape[0]):
-        tensors[f"{prefix}.{expert}.{proj}_proj.qweight"] = blocks[expert].clone()
-    if proj == "down" or f"{prefix}.0.gate_proj.qweight" in tensors and f"{prefix}.0.up_proj.qweight" in tensors:
-        del tensors[hf_name]  # gate_up_proj goes once both halves are kept (kept_types keeps both or neither)
-    return {f"{prefix}.0.{proj}_proj": type_name}
+def _keep_experts(tensor, type_name: str, key_map: dict, kept: dict) -> Iterator[tuple]:
+    """blk.N.ffn_{gate,up,down}_exps [E, rows, row bytes] -> (per-expert ``qweight`` name, blocks)
+    pairs, in place of transformers' stacked experts.gate_up_proj [E, 2I, H] (gate rows, then up) /
+    experts.down_proj [E, H, I], each expert checked to dequantize to the gguf package's
+    dequantization of its rows (what transformers' processor stacks: it does not reorder them);
+    kept gets expert 0's module -> type (every expert of a stack shares its type)."""
+    from gguf.quants import dequantize
+
+    proj = _EXPERTS.match(tensor.name).group(2)
+    prefix = key_map[tensor.name.removesuffix(".weight")].rpartition(".")[0]  # model.layers.N.mlp.experts
+    kept[f"{prefix}.0.{proj}_proj"] = type_name
+    data = np.asarray(tensor.data)
+    for expert in range(data.shape[0]):
+        blocks = _stored_blocks(data[expert], tensor.tensor_type, type_name)
+        dense = torch.from_numpy(dequantize(data[expert], tensor.tensor_type)).float()
+        _check_blocks(f"{tensor.name} (expert {expert})", type_name, blocks, dense)
+        yield f"{prefix}.{expert}.{proj}_proj.qweight", blocks

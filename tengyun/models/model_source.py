@@ -291,35 +291,23 @@ def _gguf_config(config, gguf_file: Path):
     return config
 
 
-def _read_tensors(gguf_file: Path, skeleton, kept: dict[str, str] | None) -> Iterator[tuple]:
+def _read_tensors(gguf_file: Path, skeleton, kept: dict[str, str] | None,
+                  stored: dict[str, str] | None = None) -> Iterator[tuple]:
     """(HF name, tensor) pairs: dequantized to float32, GGUF names -> HF names, Llama q/k
-    un-permuted (LlamaTensorProcessor), as AutoModelForCausalLM.from_pretrained(gguf_file=...)
-    does. ``kept`` a dict (kept quantised): the decoder's linear weights as their blocks, ``kept``
-    filled with module -> ggml type as they are read. A dense model's file is read tensor by tensor
-    (its float32 never held whole); a MoE file through transformers' full load."""
-    import torch
+    un-permuted (LlamaTensorProcessor), MoE experts' gate and up stacked, as
+    AutoModelForCausalLM.from_pretrained(gguf_file=...) does, read tensor by tensor (the model's
+    float32 never held whole). ``kept`` a dict (kept quantised): the decoder's linear weights as
+    their blocks, ``kept`` filled with module -> ggml type as they are read (``stored``: the file's
+    gguf_quantized.kept_types, when already read). Raises ValueError after the last tensor if the
+    file lacks one the config needs."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from tengyun.models import gguf_quantized
 
-    if not gguf_quantized.holds_experts(gguf_file):
-        parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False, model_to_load=skeleton)
-        return _checked(gguf_quantized.stream_tensors(gguf_file, parsed, skeleton, kept), gguf_file, skeleton)
-    parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton,
-                                  torch_dtype=torch.float32)
-    tensors = parsed["tensors"]
-    _check_complete(gguf_file, skeleton, set(tensors))  # before keep_blocks splits the experts' stacks
-    if kept is not None:
-        gguf_quantized.keep_blocks(gguf_file, parsed, skeleton, tensors, kept)
-    return iter(tensors.items())
-
-
-def _checked(stream: Iterator[tuple], gguf_file: Path, skeleton) -> Iterator[tuple]:
-    """``stream``'s pairs, then _check_complete on the names it gave (a kept ``module.qweight``
-    stands for ``module.weight``)."""
+    parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False, model_to_load=skeleton)
     names = set()
-    for name, tensor in stream:
-        names.add(name.replace(".qweight", ".weight"))
+    for name, tensor in gguf_quantized.stream_tensors(gguf_file, parsed, skeleton, kept, stored):
+        names.add(gguf_quantized.skeleton_name(name))
         yield name, tensor
     _check_complete(gguf_file, skeleton, names)
 
@@ -341,15 +329,14 @@ def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -
     from tengyun.models import gguf_quantized
     from tengyun.models.shard_writer import save_shards
 
-    if keep_quantized:  # before the slow part: refuse what cannot be kept
-        gguf_quantized.kept_types(gguf_file)
+    stored = gguf_quantized.kept_types(gguf_file) if keep_quantized else None  # refused before the slow part
     folder, name = str(gguf_file.parent), gguf_file.name
     config = _gguf_config(AutoConfig.from_pretrained(folder, gguf_file=name), gguf_file)
     # An empty model, for its parameter names only: transformers maps GGUF names onto them.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     kept: dict[str, str] | None = {} if keep_quantized else None
-    names = save_shards(_read_tensors(gguf_file, skeleton, kept), out, CONVERT_SHARD_BYTES)
+    names = save_shards(_read_tensors(gguf_file, skeleton, kept, stored), out, CONVERT_SHARD_BYTES)
     config.save_pretrained(out)
     if kept is not None:
         hf_config = json.loads((out / "config.json").read_text())

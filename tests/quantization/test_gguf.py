@@ -7,6 +7,7 @@ dequantized; `tengyun plan` counts the blocks."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -326,36 +327,61 @@ def test_serving_a_gguf_with_a_type_tengyun_cannot_keep_exits_2_naming_the_tenso
     assert "drop --quantization gguf to load the .gguf dequantized" in proc.stderr
 
 
-@pytest.mark.parametrize("keep_quantized", [True, False])
-def test_a_dense_gguf_is_read_tensor_by_tensor_as_the_full_load_reads_it(monkeypatch, keep_quantized):
-    """A dense model's .gguf, kept quantised or dequantized, is read one tensor at a time
-    (load_gguf_checkpoint without its tensors: never the whole model in float32), giving what the
-    full load (and keep_blocks) give: the same names, bytes and quantization_config (SmolLM2:
-    Llama's q/k rows permuted by transformers' processor, a tied head; Qwen2.5-Coder's streamed
-    conversion is checked against HF's tokens in test_gguf_real.py)."""
+def assert_read_as_transformers_reads(monkeypatch, gguf_file, keep_quantized: bool) -> dict | None:
+    """model_source._read_tensors on ``gguf_file`` against transformers' own full load
+    (load_gguf_checkpoint with every tensor in float32, read here as the reference): the streamed
+    read calls the loader without tensors, gives the same names (a kept ``module.qweight`` for
+    ``module.weight``; a kept expert's blocks for its slice of experts.gate_up_proj / down_proj) and
+    the same float32 values, kept blocks dequantizing to them exactly. -> ``kept``."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     from tengyun.models import gguf_quantized, model_source
 
-    gguf_file = smollm2_gguf()
     config = model_source._gguf_config(AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name),
                                        gguf_file)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
+    full = hf_gguf.load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton,
+                                        torch_dtype=torch.float32)["tensors"]
     calls = []
     real_load = hf_gguf.load_gguf_checkpoint
     monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", lambda *a, **k: calls.append(k["return_tensors"])
                         or real_load(*a, **k))
-    kept, full_kept = ({}, {}) if keep_quantized else (None, None)
+    kept = {} if keep_quantized else None
     streamed = dict(model_source._read_tensors(gguf_file, skeleton, kept))
-    monkeypatch.setattr(gguf_quantized, "holds_experts", lambda _: True)  # the full load, as MoE files take
-    full = dict(model_source._read_tensors(gguf_file, skeleton, full_kept))
-    assert calls == [False, True]
-    assert kept == full_kept and streamed.keys() == full.keys()
-    assert all(torch.equal(streamed[name], full[name]) for name in full)
+    assert calls == [False]
+    assert {gguf_quantized.skeleton_name(name) for name in streamed} == set(full)
+    for name, tensor in streamed.items():
+        expected = full[gguf_quantized.skeleton_name(name)]
+        if name.endswith(".qweight"):
+            expected = _expert_slice(name, expected)
+            module = name.removesuffix(".qweight")
+            type_name = kept.get(module) or kept[re.sub(r"experts\.\d+\.", "experts.0.", module)]  # by expert 0
+            tensor = dequantize_blocks(tensor, type_name)
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, expected), name
+    return kept
+
+
+def _expert_slice(name: str, stack: torch.Tensor) -> torch.Tensor:
+    """A kept expert's dense weight in transformers' stack ([E, 2I, H]: gate rows, then up)."""
+    expert = re.search(r"experts\.(\d+)\.(gate|up|down)_proj", name)
+    if expert is None:
+        return stack
+    weight = stack[int(expert.group(1))]
+    half = weight.shape[0] // 2
+    return {"gate": weight[:half], "up": weight[half:], "down": weight}[expert.group(2)]
+
+
+@pytest.mark.parametrize("keep_quantized", [True, False])
+def test_a_dense_gguf_is_read_tensor_by_tensor_as_the_full_load_reads_it(monkeypatch, keep_quantized):
+    """SmolLM2's .gguf, kept quantised or dequantized, read one tensor at a time gives what
+    transformers' full load gives (Llama's q/k rows permuted by transformers' processor, a tied
+    head; Qwen2.5-Coder's streamed conversion is checked against HF's tokens in test_gguf_real.py)."""
+    from tengyun.models import gguf_quantized
+
+    gguf_file = smollm2_gguf()
+    kept = assert_read_as_transformers_reads(monkeypatch, gguf_file, keep_quantized)
     if keep_quantized:
-        assert "model.layers.0.self_attn.q_proj.qweight" in streamed
+        assert kept["model.layers.0.self_attn.q_proj"] == "Q4_1"
         assert gguf_quantized.kept_section(gguf_file, kept)["quant_method"] == "gguf"
-    else:
-        assert streamed["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32

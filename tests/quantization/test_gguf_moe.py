@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("gguf", reason="the gguf package is not installed")
 from conftest import make_tiny_checkpoint  # noqa: E402
 from gguf_files import write_gguf  # noqa: E402
-from test_gguf import _plan  # noqa: E402
+from test_gguf import _plan, assert_read_as_transformers_reads  # noqa: E402
 from test_quantized_models import _hf_greedy, _prompts, _tengyun  # noqa: E402
 
 from tengyun import LLM, SamplingParams  # noqa: E402
@@ -61,6 +61,18 @@ def test_moe_experts_kept_quantised_give_hf_greedy_tokens(moe_gguf, hf_tokens):
     types = json.loads((converted_dir(path, True) / "config.json").read_text())["quantization_config"]["tensor_types"]
     assert types == {f"model.layers.{n}.mlp.experts.0.{proj}_proj": t for n in (0, 1)
                      for proj, t in (("gate", "Q8_0"), ("up", "Q8_0"), ("down", "Q4_0"))}
+
+
+@pytest.mark.parametrize("keep_quantized", [True, False])
+def test_a_moe_gguf_is_read_tensor_by_tensor_as_the_full_load_reads_it(moe_gguf, monkeypatch, keep_quantized):
+    """One expert stack at a time, never the model's float32: transformers' processor stacks gate
+    and up into experts.gate_up_proj once both are read; kept experts come one per expert."""
+    path, _ = moe_gguf
+    kept = assert_read_as_transformers_reads(monkeypatch, path, keep_quantized)
+    if keep_quantized:
+        assert {m: t for m, t in kept.items() if ".experts." in m} == {
+            f"model.layers.{n}.mlp.experts.0.{proj}_proj": t for n in (0, 1)
+            for proj, t in (("gate", "Q8_0"), ("up", "Q8_0"), ("down", "Q4_0"))}
 
 
 def test_kept_experts_hold_their_blocks_one_scheme_per_stack(moe_gguf):
