@@ -23,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 64  # output columns per oneDNN block (packed_gemv.cpp)
 # At most this many rows run the small-batch kernel; more run oneDNN. benchmarks/linear_kernels.py
-# --small-rows (2026-12-01 17:25): bfloat16 1.18-1.20x oneDNN at 8, 12 and 16 rows; float32 only
-# 1.01-1.03x from 4 to 12 rows, and Qwen2.5-0.5B's 16-sequence decode gained nothing from 16 there.
-MAX_SMALL_ROWS = {torch.float32: 2, torch.bfloat16: 16}
+# --small-rows (2026-12-01 17:25): bfloat16 1.18-1.20x oneDNN at 8, 12 and 16 rows; float32
+# 1.01-1.11x from 1 to 16 rows (never slower). Float32 was held at 2 after Qwen2.5-0.5B's 16-sequence
+# decode gained nothing from 16 on that day's machine; on 2026-12-02's its TPOT fell from 144 / 157 to
+# 134 / 127 ms (runs interleaved; the limit also lets 3-16-sequence fp32 decodes replay a graph).
+MAX_SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest |y|
 _ROW_CHECK_CHUNK = 8192  # rows compared at a time when row_reader checks a packed copy
 

@@ -73,9 +73,11 @@ def test_bfloat16_traces_decode_batches_up_to_16(tiny_checkpoints):
 
 
 def test_a_size_that_cannot_be_traced_runs_eager(tiny_checkpoints, monkeypatch):
-    """Batch 4 at float32 runs oneDNN's packed weights, which a trace cannot hold: sizes 1 and 2
-    replay, 3..5 run eager, and the tokens are the eager ones."""
+    """With the small-batch kernel held to 2 rows, batch 4 at float32 runs oneDNN's packed weights,
+    which a trace cannot hold: sizes 1 and 2 replay, 3..5 run eager, and the tokens are the eager
+    ones."""
     _needs_kernel("float32")
+    monkeypatch.setitem(MAX_SMALL_ROWS, torch.float32, 2)
     monkeypatch.setattr(CpuPlatform, "graph_batch_limit", lambda self, kernels: 4)
     folder = str(tiny_checkpoints["llama"])
     llm = LLM(folder, dtype="float32", **ARGS)
