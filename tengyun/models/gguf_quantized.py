@@ -165,8 +165,9 @@ def stream_tensors(gguf_file: Path, parsed: dict, skeleton, kept: dict[str, str]
     ``...mlp.experts.{e}.gate_proj.qweight``), each checked to dequantize to the gguf package's
     dequantization a chunk of rows (or an expert) at a time, and ``kept`` gets module -> ggml type
     as they are read. ``stored``: kept_types(gguf_file) when the caller has it already."""
-    reader, types, processor, key_map = _reading(gguf_file, parsed, skeleton, keep=kept is not None and not stored)
-    types = stored or types
+    keep = kept is not None
+    reader, found, processor, key_map = _reading(gguf_file, parsed, skeleton, keep=keep and stored is None)
+    types = (found if stored is None else stored) if keep else {}
     mapping = (processor, parsed, key_map)
     stacks = _ExpertStacks(reader, parsed, key_map)
     for tensor in reader.tensors:  # as load_gguf_checkpoint's loop, kept blocks never dequantized whole
@@ -198,7 +199,9 @@ class _ExpertStacks:
             if result.name in key_map:
                 yield key_map[result.name], _owned(result.weights).float()
             return
-        hf_name = key_map[tensor.name.removesuffix(".weight")]
+        hf_name = key_map.get(tensor.name.removesuffix(".weight"))
+        if hf_name is None or hf_name not in self.parts:  # dropped, as load_gguf_checkpoint drops it
+            return
         self.parts[hf_name] -= 1
         if self.parts[hf_name] == 0:
             yield hf_name, self.parsed["tensors"].pop(hf_name).float()
