@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -126,6 +127,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
+        elif isinstance(prompt, Mapping):  # LLM.generate's {"prompt_token_ids": [...]} form, one level up
+            raise ValueError(f"prompt must be a string or a list of token ids, not a {type(prompt).__name__} "
+                             f"(keys {sorted(prompt)[:3]}): pass prompt_token_ids' list itself.")
         else:
             token_ids, text = list(prompt), None
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]

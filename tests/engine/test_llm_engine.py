@@ -36,6 +36,7 @@ def _assert_idle(llm):
     ("logit_bias .* 384", dict(logit_bias={384: 1.0}), [1, 2]),
     ("logit_bias", dict(logit_bias={"x": 1.0}), [1, 2]),
     ("prompt_token_ids", dict(), [1, 10_000]),
+    ("a string or a list of token ids, not a dict", dict(), {"prompt_token_ids": [1, 2]}),
 ])
 def test_bad_input_names_the_field_and_keeps_serving(llm, field, params, prompt):
     engine = llm.llm_engine
