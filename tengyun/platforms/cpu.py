@@ -147,7 +147,7 @@ class CpuPlatform(Platform):
         return trace_decode_forward(forward, state)
 
     def graph_batch_limit(self, kernels) -> int:
-        """The rows the compiled small-batch linear takes (2 at float32, 16 at bfloat16): above them
+        """The rows the compiled small-batch linear takes (16, cpu_linear.MAX_SMALL_ROWS): above them
         oneDNN's packed weights run, which a trace cannot hold, and Python's share of a step is
         small anyway. 0 without the compiled kernels, and with any attention backend but cpu_paged:
         a trace freezes host-side logic, and only cpu_paged's decode is known to have none."""
