@@ -34,6 +34,15 @@ UNLOADED_CHECKPOINT_PREFIXES = {
     VISION_PREFIX: "vision tower (Tengyun serves the text model only)",
     MTP_PREFIX: "multi-token-prediction layers (the draft model of --speculative-config method mtp, loaded apart)",
 }
+MULTIMODAL_TEXT_PREFIX = "model.language_model."  # a *ForConditionalGeneration checkpoint's text model
+
+
+def text_model_name(name: str) -> str:
+    """A multimodal checkpoint's text-model tensor or module name as Tengyun's text model calls it:
+    'model.language_model.layers.0.mlp.up_proj' -> 'model.layers.0.mlp.up_proj'; others as they are."""
+    return "model." + name[len(MULTIMODAL_TEXT_PREFIX):] if name.startswith(MULTIMODAL_TEXT_PREFIX) else name
+
+
 MTP_ARCHITECTURES = ("Qwen3_5", "Qwen3Next")  # architecture prefixes whose mtp.* layers draft (method mtp)
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}

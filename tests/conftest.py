@@ -35,6 +35,8 @@ QWEN3_5_TEXT = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128
                     initializer_range=0.1, bos_token_id=0, eos_token_id=0)
 # Qwen3.5-MoE adds 8 experts, top-2, and a shared expert on every layer.
 QWEN3_5_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+# Qwen3-Next: Qwen3.5-MoE's sizes, every 2nd layer full attention, layer 0 dense.
+QWEN3_NEXT = dict(QWEN3_5_TEXT, **QWEN3_5_MOE, mlp_only_layers=[0], decoder_sparse_step=1, full_attention_interval=2)
 
 
 def make_tiny_qwen3_5(arch: str = "qwen3_5", seed: int = 0, **overrides):

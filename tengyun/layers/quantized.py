@@ -30,10 +30,15 @@ def checkpoint_modules(model: nn.Module, name: str, module: nn.Module | None = N
     """A layer's name -> the checkpoint modules stored for it:
     model.layers.0.self_attn.qkv_proj -> [...q_proj, ...k_proj, ...v_proj]; the stacked experts
     model.layers.0.mlp.experts -> expert 0's [...experts.0.gate_proj, ...up_proj, ...down_proj]
-    (every expert takes expert 0's scheme; gate and up one, down its own: FusedMoE's w13 and w2)."""
+    (every expert takes expert 0's scheme; gate and up one, down its own: FusedMoE's w13 and w2);
+    a part of a checkpoint module the model splits: the model's ``quant_stored_as``
+    (Qwen3-Next's linear_attn.in_proj_qkv -> [...linear_attn.in_proj_qkvz])."""
     if isinstance(module, FusedMoE):
         return [f"{name}.0.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
     prefix, _, last = name.rpartition(".")
+    stored_as = getattr(model, "quant_stored_as", {}).get(last)  # a module the checkpoint fuses (Qwen3-Next)
+    if stored_as:
+        return [f"{prefix}.{stored_as}"]
     shards = getattr(model, "packed_modules_mapping", {}).get(last)
     return [f"{prefix}.{shard}" if prefix else shard for shard in shards] if shards else [name]
 

@@ -105,6 +105,13 @@ def _map_name(name: str, params: dict, packed: dict[str, list[str]], custom=None
     return _Target(name, None) if name in params else None
 
 
+def _quantised_layer(name: str, params: dict, packed: dict[str, list[str]], custom=None) -> bool:
+    """Is ``name`` (as the model calls it) a dense ``.weight`` of a layer that holds quantised tensors?"""
+    module = name.removesuffix(".weight")
+    return module != name and any(_map_name(f"{module}.{tensor}", params, packed, custom) is not None
+                                  for tensor in ("qweight", "weight_packed", "weight_scale", "scales"))
+
+
 def _parts(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The model's ``checkpoint_transform(name, tensor) -> [(name, tensor), ...] | None``, which splits
     one checkpoint tensor into several (Qwen3-Next: in_proj_qkvz -> in_proj_qkv, in_proj_z); None or
@@ -198,14 +205,17 @@ def _plan(model: torch.nn.Module, stored: dict[str, _Stored], folder: Path) -> l
             target = _map_name(name, params, packed, custom)
             if target is None:
                 shown = stored_name if name == stored_name else f"{stored_name} as {name}"
-                unexpected.append(f"{shown} ({info.file.name})")
+                unexpected.append((name, f"{shown} ({info.file.name})"))
             else:
                 plan.append((info.file, stored_name, _Target(target.param_name, target.shard_id, part)))
     if unexpected:
-        raise ValueError(
-            f"{len(unexpected)} checkpoint tensor(s) in {folder} match no model parameter, e.g. "
-            f"{unexpected[:5]}; config.json's architecture disagrees with the checkpoint"
-        )
+        dense = [shown for name, shown in unexpected if _quantised_layer(name, params, packed, custom)]
+        cause = (f"{len(dense)} of them dense weights of layers config.json's quantization_config quantises (e.g. "
+                 f"{dense[0]}): name those modules in its ignore list (compressed-tensors), modules_to_not_convert "
+                 f"(AWQ) or dynamic as \"-:<regex>\" (GPTQ)" if dense else
+                 "config.json's architecture disagrees with the checkpoint")
+        raise ValueError(f"{len(unexpected)} checkpoint tensor(s) in {folder} match no model parameter, e.g. "
+                         f"{[shown for _, shown in unexpected[:5]]}; {cause}")
     _check_complete(plan, params, packed, tied and not head_from_embed, folder)
     return plan
 

@@ -19,10 +19,8 @@ from tengyun.layers.gated_delta_net import GatedDeltaNet
 from tengyun.layers.layernorm import ZeroCenteredRMSNorm
 from tengyun.layers.linear import QKVParallelLinear, RowParallelLinear
 from tengyun.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from tengyun.model_spec import UNLOADED_CHECKPOINT_PREFIXES, ModelSpec
+from tengyun.model_spec import UNLOADED_CHECKPOINT_PREFIXES, ModelSpec, text_model_name
 from tengyun.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-_TEXT_PREFIX = "model.language_model."
 
 
 class Qwen3_5Attention(nn.Module):
@@ -85,8 +83,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def layer_factory(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         return lambda i: Qwen3_5DecoderLayer(spec, i, max_position, dtype, self.make_mlp(spec, i, dtype))
 
-    @staticmethod
-    def checkpoint_rename(name: str) -> str:
-        """'model.language_model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj.weight'
-        (the multimodal wrapper's text model); other names as they are."""
-        return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
+    # 'model.language_model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj.weight'
+    # (the multimodal wrapper's text model); other names as they are.
+    checkpoint_rename = staticmethod(text_model_name)

@@ -54,9 +54,20 @@ def split_ba(w: torch.Tensor, num_k_heads: int) -> tuple[torch.Tensor, torch.Ten
     return b.flatten(0, 1), a.flatten(0, 1)
 
 
+# The checkpoint tensors of a fused Gated DeltaNet projection, by their last name: the dense weight,
+# and compressed-tensors' (`tengyun quantize`, llm-compressor) rows of packed or int8 weights with
+# their per-row scales and zero points; weight_shape [out, in] is rewritten per part.
+_ROW_TENSORS = ("weight", "weight_packed", "weight_scale", "weight_zero_point")
+_FUSED = ("in_proj_qkvz", "in_proj_ba")
+
+
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     make_mlp = staticmethod(make_next_mlp)
     checkpoint_name_to_param = staticmethod(FusedMoE.checkpoint_name_to_param)
+    # The checkpoint module a layer's quantisation is read from (layers/quantized.py), where the
+    # checkpoint fuses what Tengyun runs apart.
+    quant_stored_as = {"in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz",
+                       "in_proj_b": "in_proj_ba", "in_proj_a": "in_proj_ba"}
 
     def __init__(self, spec: ModelSpec, max_position: int, dtype: torch.dtype):
         super().__init__(spec, max_position, dtype)
@@ -67,18 +78,33 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
 
     def checkpoint_transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
         """'...linear_attn.in_proj_qkvz.weight' -> in_proj_qkv and in_proj_z; '...linear_attn.in_proj_ba.weight'
-        -> in_proj_b and in_proj_a (full tensors, Qwen3.5's layout); fused 3-D experts per expert
-        (FusedMoE.split_fused_experts); None (as stored) for the rest."""
+        -> in_proj_b and in_proj_a (full tensors, Qwen3.5's layout; a quantised one's rows, scales and
+        zero points alike, _ROW_TENSORS); fused 3-D experts per expert (FusedMoE.split_fused_experts);
+        None (as stored) for the rest."""
         prefix, sep, leaf = name.rpartition(".linear_attn.")
-        if not sep or leaf not in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
+        module, _, kind = leaf.partition(".")
+        if not sep or module not in _FUSED:
             return FusedMoE.split_fused_experts(name, tensor)
-        qkvz = leaf == "in_proj_qkvz.weight"
+        qkvz = module == "in_proj_qkvz"
         rows = self.num_k_heads * (2 * self.k_dim + 2 * self.group_v) if qkvz else 2 * self.num_v_heads
+        names = ("in_proj_qkv", "in_proj_z") if qkvz else ("in_proj_b", "in_proj_a")
+        if kind == "weight_shape":  # [out, in] -> each part's [rows, in] (the loader plans on meta tensors)
+            shapes = [tensor if tensor.is_meta else torch.tensor([rows, int(tensor[1])])
+                      for rows in self._part_rows(qkvz)]
+            return [(f"{prefix}.linear_attn.{n}.{kind}", shape) for n, shape in zip(names, shapes)]
+        if kind not in _ROW_TENSORS:
+            raise ValueError(f"checkpoint tensor {name}: Tengyun splits {module} into {' and '.join(names)} by "
+                             f"rows, which it can do for {', '.join(_ROW_TENSORS)} (dense or compressed-tensors) "
+                             f"but not for {kind} (AWQ / GPTQ pack output columns): keep {module} unquantised")
         if tensor.shape[0] != rows:
             raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} rows but config.json's linear_* sizes "
                              f"give {rows}: use the config.json that came with these weights")
+        parts = split_qkvz(tensor, self.num_k_heads, self.k_dim, self.group_v) if qkvz else \
+            split_ba(tensor, self.num_k_heads)
+        return [(f"{prefix}.linear_attn.{n}.{kind}", t) for n, t in zip(names, parts)]
+
+    def _part_rows(self, qkvz: bool) -> tuple[int, int]:
+        """Rows of (in_proj_qkv, in_proj_z) or (in_proj_b, in_proj_a)."""
         if qkvz:
-            names, parts = ("in_proj_qkv", "in_proj_z"), split_qkvz(tensor, self.num_k_heads, self.k_dim, self.group_v)
-        else:
-            names, parts = ("in_proj_b", "in_proj_a"), split_ba(tensor, self.num_k_heads)
-        return [(f"{prefix}.linear_attn.{n}.weight", t) for n, t in zip(names, parts)]
+            return 2 * self.num_k_heads * self.k_dim + self.num_k_heads * self.group_v, self.num_k_heads * self.group_v
+        return self.num_v_heads, self.num_v_heads

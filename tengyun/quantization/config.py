@@ -11,10 +11,11 @@ holds (scheme.py). Torch-free: `tengyun plan` reads it too.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from tengyun.model_spec import text_model_name
 from tengyun.quantization.scheme import LinearScheme
 
 
@@ -25,7 +26,7 @@ class QuantizationError(ValueError):
 @dataclass(frozen=True)
 class QuantGroup:
     targets: tuple[str, ...]  # "Linear" (every linear layer), a module name, or "re:<regex>"
-    scheme: LinearScheme
+    scheme: LinearScheme | None  # None: the targets are stored unquantised (GPTQModel's "-:" dynamic entries)
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,36 @@ class QuantConfig:
 
     def scheme_for(self, module: str) -> LinearScheme | None:
         """The scheme of the linear layer the checkpoint stores as ``module``
-        (model.layers.0.mlp.down_proj); None: it is stored unquantised."""
-        if any(_matches(module, pattern) for pattern in self.ignore):
+        (model.layers.0.mlp.down_proj); None: it is stored unquantised. The first group whose
+        targets match decides."""
+        if self.ignores(module):
             return None
         for group in self.groups:
             if any(target == "Linear" or _matches(module, target) for target in group.targets):
                 return group.scheme
         return None
 
+    def renamed(self, rename: Callable[[str], str]) -> "QuantConfig":
+        """This config with its explicit module names (targets and ignore list; not "Linear" or
+        "re:" patterns) as ``rename`` maps checkpoint names to Tengyun's, as vLLM maps a quant
+        config's names through its model's hf_to_vllm_mapper."""
+        def names(patterns: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(p if p == "Linear" or p.startswith("re:") else rename(p) for p in patterns)
+
+        return replace(self, groups=tuple(QuantGroup(names(g.targets), g.scheme) for g in self.groups),
+                       ignore=names(self.ignore))
+
+    def ignores(self, module: str) -> bool:
+        """Does the ignore list keep checkpoint module ``module`` unquantised?"""
+        return any(_matches(module, pattern) for pattern in self.ignore)
+
     @property
     def kernels(self) -> tuple[str, ...]:
         """The kernel kinds this checkpoint's layers need (LinearScheme.kernel)."""
-        return tuple(sorted({g.scheme.kernel for g in self.groups}))
+        return tuple(sorted({g.scheme.kernel for g in self.groups if g.scheme is not None}))
 
     def describe(self) -> str:
-        return "; ".join(sorted({g.scheme.description for g in self.groups}))
+        return "; ".join(sorted({g.scheme.description for g in self.groups if g.scheme is not None}))
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -138,7 +154,8 @@ def detect_quantization(hf_config: Mapping[str, Any], forced: str | None = None,
         raise QuantizationError(
             f"quantization method {method!r} (config.json quantization_config.quant_method, or --quantization) "
             f"is not supported; Tengyun reads: {', '.join(sorted(QUANT_METHODS))}.")
-    return QUANT_METHODS[method](section or {}, folder)
+    # a multimodal checkpoint names its text layers model.language_model.*: Tengyun's text model's names
+    return QUANT_METHODS[method](section or {}, folder).renamed(text_model_name)
 
 
 # ----- Ascend msModelSlim: quant_model_description.json beside the weights (modelslim.py) ---------

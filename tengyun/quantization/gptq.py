@@ -30,6 +30,9 @@ METHOD = "gptq"
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, 256, -1)  # -1: one group over all inputs
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+# quantization_config fields Tengyun reads (also as `dynamic` overrides): (allowed values, default)
+_FIELDS = {"bits": (BITS, None), "group_size": (GROUP_SIZES, None), "sym": ((True, False), True),
+           "desc_act": ((True, False), False)}
 
 
 def scheme(bits: int, group_size: int, symmetric: bool, act_order: bool, checkpoint_format: str) -> LinearScheme:
@@ -76,16 +79,37 @@ def _targets(quant: Mapping[str, Any]) -> tuple[str, ...]:
 def from_config(quant: Mapping[str, Any]) -> QuantConfig:
     """config.json's quantization_config (or quantize_config.json) -> QuantConfig; raises
     QuantizationError naming the field and the supported values."""
-    _require("bits", quant.get("bits"), BITS)
-    _require("group_size", quant.get("group_size"), GROUP_SIZES)
-    _require("sym", quant.get("sym", True), (True, False))
-    _require("desc_act", quant.get("desc_act", False), (True, False))
+    for field, (allowed, default) in _FIELDS.items():
+        _require(field, quant.get(field, default), allowed)
     if quant.get("lm_head"):
         raise QuantizationError("quantization_config.lm_head is true (a quantised lm_head): Tengyun runs GPTQ "
                                 "linear layers of the decoder only; re-quantize with lm_head false.")
-    if quant.get("dynamic"):
-        raise QuantizationError("quantization_config.dynamic (GPTQModel's per-module overrides) is not supported: "
-                                "re-quantize with one bits / group_size for every module.")
-    chosen = scheme(quant["bits"], quant["group_size"], bool(quant.get("sym", True)), bool(quant.get("desc_act")),
-                    checkpoint_format(quant))
-    return QuantConfig(METHOD, (QuantGroup(_targets(quant), chosen),), ALWAYS_IGNORED)
+    base = QuantGroup(_targets(quant), _scheme_of(quant, checkpoint_format(quant)))
+    return QuantConfig(METHOD, (*_dynamic_groups(quant), base), ALWAYS_IGNORED)
+
+
+def _scheme_of(fields: Mapping[str, Any], fmt: str) -> LinearScheme:
+    return scheme(fields["bits"], fields["group_size"], bool(fields.get("sym", True)), bool(fields.get("desc_act")),
+                  fmt)
+
+
+def _dynamic_groups(quant: Mapping[str, Any]) -> list[QuantGroup]:
+    """GPTQModel's ``dynamic`` {pattern: overrides}, read as vLLM reads it: in order, the first
+    pattern matching a module (re.match) decides; "-:<regex>" leaves the module unquantised,
+    "+:<regex>" (or a bare regex) quantises it with ``bits`` / ``group_size`` / ``sym`` /
+    ``desc_act`` overriding the top-level values."""
+    dynamic = quant.get("dynamic") or {}
+    if not isinstance(dynamic, Mapping):
+        raise QuantizationError("quantization_config.dynamic must map module regexes (\"-:<regex>\" to skip, "
+                                "\"+:<regex>\" to override bits / group_size / sym / desc_act) to overrides.")
+    groups = []
+    for pattern, overrides in dynamic.items():
+        if pattern.startswith("-:"):
+            groups.append(QuantGroup((f"re:{pattern[2:]}",), None))
+            continue
+        overrides = overrides or {}
+        for field in overrides.keys() & _FIELDS.keys():
+            _require(f"dynamic[{pattern!r}].{field}", overrides[field], _FIELDS[field][0])
+        fields = {**quant, **overrides}
+        groups.append(QuantGroup((f"re:{pattern.removeprefix('+:')}",), _scheme_of(fields, checkpoint_format(quant))))
+    return groups

@@ -1,10 +1,15 @@
 """`tengyun quantize`: round-to-nearest W8A8 or W4A16 into a compressed-tensors folder.
 
 Every linear weight of the decoder layers (the q/k/v/o and gate/up/down projections, MoE
-experts' included) is quantised as llm-compressor's W8A8 / W4A16 presets do, with its default
-ignore list (lm_head; the embeddings are not linear layers; MoE routers kept, as its Qwen3-MoE
-examples do): symmetric min-max scales, round to nearest (no calibration data). Everything else
-is copied as stored. The folder holds config.json with the quantization_config compressed-tensors
+experts' and shared experts' included; the Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj
+of Qwen3.5, in_proj_qkvz and out_proj of Qwen3-Next) is quantised as llm-compressor's W8A8 / W4A16
+presets do, with its default ignore list (lm_head; the embeddings are not linear layers; MoE
+routers kept, as its Qwen3-MoE examples do): symmetric min-max scales, round to nearest (no
+calibration data). Qwen3.5 and Qwen3-Next keep in 16 bits what their layers would not quantise
+whole: the one-row shared_expert_gate, the per-head in_proj_b / in_proj_a (Qwen3-Next's
+in_proj_ba; vLLM runs them as one in_proj_ba layer), and the vision tower and MTP layers a
+multimodal checkpoint holds (not decoder layers: copied as stored, and ignored by name).
+Everything else is copied as stored. The folder holds config.json with the quantization_config compressed-tensors
 0.20.1 writes, the safetensors (one per input shard, same names, with an index when the input had
 one) and every other file of the input (tokenizer, generation_config.json, ...).
 """
@@ -29,10 +34,17 @@ from tengyun.quantization.packing import pack_int32, quantize_symmetric
 from tengyun.quantization.scheme import LinearScheme
 
 SCHEMES = ("w8a8", "w4a16")
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                 "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
 # llm-compressor's default ignore list, plus the MoE routers its Qwen3-MoE examples keep in 16 bits
 IGNORE = ("lm_head", "re:.*mlp.gate$")
-_LINEAR_SUFFIXES = tuple(f".{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+# Qwen3.5 (hybrid) checkpoints also keep these unquantised (the module docstring says why)
+HYBRID_IGNORE = ("re:.*mlp.shared_expert_gate$", "re:.*linear_attn.in_proj_(a|b|ba)$", "re:.*visual.*", "re:^mtp.*")
+_DECODER_PREFIXES = ("model.layers.", "model.language_model.layers.")  # text-only, multimodal layout
+_GATED_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")  # Qwen3.5's, Qwen3-Next's in_proj_qkvz
+_LINEAR_SUFFIXES = (tuple(f".{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+                    + tuple(f".linear_attn.{p}.weight" for p in _GATED_DELTA_NET))
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,15 @@ def scheme_for(scheme: str, group_size: int | None) -> LinearScheme:
 
 
 def is_quantized_linear(name: str, tensor_dims: int) -> bool:
-    return tensor_dims == 2 and name.startswith("model.layers.") and name.endswith(_LINEAR_SUFFIXES)
+    return tensor_dims == 2 and name.startswith(_DECODER_PREFIXES) and name.endswith(_LINEAR_SUFFIXES)
+
+
+def ignore_list(config: dict) -> tuple[str, ...]:
+    """The modules a quantised folder of ``config``'s model keeps unquantised (compressed-tensors'
+    ``ignore``): lm_head; MoE routers; Qwen3.5's HYBRID_IGNORE."""
+    spec = ModelSpec.from_hf_config(config)
+    ignore = IGNORE if spec.moe is not None else IGNORE[:1]
+    return ignore + HYBRID_IGNORE if spec.architecture.startswith(("Qwen3_5", "Qwen3Next")) else ignore
 
 
 def check_model(config: dict, scheme: str, group_size: int | None) -> None:
@@ -137,9 +157,7 @@ def _quantize_weight(module: str, weight: torch.Tensor, layout: LinearScheme) ->
 
 def _write_metadata(model_dir: Path, out_dir: Path, config: dict, scheme: str, group_size: int | None,
                     weight_map: dict[str, str], total_size: int) -> None:
-    moe = ModelSpec.from_hf_config(config).moe is not None
-    config["quantization_config"] = compressed_tensors.quantization_config(scheme, group_size,
-                                                                           IGNORE if moe else IGNORE[:1])
+    config["quantization_config"] = compressed_tensors.quantization_config(scheme, group_size, ignore_list(config))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if (model_dir / INDEX_FILE).is_file():
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}

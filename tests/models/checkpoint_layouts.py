@@ -30,11 +30,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, randomize_norms_and_routers
+from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, QWEN3_NEXT, randomize_norms_and_routers
 
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-# Qwen3-Next as tests/models/test_qwen3_next.py builds it: every 2nd layer full attention, layer 0 dense.
-NEXT = dict(QWEN3_5_TEXT, **QWEN3_5_MOE, mlp_only_layers=[0], decoder_sparse_step=1, full_attention_interval=2)
+NEXT = QWEN3_NEXT
 FP8_BLOCK = [16, 32]
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 # 2-D weights the FP8 releases quantize (by the module's last name).

@@ -12,9 +12,10 @@ scales fp16 [groups, out]; g_idx int32 [in]. Both: w = (q - z[g_idx]) * s[g_idx]
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,17 @@ class Format:
     sym: bool = False
     desc_act: bool = False
     checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1, zeros minus one) or "gptq_v2"
+    # GPTQModel's per-module `dynamic`: ((pattern, overrides), ...), "-:" left dense, "+:" overridden
+    dynamic: tuple[tuple[str, dict], ...] = ()
+
+    def for_module(self, module: str) -> "Format | None":
+        """The format ``module`` is written in (the first matching dynamic pattern's); None: dense."""
+        for pattern, overrides in self.dynamic:
+            if re.match(pattern.removeprefix("-:").removeprefix("+:"), module):
+                return None if pattern.startswith("-:") else replace(
+                    self, bits=overrides.get("bits", self.bits), group=overrides.get("group_size", self.group),
+                    sym=overrides.get("sym", self.sym), desc_act=overrides.get("desc_act", self.desc_act))
+        return self
 
     def quantization_config(self) -> dict:
         if self.method == "awq":  # AutoAWQ's to_transformers_dict
@@ -61,7 +73,8 @@ class Format:
                     "version": "gemm", "modules_to_not_convert": None}
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group, "desc_act": self.desc_act,
                 "sym": self.sym, "checkpoint_format": self.checkpoint_format, "damp_percent": 0.01,
-                "static_groups": False, "true_sequential": True, "lm_head": False}
+                "static_groups": False, "true_sequential": True, "lm_head": False,
+                **({"dynamic": dict(self.dynamic)} if self.dynamic else {})}
 
 
 def _input_key(module: str) -> str:
@@ -113,10 +126,12 @@ def write_checkpoint(source: Path, folder: Path, twin: Path, fmt: Format, seed: 
     rng = np.random.default_rng(seed)
     stored, dense = {}, {}
     for name, tensor in load_file(source / "model.safetensors").items():
-        if not is_quantized(name, tensor):
+        module = name.removesuffix(".weight")
+        written = fmt.for_module(module) if is_quantized(name, tensor) else None
+        if written is None:
             stored[name] = dense[name] = tensor
             continue
-        tensors, dense[name] = quantize_layer(fmt, name.removesuffix(".weight"), *tensor.shape, rng)
+        tensors, dense[name] = quantize_layer(written, module, *tensor.shape, rng)
         stored.update(tensors)
     config = json.loads((source / "config.json").read_text())
     for path, tensors, section in ((folder, stored, fmt.quantization_config()), (twin, dense, None)):

@@ -32,6 +32,10 @@ CASES = {  # name -> (tiny architecture, format)
     "gptq4_act_order_v1_qwen3_moe": ("qwen3_moe", Format("gptq", bits=4, desc_act=True)),  # experts' g_idx
     "gptq8_sym_per_channel_v2_llama": ("llama", Format("gptq", bits=8, group=-1, sym=True,
                                                        checkpoint_format="gptq_v2")),
+    # GPTQModel's dynamic: attention left dense, experts' down_proj 8-bit, the rest 4-bit (as its
+    # MoE releases skip attention and shared experts)
+    "gptq4_dynamic_qwen3_moe": ("qwen3_moe", Format("gptq", bits=4, dynamic=(
+        (r"-:.*self_attn\.", {}), (r"+:.*experts\.\d+\.down_proj", {"bits": 8, "sym": True})))),
 }
 
 
@@ -104,6 +108,11 @@ BROKEN = [  # (case, tensor change, config change, message)
      r"quantization_config\.version is 'gemv'; Tengyun's AWQ reader supports 'gemm'"),
     ("gptq4_sym_v1_qwen2", None, lambda q: q.update(checkpoint_format="marlin"),
      r"quantization_config\.checkpoint_format is 'marlin'; Tengyun's GPTQ reader supports 'gptq', 'gptq_v2'"),
+    ("gptq4_dynamic_qwen3_moe", None, lambda q: q["dynamic"][r"+:.*experts\.\d+\.down_proj"].update(bits=2),
+     r"quantization_config\.dynamic\['\+:\.\*experts.*'\]\.bits is 2; Tengyun's GPTQ reader supports 4, 8"),
+    ("gptq4_dynamic_qwen3_moe", None, lambda q: q["dynamic"].pop(r"-:.*self_attn\."),
+     r"8 of them dense weights of layers config\.json's quantization_config quantises \(e\.g\. "
+     r"model\.layers\.\d\.self_attn\.\w+\.weight .*dynamic as \"-:<regex>\" \(GPTQ\)"),
 ]
 
 

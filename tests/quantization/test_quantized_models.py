@@ -88,16 +88,20 @@ def _activation_rounding(tp: int):
     return hook
 
 
-def _hf_logprobs(folder, prompt, tokens, quantize_activations=False, tp=1):
+def _hf_logprobs(folder, prompt, tokens, quantize_activations=False, tp=1, ignore=()):
     """log p(tokens[i] | prompt + tokens[:i]) under HF, teacher-forced; ``quantize_activations``:
-    every decoder linear layer's input rounded as W8A8 on ``tp`` ranks rounds it."""
+    every decoder linear layer's input rounded as W8A8 on ``tp`` ranks rounds it, but for the
+    layers ``ignore`` (compressed-tensors' ignore list) keeps unquantised."""
     from transformers import AutoModelForCausalLM
 
+    from tengyun.quantization.config import QuantConfig
+
+    kept = QuantConfig("compressed-tensors", (), tuple(ignore))  # its ignore list's matching
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     if quantize_activations:
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
-                module.row_parallel = name.endswith(("o_proj", "down_proj"))
+            if isinstance(module, torch.nn.Linear) and name.startswith("model.layers.") and not kept.ignores(name):
+                module.row_parallel = name.endswith(("o_proj", "down_proj", "out_proj"))
                 module.register_forward_pre_hook(_activation_rounding(tp))
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0].float()
@@ -106,7 +110,8 @@ def _hf_logprobs(folder, prompt, tokens, quantize_activations=False, tp=1):
 
 
 def _tengyun(folder, **engine):
-    llm = LLM(str(folder), kv_cache_memory="8MiB", max_model_len=128, **engine)
+    """Greedy outputs of the prompts, in float32 unless ``engine`` says otherwise (HF's twin is float32)."""
+    llm = LLM(str(folder), kv_cache_memory="8MiB", max_model_len=128, **{"dtype": "float32", **engine})
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     try:
         return [o.outputs[0] for o in llm.generate(_prompts(), params)]
