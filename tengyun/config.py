@@ -75,9 +75,10 @@ class EngineConfig:
         None, help="HF folder, .gguf file, or one of the embedded models (default: SmolLM2-135M-Instruct)")
     tokenizer: str | None = setting(None, help="folder of the tokenizer files (default: the model's)")
     dtype: str = setting("auto", choices=SUPPORTED_DTYPES + tuple(DTYPE_ALIASES),
-                         help="weight and activation dtype (auto: on CPU bfloat16 for a 16-bit checkpoint where the "
-                              "cores have native bf16, else float32; on CUDA and NPU the checkpoint's 16-bit "
-                              "dtype, bfloat16 for a float32 one); half/fp16, bf16 and float/fp32 are aliases")
+                         help="weight and activation dtype (auto: on CPU bfloat16 where the cores have native bf16 "
+                              "(float32 checkpoints downcast, as vLLM), else float32; on CUDA and NPU the "
+                              "checkpoint's 16-bit dtype, bfloat16 for a float32 one); half/fp16, bf16 and float/fp32 "
+                              "are aliases")
     kv_cache_dtype: str = setting("auto", choices=SUPPORTED_KV_DTYPES,
                                   help="KV-cache dtype (auto: the same as --dtype)")
     block_size: int | None = setting(None, help=block_size_help)

@@ -44,9 +44,12 @@ def test_kv_budget_env_var(monkeypatch):
         EngineConfig().kv_cache_budget_bytes()
 
 
-def test_auto_dtypes_resolve_to_fp32_on_cpu_and_freeze(tiny_checkpoints):
+def test_auto_dtypes_resolve_as_this_cpu_serves_a_float32_checkpoint_and_freeze(tiny_checkpoints):
+    from tengyun.platforms.cpu import native_bf16
+
     config = EngineConfig(str(tiny_checkpoints["qwen3"])).finalize()
-    assert (config.dtype, config.kv_cache_dtype, config.device_type) == ("float32", "float32", "cpu")
+    served = "bfloat16" if native_bf16() else "float32"  # the tiny checkpoints are float32
+    assert (config.dtype, config.kv_cache_dtype, config.device_type) == (served, served, "cpu")
     assert config.max_model_len == 256  # max_position_embeddings
     assert config.max_num_batched_tokens == 2048
     assert config.architecture == "Qwen3ForCausalLM"
@@ -73,7 +76,7 @@ def test_unchunked_budget_must_hold_a_whole_prompt(tiny_checkpoints):
 def test_kv_cache_too_small_for_max_model_len_names_both(tiny_checkpoints):
     # llama tiny: 2 (K, V) x 2 layers x 2 kv heads x 16 dims x 4 bytes = 512 B per token -> 128 tokens.
     with pytest.raises(ValueError, match=r"holds 128 tokens .* --max-model-len is 256: lower --max-model-len to 128"):
-        LLM(str(tiny_checkpoints["llama"]), kv_cache_memory="64KiB")
+        LLM(str(tiny_checkpoints["llama"]), kv_cache_memory="64KiB", dtype="float32")
 
 
 def test_unsupported_architecture_lists_the_supported(tmp_path, tiny_checkpoints):

@@ -73,13 +73,13 @@ class CpuPlatform(Platform):
 
     @classmethod
     def auto_dtype(cls, checkpoint_dtype: str | None) -> str:
-        """bfloat16 for a 16-bit checkpoint where the cores multiply bf16 natively (avx512_bf16 or
-        AMX: oneDNN's bf16 linears run ~2x fp32 on this machine's cores, benchmarks/README.md),
-        else float32: a float32 or unlabeled checkpoint (GGUF conversions), or a CPU that would
-        emulate bf16. float16 is never chosen: without AVX512-FP16 it runs ~10x slower here."""
-        if checkpoint_dtype in ("bfloat16", "float16") and native_bf16():
-            return "bfloat16"
-        return "float32"
+        """bfloat16 where the cores multiply bf16 natively (avx512_bf16 or AMX: oneDNN's bf16
+        linears run ~2x fp32 on this machine's cores, benchmarks/README.md), whatever the
+        checkpoint's dtype: float32 checkpoints (GGUF conversions among them) are downcast, as
+        vLLM's CPU build does (vllm/config/model.py _resolve_auto_dtype). float32 on cores that
+        would emulate bf16. float16 is never chosen: without AVX512-FP16 it runs ~10x slower here."""
+        del checkpoint_dtype  # every checkpoint dtype is served the same way on a given CPU
+        return "bfloat16" if native_bf16() else "float32"
 
     @classmethod
     def tied_head_copy(cls, dtype: str, tp: int) -> bool:

@@ -27,7 +27,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(folder, **parallel) -> tuple[list, object]:
-    llm = LLM(str(folder), **ENGINE_ARGS, **parallel)
+    llm = LLM(str(folder), dtype="float32", **ENGINE_ARGS, **parallel)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
     try:
         outputs = [o.outputs[0] for o in llm.generate(_prompts(), params)]
@@ -84,9 +84,9 @@ def test_tp2_halves_weight_bytes_per_rank(tmp_path, tiny_tokenizer_dir):
 
     # Wider than the default tiny model so replicated norms are a small share, as in real models.
     folder = make_tiny_checkpoint(tmp_path, tiny_tokenizer_dir, "llama", hidden_size=256, intermediate_size=512)
-    single = LLM(str(folder), kv_cache_memory="4MiB", max_model_len=128)
+    single = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", max_model_len=128)
     tp1_bytes = single.llm_engine.executor.weight_bytes
-    tp2 = LLM(str(folder), kv_cache_memory="4MiB", max_model_len=128, tensor_parallel_size=2)
+    tp2 = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", max_model_len=128, tensor_parallel_size=2)
     try:
         per_rank = tp2.llm_engine.executor.weight_bytes
     finally:
@@ -105,8 +105,8 @@ def test_hybrid_tp2_sizes_state_slots_and_blocks_per_rank(tiny_hybrid_checkpoint
     per-rank budget B gives what TP=1 gets from 2B (budgets tight enough that both limits bind)."""
     folder = str(tiny_hybrid_checkpoints["qwen3_5"])
     args = dict(block_size=8, max_model_len=104, max_num_seqs=32)
-    single = LLM(folder, kv_cache_memory="128KiB", **args).llm_engine.executor
-    tp2 = LLM(folder, kv_cache_memory="64KiB", tensor_parallel_size=2, **args).llm_engine
+    single = LLM(folder, dtype="float32", kv_cache_memory="128KiB", **args).llm_engine.executor
+    tp2 = LLM(folder, dtype="float32", kv_cache_memory="64KiB", tensor_parallel_size=2, **args).llm_engine
     try:
         got = (tp2.executor.num_blocks, tp2.executor.num_state_slots)
     finally:

@@ -18,7 +18,7 @@ from tengyun.platforms import platform_class
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11]]
 PARAMS = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
-SHAPE = dict(block_size=8, max_model_len=64, kv_cache_memory="1MiB", device="cpu")
+SHAPE = dict(block_size=8, max_model_len=64, kv_cache_memory="1MiB", device="cpu", dtype="float32")
 
 UNGUARDED = """
 import json, logging

@@ -14,7 +14,7 @@ PROMPTS = [[5, 17, 29, 41], [7, 7, 9], list(range(10, 60)), [100, 101, 102, 103,
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoints):
-    return LLM(str(tiny_checkpoints["llama"]), block_size=8, max_model_len=128,
+    return LLM(str(tiny_checkpoints["llama"]), dtype="float32", block_size=8, max_model_len=128,
                kv_cache_memory="2MiB", max_num_batched_tokens=64)
 
 
@@ -189,7 +189,7 @@ def test_max_logprobs_minus_one_gives_the_whole_vocabulary_as_transformers_score
     from transformers import AutoModelForCausalLM
 
     folder = tiny_checkpoints["llama"]
-    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="2MiB", max_logprobs=-1)
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="2MiB", max_logprobs=-1)
     prompt = PROMPTS[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=-1,
                                                 prompt_logprobs=-1))[0]

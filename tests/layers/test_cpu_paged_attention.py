@@ -236,13 +236,13 @@ def test_cpu_platform_picks_cpu_paged_and_the_engine_gives_torch_sdpas_tokens(ke
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     args = dict(block_size=8, max_model_len=96, kv_cache_memory="1MiB")
     with caplog.at_level("INFO", logger="tengyun.platforms.cpu"):
-        llm = LLM(folder, **args)
+        llm = LLM(folder, dtype="float32", **args)
     assert f"Attention backend: cpu_paged (compiled decode kernel, {kernels.isa()})" in caplog.text
     assert {m.backend.name for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)} == {
         "cpu_paged"}
     got = llm.generate(prompts, params)
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self, *args: "torch_sdpa")
-    want = LLM(folder, **args).generate(prompts, params)
+    want = LLM(folder, dtype="float32", **args).generate(prompts, params)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for got_top, want_top in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
@@ -255,7 +255,7 @@ FRESH_PROCESS = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     from tengyun import LLM, SamplingParams
     from tengyun.layers.attention.layer import Attention
-    llm = LLM(sys.argv[1], block_size=8, max_model_len=64, kv_cache_memory="1MiB")
+    llm = LLM(sys.argv[1], dtype="float32", block_size=8, max_model_len=64, kv_cache_memory="1MiB")
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     worker = llm.llm_engine.executor
     names = sorted({m.backend.name for m in worker.model.modules() if isinstance(m, Attention)})
@@ -284,5 +284,6 @@ def test_without_a_loadable_library_the_pytorch_path_runs_and_says_why(tiny_chec
     [line] = [line for line in run.stderr.splitlines() if "Attention backend:" in line]
     assert line.startswith("tengyun.platforms.cpu: Attention backend: torch_sdpa (") and expected in line
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    assert result["tokens"] == LLM(folder, block_size=8, max_model_len=64, kv_cache_memory="1MiB").generate(
+    assert result["tokens"] == LLM(folder, dtype="float32", block_size=8, max_model_len=64,
+                                   kv_cache_memory="1MiB").generate(
         [[5, 6, 7, 8]], params)[0].outputs[0].token_ids

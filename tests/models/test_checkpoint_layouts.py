@@ -57,7 +57,8 @@ def test_greedy_tokens_and_logprobs_equal_hf(layout_folders, caplog):
     prompts = _prompts(300)[:4]
     expected = _hf_reference(_hf_from_folder(layout.family, reference), prompts, 8)
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=32)
+        llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="1MiB",
+                  max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
     _assert_matches(llm.generate(prompts, params), expected)
 
@@ -80,7 +81,8 @@ def test_tp_and_pp_ranks_load_their_share_of_the_layout(build_layout, name, para
     folder, reference = build_layout(name)
     prompts = _prompts(300)[:4]
     expected = _hf_reference(_hf_from_folder(LAYOUTS[name].family, reference), prompts, 8)
-    llm = LLM(str(folder), block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_batched_tokens=32,
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=104, kv_cache_memory="1MiB",
+              max_num_batched_tokens=32,
               **parallel)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
     try:
@@ -166,6 +168,7 @@ def test_qwen3_moe_with_fused_experts_matches_hf(tmp_path, tiny_tokenizer_dir):
         shutil.copy(f, tmp_path / f.name)
     prompts = _prompts(300)[:4]
     expected = _hf_reference(model, prompts, 8)
-    llm = LLM(str(tmp_path), block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=32)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="1MiB",
+              max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
     _assert_matches(llm.generate(prompts, params), expected)

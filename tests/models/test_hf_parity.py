@@ -59,7 +59,7 @@ def test_greedy_matches_hf_under_pressure(tiny_checkpoints, arch, prefix_caching
     reference = _reference_cache[arch]
 
     llm = LLM(
-        str(folder), block_size=8, max_model_len=104,
+        str(folder), dtype="float32", block_size=8, max_model_len=104,
         num_gpu_blocks_override=13,  # 104 slots for ~660 tokens of demand: preemption must happen
         max_num_batched_tokens=32 if chunked else 104, max_num_seqs=16,
         enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked,
@@ -98,7 +98,7 @@ def test_rope_scaling_types_match_hf(tmp_path, tiny_tokenizer_dir, rope):
     folder = make_tiny_checkpoint(tmp_path, tiny_tokenizer_dir, "llama", rope_parameters=rope)
     prompts = _prompts(300)[5:8]  # 50-90 tokens: past original_max_position_embeddings
     reference = _hf_reference(folder, prompts)
-    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="1MiB")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
     for output, (ref_tokens, ref_tops) in zip(llm.generate(prompts, params), reference):
         assert output.outputs[0].token_ids == ref_tokens
@@ -112,7 +112,7 @@ def test_single_sequence_decode_of_64_tokens_matches_hf(tiny_checkpoints, arch):
     folder = tiny_checkpoints[arch]
     prompt = _prompts(300)[1]
     reference = _hf_reference(folder, [prompt], max_tokens=64)[0]
-    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="1MiB")
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=TOP_K))[0]
     assert out.outputs[0].token_ids == reference[0]
     for step, (ref_ids, ref_values) in enumerate(reference[1]):

@@ -44,7 +44,7 @@ def test_shared_prefixes_match_hf_with_hits_under_chunking_preemption_and_a_smal
         tiny_hybrid_checkpoints, arch):
     first, second = _turns(300)
     hf = make_tiny_qwen3_5(arch)
-    llm = LLM(str(tiny_hybrid_checkpoints[arch]), **SMALL_BUDGET)
+    llm = LLM(str(tiny_hybrid_checkpoints[arch]), dtype="float32", **SMALL_BUDGET)
     engine = llm.llm_engine
     assert (engine.scheduler.state_pool.num_slots, engine.scheduler.snapshots.num_rows) == (4, 4)
     assert engine.scheduler.block_manager.num_blocks == 16
@@ -139,11 +139,12 @@ def test_cached_states_are_never_corrupted(tiny_hybrid_checkpoints):
     shared = [rng.randrange(1, 300) for _ in range(20)]
     # 34 KiB at max_model_len 48: 2 slots + 2 snapshots and 6 blocks (48 tokens) for two sequences
     # of up to 46 tokens.
-    CachedStatesStayIntact.cached = LLM(folder, **{**SMALL_BUDGET, "max_model_len": 48, "kv_cache_memory": "34KiB",
-                                                   "max_num_seqs": 2})
+    CachedStatesStayIntact.cached = LLM(folder, dtype="float32", **{
+        **SMALL_BUDGET, "max_model_len": 48, "kv_cache_memory": "34KiB", "max_num_seqs": 2})
     sched = CachedStatesStayIntact.cached.llm_engine.scheduler
     assert (sched.state_pool.num_slots, sched.snapshots.num_rows, sched.block_manager.num_blocks) == (2, 2, 6)
-    CachedStatesStayIntact.reference = LLM(folder, block_size=8, max_model_len=48, enable_prefix_caching=False)
+    CachedStatesStayIntact.reference = LLM(folder, dtype="float32", block_size=8, max_model_len=48,
+                                           enable_prefix_caching=False)
     CachedStatesStayIntact.expected = {}
     CachedStatesStayIntact.prefixes = [shared[:8], shared, shared[:13] + [rng.randrange(1, 300) for _ in range(9)]]
     run_state_machine_as_test(CachedStatesStayIntact, settings=settings(max_examples=12, stateful_step_count=25,

@@ -93,7 +93,7 @@ def test_prompt_logprobs_match_hf_under_chunking_preemption_and_prefix_caching(
         tiny_checkpoints, tiny_hybrid_checkpoints, arch):
     folder = {**tiny_checkpoints, **tiny_hybrid_checkpoints}[arch]
     prompts, reference = _prompts(), _reference_for(folder)
-    llm = LLM(str(folder), enable_prefix_caching=True, **ENGINE_ARGS)
+    llm = LLM(str(folder), dtype="float32", enable_prefix_caching=True, **ENGINE_ARGS)
     preempted = _record_preemptions(llm)
     outputs = llm.generate(prompts, _params())
 
@@ -113,7 +113,7 @@ def test_prompt_logprobs_match_hf_under_chunking_preemption_and_prefix_caching(
 
 def test_prompt_logprobs_do_not_change_the_completion(tiny_checkpoints):
     folder = tiny_checkpoints["llama"]
-    llm = LLM(str(folder), enable_prefix_caching=True, **ENGINE_ARGS)
+    llm = LLM(str(folder), dtype="float32", enable_prefix_caching=True, **ENGINE_ARGS)
     with_logprobs = llm.generate(_prompts(), _params())
     plain = llm.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2))
     for a, b in zip(with_logprobs, plain):
@@ -128,7 +128,8 @@ def test_prompt_logprobs_under_tp2_pp2_match_hf(tiny_checkpoints, arch):
     """Logits are gathered to TP rank 0 of the last stage: every TP rank must compute the same
     prompt rows (a collective), and only the sampling rank reports them."""
     folder = tiny_checkpoints[arch]
-    llm = LLM(str(folder), enable_prefix_caching=True, tensor_parallel_size=2, pipeline_parallel_size=2,
+    llm = LLM(str(folder), dtype="float32", enable_prefix_caching=True, tensor_parallel_size=2,
+              pipeline_parallel_size=2,
               **ENGINE_ARGS)
     try:
         outputs = llm.generate(_prompts(), _params())
@@ -153,7 +154,7 @@ def test_one_token_prompt_chunks_in_graph_replayed_decode_steps_match_hf(tiny_ch
     monkeypatch.setattr(TorchSDPABackend, "supports_decode_graphs", True)
     folder = tiny_checkpoints["llama"]
     prompts = _prompts()[:2]
-    llm = LLM(str(folder), block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_seqs=4,
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_seqs=4,
               max_num_batched_tokens=2)
     graphs = llm.llm_engine.executor.runner.decode_graphs
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=TOP_N)

@@ -84,7 +84,7 @@ def assert_batch_matches_under_preemption(hf_model, folder, **engine_args):
     """12 prompts, 12 greedy tokens each, under chunked prefill and forced preemption: HF's tokens
     and top-5 logprobs; afterwards no KV block or state slot is held. Returns the engine."""
     reference = _hf_reference(hf_model, _prompts(300), 12)
-    llm = LLM(str(folder), block_size=8, max_model_len=104,
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=104,
               num_gpu_blocks_override=13,  # 104 slots for ~660 tokens of demand: preemption must happen
               max_num_batched_tokens=32, max_num_seqs=16, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
@@ -100,7 +100,7 @@ def assert_batch_matches_under_preemption(hf_model, folder, **engine_args):
 def assert_64_token_decode_matches(hf_model, folder):
     prompt = _prompts(300)[1]
     reference = _hf_reference(hf_model, [prompt], 64)
-    llm = LLM(str(folder), block_size=8, max_model_len=128, kv_cache_memory="1MiB")
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="1MiB")
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=TOP_K)
     _assert_matches(llm.generate([prompt], params), reference)
 
@@ -120,11 +120,11 @@ def test_single_sequence_decode_of_64_tokens_matches_hf(arch_checkpoint):
 def test_multimodal_layout_gives_the_text_only_tokens(text_checkpoint, multimodal_checkpoint, caplog):
     prompts = _prompts(300)[:6]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    text = LLM(str(text_checkpoint), block_size=8, max_model_len=128, kv_cache_memory="1MiB",
+    text = LLM(str(text_checkpoint), dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="1MiB",
                max_num_batched_tokens=32)
     expected = [o.outputs[0].token_ids for o in text.generate(prompts, params)]
     with caplog.at_level(logging.INFO, logger="tengyun.models.loader"):
-        mm = LLM(str(multimodal_checkpoint), block_size=8, max_model_len=128, kv_cache_memory="1MiB",
+        mm = LLM(str(multimodal_checkpoint), dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="1MiB",
                  max_num_batched_tokens=32)
     assert caplog.text.count("model.visual.* checkpoint tensors: vision tower") == 1
     assert [o.outputs[0].token_ids for o in mm.generate(prompts, params)] == expected
@@ -171,7 +171,7 @@ def test_tp_that_does_not_divide_the_linear_heads_names_the_field(tmp_path, tiny
     for f in tiny_tokenizer_dir.iterdir():
         shutil.copy(f, tmp_path / f.name)
     with pytest.raises(ValueError, match="does not divide linear_num_key_heads 1"):
-        EngineConfig(str(tmp_path), tensor_parallel_size=2).finalize()
+        EngineConfig(str(tmp_path), dtype="float32", tensor_parallel_size=2).finalize()
 
 
 def test_state_shape_per_tp_rank_holds_its_share_of_the_heads():

@@ -78,7 +78,7 @@ def test_unpacked_projections_give_hf_query_key_value_z_b_a():
 
 
 def test_config_without_layer_types_is_hybrid_from_full_attention_interval(checkpoints):
-    config = EngineConfig(str(checkpoints[True])).finalize()
+    config = EngineConfig(str(checkpoints[True]), dtype="float32").finalize()
     assert config.model_spec.layer_types == ("linear_attention", "full_attention") * 2
     assert config.architecture == "Qwen3NextForCausalLM"
     assert config.enable_prefix_caching  # on by default: hits restore the recurrent state too
@@ -102,7 +102,7 @@ def test_tp_and_pp_ranks_split_the_unpacked_projections_and_match_hf(checkpoints
     in_proj_b / in_proj_a unpacked from the full checkpoint tensors; PP 2: one of each layer type per stage."""
     prompts = _prompts(300)[:6]
     reference = _hf_reference(_hf_model(), prompts, 8)
-    llm = LLM(str(checkpoints[True]), block_size=8, max_model_len=104, kv_cache_memory="1MiB",
+    llm = LLM(str(checkpoints[True]), dtype="float32", block_size=8, max_model_len=104, kv_cache_memory="1MiB",
               max_num_batched_tokens=32, **parallel)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
     try:

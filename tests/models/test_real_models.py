@@ -50,7 +50,7 @@ def _hf_greedy(gguf_path, prompts):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_real_model_matches_hf_greedy_and_knows_paris(model):
     reference = _hf_greedy(MODELS[model](), PROMPTS)
-    llm = LLM(model, max_model_len=512, kv_cache_memory="256MiB")
+    llm = LLM(model, dtype="float32", max_model_len=512, kv_cache_memory="256MiB")
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     for output, (ref_prompt_ids, ref_tokens) in zip(outputs, reference):

@@ -158,7 +158,7 @@ def test_plan_and_engine_agree_on_kv_blocks(tiny_checkpoints):
     folder = tiny_checkpoints["qwen3"]
     budget = 1_000_000
     plan = make_plan(read_model(folder)[0], PlanRequest(kv_cache_memory=budget, dtype="float32", max_model_len=256))
-    llm = LLM(str(folder), kv_cache_memory=budget)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=budget)
     engine_blocks = llm.llm_engine.scheduler.block_manager.num_blocks
     # 2 layers x 2 KV heads x 32 head dim x 2 (K, V) x 4 B = 1024 B per token; 16-token blocks.
     assert plan.stages[0].kv_bytes_per_token == 1024

@@ -35,15 +35,16 @@ def test_kv_cache_takes_a_fraction_of_device_memory_where_it_is_not_in_host_memo
     args = dict(block_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
     spec = EngineConfig(model=folder, **args).finalize().model_spec
     activation, _ = activation_estimate(spec, 1, 64, 4, 4)  # the step's reserve, as `tengyun plan` takes it
-    expected = LLM(folder, kv_cache_memory=2 * MIB - activation, **args).llm_engine.executor.num_blocks
+    expected = LLM(folder, dtype="float32", kv_cache_memory=2 * MIB - activation, **args).llm_engine.executor.num_blocks
     monkeypatch.setattr(CpuPlatform, "kv_cache_in_host_memory", False)
     # 16 MiB device, 6 MiB in use: 0.5 x 16 - 6 = 2 MiB less activations for the KV cache;
     # --kv-cache-memory is ignored.
     monkeypatch.setattr(CpuPlatform, "memory_info", lambda self: (10 * MIB, 16 * MIB))
-    device = LLM(folder, kv_cache_memory="1MiB", gpu_memory_utilization=0.5, **args).llm_engine.executor
+    device = LLM(folder, dtype="float32", kv_cache_memory="1MiB", gpu_memory_utilization=0.5,
+                 **args).llm_engine.executor
     assert device.num_blocks == expected
     with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
-        LLM(folder, gpu_memory_utilization=0.3, **args)  # 4.8 MiB is less than the 6 MiB in use
+        LLM(folder, dtype="float32", gpu_memory_utilization=0.3, **args)  # 4.8 MiB is less than the 6 MiB in use
 
 
 def test_metrics_report_cpu_kv_space_only_where_the_kv_cache_is_in_host_memory(tiny_checkpoints, monkeypatch):

@@ -113,11 +113,12 @@ def test_npu_kernels_give_the_cpu_kernels_tokens(modelslim, monkeypatch):
     prompts, params = [[5, 6, 7], list(range(1, 40))], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     args = dict(block_size=8, max_model_len=64, kv_cache_memory="1MiB")
     folders = [modelslim["qwen2", kind][0] for kind in ("W8A8_DYNAMIC", "W8A8")]
-    reference = [[o.outputs[0].token_ids for o in LLM(str(f), **args).generate(prompts, params)] for f in folders]
+    reference = [[o.outputs[0].token_ids for o in LLM(str(f), dtype="float32", **args).generate(prompts,
+                                                      params)] for f in folders]
     fake = fake_torch_npu.module()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(CpuPlatform, "quant_linear_kernel", lambda self, scheme, dtype: npu_quant_kernel(scheme))
-    assert [[o.outputs[0].token_ids for o in LLM(str(f), **args).generate(prompts, params)]
+    assert [[o.outputs[0].token_ids for o in LLM(str(f), dtype="float32", **args).generate(prompts, params)]
             for f in folders] == reference
     assert fake.calls["npu_quantize"] > 0 and fake.calls["npu_dynamic_quant"] > 0
     assert fake.calls["npu_quant_matmul"] == fake.calls["npu_quantize"] + fake.calls["npu_dynamic_quant"]

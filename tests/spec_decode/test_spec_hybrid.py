@@ -26,7 +26,7 @@ def test_greedy_tokens_and_logprobs_identical_with_rejected_drafts(tiny_hybrid_c
                              logit_bias=BIAS if i % 2 == 0 else None) for i in range(len(PROMPTS))]
     outputs = {}
     for spec in (None, NGRAM):
-        llm = LLM(path, speculative_config=spec, **SMALL)
+        llm = LLM(path, dtype="float32", speculative_config=spec, **SMALL)
         outputs[spec is not None] = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     stats, engine_stats = llm.llm_engine.scheduler.spec_stats, llm.llm_engine.get_stats()
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts held and failed

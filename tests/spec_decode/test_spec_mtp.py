@@ -133,7 +133,8 @@ def _mtp(k: int) -> dict:
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_drafts_equal_the_hf_reference_head(mtp_checkpoint, k):
     folder, target, reference = mtp_checkpoint
-    llm = LLM(str(folder), block_size=8, max_model_len=104, kv_cache_memory="1MiB", speculative_config=_mtp(k))
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_model_len=104, kv_cache_memory="1MiB",
+              speculative_config=_mtp(k))
     engine = llm.llm_engine
     engine.add_request("r", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     checked = 0
@@ -150,7 +151,7 @@ def test_the_head_catches_up_in_prefill_steps_that_sample_nothing(mtp_checkpoint
     """A 40-token prompt in 16-token chunks: the head's KV of every prompt position is what one
     40-token step writes (steps without a sampled token run the head too)."""
     def head_kv(step_tokens: int | None) -> torch.Tensor:
-        llm = LLM(str(mtp_checkpoint[0]), block_size=8, max_model_len=104, kv_cache_memory="1MiB",
+        llm = LLM(str(mtp_checkpoint[0]), dtype="float32", block_size=8, max_model_len=104, kv_cache_memory="1MiB",
                   speculative_config=_mtp(1), max_num_batched_tokens=step_tokens)
         llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=1))
         layer = next(m for m in llm.llm_engine.executor.runner.mtp.head.modules() if hasattr(m, "k_cache"))
@@ -175,7 +176,7 @@ def _assert_same_as_without_speculation(path: str, accepted_at_least: int) -> No
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     outputs = {}
     for spec in (None, _mtp(2)):
-        llm = LLM(path, speculative_config=spec, **SMALL)
+        llm = LLM(path, dtype="float32", speculative_config=spec, **SMALL)
         outputs[spec is not None] = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     stats, engine_stats = llm.llm_engine.scheduler.spec_stats, llm.llm_engine.get_stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= accepted_at_least
@@ -187,7 +188,7 @@ def _assert_same_as_without_speculation(path: str, accepted_at_least: int) -> No
 def _drafts_and_tokens(path: str, spec: dict | None, **engine_args) -> tuple[list, dict, object]:
     """Every step's drafts (per request, as the engine holds them after the step), each request's
     greedy tokens, and the engine's stats."""
-    llm = LLM(path, speculative_config=spec, **{**SMALL, **engine_args})
+    llm = LLM(path, dtype="float32", speculative_config=spec, **{**SMALL, **engine_args})
     engine = llm.llm_engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
@@ -228,7 +229,8 @@ def test_the_heads_kv_cache_comes_out_of_the_kv_budget(mtp_checkpoint):
     """Tiny Qwen3.5 has one attention layer (Qwen3-Next two); the head adds one: the same budget
     holds 1/2 (2/3) of the blocks (the state slots come first and are the same)."""
     folder = str(mtp_checkpoint[0])
-    blocks = {spec is not None: LLM(folder, block_size=8, max_model_len=104, kv_cache_memory="1MiB", max_num_seqs=2,
+    blocks = {spec is not None: LLM(folder, dtype="float32", block_size=8, max_model_len=104, kv_cache_memory="1MiB",
+                                    max_num_seqs=2,
                                     speculative_config=spec).llm_engine.get_stats().num_kv_blocks
               for spec in (None, _mtp(1))}
     layers = 2 if "next" in folder else 1
@@ -248,7 +250,7 @@ def test_server_with_mtp_answers_the_openai_client_as_without_it(mtp_checkpoint,
 
     folder = mtp_checkpoint[0]
     server = RemoteServer(folder, ["--served-model-name", "m", "--speculative-config", json.dumps(_mtp(2)),
-                                   "--max-model-len", "104"], tmp_path / "server.log")
+                                   "--max-model-len", "104", "--dtype", "float32"], tmp_path / "server.log")
     try:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -257,7 +259,7 @@ def test_server_with_mtp_answers_the_openai_client_as_without_it(mtp_checkpoint,
         scraped = httpx.get(server.url + "/metrics", timeout=30).text
     finally:
         server.stop()
-    expected = LLM(str(folder), max_model_len=104, kv_cache_memory="1MiB").generate(
+    expected = LLM(str(folder), dtype="float32", max_model_len=104, kv_cache_memory="1MiB").generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert texts == [e.outputs[0].text for e in expected]
     assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"}' in scraped

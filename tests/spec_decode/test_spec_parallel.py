@@ -16,7 +16,7 @@ ENGINE_ARGS = dict(block_size=8, max_model_len=88, num_gpu_blocks_override=11, m
 
 
 def _generate(folder, bias, **engine_args):
-    llm = LLM(str(folder), **{**ENGINE_ARGS, **engine_args})
+    llm = LLM(str(folder), dtype="float32", **{**ENGINE_ARGS, **engine_args})
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias=bias if i % 2 == 0 else None)
               for i in range(len(PROMPTS))]
     try:

@@ -58,6 +58,7 @@ def server(tmp_path_factory):
         "--served-model-name", MODEL, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
         "--trust-request-chat-template",  # the tests bring their own templates
+        "--dtype", "float32",  # a whole answer and its stream (a prefix-cache hit) agree on every greedy near-tie
     ], log, env={"OMP_NUM_THREADS": "1"})
 
 
