@@ -54,7 +54,8 @@ def run_once(args, folder: str, workload: str, env: dict[str, str], busy: bool) 
     load_before = open("/proc/loadavg").read().split()[:3]
     busy_before, ours_before, wall_before = machine_busy_s(), children_cpu_s(), time.monotonic()
     cmd = [sys.executable, os.path.join(HERE, "offline_throughput.py"), "--child", "--system", "tengyun",
-           "--folder", folder, "--workload", workload, "--max-model-len", str(args.max_model_len)]
+           "--folder", folder, "--workload", workload, "--max-model-len", str(args.max_model_len),
+           "--dtype", args.dtype]
     full_env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     try:
         proc = subprocess.run(cmd, env={**full_env, **env}, capture_output=True, text=True)
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--busy-core", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                        help="Tengyun's --dtype (auto: its default, bfloat16 on cores with native bf16)")
     parser.add_argument("--setting", action="append", default=[],
                         help="NAME or NAME=VAR=VALUE[,VAR=VALUE]; repeatable (default: just 'default')")
     parser.add_argument("--json", default=None)

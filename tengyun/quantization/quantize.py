@@ -9,9 +9,9 @@ calibration data). Qwen3.5 and Qwen3-Next keep in 16 bits what their layers woul
 whole: the one-row shared_expert_gate, the per-head in_proj_b / in_proj_a (Qwen3-Next's
 in_proj_ba; vLLM runs them as one in_proj_ba layer), and the vision tower and MTP layers a
 multimodal checkpoint holds (not decoder layers: copied as stored, and ignored by name).
-Everything else is copied as stored. The folder holds config.json with the quantization_config compressed-tensors
-0.20.1 writes, the safetensors (one per input shard, same names, with an index when the input had
-one) and every other file of the input (tokenizer, generation_config.json, ...).
+Everything else is copied as stored. The folder holds config.json with the quantization_config
+compressed-tensors 0.20.1 writes, the safetensors (one per input shard, same names, with an index
+when the input had one) and every other file of the input (tokenizer, generation_config.json, ...).
 """
 
 from __future__ import annotations
