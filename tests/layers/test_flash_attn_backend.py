@@ -91,12 +91,12 @@ def test_engine_gives_torch_sdpas_greedy_tokens_on_flash_attn(tmp_path_factory, 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     args = dict(dtype="bfloat16", block_size=BLOCK, max_model_len=1024, kv_cache_memory="4MiB",
                 max_num_batched_tokens=160)
-    reference = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32", **args).generate(prompts, params)]
+    reference = [o.outputs[0].token_ids for o in LLM(folder, **args).generate(prompts, params)]
 
     fake = fake_flash_attn.module()
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self, *args: "flash_attn")
-    llm = LLM(folder, dtype="float32", **args)
+    llm = LLM(folder, **args)
     layers = [m for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)]
     assert {layer.backend.name for layer in layers} == {"flash_attn"}
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
@@ -115,12 +115,11 @@ def test_decode_graphs_replay_flash_attn_decodes(tmp_path_factory, tiny_tokenize
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self, *args: "flash_attn")
     # The reference: the same backend run eagerly (bf16 on a random model: another backend's
     # roundings can flip near-tied tokens).
-    reference = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32", **args,
-                                                     enforce_eager=True).generate(prompts, params)]
+    reference = [o.outputs[0].token_ids for o in LLM(folder, **args, enforce_eager=True).generate(prompts, params)]
     monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
     monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(): (forward(), forward)[1])
     monkeypatch.setattr(CpuPlatform, "graph_batch_limit", lambda self, kernels: 512)  # the stand-in records any size
-    llm = LLM(folder, dtype="float32", **args)
+    llm = LLM(folder, **args)
     graphs = llm.llm_engine.executor.runner.decode_graphs
     assert graphs is not None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference

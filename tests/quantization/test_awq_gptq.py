@@ -66,11 +66,27 @@ def test_gptq_config_fields_pick_the_tensors_kept():
     assert quant.scheme_for("model.layers.3.self_attn.q_proj") and not quant.scheme_for("model.layers.3.mlp.up_proj")
 
 
+def test_gptq_dynamic_first_matching_pattern_decides_as_vllm_reads_it():
+    """GPTQModel's dynamic, in order: "-:" leaves a module dense, "+:" overrides the top-level values."""
+    def config(*entries):
+        return gptq.from_config({**Format("gptq").quantization_config(), "dynamic": dict(entries)})
+
+    skip_mlp, down_8 = (r"-:.*\.mlp\..*", {}), (r"+:.*down_proj", {"bits": 8, "group_size": 64})
+    quant = config(skip_mlp, down_8)
+    assert quant.scheme_for("model.layers.0.mlp.down_proj") is None  # the first match skips it
+    assert quant.scheme_for("model.layers.0.self_attn.o_proj").weight_bits == 4  # no match: the top level
+    down = config(down_8, skip_mlp).scheme_for("model.layers.0.mlp.down_proj")
+    assert (down.weight_bits, down.group_size) == (8, 64)
+    assert config(down_8, skip_mlp).scheme_for("model.layers.0.mlp.up_proj") is None
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(bits=3), r"bits is 3; Tengyun's GPTQ reader supports 4, 8"),
     (dict(group_size=16), r"group_size is 16; Tengyun's GPTQ reader supports 32, 64, 128, 256, -1"),
     (dict(lm_head=True), r"lm_head is true .*re-quantize with lm_head false"),
-    (dict(dynamic={r"+:.*\.1\..*": {"bits": 8}}), r"dynamic .*per-module overrides.* not supported"),
+    (dict(dynamic=[r"-:.*mlp.*"]), r"dynamic must map module regexes"),
+    (dict(dynamic={r"+:.*\.1\..*": {"group_size": 16}}),
+     r"quantization_config\.dynamic\['\+:[^']*'\]\.group_size is 16; Tengyun's GPTQ reader supports 32"),
 ])
 def test_gptq_config_tengyun_cannot_run_names_the_field(change, message):
     with pytest.raises(QuantizationError, match=message):
