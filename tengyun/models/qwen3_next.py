@@ -95,7 +95,8 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
         if kind not in _ROW_TENSORS:
             raise ValueError(f"checkpoint tensor {name}: Tengyun splits {module} into {' and '.join(names)} by "
                              f"rows, which it can do for {', '.join(_ROW_TENSORS)} (dense or compressed-tensors) "
-                             f"but not for {kind} (AWQ / GPTQ pack output columns): keep {module} unquantised")
+                             f"but not for {kind} (AWQ / GPTQ store outputs as columns, their zero points packed "
+                             f"along them): keep {module} unquantised")
         if tensor.shape[0] != rows:
             raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} rows but config.json's linear_* sizes "
                              f"give {rows}: use the config.json that came with these weights")
