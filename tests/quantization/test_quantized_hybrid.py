@@ -132,8 +132,8 @@ def test_the_multimodal_layout_quantises_and_serves_as_the_text_only_one(hybrid,
 
 
 def test_qwen3_next_fused_projection_in_a_column_packed_layout_names_the_tensor(hybrid, tmp_path):
-    """GPTQ / AWQ pack in_proj_qkvz's output columns, which Tengyun cannot split by rows: start-up
-    stops naming the tensor and what to do (exit 2 through the CLI, as every checkpoint error)."""
+    """GPTQ / AWQ store in_proj_qkvz's outputs as columns, which Tengyun does not split by rows:
+    start-up stops naming the tensor and what to do."""
     folder = shutil.copytree(hybrid["qwen3_next", "w4a16"][0], tmp_path / "gptq_like")
     tensors = load_file(folder / "model.safetensors")
     name = "model.layers.0.linear_attn.in_proj_qkvz"
