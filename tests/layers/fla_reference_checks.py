@@ -163,7 +163,7 @@ def test_qwen3_5_generates_the_same_tokens_through_the_fla_mapping(tiny_hybrid_c
     folder = str(tiny_hybrid_checkpoints["qwen3_5"])
     prompts = [[5, 6, 7], list(range(1, 80)), list(range(1, 40)) + [9, 9]]  # 79 tokens: chunked over 4 steps
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    args = dict(block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=24)
+    args = dict(dtype="float32", block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=24)
     reference = [o.outputs[0].token_ids for o in LLM(folder, **args).generate(prompts, params)]
 
     monkeypatch.setattr(CpuPlatform, "gated_delta_rule_kernel", lambda self: _reference_callees()[0])

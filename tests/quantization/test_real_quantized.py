@@ -34,7 +34,7 @@ MIN_TOP1_AGREEMENT = {("smollm2", "w8a8"): 0.8, ("smollm2", "w4a16"): 0.5,
 @pytest.fixture(scope="module", params=list(MODELS))
 def fp32_run(request) -> tuple[str, list[list[int]]]:
     """(model, prompt + fp32 greedy continuation token ids per prompt)."""
-    llm = LLM(MODELS[request.param], **ENGINE)
+    llm = LLM(MODELS[request.param], dtype="float32", **ENGINE)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
     llm.llm_engine.shutdown()
     del llm
