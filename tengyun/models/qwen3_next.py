@@ -58,6 +58,10 @@ def split_ba(w: torch.Tensor, num_k_heads: int) -> tuple[torch.Tensor, torch.Ten
 # and compressed-tensors' (`tengyun quantize`, llm-compressor) rows of packed or int8 weights with
 # their per-row scales and zero points; weight_shape [out, in] is rewritten per part.
 _ROW_TENSORS = ("weight", "weight_packed", "weight_scale", "weight_zero_point")
+# AWQ's and GPTQ's, whose outputs are the last dim: scales [groups, out], qweight [in / 8, out]
+# (GPTQ) or [in, out / 8] (AWQ), qzeros [groups, out * bits / 32]. A packed word holds consecutive
+# outputs, so a split at a multiple of the pack keeps every word whole. g_idx [in] serves both parts.
+_COLUMN_TENSORS = ("qweight", "qzeros", "scales")
 _FUSED = ("in_proj_qkvz", "in_proj_ba")
 
 
@@ -79,8 +83,8 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     def checkpoint_transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
         """'...linear_attn.in_proj_qkvz.weight' -> in_proj_qkv and in_proj_z; '...linear_attn.in_proj_ba.weight'
         -> in_proj_b and in_proj_a (full tensors, Qwen3.5's layout; a quantised one's rows, scales and
-        zero points alike, _ROW_TENSORS); fused 3-D experts per expert (FusedMoE.split_fused_experts);
-        None (as stored) for the rest."""
+        zero points alike, _ROW_TENSORS, or AWQ's / GPTQ's columns, _COLUMN_TENSORS); fused 3-D experts
+        per expert (FusedMoE.split_fused_experts); None (as stored) for the rest."""
         prefix, sep, leaf = name.rpartition(".linear_attn.")
         module, _, kind = leaf.partition(".")
         if not sep or module not in _FUSED:
@@ -92,17 +96,34 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
             shapes = [tensor if tensor.is_meta else torch.tensor([rows, int(tensor[1])])
                       for rows in self._part_rows(qkvz)]
             return [(f"{prefix}.linear_attn.{n}.{kind}", shape) for n, shape in zip(names, shapes)]
+        if kind == "g_idx":
+            return [(f"{prefix}.linear_attn.{n}.{kind}", tensor) for n in names]
+        if kind in _COLUMN_TENSORS:
+            parts = self._split_outputs(name, tensor.t(), qkvz, rows)
+            return [(f"{prefix}.linear_attn.{n}.{kind}", t.t().contiguous()) for n, t in zip(names, parts)]
         if kind not in _ROW_TENSORS:
-            raise ValueError(f"checkpoint tensor {name}: Tengyun splits {module} into {' and '.join(names)} by "
-                             f"rows, which it can do for {', '.join(_ROW_TENSORS)} (dense or compressed-tensors) "
-                             f"but not for {kind} (AWQ / GPTQ store outputs as columns, their zero points packed "
-                             f"along them): keep {module} unquantised")
-        if tensor.shape[0] != rows:
-            raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} rows but config.json's linear_* sizes "
-                             f"give {rows}: use the config.json that came with these weights")
-        parts = split_qkvz(tensor, self.num_k_heads, self.k_dim, self.group_v) if qkvz else \
-            split_ba(tensor, self.num_k_heads)
+            raise ValueError(f"checkpoint tensor {name}: Tengyun splits {module} into {' and '.join(names)}, "
+                             f"which it can do for {', '.join(_ROW_TENSORS + _COLUMN_TENSORS)} and g_idx "
+                             f"(dense, compressed-tensors, AWQ, GPTQ) but not for {kind}: keep {module} unquantised")
+        parts = self._split_outputs(name, tensor, qkvz, rows)
         return [(f"{prefix}.linear_attn.{n}.{kind}", t) for n, t in zip(names, parts)]
+
+    def _split_outputs(self, name: str, tensor: torch.Tensor, qkvz: bool, outputs: int) -> tuple[torch.Tensor, ...]:
+        """A fused projection's tensor with its outputs along dim 0, ``pack`` outputs to a row (1, or
+        8 / 4 for AWQ's and GPTQ's 4- / 8-bit zero points) -> its two parts, the same way."""
+        pack, left = divmod(outputs, tensor.shape[0]) if tensor.shape[0] else (0, 1)
+        if left or not pack:
+            raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} output rows or packed words but "
+                             f"config.json's linear_* sizes give {outputs} outputs: use the config.json that came "
+                             f"with these weights")
+        segments = (self.k_dim, self.group_v) if qkvz else (self.num_v_heads // self.num_k_heads,)
+        if any(size % pack for size in segments):
+            raise ValueError(f"checkpoint tensor {name} packs {pack} outputs to a word, which does not divide "
+                             f"the per-head segments {list(segments)} it splits at: keep this projection "
+                             f"unquantised or quantise it with another layout")
+        if qkvz:
+            return split_qkvz(tensor, self.num_k_heads, self.k_dim // pack, self.group_v // pack)
+        return split_ba(tensor, self.num_k_heads)
 
     def _part_rows(self, qkvz: bool) -> tuple[int, int]:
         """Rows of (in_proj_qkv, in_proj_z) or (in_proj_b, in_proj_a)."""

@@ -121,13 +121,15 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     return tensor.dim() == 2 and name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 
-def write_checkpoint(source: Path, folder: Path, twin: Path, fmt: Format, seed: int = 0) -> tuple[Path, Path]:
-    """``source``'s tiny HF folder -> (``folder`` in ``fmt``, ``twin``: fp32, its dequantized weights)."""
+def write_checkpoint(source: Path, folder: Path, twin: Path, fmt: Format, seed: int = 0,
+                     quantized=is_quantized) -> tuple[Path, Path]:
+    """``source``'s tiny HF folder -> (``folder`` in ``fmt``, ``twin``: fp32, its dequantized weights).
+    ``quantized(name, tensor)``: whether a tensor is a linear weight the format may quantise."""
     rng = np.random.default_rng(seed)
     stored, dense = {}, {}
     for name, tensor in load_file(source / "model.safetensors").items():
         module = name.removesuffix(".weight")
-        written = fmt.for_module(module) if is_quantized(name, tensor) else None
+        written = fmt.for_module(module) if quantized(name, tensor) else None
         if written is None:
             stored[name] = dense[name] = tensor
             continue

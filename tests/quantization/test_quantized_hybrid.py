@@ -14,6 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from awq_gptq_layouts import Format, write_checkpoint
 from conftest import QWEN3_5_TEXT, QWEN3_NEXT, make_tiny_qwen3_5, randomize_norms_and_routers
 from test_quantized_models import (W8A8_LOGPROB_TOLERANCE, _hf_greedy, _hf_logprobs, _prompts, _tengyun,
                                    dequantized_twin)
@@ -131,14 +132,56 @@ def test_the_multimodal_layout_quantises_and_serves_as_the_text_only_one(hybrid,
     assert [o.token_ids for o in _tengyun(folder)] == expected
 
 
-def test_qwen3_next_fused_projection_in_a_column_packed_layout_names_the_tensor(hybrid, tmp_path):
-    """GPTQ / AWQ store in_proj_qkvz's outputs as columns, which Tengyun does not split by rows:
-    start-up stops naming the tensor and what to do."""
-    folder = shutil.copytree(hybrid["qwen3_next", "w4a16"][0], tmp_path / "gptq_like")
+# The Gated DeltaNet's one-row-per-head gates stay dense, as GPTQModel's Qwen3-Next releases keep them.
+_NEXT_DENSE = (("-:.*in_proj_ba$", {}), ("-:.*shared_expert_gate$", {}))
+_NEXT_FORMATS = {"awq": Format("awq", group=32, dynamic=_NEXT_DENSE),
+                 "gptq4_act_order": Format("gptq", bits=4, desc_act=True, dynamic=_NEXT_DENSE),
+                 "gptq8_sym_v2": Format("gptq", bits=8, sym=True, checkpoint_format="gptq_v2", dynamic=_NEXT_DENSE)}
+
+
+def _next_linear(name, tensor) -> bool:
+    return tensor.dim() == 2 and name.startswith("model.layers.") and name.endswith(("_proj.weight", "_qkvz.weight"))
+
+
+@pytest.fixture(scope="module")
+def next_awq_gptq(hybrid, tmp_path_factory):
+    """{case: (Qwen3-Next folder with in_proj_qkvz, out_proj, attention and MLPs in AWQ / GPTQ, its twin)}."""
+    root, source = tmp_path_factory.mktemp("next_awq_gptq"), hybrid["qwen3_next", "w4a16"][1]
+    folders = {}
+    for case, fmt in _NEXT_FORMATS.items():
+        folders[case] = write_checkpoint(source, root / case, root / f"{case}_twin", fmt, quantized=_next_linear)
+        if fmt.method == "awq":  # AutoAWQ names what it left dense
+            config_file = root / case / "config.json"
+            config = json.loads(config_file.read_text())
+            config["quantization_config"]["modules_to_not_convert"] = ["in_proj_ba", "shared_expert_gate"]
+            config_file.write_text(json.dumps(config))
+    return folders
+
+
+@pytest.mark.parametrize("case", list(_NEXT_FORMATS))
+def test_qwen3_next_awq_gptq_fused_projection_splits_by_columns(next_awq_gptq, case):
+    """AWQ / GPTQ store in_proj_qkvz's outputs as columns (zero points packed 8 or 4 to a word
+    along them): split per key head at load, greedy tokens equal HF's on the dequantized twin."""
+    folder, twin = next_awq_gptq[case]
+    assert "model.layers.0.linear_attn.in_proj_qkvz.qweight" in load_file(folder / "model.safetensors")
+    assert [o.token_ids for o in _tengyun(folder)] == _hf_greedy(twin, _prompts())
+
+
+def test_qwen3_next_awq_gptq_tp2_over_gloo_gives_the_single_process_tokens(next_awq_gptq):
+    folder, _ = next_awq_gptq["gptq4_act_order"]
+    assert [o.token_ids for o in _tengyun(folder, tensor_parallel_size=2)] == \
+        [o.token_ids for o in _tengyun(folder)]
+
+
+def test_qwen3_next_fused_projection_that_packs_across_a_head_names_the_tensor(hybrid, tmp_path):
+    """A packed word that would straddle two key heads' segments cannot be split: start-up stops
+    naming the tensor and what to do."""
+    folder = shutil.copytree(hybrid["qwen3_next", "w4a16"][0], tmp_path / "straddling")
     tensors = load_file(folder / "model.safetensors")
     name = "model.layers.0.linear_attn.in_proj_qkvz"
-    tensors[f"{name}.qweight"] = tensors.pop(f"{name}.weight_packed")
+    packed = tensors.pop(f"{name}.weight_packed")  # [160, 8] int32: as qzeros, 16 outputs a word
+    tensors[f"{name}.qzeros"] = packed[:10].t().contiguous()
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"{name}\.qweight: Tengyun splits in_proj_qkvz into in_proj_qkv and "
-                                         r"in_proj_z by rows.*keep in_proj_qkvz unquantised"):
+    with pytest.raises(ValueError, match=rf"{name}\.qzeros packs 16 outputs to a word, which does not divide "
+                                         r"the per-head segments \[8, 32\].*keep this projection unquantised"):
         _tengyun(folder)
