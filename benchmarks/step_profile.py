@@ -8,6 +8,7 @@ the engine step (scheduler, input preparation, outputs), as medians over the dec
 
     python benchmarks/step_profile.py [--profile]
     OMP_NUM_THREADS=2 python benchmarks/step_profile.py --batch 1 --model smollm2 --dtype bfloat16 --profile
+    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --batch 1 --folder ~/.cache/tengyun/quantized/smollm2-w8a8
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "qwen2.5-coder": "Qw
 
 
 def build_engine(args):
+    if args.folder:  # e.g. a `tengyun quantize` folder, or a GGUF file with --quantization gguf
+        return LLM(args.folder, max_model_len=512, kv_cache_memory="1GiB", dtype=args.dtype,
+                   block_size=args.block_size, quantization=args.quantization).llm_engine
     if args.model == "embedded":
         return LLM(max_model_len=300, kv_cache_memory="1GiB", dtype=args.dtype, block_size=args.block_size).llm_engine
     from tengyun.models.model_source import resolve_model
@@ -69,6 +73,8 @@ def main() -> None:
     parser.add_argument("--model", choices=["embedded", *MODELS], default="embedded")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the platform's)")
+    parser.add_argument("--folder", default=None, help="serve this model folder or file instead of --model")
+    parser.add_argument("--quantization", default=None, help="as `tengyun serve --quantization` (with --folder)")
     args = parser.parse_args()
     engine = build_engine(args)
     runner = engine.executor.runner

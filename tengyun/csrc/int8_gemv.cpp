@@ -221,17 +221,19 @@ constexpr std::array<std::array<PackedFn, 8>, 8> packed_tiles(std::integer_seque
 
 constexpr auto kPackedTiles = packed_tiles(std::make_integer_sequence<int, 8>());
 
-// Panels [p0, p1) of C blocks, every row, in groups of at most 8 rows of near-equal size.
-void run_packed(const Int8GemvArgs& a, int64_t quads, int64_t blocks, int C, int64_t p0, int64_t p1) {
+// Blocks [b0, b1) (one thread's share), every row: panels of at most C blocks and near-equal
+// width, each in groups of at most 8 rows of near-equal size.
+void run_packed(const Int8GemvArgs& a, int64_t quads, int C, int64_t b0, int64_t b1) {
   const int64_t groups = (a.rows + kMaxRows - 1) / kMaxRows;
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t b0 = p * C;
-    const int cols = static_cast<int>(std::min<int64_t>(C, blocks - b0));
+  const int64_t panels = (b1 - b0 + C - 1) / C;
+  for (int64_t p = 0, b = b0; p < panels; ++p) {
+    const int cols = static_cast<int>((b1 - b) / (panels - p));  // the rest shared evenly
     for (int64_t g = 0, r0 = 0; g < groups; ++g) {
       const int64_t rows = (a.rows - r0) / (groups - g);  // the rest shared evenly: sizes differ by <= 1
-      kPackedTiles[rows - 1][cols - 1](a, quads, r0, b0);
+      kPackedTiles[rows - 1][cols - 1](a, quads, r0, b);
       r0 += rows;
     }
+    b += cols;
   }
 }
 #endif  // TY_HAVE_X86_COPIES
@@ -335,7 +337,9 @@ at::Tensor w8a8_packed_gemm(const at::Tensor& x, const at::Tensor& packed, const
                  x.scalar_type() == at::kBFloat16, s_w_type};
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
   const int C = packed_columns(static_cast<int>((rows + groups - 1) / groups));
-  at::parallel_for(0, (blocks + C - 1) / C, 1, [&](int64_t p0, int64_t p1) { run_packed(a, quads, blocks, C, p0, p1); });
+  // Blocks, not panels, shared among the threads: at one row, 36 blocks (576 outputs) in panels of 8
+  // went 3 panels to one thread and 2 to the other (24 blocks against 12).
+  at::parallel_for(0, blocks, C, [&](int64_t b0, int64_t b1) { run_packed(a, quads, C, b0, b1); });
 #endif
   return y;
 }

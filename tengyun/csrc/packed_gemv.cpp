@@ -1,11 +1,12 @@
 // Small-batch linear layers (a few rows, decode at batch 1) straight from oneDNN's prepacked weight.
 //
 // oneDNN's fp32/bf16 inner-product weight, as torch.ops.mkldnn._reorder_linear_weight packs it on
-// AVX-512 cores, is blocked by 64 output columns, K-major inside a block:
-//   float32:  [Npad / 64][Kpad][64]          element (n, k) at (n / 64) * Kpad * 64 + k * 64 + n % 64
-//   bfloat16: [Npad / 64][Kpad / 2][64][2]   element (n, k) at (n / 64) * Kpad * 64 + (k / 2) * 128
-//                                                              + (n % 64) * 2 + k % 2
-// (Npad: N rounded up to 64; padding is zero). That is the ideal layout for y = x W^T with a few x
+// AVX-512 cores, is blocked by B output columns, K-major inside a block:
+//   float32:  [Npad / B][Kpad][B]          element (n, k) at (n / B) * Kpad * B + k * B + n % B
+//   bfloat16: [Npad / B][Kpad / 2][B][2]   element (n, k) at (n / B) * Kpad * B + (k / 2) * 2 B
+//                                                            + (n % B) * 2 + k % 2
+// B = 64, except bfloat16 on cores with AMX, where oneDNN blocks by 32 (its AMX kernels' tiles)
+// (Npad: N rounded up to a multiple of B; padding is zero). That is the ideal layout for y = x W^T with a few x
 // rows: each step broadcasts x[k] (bf16: the pair x[k], x[k + 1]) and multiplies 16 output columns
 // per vector, so the weight streams once, front to back, at memory speed, with no horizontal sums.
 // oneDNN's own M = 1 path runs at ~36 GB/s here, this at ~50 (benchmarks/README.md).
@@ -14,13 +15,13 @@
 // weight against oneDNN's own product before it routes any row through this kernel, and keeps oneDNN
 // where the check fails (another CPU, another oneDNN).
 //
-// torch.ops.tengyun.packed_gemv(x, weight_ptr, out_features, k_padded, bias) -> y
+// torch.ops.tengyun.packed_gemv(x, weight_ptr, out_features, k_padded, bias, block=64) -> y
 //   x [M, K] float32 or bfloat16 with unit last stride; weight_ptr: the packed weight's address
 //   (torch.ops.mkldnn.data_ptr), which the caller keeps alive; bias [N] in x's dtype or None.
-//   y [M, N] in x's dtype: float32 sums, one rounding, as oneDNN.
+//   y [M, N] in x's dtype: float32 sums, one rounding, as oneDNN. block: B above, 32 or 64.
 // torch.ops.tengyun.packed_gemv_supported(dtype) -> bool: whether this CPU runs the kernel for
 //   "float32" (AVX-512F) or "bfloat16" (AVX-512 BF16).
-// torch.ops.tengyun.packed_rows(ids, weight_ptr, out_features, k, k_padded, dtype) -> rows
+// torch.ops.tengyun.packed_rows(ids, weight_ptr, out_features, k, k_padded, dtype, block=64) -> rows
 //   ids [T] int32/int64 in [0, out_features); rows [T, k] in dtype (float32 or bfloat16): row n of
 //   the packed [N, K] weight, copied bit for bit (a tied LM head's packed weight serves the
 //   embedding lookups, so the plain copy can go). Plain C++: runs on any CPU.
@@ -40,7 +41,6 @@
 namespace tengyun {
 namespace {
 
-constexpr int64_t kBlock = 64;  // output columns per packed block
 constexpr int64_t kGroup = 16;  // output columns per vector (one zmm of float32 sums)
 constexpr int kMaxRows = 4;     // x rows per pass over the weight (register budget: 4 x 4 sums)
 
@@ -50,6 +50,7 @@ struct GemvArgs {
   const void* bias;  // nullptr: none
   void* y;
   int64_t rows, n, k, k_pad, x_stride;
+  int64_t block;  // output columns per packed block: 32 or 64
 };
 
 #if TY_HAVE_X86_COPIES
@@ -86,16 +87,17 @@ TY_GEMV_TARGET inline void store_tile(const GemvArgs& a, __m512 (&acc)[M][G], in
   }
 }
 
-// Columns [n0, n0 + 16 G) of one block (n0 % 64 + 16 G <= 64), rows [r0, r0 + M).
+// Columns [n0, n0 + 16 G) of one block (n0 % B + 16 G <= B), rows [r0, r0 + M).
 template <int M, int G>
 TY_GEMV_TARGET void tile_f32(const GemvArgs& a, int64_t r0, int64_t n0) {
   const float* x = static_cast<const float*>(a.x) + r0 * a.x_stride;
-  const float* w = static_cast<const float*>(a.w) + (n0 / kBlock) * a.k_pad * kBlock + n0 % kBlock;
+  const int64_t block = a.block;
+  const float* w = static_cast<const float*>(a.w) + (n0 / block) * a.k_pad * block + n0 % block;
   __m512 acc[M][G];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < a.k; ++k, w += kBlock) {
+  for (int64_t k = 0; k < a.k; ++k, w += block) {
     __m512 xs[M];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) xs[m] = _mm512_set1_ps(x[m * a.x_stride + k]);
@@ -112,13 +114,14 @@ TY_GEMV_TARGET void tile_f32(const GemvArgs& a, int64_t r0, int64_t n0) {
 template <int M, int G>
 TY_GEMV_TARGET void tile_bf16(const GemvArgs& a, int64_t r0, int64_t n0) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + r0 * a.x_stride;
-  const uint16_t* w = static_cast<const uint16_t*>(a.w) + (n0 / kBlock) * a.k_pad * kBlock + (n0 % kBlock) * 2;
+  const int64_t block = a.block;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + (n0 / block) * a.k_pad * block + (n0 % block) * 2;
   __m512 acc[M][G];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
   const int64_t pairs = (a.k + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p, w += 2 * kBlock) {
+  for (int64_t p = 0; p < pairs; ++p, w += 2 * block) {
     __m512i xs[M];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
@@ -154,9 +157,9 @@ TileFn tile_for(bool bf16, int rows, int groups) {
   }
 }
 
-// Column groups [u0, u1) (16 columns each), every row: runs of up to 4 groups inside one block.
+// Column groups [u0, u1) (16 columns each), every row: runs of up to B / 16 groups inside one block.
 void gemv_groups(const GemvArgs& a, bool bf16, int64_t u0, int64_t u1) {
-  constexpr int64_t per_block = kBlock / kGroup;
+  const int64_t per_block = a.block / kGroup;
   for (int64_t u = u0; u < u1;) {
     const int64_t end = std::min(u1, (u / per_block + 1) * per_block);
     const int groups = static_cast<int>(end - u);
@@ -190,7 +193,8 @@ bool packed_gemv_supported(const std::string& dtype) {
 }
 
 at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_ptr, int64_t out_features, int64_t k_padded,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, int64_t block) {
+  TORCH_CHECK(block == 32 || block == 64, "packed_gemv: block must be 32 or 64, got ", block);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
               "packed_gemv: x must be a CPU [M, K] with unit last stride");
   TORCH_CHECK(supported(x.scalar_type()), "packed_gemv: this CPU does not run the kernel for ", x.scalar_type(),
@@ -206,7 +210,7 @@ at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_ptr, int64_t out_feat
   if (x.size(0) == 0) return y;
 #if TY_HAVE_X86_COPIES
   GemvArgs a{x.data_ptr(), reinterpret_cast<const void*>(weight_ptr), has_bias ? bias->data_ptr() : nullptr,
-             y.data_ptr(), x.size(0), out_features, x.size(1), k_padded, x.stride(0)};
+             y.data_ptr(), x.size(0), out_features, x.size(1), k_padded, x.stride(0), block};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t groups = (out_features + kGroup - 1) / kGroup;
   at::parallel_for(0, groups, 4, [&](int64_t u0, int64_t u1) { gemv_groups(a, bf16, u0, u1); });
@@ -217,30 +221,32 @@ at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_ptr, int64_t out_feat
 namespace {
 
 // Row n of the packed weight into out[0, k), element (n, kk) as laid out above. Every element
-// of the row sits in its own 64-byte line (one lane of a K-major block), a constant stride the
-// hardware prefetcher follows; bfloat16 moves a (k, k + 1) pair per 4-byte load.
-void copy_packed_row_f32(const uint32_t* w, int64_t n, int64_t k, int64_t k_pad, uint32_t* out) {
-  const uint32_t* lane = w + (n / kBlock) * k_pad * kBlock + n % kBlock;
-  for (int64_t kk = 0; kk < k; ++kk) out[kk] = lane[kk * kBlock];
+// of the row sits in its own line (one lane of a K-major block), a constant stride the hardware
+// prefetcher follows; bfloat16 moves a (k, k + 1) pair per 4-byte load.
+void copy_packed_row_f32(const uint32_t* w, int64_t n, int64_t k, int64_t k_pad, int64_t block, uint32_t* out) {
+  const uint32_t* lane = w + (n / block) * k_pad * block + n % block;
+  for (int64_t kk = 0; kk < k; ++kk) out[kk] = lane[kk * block];
 }
 
-void copy_packed_row_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t k_pad, uint16_t* out) {
-  const uint16_t* lane = w + (n / kBlock) * k_pad * kBlock + (n % kBlock) * 2;
+void copy_packed_row_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t k_pad, int64_t block, uint16_t* out) {
+  const uint16_t* lane = w + (n / block) * k_pad * block + (n % block) * 2;
   const int64_t whole_pairs = k / 2;
-  for (int64_t p = 0; p < whole_pairs; ++p) std::memcpy(out + 2 * p, lane + p * 2 * kBlock, 4);
-  if (k % 2) out[k - 1] = lane[whole_pairs * 2 * kBlock];
+  for (int64_t p = 0; p < whole_pairs; ++p) std::memcpy(out + 2 * p, lane + p * 2 * block, 4);
+  if (k % 2) out[k - 1] = lane[whole_pairs * 2 * block];
 }
 
 constexpr int64_t kRowsPerTask = 256;  // rows one thread copies before another is worth waking
 
 void gather_packed_rows(const int64_t* ids, int64_t count, const void* weight, bool bf16, int64_t k, int64_t k_pad,
-                        void* rows) {
+                        int64_t block, void* rows) {
   at::parallel_for(0, count, kRowsPerTask, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (bf16) {
-        copy_packed_row_bf16(static_cast<const uint16_t*>(weight), ids[t], k, k_pad, static_cast<uint16_t*>(rows) + t * k);
+        copy_packed_row_bf16(static_cast<const uint16_t*>(weight), ids[t], k, k_pad, block,
+                             static_cast<uint16_t*>(rows) + t * k);
       } else {
-        copy_packed_row_f32(static_cast<const uint32_t*>(weight), ids[t], k, k_pad, static_cast<uint32_t*>(rows) + t * k);
+        copy_packed_row_f32(static_cast<const uint32_t*>(weight), ids[t], k, k_pad, block,
+                            static_cast<uint32_t*>(rows) + t * k);
       }
     }
   });
@@ -249,7 +255,8 @@ void gather_packed_rows(const int64_t* ids, int64_t count, const void* weight, b
 }  // namespace
 
 at::Tensor packed_rows(const at::Tensor& ids, int64_t weight_ptr, int64_t out_features, int64_t k, int64_t k_padded,
-                       at::ScalarType dtype) {
+                       at::ScalarType dtype, int64_t block) {
+  TORCH_CHECK(block == 32 || block == 64, "packed_rows: block must be 32 or 64, got ", block);
   TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && (ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt),
               "packed_rows: ids must be a CPU [T] int32 or int64 tensor");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "packed_rows: dtype must be float32 or bfloat16");
@@ -262,7 +269,7 @@ at::Tensor packed_rows(const at::Tensor& ids, int64_t weight_ptr, int64_t out_fe
     TORCH_CHECK(id[t] >= 0 && id[t] < out_features, "packed_rows: id ", id[t], " is outside [0, ", out_features, ")");
   }
   at::Tensor rows = at::empty({count, k}, ids.options().dtype(dtype));
-  gather_packed_rows(id, count, reinterpret_cast<const void*>(weight_ptr), dtype == at::kBFloat16, k, k_padded,
+  gather_packed_rows(id, count, reinterpret_cast<const void*>(weight_ptr), dtype == at::kBFloat16, k, k_padded, block,
                      rows.data_ptr());
   return rows;
 }
@@ -270,9 +277,10 @@ at::Tensor packed_rows(const at::Tensor& ids, int64_t weight_ptr, int64_t out_fe
 }  // namespace tengyun
 
 TORCH_LIBRARY_FRAGMENT(tengyun, m) {
-  m.def("packed_gemv(Tensor x, int weight_ptr, int out_features, int k_padded, Tensor? bias) -> Tensor");
+  m.def("packed_gemv(Tensor x, int weight_ptr, int out_features, int k_padded, Tensor? bias, int block=64) -> Tensor");
   m.def("packed_gemv_supported(str dtype) -> bool", &tengyun::packed_gemv_supported);
-  m.def("packed_rows(Tensor ids, int weight_ptr, int out_features, int k, int k_padded, ScalarType dtype) -> Tensor");
+  m.def("packed_rows(Tensor ids, int weight_ptr, int out_features, int k, int k_padded, ScalarType dtype, "
+        "int block=64) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tengyun, CPU, m) {

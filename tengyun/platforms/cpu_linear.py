@@ -6,8 +6,9 @@ at ~50, which is most of a batch-1 decode step (``benchmarks/README.md``, "Batch
 One copy of the weight either way; a tied LM head's packed weight also serves the embedding's
 lookups (``row_reader``: packed_gemv.cpp's packed_rows copies row n out of the blocks), so the
 vocab x hidden matrix is held once. The kernel assumes oneDNN's blocked layout (64 output columns
-per block, K-major inside); ``prepare`` checks that on each weight against oneDNN's own product and
-leaves a weight whose layout differs (another CPU, another oneDNN) to oneDNN alone.
+per block, K-major inside; 32 for bfloat16 on cores with AMX, whose oneDNN kernels tile by 32);
+``prepare`` tries each block width against oneDNN's own product and leaves a weight whose layout
+differs (another CPU, another oneDNN) to oneDNN alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from tengyun.layers.linear_kernel import OneDNNPackedLinearKernel, RowReader
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 64  # output columns per oneDNN block (packed_gemv.cpp)
+# Output columns per oneDNN block (packed_gemv.cpp), in the order tried: 64 on AVX-512 cores, 32 for
+# bfloat16 where oneDNN packs for AMX (Sapphire Rapids and later). With 64 only, such a CPU ran every
+# bfloat16 decode on oneDNN: SmolLM2 batch-1 steps of 25 ms instead of 12 (2026-12-02, benchmarks/README.md).
+BLOCKS = (64, 32)
 # At most this many rows run the small-batch kernel; more run oneDNN. benchmarks/linear_kernels.py
 # --small-rows (2026-12-01 17:25): bfloat16 1.18-1.20x oneDNN at 8, 12 and 16 rows; float32
 # 1.01-1.11x from 1 to 16 rows (never slower). Float32 was held at 2 after Qwen2.5-0.5B's 16-sequence
@@ -40,6 +44,7 @@ class PackedLinearWeight:
     out_features: int
     k_padded: int  # K rounded up as oneDNN stored it
     data_ptr: int | None  # None: the layout check failed, oneDNN runs every batch
+    block: int = BLOCKS[0]  # output columns per packed block
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed]
@@ -69,24 +74,25 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
     def prepare(self, weight: torch.Tensor) -> PackedLinearWeight:
         packed = super().prepare(weight)
         out_features, k = weight.shape
-        k_padded = _k_padded(packed, out_features, weight.element_size())
-        ptr = None
-        if k_padded is not None and weight.dtype == self.dtype:
-            ptr = torch.ops.mkldnn.data_ptr(packed)
-            if not self._reads_like_onednn(packed, ptr, out_features, k, k_padded):
-                ptr = None
-        if ptr is None:
-            self.rejected += 1
-            if self.rejected == 1:
-                logger.info("oneDNN packed a %s [%d, %d] weight in a layout the small-batch kernel does not "
-                            "read; such layers run oneDNN at every batch size", weight.dtype, out_features, k)
-        return PackedLinearWeight(packed, out_features, k_padded or k, ptr)
+        if weight.dtype == self.dtype:
+            for block in BLOCKS:
+                k_padded = _k_padded(packed, out_features, weight.element_size(), block)
+                if k_padded is None:
+                    continue
+                ptr = torch.ops.mkldnn.data_ptr(packed)
+                if self._reads_like_onednn(packed, ptr, out_features, k, k_padded, block):
+                    return PackedLinearWeight(packed, out_features, k_padded, ptr, block)
+        self.rejected += 1
+        if self.rejected == 1:
+            logger.info("oneDNN packed a %s [%d, %d] weight in a layout the small-batch kernel does not "
+                        "read; such layers run oneDNN at every batch size", weight.dtype, out_features, k)
+        return PackedLinearWeight(packed, out_features, k, None)
 
     def apply(self, x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> [M, N]: the small-batch kernel when M <= max_small_rows, else oneDNN."""
         if weight.data_ptr is not None and x.dim() == 2 and x.shape[0] <= self.max_small_rows:
             x = x if x.stride(-1) == 1 else x.contiguous()
-            return self._gemv(x, weight.data_ptr, weight.out_features, weight.k_padded, bias)
+            return self._gemv(x, weight.data_ptr, weight.out_features, weight.k_padded, bias, weight.block)
         return super().apply(x, weight.packed, bias)
 
     def row_reader(self, prepared: PackedLinearWeight, original: torch.Tensor) -> RowReader | None:
@@ -98,7 +104,8 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         packed_rows = torch.ops.tengyun.packed_rows.default
 
         def read(ids: torch.Tensor) -> torch.Tensor:
-            rows = packed_rows(ids.reshape(-1), prepared.data_ptr, out_features, k, prepared.k_padded, self.dtype)
+            rows = packed_rows(ids.reshape(-1), prepared.data_ptr, out_features, k, prepared.k_padded, self.dtype,
+                               prepared.block)
             return rows.view(*ids.shape, k)
 
         for start in range(0, out_features, _ROW_CHECK_CHUNK):
@@ -109,20 +116,21 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
                 return None
         return read
 
-    def _reads_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int, k_padded: int) -> bool:
+    def _reads_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int, k_padded: int,
+                           block: int) -> bool:
         """The kernel's product on 3 random rows equals oneDNN's, within float32 summation order."""
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(3, k, generator=generator).to(self.dtype)
         want = super().apply(x, packed, None).float()
-        got = torch.ops.tengyun.packed_gemv(x, ptr, out_features, k_padded, None).float()
+        got = torch.ops.tengyun.packed_gemv(x, ptr, out_features, k_padded, None, block).float()
         scale = want.abs().max().clamp_min(1e-30)
         return bool(((got - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype])
 
 
-def _k_padded(packed: torch.Tensor, out_features: int, element_size: int) -> int | None:
-    """K as oneDNN padded it, from the packed size ([ceil(N / 64) * 64, Kpad]); None when the size
-    does not fit that layout."""
-    n_padded = -(-out_features // BLOCK) * BLOCK
+def _k_padded(packed: torch.Tensor, out_features: int, element_size: int, block: int) -> int | None:
+    """K as oneDNN padded it, from the packed size ([ceil(N / block) * block, Kpad]); None when the
+    size does not fit that layout."""
+    n_padded = -(-out_features // block) * block
     nbytes = torch.ops.mkldnn._nbytes(packed)
     if nbytes % (n_padded * element_size):
         return None

@@ -1,8 +1,10 @@
 """The small-batch linear kernel on oneDNN's packed weights (tengyun/csrc/packed_gemv.cpp,
 platforms/cpu_linear.py) against F.linear in float32 (bfloat16 inputs widened exactly): float32
 and bfloat16, output counts that are not multiples of the 16-column vector or the 64-column block,
-odd K, 1-5 rows, with and without bias; the routing by row count; the layout check; and the
-fallbacks (oneDNN alone, or F.linear, when the kernels or oneDNN are absent)."""
+odd K, 1-5 rows, with and without bias; both block widths oneDNN packs in (64; 32 for bfloat16 on
+AMX cores) on weights laid out by hand, whatever this CPU's oneDNN picks; the routing by row
+count; the layout check; and the fallbacks (oneDNN alone, or F.linear, when the kernels or oneDNN
+are absent)."""
 
 from __future__ import annotations
 
@@ -55,8 +57,42 @@ def test_small_batch_kernel_matches_f_linear(fits, dtype, out_features, in_featu
     torch.testing.assert_close(out.float(), _reference(x, weight, bias), **TOLERANCE[dtype])
     # the raw op on row views of one tensor (unit last stride, any row stride)
     wide = torch.randn(rows, in_features + 3, generator=gen).to(dtype)[:, :in_features]
-    raw = torch.ops.tengyun.packed_gemv(wide, prepared.data_ptr, out_features, prepared.k_padded, bias)
+    raw = torch.ops.tengyun.packed_gemv(wide, prepared.data_ptr, out_features, prepared.k_padded, bias,
+                                        prepared.block)
     torch.testing.assert_close(raw.float(), _reference(wide, weight, bias), **TOLERANCE[dtype])
+
+
+def _blocked(weight: torch.Tensor, block: int, k_padded: int) -> torch.Tensor:
+    """weight [N, K] in oneDNN's blocked layout (packed_gemv.cpp), zero padded: float32
+    [Npad / B, Kpad, B], bfloat16 [Npad / B, Kpad / 2, B, 2]."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, k_padded - k, 0, -n % block))
+    blocks = padded.view(-1, block, k_padded)  # [Npad / B, B, Kpad]
+    if weight.dtype == torch.float32:
+        return blocks.transpose(1, 2).contiguous()
+    return blocks.view(blocks.shape[0], block, k_padded // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [64, 32])
+@pytest.mark.parametrize("out_features,in_features", [(100, 65), (96, 576), (17, 33)])
+def test_either_block_width_reads_a_weight_laid_out_by_hand(fits, dtype, block, out_features, in_features):
+    """The layout oneDNN picks depends on the CPU (32-wide bfloat16 blocks where it packs for AMX):
+    both widths, whichever this CPU's oneDNN uses, for the product and the tied embedding's rows."""
+    gen = torch.Generator().manual_seed(block + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    k_padded = in_features + (in_features % 2 if dtype == torch.bfloat16 else 0) + 32
+    blocked = _blocked(weight, block, k_padded)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        y = torch.ops.tengyun.packed_gemv(x, blocked.data_ptr(), out_features, k_padded, bias, block)
+        torch.testing.assert_close(y.float(), _reference(x, weight, bias), **TOLERANCE[dtype])
+    ids = torch.tensor([0, out_features - 1, block - 1 if block < out_features else 1, out_features // 2])
+    rows = torch.ops.tengyun.packed_rows(ids, blocked.data_ptr(), out_features, in_features, k_padded, dtype, block)
+    assert torch.equal(rows, weight[ids])
+    with pytest.raises(RuntimeError, match="block must be 32 or 64"):
+        torch.ops.tengyun.packed_gemv(x, blocked.data_ptr(), out_features, k_padded, bias, 48)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -71,7 +107,8 @@ def test_rows_past_the_limit_run_onednn_and_agree(fits, dtype):
     onednn = torch.ops.mkldnn._linear_pointwise(x, prepared.packed, None, "none", [], "")
     assert torch.equal(large, onednn)
     torch.testing.assert_close(small.float(), large.float(), **TOLERANCE[dtype])
-    assert torch.ops.tengyun.packed_gemv(x[:0], prepared.data_ptr, 200, prepared.k_padded, None).shape == (0, 200)
+    assert torch.ops.tengyun.packed_gemv(x[:0], prepared.data_ptr, 200, prepared.k_padded, None,
+                                         prepared.block).shape == (0, 200)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -81,7 +118,11 @@ def test_a_layout_that_fails_the_check_runs_onednn_only(fits, dtype):
     kernel = CpuPackedLinearKernel(dtype)
     prepared = kernel.prepare(weight)
     # the same packed bytes read as if K were padded further: the check must see the difference
-    assert not kernel._reads_like_onednn(prepared.packed, prepared.data_ptr, 130, 64, prepared.k_padded + 16)
+    assert not kernel._reads_like_onednn(prepared.packed, prepared.data_ptr, 130, 64, prepared.k_padded + 16,
+                                         prepared.block)
+    # ... or as if the blocks were the other width
+    other_block = 96 - prepared.block  # 64 <-> 32
+    assert not kernel._reads_like_onednn(prepared.packed, prepared.data_ptr, 130, 64, prepared.k_padded, other_block)
     # a weight of another dtype than the kernel's is packed but never read by the kernel
     other = CpuPackedLinearKernel(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)
     foreign = other.prepare(weight)
