@@ -135,6 +135,20 @@ TY_QUANT_TARGET inline void store_row(const QuantArgs& a, __m512 v, int64_t row,
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + row * a.n + col, mask, out);
 }
 
+// acc += s * part + o * sum(x) for group g of block b, rows [r0, r0 + M) (both tiles' group end).
+template <int M>
+TY_QUANT_TARGET inline void fold_group(const QuantArgs& a, int64_t b, int64_t g, int64_t r0, const __m512 (&part)[M][2],
+                                       __m512 (&acc)[M][2]) {
+  __m512 s[2], o[2];
+  load_group(a, b, g, 0, s[0], o[0]);
+  load_group(a, b, g, 1, s[1], o[1]);
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) {
+    const __m512 x_sum = _mm512_set1_ps(a.x_sums[(r0 + m) * (a.k / a.group) + g]);
+    for (int h = 0; h < 2; ++h) acc[m][h] = _mm512_fmadd_ps(o[h], x_sum, _mm512_fmadd_ps(s[h], part[m][h], acc[m][h]));
+  }
+}
+
 // 8 bits, rows [r0, r0 + M) of block b: per group, the int8 values (exact in float32) against x
 // in float32 FMAs, then s * sum(x q) + o * sum(x).
 template <int M>
@@ -160,20 +174,10 @@ TY_QUANT_TARGET void tile8(const QuantArgs& a, int64_t r0, int64_t b) {
         part[m][1] = _mm512_fmadd_ps(xs, q1, part[m][1]);
       }
     }
-    __m512 s[2], o[2];
-    load_group(a, b, g, 0, s[0], o[0]);
-    load_group(a, b, g, 1, s[1], o[1]);
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {
-      const __m512 x_sum = _mm512_set1_ps(a.x_sums[(r0 + m) * groups + g]);
-      for (int h = 0; h < 2; ++h) acc[m][h] = _mm512_fmadd_ps(o[h], x_sum, _mm512_fmadd_ps(s[h], part[m][h], acc[m][h]));
-    }
+    fold_group<M>(a, b, g, r0, part, acc);
   }
 #pragma GCC unroll 4
-  for (int m = 0; m < M; ++m) {
-    store_row(a, acc[m][0], r0 + m, b * kCols);
-    store_row(a, acc[m][1], r0 + m, b * kCols + 16);
-  }
+  for (int m = 0; m < M; ++m) store_row(a, acc[m][0], r0 + m, b * kCols), store_row(a, acc[m][1], r0 + m, b * kCols + 16);
 }
 
 // 4 bits, rows [r0, r0 + M) of block b: per group, the nibbles (exact in bfloat16) against bfloat16
@@ -203,20 +207,10 @@ TY_QUANT_TARGET void tile4(const QuantArgs& a, int64_t r0, int64_t b) {
         part[m][1] = _mm512_dpbf16_ps(part[m][1], xs, reinterpret_cast<__m512bh>(hi));
       }
     }
-    __m512 s[2], o[2];
-    load_group(a, b, g, 0, s[0], o[0]);
-    load_group(a, b, g, 1, s[1], o[1]);
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {
-      const __m512 x_sum = _mm512_set1_ps(a.x_sums[(r0 + m) * groups + g]);
-      for (int h = 0; h < 2; ++h) acc[m][h] = _mm512_fmadd_ps(o[h], x_sum, _mm512_fmadd_ps(s[h], part[m][h], acc[m][h]));
-    }
+    fold_group<M>(a, b, g, r0, part, acc);
   }
 #pragma GCC unroll 4
-  for (int m = 0; m < M; ++m) {
-    store_row(a, acc[m][0], r0 + m, b * kCols);
-    store_row(a, acc[m][1], r0 + m, b * kCols + 16);
-  }
+  for (int m = 0; m < M; ++m) store_row(a, acc[m][0], r0 + m, b * kCols), store_row(a, acc[m][1], r0 + m, b * kCols + 16);
 }
 
 // 8 bits, more than kMaxRows rows: each group of block b is widened once into bfloat16 pairs (int8
@@ -465,7 +459,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
   a.x_sums = sums.data_ptr<float>();
   a.bias = has_bias ? bias->data_ptr() : nullptr;
   a.y = y.data_ptr();
-  a.rows = x.size(0);
 #if TY_HAVE_X86_COPIES
   at::parallel_for(0, a.blocks, 1, [&](int64_t b0, int64_t b1) { linear_blocks(a, static_cast<int>(bits), b0, b1); });
 #endif

@@ -75,12 +75,10 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         packed = super().prepare(weight)
         out_features, k = weight.shape
         if weight.dtype == self.dtype:
+            ptr = torch.ops.mkldnn.data_ptr(packed)
             for block in BLOCKS:
                 k_padded = _k_padded(packed, out_features, weight.element_size(), block)
-                if k_padded is None:
-                    continue
-                ptr = torch.ops.mkldnn.data_ptr(packed)
-                if self._reads_like_onednn(packed, ptr, out_features, k, k_padded, block):
+                if k_padded is not None and self._reads_like_onednn(packed, ptr, out_features, k, k_padded, block):
                     return PackedLinearWeight(packed, out_features, k_padded, ptr, block)
         self.rejected += 1
         if self.rejected == 1:
