@@ -7,7 +7,8 @@ bf16 and f16 GGUFs written from the same HF folder by llama.cpp's own convert_hf
 
 Set-up, once, under ${TENGYUN_CACHE_DIR:-~/.cache/tengyun}: bench-venvs/llama-cpp-python-VERSION
 (pip builds llama.cpp from the PyPI sdist with Debian's g++ and cmake, GGML_NATIVE: ~15 min on
-2 cores) and gguf/MODEL-TYPE.gguf (converted with the HF venv benchmarks/compare made and the
+2 cores; on a CPU with AMX built for AVX-512 without it, -noamx, as its AMX backend crashes on
+quantised files) and gguf/MODEL-TYPE.gguf (converted with the HF venv benchmarks/compare made and the
 converter's own gguf-py). vLLM runs from benchmarks/compare's venv with its recommended CPU set-up.
 
 Per run: a fresh process; TTFT (prompt in, first token out), decode tok/s over the other
@@ -109,12 +110,28 @@ def child(args) -> None:
 
 
 # ----- set-up ---------------------------------------------------------------------------------
+# llama.cpp 0.3.36 built GGML_NATIVE on a CPU with AMX compiles its AMX backend, which repacks Q8_0 /
+# Q4_0 weights at load and then segfaults (exit -11) on this project's VMs; without AMX it runs and
+# repacks them for AVX-512 instead. So on such CPUs the venv is built for the AVX-512 set explicitly.
+AVX512_WITHOUT_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+                      " -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
+
+
+def cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_int8" in f.read().split()
+
+
 def llama_cpp_python() -> Path:
-    venv = cache_root() / "bench-venvs" / f"llama-cpp-python-{LLAMA_CPP_VERSION}"
+    """The python of a venv holding llama-cpp-python LLAMA_CPP_VERSION built for this CPU (AVX-512
+    without AMX where the CPU has AMX: see AVX512_WITHOUT_AMX), built on first use."""
+    amx = cpu_has_amx()
+    venv = cache_root() / "bench-venvs" / f"llama-cpp-python-{LLAMA_CPP_VERSION}{'-noamx' if amx else ''}"
     python = venv / "bin" / "python"
     if not python.exists() or subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"}
+        isa = AVX512_WITHOUT_AMX if amx else "-DGGML_NATIVE=ON"
+        env = {**os.environ, "CMAKE_ARGS": f"{isa} -DLLAMA_CURL=OFF"}
         print(f"building llama-cpp-python {LLAMA_CPP_VERSION} into {venv} (~15 min)", file=sys.stderr)
         subprocess.run([str(python), "-m", "pip", "install", "--no-cache-dir", "--no-binary", "llama-cpp-python",
                         f"llama-cpp-python=={LLAMA_CPP_VERSION}", "numpy"], env=env, check=True)
