@@ -26,12 +26,19 @@ logger = logging.getLogger(__name__)
 # bfloat16 where oneDNN packs for AMX (Sapphire Rapids and later). With 64 only, such a CPU ran every
 # bfloat16 decode on oneDNN: SmolLM2 batch-1 steps of 25 ms instead of 12 (2026-12-02, benchmarks/README.md).
 BLOCKS = (64, 32)
+AMX_BLOCK = 32
 # At most this many rows run the small-batch kernel; more run oneDNN. benchmarks/linear_kernels.py
 # --small-rows (2026-12-01 17:25): bfloat16 1.18-1.20x oneDNN at 8, 12 and 16 rows; float32
 # 1.01-1.11x from 1 to 16 rows (never slower). Float32 was held at 2 after Qwen2.5-0.5B's 16-sequence
 # decode gained nothing from 16 on that day's machine; on 2026-12-02's its TPOT fell from 144 / 157 to
 # 134 / 127 ms (runs interleaved; the limit also lets 3-16-sequence fp32 decodes replay a graph).
 MAX_SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 16}
+# Where oneDNN packs bfloat16 for AMX (32-column blocks), its AMX tiles multiply 8-16 rows for the
+# cost of one pass over the weight, while the kernel makes a pass per 4 rows: --small-rows on
+# 2026-12-03's AMX VM, oneDNN 17.4-18.1 ms at every count from 1 to 16, the kernel 12.1-12.2 at 1 and
+# 4 rows, 19.6 at 8, 35.8 at 16 (Qwen2.5-Coder's 16-sequence decode at 0.62x vLLM's). So the first
+# weight packed that way lowers the kernel's limit to this (unless a limit was given).
+AMX_MAX_SMALL_ROWS = 4
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest |y|
 _ROW_CHECK_CHUNK = 8192  # rows compared at a time when row_reader checks a packed copy
 
@@ -68,6 +75,7 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         super().__init__(batch_size_hint)
         self.dtype = dtype
         self.max_small_rows = MAX_SMALL_ROWS[dtype] if max_small_rows is None else max_small_rows
+        self._limit_given = max_small_rows is not None
         self.rejected = 0  # weights whose packed layout failed the check (tests, logs)
         self._gemv = torch.ops.tengyun.packed_gemv.default  # resolved once (~0.6 us a call)
 
@@ -79,6 +87,10 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
             for block in BLOCKS:
                 k_padded = _k_padded(packed, out_features, weight.element_size(), block)
                 if k_padded is not None and self._reads_like_onednn(packed, ptr, out_features, k, k_padded, block):
+                    if block == AMX_BLOCK and not self._limit_given and self.max_small_rows > AMX_MAX_SMALL_ROWS:
+                        logger.info("oneDNN packs %s weights for AMX: the small-batch kernel takes up to %d rows, "
+                                    "oneDNN more", weight.dtype, AMX_MAX_SMALL_ROWS)
+                        self.max_small_rows = AMX_MAX_SMALL_ROWS
                     return PackedLinearWeight(packed, out_features, k_padded, ptr, block)
         self.rejected += 1
         if self.rejected == 1:

@@ -111,6 +111,28 @@ def test_rows_past_the_limit_run_onednn_and_agree(fits, dtype):
                                          prepared.block).shape == (0, 200)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_a_weight_packed_for_amx_lowers_the_row_limit_to_4(fits, dtype, monkeypatch):
+    """oneDNN's AMX kernels multiply 16 rows for the cost of one pass; the small kernel passes per 4
+    rows. Whatever this CPU packs, a layout check that accepts 32-column blocks only (AMX's) stands
+    in for such a CPU; the real layout decides too where this CPU has AMX."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(128, 64, generator=gen).to(dtype)
+    native = CpuPackedLinearKernel(dtype)
+    block = native.prepare(weight).block
+    assert native.max_small_rows == (4 if block == 32 else 16)
+    monkeypatch.setattr(CpuPackedLinearKernel, "_reads_like_onednn", lambda *args: args[-1] == 32)
+    kernel, given = CpuPackedLinearKernel(dtype), CpuPackedLinearKernel(dtype, max_small_rows=16)
+    assert kernel.max_small_rows == 16
+    assert kernel.prepare(weight).block == 32 and given.prepare(weight).block == 32
+    assert kernel.max_small_rows == 4 and given.max_small_rows == 16  # a limit given is kept
+    x = torch.randn(5, 64, generator=gen).to(dtype)  # 5 rows: past the limit, so oneDNN runs them
+    prepared = kernel.prepare(weight)
+    kernel._gemv = None  # any call of the small kernel now fails
+    torch.testing.assert_close(kernel.apply(x, prepared, None).float(), _reference(x, weight, None),
+                               **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_layout_that_fails_the_check_runs_onednn_only(fits, dtype):
     gen = torch.Generator().manual_seed(2)

@@ -1,6 +1,8 @@
 """Decode graphs on CPU for real (platforms/cpu_graphs.py): TorchScript traces of the decode
 forward, replayed instead of the eager forward for decode batches up to the small-batch linear's
-rows. Every replayed step must give the eager engine's tokens and logprobs."""
+rows. Every replayed step must give the eager engine's tokens and logprobs. The limit is held at
+MAX_SMALL_ROWS on every CPU here (where oneDNN packs for AMX the engine lowers it to 4:
+test_cpu_linear.py), so graphs of 8 and 16 rows are traced on such CPUs too."""
 
 from __future__ import annotations
 
@@ -11,10 +13,16 @@ import torch
 
 from tengyun import LLM, SamplingParams
 from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms import cpu_linear
 from tengyun.platforms.cpu_linear import MAX_SMALL_ROWS, small_batch_kernel_fits
 
 ARGS = dict(block_size=8, max_model_len=96, kv_cache_memory="2MiB", max_num_seqs=6, max_num_batched_tokens=40)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def _the_limit_on_any_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "AMX_MAX_SMALL_ROWS", max(MAX_SMALL_ROWS.values()))
 
 
 def _prompts() -> list[list[int]]:
