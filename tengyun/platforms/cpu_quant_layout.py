@@ -16,7 +16,8 @@ s * sum(x n) + o * sum(x), products exact), rounded once to bfloat16. -zero * s 
 is a 16-bit float (4 + 11 significant bits), so w is (n - zero) * s rounded once: the
 references' dequantized values exactly; ``pack`` refuses (None) scales where it is not.
 
-Rows up to MAX_KERNEL_ROWS run the kernel; more rows dequantize the whole weight once per call
+Rows up to MAX_KERNEL_ROWS (AMX_MAX_KERNEL_ROWS on cores with AMX) run the kernel; more rows
+dequantize the whole weight once per call
 (``quant_dequantize_t``, [in, out] bfloat16, freed after the call) and run one dense matmul,
 measured faster there than the kernel's repeated passes or torch's int4 matmul
 (benchmarks/quant_gemv_kernels.py, benchmarks/README.md). One resident copy either way.
@@ -33,6 +34,11 @@ from tengyun.layers.quant_kernels import Tensors
 
 COLS = 32  # output columns per block (quant_gemv.cpp kCols)
 MAX_KERNEL_ROWS = 32  # more rows: dequantize once and multiply densely (crossover 32-64 rows, measured)
+# On cores with AMX the dense bfloat16 matmul runs on its tiles and wins from ~20 rows: 2026-12-03's
+# VM, 2 threads, SmolLM2's shapes, kernel / dequantize + dense ms: 4 bits (group 32) at 16 rows
+# 0.886 / 1.199 (3072 x 576), at 32 rows 1.766 / 1.087; 8 bits at 16 rows 0.725 / 0.889, at 32 rows
+# 1.335 / 0.912 (benchmarks/README.md, "The AMX VM against vLLM").
+AMX_MAX_KERNEL_ROWS = 16
 LAYOUT_KEYS = ("qpacked", "qscales", "qzeros", "qoffsets", "qcolumns")
 
 
@@ -68,9 +74,9 @@ def pack(values: torch.Tensor, bits: int, scale: torch.Tensor, zero_points: torc
 
 
 def linear(x2: torch.Tensor, prepared: Tensors, bits: int, zero: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2 [M, in] -> [M, out] in x2's dtype: the kernel for up to MAX_KERNEL_ROWS bfloat16 rows,
+    """x2 [M, in] -> [M, out] in x2's dtype: the kernel for up to kernel_rows() bfloat16 rows,
     else the weight dequantized once into x2's dtype and one dense matmul."""
-    if x2.dtype == torch.bfloat16 and x2.shape[0] <= MAX_KERNEL_ROWS:
+    if x2.dtype == torch.bfloat16 and x2.shape[0] <= kernel_rows():
         fused = bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
         packed, scales = prepared["qpacked"], prepared["qscales"]
         y = _quant_linear_op()(x2, packed, bits, packed.shape[1] // scales.shape[1], scales, prepared.get("qzeros"),
@@ -109,6 +115,14 @@ def rows(prepared: Tensors, ids: torch.Tensor, bits: int, zero: int, dtype: torc
     else:
         offset = -float(zero) * scale
     return (n * scale + offset).reshape(ids.shape[0], -1).to(dtype)
+
+
+@functools.cache
+def kernel_rows() -> int:
+    """The most rows the kernel takes on this CPU (AMX_MAX_KERNEL_ROWS where it has AMX-BF16)."""
+    from tengyun.ops.probe import cpu_flags
+
+    return AMX_MAX_KERNEL_ROWS if "amx_bf16" in cpu_flags() else MAX_KERNEL_ROWS
 
 
 @functools.cache

@@ -100,7 +100,28 @@ def test_strided_rows_gathered_inputs_and_many_rows(fits):
                                many.float() @ w.bfloat16().float().t(), rtol=2e-2, atol=2e-2)
 
 
-def test_eight_bit_path_with_offsets_and_scales_kept_exact(fits):
+@pytest.mark.parametrize("flags,rows", [(frozenset({"avx512_bf16"}), 32), (frozenset({"avx512_bf16", "amx_bf16"}), 16)])
+def test_the_kernel_row_limit_follows_amx(fits, monkeypatch, flags, rows):
+    """On cores with AMX the dense path (dequantize, then AMX's bfloat16 matmul) wins from ~20 rows:
+    17 rows run the kernel elsewhere, the dense path there."""
+    import tengyun.ops.probe as probe
+
+    monkeypatch.setattr(probe, "cpu_flags", lambda: flags)
+    layout.kernel_rows.cache_clear()
+    try:
+        assert layout.kernel_rows() == rows
+        n, scale, zero, _ = _layer(64, 128, 32, symmetric=False)
+        prepared = layout.pack(n, 4, scale, zero)
+        calls = []
+        monkeypatch.setattr(layout, "dequantized_t", lambda *args: calls.append(args) or torch.zeros(128, 64))
+        layout.linear(torch.randn(17, 128).bfloat16(), prepared, 4, 8, None)
+        assert bool(calls) == (rows < 17)
+    finally:
+        layout.kernel_rows.cache_clear()
+
+
+def test_eight_bit_path_with_offsets_and_scales_kept_exact(fits, monkeypatch):
+    monkeypatch.setattr(layout, "kernel_rows", lambda: layout.MAX_KERNEL_ROWS)  # the kernel to 32 rows, AMX or not
     generator = torch.Generator().manual_seed(1)
     q = torch.randint(-128, 128, (70, 96), dtype=torch.int8, generator=generator)
     scale = (torch.rand(70, 3, generator=generator) * 0.01).half()
