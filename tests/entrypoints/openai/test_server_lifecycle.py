@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -92,9 +93,20 @@ def test_the_engine_runs_in_its_own_process_which_dying_gives_503_and_exit_1(sta
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     assert re.search(r"^tengyun_engine_process_resident_memory_bytes \d", metrics, re.M)
     assert re.search(r"^process_resident_memory_bytes \d", metrics, re.M)  # the server process's own
+    # A request in flight when the engine dies gets the 503 (one sent after it could find the server
+    # already gone: it exits 1 as soon as it sees the death, which raced a request sent then).
+    replies = []
+    sender = threading.Thread(target=lambda: replies.append(httpx.post(
+        server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}, timeout=120)))
+    sender.start()
+    deadline = time.monotonic() + 60
+    while not re.search(r"^tengyun:num_requests_running\S* 1", httpx.get(server.url + "/metrics", timeout=30).text,
+                        re.M):
+        assert time.monotonic() < deadline and sender.is_alive(), "the request never ran"
+        time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)  # as the kernel's OOM killer would
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=120)
-    assert_error(r, 503, "The engine process exited unexpectedly (killed by SIGKILL")
+    sender.join(timeout=120)
+    assert_error(replies[0], 503, "The engine process exited unexpectedly (killed by SIGKILL")
     assert server.wait_exit() == 1
 
 
