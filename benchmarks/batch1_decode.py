@@ -117,15 +117,12 @@ AVX512_WITHOUT_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA
                       " -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
 
 
-def cpu_has_amx() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "amx_int8" in f.read().split()
-
-
 def llama_cpp_python() -> Path:
     """The python of a venv holding llama-cpp-python LLAMA_CPP_VERSION built for this CPU (AVX-512
     without AMX where the CPU has AMX: see AVX512_WITHOUT_AMX), built on first use."""
-    amx = cpu_has_amx()
+    from tengyun.ops.probe import cpu_flags  # the parent's venv: Tengyun's (children never build)
+
+    amx = "amx_int8" in cpu_flags()  # ggml's AMX backend is its int8 one
     venv = cache_root() / "bench-venvs" / f"llama-cpp-python-{LLAMA_CPP_VERSION}{'-noamx' if amx else ''}"
     python = venv / "bin" / "python"
     if not python.exists() or subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode:
