@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "cpu_isa.h"
+#include "half_convert.h"
 
 namespace tengyun {
 
@@ -61,13 +62,6 @@ struct Problem {  // one call's raw pointers and sizes (element counts, not byte
 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
-inline float fp16_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 #if TY_HAVE_X86_COPIES
 #define TY_ISA 512

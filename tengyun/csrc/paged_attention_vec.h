@@ -16,6 +16,14 @@ struct Vec {  // 16 float lanes
   static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
   static inline T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static inline T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static inline T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static inline T zero_below(T v, T x, float bound) {  // v where x >= bound, else 0 (NaN x too)
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(bound), _CMP_GE_OQ), v);
+  }
+  static inline int first_equal(T v, float x) {  // first lane equal to x, -1 when none
+    const unsigned m = _mm512_cmp_ps_mask(v, set1(x), _CMP_EQ_OQ);
+    return m ? __builtin_ctz(m) : -1;
+  }
   static inline float hsum(T v) { return _mm512_reduce_add_ps(v); }
   static constexpr int kMaxPiece = 8;  // chunks of W held in registers at once (of 32 zmm)
   static constexpr int kValuePiece = 4, kRowTile = 6;  // values_tile: 6 rows x 4 chunks + 4 of V in 32 zmm
@@ -70,6 +78,14 @@ struct Vec {  // 8 float lanes
   static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
   static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static inline T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static inline T zero_below(T v, T x, float bound) {
+    return _mm256_and_ps(v, _mm256_cmp_ps(x, set1(bound), _CMP_GE_OQ));
+  }
+  static inline int first_equal(T v, float x) {
+    const unsigned m = _mm256_movemask_ps(_mm256_cmp_ps(v, set1(x), _CMP_EQ_OQ));
+    return m ? __builtin_ctz(m) : -1;
+  }
   static constexpr int kMaxPiece = 4;  // chunks of W held in registers at once (of 16 ymm)
   static constexpr int kValuePiece = 4, kRowTile = 2;  // values_tile: 2 rows x 4 chunks + 4 of V in 16 ymm
   static inline T transpose_sum(const T* v) {  // v[0..7] -> lane i = sum of v[i]'s lanes
@@ -126,6 +142,9 @@ struct Vec {  // one lane: plain C++ for CPUs without AVX2 (and non-x86 builds)
   static inline T add(T a, T b) { return a + b; }
   static inline T sub(T a, T b) { return a - b; }
   static inline T max(T a, T b) { return a > b ? a : b; }
+  static inline T div(T a, T b) { return a / b; }
+  static inline T zero_below(T v, T x, float bound) { return x >= bound ? v : 0.0f; }
+  static inline int first_equal(T v, float x) { return v == x ? 0 : -1; }
   static inline float hsum(T v) { return v; }
   static constexpr int kMaxPiece = 8;
   static constexpr int kValuePiece = 4, kRowTile = 4;

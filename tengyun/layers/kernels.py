@@ -10,7 +10,7 @@ runs as HF's arithmetic does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from torch import nn
 
@@ -32,6 +32,10 @@ class KernelBundle:
     # Quantised linear layers: a kernel per scheme the checkpoint holds (quant_kernels.py);
     # a scheme missing here runs its plain-PyTorch reference.
     quant_linear: Mapping[LinearScheme, QuantLinearKernel] = field(default_factory=dict)
+    # The sampler's last stage fused (layers/sampler.py, Sampler.bind_kernels): sample_rows(logits
+    # [B, V], temperature [B] | None, u [B] float64 | None, greedy [B] bool | None) -> [B] int64;
+    # None: the PyTorch ops.
+    sample_rows: Callable | None = None
 
 
 def bind_kernels(model: nn.Module, kernels: KernelBundle) -> None:

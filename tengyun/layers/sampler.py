@@ -4,7 +4,11 @@ Order of a step (as vLLM): raw logprobs -> logit_bias -> penalties -> min_tokens
 bitmask of constrained rows -> greedy argmax, or temperature -> top_k -> top_p -> min_p ->
 inverse-CDF sampling with one uniform per row. (vLLM masks min_tokens before the bias and the
 penalties; a -inf logit stays -inf through both, so the order of those three does not matter.)
-Every stage that no row uses is skipped; an all-greedy batch is one argmax.
+Every stage that no row uses is skipped; an all-greedy batch is one argmax. Where the platform
+has a fused last stage (``bind_kernels``: the CPU's compiled ``sample_rows``) and no row filters
+with top_k / top_p / min_p, the argmax or the temperature-softmax-draw is that one kernel, reading
+the logits in the model's dtype: the same uniform per row, the same tokens up to rounding at a CDF
+step.
 """
 
 from __future__ import annotations
@@ -298,11 +302,27 @@ def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, max_k: int):
     return torch.cat([sampled, top_ids], dim=1), torch.cat([sampled_lp, top_lp], dim=1), ranks
 
 
+def _processes_logits(md: SamplingMetadata) -> bool:
+    """Whether a bias, penalty, min_tokens mask or grammar changes this step's logits."""
+    return (md.logit_bias_rows is not None or md.output_token_ids is not None or md.min_tokens_rows is not None
+            or md.token_bitmask is not None)
+
+
 class Sampler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sample_rows = None  # the platform's fused last stage (KernelBundle.sample_rows); None: PyTorch
+
+    def bind_kernels(self, kernels) -> None:
+        self.sample_rows = kernels.sample_rows
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits [B, V] float32 (not modified) -> SamplerOutput."""
+        """logits [B, V] in the model's dtype (not modified) -> SamplerOutput; logprobs and every
+        stage but the fused one compute in float32."""
         md = metadata
-        logits = logits.float()
+        fused = self.sample_rows is not None and md.top_k is None and md.top_p is None and md.min_p is None
+        if not fused or md.max_num_logprobs is not None or _processes_logits(md):
+            logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
 
         if md.logit_bias_rows is not None:
@@ -315,7 +335,11 @@ class Sampler(nn.Module):
         if md.token_bitmask is not None:
             logits = apply_token_bitmask(logits, md.bitmask_rows, md.token_bitmask)
 
-        if md.all_greedy:
+        if fused:
+            sampled = self.sample_rows(logits, md.temperature,
+                                       None if md.all_greedy else uniform_draws(logits.shape[0], md, logits.device),
+                                       None if md.all_greedy or md.all_random else md.is_greedy)
+        elif md.all_greedy:
             sampled = logits.argmax(dim=-1)
         elif md.all_random:
             sampled = _sample_random(logits, md)

@@ -151,9 +151,10 @@ class Platform:
             attention=get_attention_backend(self.attention_backend(block_size, kv_cache_dtype)),
             linear=self.linear_kernel(dtype), layer_ops=self.layer_ops(),
             gated_delta_rule=self.gated_delta_rule_kernel() if linear_attention else None,
-            quant_linear={scheme: self.quant_linear_kernel(scheme, dtype) for scheme in quant_schemes})
+            quant_linear={scheme: self.quant_linear_kernel(scheme, dtype) for scheme in quant_schemes},
+            sample_rows=self.sample_rows_kernel())
 
-    # The four choices ``kernels`` bundles; a platform overrides the ones it does differently.
+    # The choices ``kernels`` bundles; a platform overrides the ones it does differently.
     def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
         """The attention backend's name (tengyun/layers/attention/registry.py) for KV blocks of
         ``block_size`` tokens in ``kv_cache_dtype`` ("bfloat16", ...)."""
@@ -194,6 +195,10 @@ class Platform:
         embedding's lookups), "kernel" (streams them; a tied embedding keeps its blocks), None
         (dequantized once at bind: dense). What `tengyun plan` counts (embed_head.py does it).
         Torch-free. Here: dense."""
+        return None
+
+    def sample_rows_kernel(self):
+        """The sampler's fused last stage (KernelBundle.sample_rows), or None: PyTorch's ops."""
         return None
 
     def layer_ops(self):

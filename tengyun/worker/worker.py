@@ -151,6 +151,7 @@ class Worker:
         stage = PipelineStage(config.model_spec.hidden_size, TORCH_DTYPES[config.dtype], self.device)
         runner = ModelRunner(self.model, config.block_size, config.model_spec.vocab_size, self.device,
                              grammar_compiler_factory=lambda: grammar_compiler_for_config(config), stage=stage)
+        runner.sampler.bind_kernels(self.kernels)
         if graphs:
             runner.decode_graphs = DecodeGraphs(
                 self.model, self.platform.capture_graph, self._graph_batch_limit(),

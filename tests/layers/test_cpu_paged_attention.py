@@ -260,7 +260,8 @@ FRESH_PROCESS = textwrap.dedent("""
     worker = llm.llm_engine.executor
     names = sorted({m.backend.name for m in worker.model.modules() if isinstance(m, Attention)})
     ops = type(worker.kernels.layer_ops).__name__
-    print(json.dumps({"backends": names, "layer_ops": ops, "tokens": out[0].outputs[0].token_ids}))
+    print(json.dumps({"backends": names, "layer_ops": ops, "tokens": out[0].outputs[0].token_ids,
+                      "sample_rows": worker.runner.sampler.sample_rows is not None}))
 """)
 
 
@@ -281,6 +282,7 @@ def test_without_a_loadable_library_the_pytorch_path_runs_and_says_why(tiny_chec
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["backends"] == ["torch_sdpa"] and result["layer_ops"] == "TorchLayerOps"
+    assert result["sample_rows"] is False  # the sampler's PyTorch ops
     [line] = [line for line in run.stderr.splitlines() if "Attention backend:" in line]
     assert line.startswith("tengyun.platforms.cpu: Attention backend: torch_sdpa (") and expected in line
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

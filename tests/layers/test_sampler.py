@@ -1,3 +1,6 @@
+"""The sampler (tengyun/layers/sampler.py), every test on each way it draws: PyTorch's ops, and the
+CPU's compiled sample_rows (csrc/sampling.cpp) on each instruction-set copy this CPU runs."""
+
 import math
 
 import pytest
@@ -13,10 +16,42 @@ from tengyun.layers.sampler import (
     apply_top_p,
     step_seed,
 )
+from tengyun.layers.kernels import KernelBundle
 from tengyun.sampling_params import SamplingParams
+
+from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")
+DRAWS = ("torch", "avx512", "avx2", "generic")  # the PyTorch ops, then the kernel's copies
+_draw = {"sample_rows": None}  # what make_sampler binds: set per test by the fixture below
+
+
+@pytest.fixture(autouse=True, params=DRAWS)
+def draw_with(request):
+    """Every test once with PyTorch's draw and once per compiled copy this CPU has."""
+    if request.param == "torch":
+        yield request.param
+        return
+    from tengyun.layers.attention import cpu_kernels
+
+    best = request.getfixturevalue("kernels").isa()
+    try:
+        torch.ops.tengyun.paged_attention_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU lacks {request.param}")
+    _draw["sample_rows"] = torch.ops.tengyun.sample_rows.default
+    assert cpu_kernels.load_error() is None
+    yield request.param
+    _draw["sample_rows"] = None
+    torch.ops.tengyun.paged_attention_isa(best)
+
+
+def make_sampler() -> Sampler:
+    sampler = Sampler()
+    sampler.bind_kernels(KernelBundle(attention=None, linear=None, layer_ops=None, gated_delta_rule=None,
+                                      sample_rows=_draw["sample_rows"]))
+    return sampler
 
 
 def run(logits, params, prompts=None, outputs=None):
@@ -24,7 +59,7 @@ def run(logits, params, prompts=None, outputs=None):
     prompts = prompts if prompts is not None else [[] for _ in range(B)]
     outputs = outputs if outputs is not None else [[] for _ in range(B)]
     md = SamplingMetadata.build(params, prompts, outputs, V, CPU)
-    return Sampler()(logits, md)
+    return make_sampler()(logits, md)
 
 
 def log_probs(*p):
@@ -363,8 +398,8 @@ def test_token_bitmask_masks_only_the_constrained_rows():
     words[0, 1] = 1 << 1  # token 33
     params = [SamplingParams(temperature=0.0)] * 3
     md = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, V, CPU, token_bitmask=([1], words))
-    assert Sampler()(logits, md).sampled_token_ids.tolist() == [39, 33, 39]
+    assert make_sampler()(logits, md).sampled_token_ids.tolist() == [39, 33, 39]
     md = SamplingMetadata.build([SamplingParams(temperature=1.0, seed=s) for s in range(3)], [[]] * 3, [[]] * 3,
                                 V, CPU, token_bitmask=([1], words))
     for _ in range(20):
-        assert Sampler()(logits, md).sampled_token_ids[1].item() in (5, 33)
+        assert make_sampler()(logits, md).sampled_token_ids[1].item() in (5, 33)
