@@ -1,0 +1,58 @@
+"""The sampler's last stage on CPU: PyTorch's ops (float32 copy, / temperature, softmax, float64
+cumulative sum, search; argmax for greedy rows) against the compiled sample_rows
+(tengyun/csrc/sampling.cpp) on the same logits and uniforms, SmolLM2's vocabulary by default.
+
+    OMP_NUM_THREADS=2 python benchmarks/sampling_kernel.py [--vocab 49152] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tengyun.layers.attention import cpu_kernels
+from tengyun.layers.sampler import sample_from_probs
+
+
+def best_ms(fn, rounds: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--rows", default="1,16,64")
+    args = parser.parse_args()
+    error = cpu_kernels.load_error()
+    if error:
+        raise SystemExit(f"no kernel to compare: {error}")
+    op = torch.ops.tengyun.sample_rows.default
+    gen = torch.Generator().manual_seed(0)
+    print(f"vocab {args.vocab}, {args.dtype} logits, {torch.get_num_threads()} threads, best of 20 (ms)")
+    print("| rows | draw: PyTorch | draw: kernel | argmax: PyTorch | argmax: kernel | same draws |")
+    print("|---|---|---|---|---|---|")
+    for rows in map(int, args.rows.split(",")):
+        logits = (torch.randn(rows, args.vocab, generator=gen) * 3).to(getattr(torch, args.dtype))
+        temperature = torch.full((rows,), 0.8)
+        u = torch.rand(rows, dtype=torch.float64, generator=gen)
+
+        def pytorch_draw():
+            return sample_from_probs((logits.float() / temperature.unsqueeze(1)).softmax(dim=-1), u)
+
+        same = torch.equal(pytorch_draw(), op(logits, temperature, u))
+        print(f"| {rows} | {best_ms(pytorch_draw):.3f} | {best_ms(lambda: op(logits, temperature, u)):.3f} | "
+              f"{best_ms(lambda: logits.float().argmax(dim=-1)):.3f} | {best_ms(lambda: op(logits)):.3f} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
