@@ -27,6 +27,19 @@ def best_ms(fn, rounds: int = 20) -> float:
     return best
 
 
+def table_row(op, rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generator) -> str:
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    temperature = torch.full((rows,), 0.8)
+    u = torch.rand(rows, dtype=torch.float64, generator=gen)
+
+    def pytorch_draw():
+        return sample_from_probs((logits.float() / temperature.unsqueeze(1)).softmax(dim=-1), u)
+
+    same = torch.equal(pytorch_draw(), op(logits, temperature, u))
+    return (f"| {rows} | {best_ms(pytorch_draw):.3f} | {best_ms(lambda: op(logits, temperature, u)):.3f} | "
+            f"{best_ms(lambda: logits.float().argmax(dim=-1)):.3f} | {best_ms(lambda: op(logits)):.3f} | {same} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vocab", type=int, default=49152)
@@ -42,16 +55,7 @@ def main() -> None:
     print("| rows | draw: PyTorch | draw: kernel | argmax: PyTorch | argmax: kernel | same draws |")
     print("|---|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
-        logits = (torch.randn(rows, args.vocab, generator=gen) * 3).to(getattr(torch, args.dtype))
-        temperature = torch.full((rows,), 0.8)
-        u = torch.rand(rows, dtype=torch.float64, generator=gen)
-
-        def pytorch_draw():
-            return sample_from_probs((logits.float() / temperature.unsqueeze(1)).softmax(dim=-1), u)
-
-        same = torch.equal(pytorch_draw(), op(logits, temperature, u))
-        print(f"| {rows} | {best_ms(pytorch_draw):.3f} | {best_ms(lambda: op(logits, temperature, u)):.3f} | "
-              f"{best_ms(lambda: logits.float().argmax(dim=-1)):.3f} | {best_ms(lambda: op(logits)):.3f} | {same} |")
+        print(table_row(op, rows, args.vocab, getattr(torch, args.dtype), gen))
 
 
 if __name__ == "__main__":

@@ -93,47 +93,7 @@ inline void block_scores(const float* q, Rows k, int64_t n, int64_t padded, floa
 
 #undef TY_PIECES
 
-#if TY_ISA == 512
-#define TY_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
-// s[t] = scale * (q . k_t) for t < n from bfloat16 q and K rows as they lie (k_t at k + t * k_stride),
-// P chunks of 32 dims, with AVX512_BF16's vdpbf16ps: each product exact in float32, pairs summed,
-// then accumulated in float32 (the float32 path's precision; only the summation order differs).
-template <int P>
-TY_BF16_TARGET void scores_dot_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t k_stride, int64_t n,
-                                    float scale, float* s) {
-  __m512bh qv[P];
-  for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    V part[16];
-    const int64_t m = std::min<int64_t>(16, n - t0);
-    for (int64_t i = 0; i < m; ++i) {
-      const c10::BFloat16* row = k + (t0 + i) * k_stride;
-      V a = _mm512_dpbf16_ps(Vec::zero(), qv[0], (__m512bh)_mm512_loadu_si512(row));
-      for (int c = 1; c < P; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
-      part[i] = a;
-    }
-    for (int64_t i = m; i < 16; ++i) part[i] = Vec::zero();
-    Vec::store(s + t0, Vec::mul(Vec::transpose_sum(part), Vec::set1(scale)));
-  }
-}
-
-TY_BF16_TARGET inline void block_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t k_stride,
-                                             int64_t n, int64_t dim, float scale, float* s) {
-  switch (dim / 32) {
-    case 1: return scores_dot_bf16<1>(q, k, k_stride, n, scale, s);
-    case 2: return scores_dot_bf16<2>(q, k, k_stride, n, scale, s);
-    case 3: return scores_dot_bf16<3>(q, k, k_stride, n, scale, s);
-    default: return scores_dot_bf16<4>(q, k, k_stride, n, scale, s);
-  }
-}
-#undef TY_BF16_TARGET
-#endif
-
-// One V row's chunk c as W floats: a float32 row where it lies (the cache, or a widened copy), or a
-// bfloat16 / float16 row read in place and widened in registers.
-inline V load_chunk(const float* p) { return Vec::load(p); }
-inline V load_chunk(const c10::BFloat16* p) { return Vec::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
-inline V load_chunk(const c10::Half* p) { return Vec::load_fp16(reinterpret_cast<const uint16_t*>(p)); }
+#include "paged_attention_bf16.h"  // 16-bit V loads, bfloat16 dot-product scores
 
 // R rows x P chunks of accumulators in registers: acc_r += sum_{t < n} p_r[t] * v_t, row r's
 // accumulators at acc + r * acc_stride, its weights at w + r * w_stride, v_t at v + t * v_stride.
@@ -146,7 +106,7 @@ void values_tile(float* acc, int64_t acc_stride, const float* w, int64_t w_strid
     for (int c = 0; c < P; ++c) a[r][c] = Vec::load(acc + r * acc_stride + c * Vec::W);
   for (int64_t t = 0; t < n; ++t) {
     V x[P];
-    for (int c = 0; c < P; ++c) x[c] = load_chunk(v + t * v_stride + c * Vec::W);
+    load_chunks<P>(v + t * v_stride, x);
     for (int r = 0; r < R; ++r) {
       const V weight = Vec::set1(w[r * w_stride + t]);
       for (int c = 0; c < P; ++c) a[r][c] = Vec::fmadd(weight, x[c], a[r][c]);
@@ -160,11 +120,16 @@ template <int R, typename E>
 void values_rows(int64_t piece, float* acc, int64_t acc_stride, const float* w, int64_t w_stride, const E* v,
                  int64_t v_stride, int64_t n) {
   static_assert(Vec::kValuePiece == 4, "values_rows covers pieces of 1 to 4 chunks");
-  switch (piece) {
-    case 1: return values_tile<R, 1>(acc, acc_stride, w, w_stride, v, v_stride, n);
-    case 2: return values_tile<R, 2>(acc, acc_stride, w, w_stride, v, v_stride, n);
-    case 3: return values_tile<R, 3>(acc, acc_stride, w, w_stride, v, v_stride, n);
-    default: return values_tile<R, 4>(acc, acc_stride, w, w_stride, v, v_stride, n);
+  if constexpr (std::is_same_v<E, PairedBf16>) {  // pieces of 2 or 4 chunks (32-dim multiples)
+    if (piece == 2) return values_tile<R, 2>(acc, acc_stride, w, w_stride, v, v_stride, n);
+    return values_tile<R, 4>(acc, acc_stride, w, w_stride, v, v_stride, n);
+  } else {
+    switch (piece) {
+      case 1: return values_tile<R, 1>(acc, acc_stride, w, w_stride, v, v_stride, n);
+      case 2: return values_tile<R, 2>(acc, acc_stride, w, w_stride, v, v_stride, n);
+      case 3: return values_tile<R, 3>(acc, acc_stride, w, w_stride, v, v_stride, n);
+      default: return values_tile<R, 4>(acc, acc_stride, w, w_stride, v, v_stride, n);
+    }
   }
 }
 
@@ -241,6 +206,7 @@ constexpr int64_t kAheadBlocks = 2;  // blocks prefetched ahead of the one being
 struct Layout {  // attend_group's scratch, in floats
   int64_t group, rows, padded, span, score_stride, block_size;
   bool dot_bf16 = false;  // scores by block_scores_bf16 (bfloat16 q and cache, AVX512_BF16, see run_typed)
+  bool paired = false;  // V rows read as PairedBf16 (bfloat16 cache, AVX-512, head dim a multiple of 32)
   explicit Layout(const Problem& p)
       : group(p.q_heads / p.kv_heads), rows(group * p.max_query_len), padded(round_up(p.head_dim, Vec::W)),
         span(std::max<int64_t>(1, kSpanTokens / p.block_size) * p.block_size),
@@ -363,6 +329,15 @@ void span_values(const Problem& p, const Layout& lay, const Task& task, int64_t 
     const int64_t n = std::min(bs, task.len - j * bs);
     const CacheT* v = v_cache + task.table[j] * p.block_stride;
     const float* w = work + lay.scores() + (j - j0) * bs;
+#if TY_ISA == 512
+    if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+      if (lay.paired) {
+        block_values(acc, padded, w, lay.score_stride, reinterpret_cast<const PairedBf16*>(v), row_stride, n,
+                     task.rows);
+        continue;
+      }
+    }
+#endif
     if (dim == padded) {  // rows read in place, widened in registers
       block_values(acc, padded, w, lay.score_stride, v, row_stride, n, task.rows);
     } else {
@@ -372,6 +347,30 @@ void span_values(const Problem& p, const Layout& lay, const Task& task, int64_t 
   }
 }
 
+// out[d] = row[d] * inv for d < dim in out's dtype (rounded to nearest even, as static_cast), the
+// row's dims in order again where it holds paired accumulators.
+template <typename IoT>
+inline void write_row(IoT* out, const float* row, int64_t dim, bool paired, float inv) {
+#if TY_ISA == 512
+  const V s = Vec::set1(inv);
+  if (paired) {  // [even 16 | odd 16] per 32 dims -> interleaved
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t d = 0; d < dim; d += 32) {
+      const V even = Vec::mul(Vec::load(row + d), s), odd = Vec::mul(Vec::load(row + d + 16), s);
+      store_out(out + d, _mm512_permutex2var_ps(even, lo, odd));
+      store_out(out + d + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
+    return;
+  }
+  if (dim % Vec::W == 0) {
+    for (int64_t d = 0; d < dim; d += Vec::W) store_out(out + d, Vec::mul(Vec::load(row + d), s));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<IoT>(row[paired ? paired_index(d) : d] * inv);
+}
+
 template <typename IoT>
 void load_queries(const Problem& p, const Layout& lay, const Task& task, float* work) {
   const int64_t dim = p.head_dim, padded = lay.padded;
@@ -379,7 +378,13 @@ void load_queries(const Problem& p, const Layout& lay, const Task& task, float* 
     const IoT* q = static_cast<const IoT*>(p.q) + ((task.first + r / task.group) * p.q_heads + task.h * task.group +
                                                    r % task.group) * dim;
     float* query = work + lay.query() + r * padded;
-    for (int64_t d = 0; d < padded; ++d) query[d] = d < dim ? static_cast<float>(q[d]) * p.scale : 0.0f;
+    if (lay.dot_bf16) {
+      // block_scores_bf16 reads q where it lies: no scaled float32 copy
+    } else if (dim == padded) {
+      for (int64_t d = 0; d < dim; d += Vec::W) Vec::store(query + d, Vec::mul(load_chunk(q + d), Vec::set1(p.scale)));
+    } else {
+      for (int64_t d = 0; d < padded; ++d) query[d] = d < dim ? static_cast<float>(q[d]) * p.scale : 0.0f;
+    }
     std::fill(work + lay.acc() + r * padded, work + lay.acc() + (r + 1) * padded, 0.0f);
     work[lay.run_max() + r] = -INFINITY;
     work[lay.run_sum() + r] = 0.0f;
@@ -407,7 +412,7 @@ void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, flo
     IoT* out = static_cast<IoT*>(p.out) + ((task.first + r / task.group) * p.q_heads + h * task.group +
                                            r % task.group) * p.head_dim;
     const float sum = work[lay.run_sum() + r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // len 0 (padding): zeros
-    for (int64_t d = 0; d < p.head_dim; ++d) out[d] = static_cast<IoT>(acc[r * lay.padded + d] * inv);
+    write_row(out, acc + r * lay.padded, p.head_dim, lay.paired, inv);
   }
 }
 
@@ -419,6 +424,7 @@ void run_typed(const Problem& p) {
   static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
   lay.dot_bf16 = std::is_same_v<CacheT, c10::BFloat16> && std::is_same_v<IoT, c10::BFloat16> && has_bf16_dot &&
                  p.head_dim % 32 == 0 && p.head_dim <= 128;
+  lay.paired = std::is_same_v<CacheT, c10::BFloat16> && p.head_dim % 32 == 0;
 #endif
   const int64_t tasks = p.batch * p.kv_heads;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.threads, tasks)));
