@@ -1,6 +1,6 @@
-// The paged attention kernel's 16-bit readers, for one instruction set: how a V row's chunks are
-// loaded and widened (and, with AVX-512, a bfloat16 row as pairs of chunks), and with AVX512_BF16 the
-// scores straight from bfloat16 q and K rows. No include guard on purpose: paged_attention_impl.h
+// The paged attention kernel's 16-bit readers and writer, for one instruction set: how a V row's
+// chunks are loaded and widened (and, with AVX-512, a bfloat16 row as pairs of chunks), with
+// AVX512_BF16 the scores straight from bfloat16 q and K rows, and how an output row is stored. No include guard on purpose: paged_attention_impl.h
 // includes it once per ISA, inside that ISA's namespace, after struct Vec.
 
 #if TY_ISA == 512
@@ -96,3 +96,27 @@ inline void store_out(c10::Half* out, V x) {
 
 // Where dim d of a paired accumulator row lies: [even 16 | odd 16] per 32 dims.
 inline int64_t paired_index(int64_t d) { return (d & ~int64_t{31}) | ((d & 1) << 4) | ((d & 31) >> 1); }
+
+// out[d] = row[d] * inv for d < dim in out's dtype (rounded to nearest even, as static_cast), the
+// row's dims in order again where it holds paired accumulators.
+template <typename IoT>
+inline void write_row(IoT* out, const float* row, int64_t dim, bool paired, float inv) {
+#if TY_ISA == 512
+  const V s = Vec::set1(inv);
+  if (paired) {  // [even 16 | odd 16] per 32 dims -> interleaved
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t d = 0; d < dim; d += 32) {
+      const V even = Vec::mul(Vec::load(row + d), s), odd = Vec::mul(Vec::load(row + d + 16), s);
+      store_out(out + d, _mm512_permutex2var_ps(even, lo, odd));
+      store_out(out + d + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
+    return;
+  }
+  if (dim % Vec::W == 0) {
+    for (int64_t d = 0; d < dim; d += Vec::W) store_out(out + d, Vec::mul(Vec::load(row + d), s));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<IoT>(row[paired ? paired_index(d) : d] * inv);
+}

@@ -95,21 +95,60 @@ inline void block_scores(const float* q, Rows k, int64_t n, int64_t padded, floa
 
 #include "paged_attention_bf16.h"  // 16-bit V loads, bfloat16 dot-product scores
 
-// R rows x P chunks of accumulators in registers: acc_r += sum_{t < n} p_r[t] * v_t, row r's
-// accumulators at acc + r * acc_stride, its weights at w + r * w_stride, v_t at v + t * v_stride.
-// Each V row is loaded (and widened) once for the R rows; R * P independent FMA chains.
+// Into L2, not L1 (prefetcht0): 1.3-1.65x the decode attention's speed on this EPYC, float32 and
+// bfloat16 (benchmarks/decode_attention_bandwidth.py; prefetcht2 the same, prefetchnta no gain).
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));  // not __builtin_prefetch: GCC deleted loops of those here
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+inline void prefetch_rows(const void* first, int64_t rows, int64_t row_stride_bytes, int64_t row_bytes) {
+  const char* base = static_cast<const char*>(first);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line(base + t * row_stride_bytes + b);
+}
+
+// A span's V rows read in place: block i's first row at ptr[i] (`size` rows each, the last `last`);
+// before reading it, the rows at ahead[i] (a later block, or the next span's K) go into the cache.
+struct PrefetchRows {
+  const void* first;  // nullptr: nothing
+  int64_t rows;
+};
+
+template <typename E>
+struct VBlocks {
+  const E* const* ptr;
+  int64_t count, size, last;
+  const PrefetchRows* ahead;  // nullptr: the caller prefetches
+  int64_t ahead_stride_bytes, ahead_row_bytes;
+};
+
+// R rows x P chunks of accumulators in registers: acc_r += sum_t p_r[t] * v_t over the blocks' rows
+// (token t of block i: weight w[r * w_stride + i * size + t], row ptr[i] + off + t * v_stride), row r's
+// accumulators at acc + r * acc_stride. Each V row is loaded (and widened) once for the R rows; R * P
+// independent FMA chains; the accumulators stay in registers across the blocks.
 template <int R, int P, typename E>
-void values_tile(float* acc, int64_t acc_stride, const float* w, int64_t w_stride, const E* v, int64_t v_stride,
-                 int64_t n) {
+void values_tile(float* acc, int64_t acc_stride, const float* w, int64_t w_stride, const VBlocks<E>& v,
+                 int64_t off, int64_t v_stride, bool prefetch) {
   V a[R][P];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < P; ++c) a[r][c] = Vec::load(acc + r * acc_stride + c * Vec::W);
-  for (int64_t t = 0; t < n; ++t) {
-    V x[P];
-    load_chunks<P>(v + t * v_stride, x);
-    for (int r = 0; r < R; ++r) {
-      const V weight = Vec::set1(w[r * w_stride + t]);
-      for (int c = 0; c < P; ++c) a[r][c] = Vec::fmadd(weight, x[c], a[r][c]);
+  for (int64_t i = 0; i < v.count; ++i) {
+    if (prefetch && v.ahead[i].first)
+      prefetch_rows(v.ahead[i].first, v.ahead[i].rows, v.ahead_stride_bytes, v.ahead_row_bytes);
+    const E* rows = v.ptr[i] + off;
+    const float* wi = w + i * v.size;
+    const int64_t n = i + 1 < v.count ? v.size : v.last;
+    for (int64_t t = 0; t < n; ++t) {
+      V x[P];
+      load_chunks<P>(rows + t * v_stride, x);
+      for (int r = 0; r < R; ++r) {
+        const V weight = Vec::set1(wi[r * w_stride + t]);
+        for (int c = 0; c < P; ++c) a[r][c] = Vec::fmadd(weight, x[c], a[r][c]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -117,27 +156,28 @@ void values_tile(float* acc, int64_t acc_stride, const float* w, int64_t w_strid
 }
 
 template <int R, typename E>
-void values_rows(int64_t piece, float* acc, int64_t acc_stride, const float* w, int64_t w_stride, const E* v,
-                 int64_t v_stride, int64_t n) {
+void values_rows(int64_t piece, float* acc, int64_t acc_stride, const float* w, int64_t w_stride,
+                 const VBlocks<E>& v, int64_t off, int64_t v_stride, bool prefetch) {
   static_assert(Vec::kValuePiece == 4, "values_rows covers pieces of 1 to 4 chunks");
   if constexpr (std::is_same_v<E, PairedBf16>) {  // pieces of 2 or 4 chunks (32-dim multiples)
-    if (piece == 2) return values_tile<R, 2>(acc, acc_stride, w, w_stride, v, v_stride, n);
-    return values_tile<R, 4>(acc, acc_stride, w, w_stride, v, v_stride, n);
+    if (piece == 2) return values_tile<R, 2>(acc, acc_stride, w, w_stride, v, off, v_stride, prefetch);
+    return values_tile<R, 4>(acc, acc_stride, w, w_stride, v, off, v_stride, prefetch);
   } else {
     switch (piece) {
-      case 1: return values_tile<R, 1>(acc, acc_stride, w, w_stride, v, v_stride, n);
-      case 2: return values_tile<R, 2>(acc, acc_stride, w, w_stride, v, v_stride, n);
-      case 3: return values_tile<R, 3>(acc, acc_stride, w, w_stride, v, v_stride, n);
-      default: return values_tile<R, 4>(acc, acc_stride, w, w_stride, v, v_stride, n);
+      case 1: return values_tile<R, 1>(acc, acc_stride, w, w_stride, v, off, v_stride, prefetch);
+      case 2: return values_tile<R, 2>(acc, acc_stride, w, w_stride, v, off, v_stride, prefetch);
+      case 3: return values_tile<R, 3>(acc, acc_stride, w, w_stride, v, off, v_stride, prefetch);
+      default: return values_tile<R, 4>(acc, acc_stride, w, w_stride, v, off, v_stride, prefetch);
     }
   }
 }
 
-// acc [rows, padded] += w [rows, n] (row stride w_stride) . V [n, padded] (row stride v_stride):
-// the head dim in pieces of kValuePiece chunks, the rows in even tiles of at most kRowTile (7 -> 4 + 3).
+// acc [rows, padded] += w [rows, tokens] (row stride w_stride) . the blocks' V rows [tokens, padded]
+// (row stride v_stride): the head dim in pieces of kValuePiece chunks, the rows in even tiles of at
+// most kRowTile (7 -> 4 + 3); the first pass issues the blocks' prefetches.
 template <typename E>
-void block_values(float* acc, int64_t padded, const float* w, int64_t w_stride, const E* v, int64_t v_stride,
-                  int64_t n, int64_t rows) {
+void block_values(float* acc, int64_t padded, const float* w, int64_t w_stride, const VBlocks<E>& v,
+                  int64_t v_stride, int64_t rows) {
   static_assert(Vec::kRowTile <= 6, "block_values covers tiles of 1 to 6 rows");
   const int64_t tiles = (rows + Vec::kRowTile - 1) / Vec::kRowTile, tile = (rows + tiles - 1) / tiles;
   for (int64_t c0 = 0; c0 < padded / Vec::W; c0 += Vec::kValuePiece) {
@@ -145,8 +185,9 @@ void block_values(float* acc, int64_t padded, const float* w, int64_t w_stride, 
     for (int64_t r0 = 0; r0 < rows; r0 += tile) {
       float* a = acc + r0 * padded + off;
       const float* wr = w + r0 * w_stride;
-#define TY_ROWS(R) values_rows<(R < Vec::kRowTile ? R : Vec::kRowTile)>(piece, a, padded, wr, w_stride, v + off, \
-                                                                        v_stride, n)
+      const bool prefetch = v.ahead != nullptr && c0 == 0 && r0 == 0;
+#define TY_ROWS(R) values_rows<(R < Vec::kRowTile ? R : Vec::kRowTile)>(piece, a, padded, wr, w_stride, v, off, \
+                                                                        v_stride, prefetch)
       switch (std::min(tile, rows - r0)) {
         case 1: TY_ROWS(1); break; case 2: TY_ROWS(2); break; case 3: TY_ROWS(3); break;
         case 4: TY_ROWS(4); break; case 5: TY_ROWS(5); break; default: TY_ROWS(6); break;
@@ -182,22 +223,6 @@ inline float exp_minus_and_sum(float* s, int64_t m, int64_t end, float shift) {
   }
   for (; t < end; t += Vec::W) Vec::store(s + t, Vec::zero());
   return Vec::hsum(sum);
-}
-
-// Into L2, not L1 (prefetcht0): 1.3-1.65x the decode attention's speed on this EPYC, float32 and
-// bfloat16 (benchmarks/decode_attention_bandwidth.py; prefetcht2 the same, prefetchnta no gain).
-inline void prefetch_line(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));  // not __builtin_prefetch: GCC deleted loops of those here
-#else
-  __builtin_prefetch(p, 0, 3);
-#endif
-}
-
-inline void prefetch_rows(const void* first, int64_t rows, int64_t row_stride_bytes, int64_t row_bytes) {
-  const char* base = static_cast<const char*>(first);
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line(base + t * row_stride_bytes + b);
 }
 
 constexpr int64_t kSpanTokens = 512;  // scores held at once: whole blocks, this many tokens or one block
@@ -246,11 +271,17 @@ inline Task make_task(const Problem& p, const Layout& lay, int64_t b, int64_t h)
 
 // Block j's rows of KV head h in `cache` (K or V) into the cache hierarchy; nothing past the task.
 template <typename CacheT>
+inline PrefetchRows block_rows_of(const Problem& p, const Task& task, const void* cache, int64_t j) {
+  if (j >= task.num_blocks) return {nullptr, 0};
+  return {static_cast<const CacheT*>(cache) + task.table[j] * p.block_stride + task.h * p.head_dim,
+          std::min(p.block_size, task.len - j * p.block_size)};
+}
+
+template <typename CacheT>
 inline void prefetch_block(const Problem& p, const Task& task, const void* cache, int64_t j) {
-  if (j >= task.num_blocks) return;
-  const CacheT* first = static_cast<const CacheT*>(cache) + task.table[j] * p.block_stride + task.h * p.head_dim;
-  prefetch_rows(first, std::min(p.block_size, task.len - j * p.block_size), p.kv_heads * p.head_dim * sizeof(CacheT),
-                p.head_dim * sizeof(CacheT));
+  const PrefetchRows rows = block_rows_of<CacheT>(p, task, cache, j);
+  if (rows.first)
+    prefetch_rows(rows.first, rows.rows, p.kv_heads * p.head_dim * sizeof(CacheT), p.head_dim * sizeof(CacheT));
 }
 
 // Pass 1 over blocks [j0, j1) (one span): scores[r][t - j0 * bs] = q_r . k_t for the tokens row r
@@ -314,6 +345,27 @@ inline void span_softmax(const Layout& lay, const Task& task, int64_t span0, int
 // Pass 2 over blocks [j0, j1): acc_r = acc_r * correction[r] + sum_t numerator_r[t] * v_t, every
 // row at once per V row (a row's zero numerators past its limit add exact zeros: the K/V of a
 // chunk's later tokens, in the cache and finite, times 0). Prefetches V ahead, then the next span's K.
+// span_values where V rows are read where they lie (as E: CacheT, or PairedBf16): all the span's
+// blocks in one block_values call, each block's prefetch (V ahead, then the next span's K) issued
+// as it is reached.
+template <typename E, typename CacheT>
+void span_values_in_place(const Problem& p, const Layout& lay, const Task& task, int64_t j0, int64_t j1,
+                          float* work) {
+  const E* ptr[kSpanTokens];  // a span holds at most kSpanTokens blocks (of one token)
+  PrefetchRows ahead[kSpanTokens];
+  const CacheT* v_cache = static_cast<const CacheT*>(p.v_cache) + task.h * p.head_dim;
+  for (int64_t j = j0; j < j1; ++j) {
+    ptr[j - j0] = reinterpret_cast<const E*>(v_cache + task.table[j] * p.block_stride);
+    const int64_t a = j + kAheadBlocks;
+    ahead[j - j0] = block_rows_of<CacheT>(p, task, a < j1 ? p.v_cache : p.k_cache, a);
+  }
+  const VBlocks<E> v{ptr, j1 - j0, p.block_size, std::min(p.block_size, task.len - (j1 - 1) * p.block_size), ahead,
+                     static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT)),
+                     static_cast<int64_t>(p.head_dim * sizeof(CacheT))};
+  block_values(work + lay.acc(), lay.padded, work + lay.scores(), lay.score_stride, v, p.kv_heads * p.head_dim,
+               task.rows);
+}
+
 template <typename CacheT>
 void span_values(const Problem& p, const Layout& lay, const Task& task, int64_t j0, int64_t j1, float* work) {
   const int64_t bs = p.block_size, dim = p.head_dim, row_stride = p.kv_heads * dim, padded = lay.padded;
@@ -323,52 +375,22 @@ void span_values(const Problem& p, const Layout& lay, const Task& task, int64_t 
     for (float* a = acc + r * padded; a < acc + (r + 1) * padded; a += Vec::W) Vec::store(a, Vec::mul(Vec::load(a), c));
   }
   const CacheT* v_cache = static_cast<const CacheT*>(p.v_cache) + task.h * dim;
-  for (int64_t j = j0; j < j1; ++j) {
+#if TY_ISA == 512
+  if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+    if (lay.paired) return span_values_in_place<PairedBf16, CacheT>(p, lay, task, j0, j1, work);
+  }
+#endif
+  if (dim == padded) return span_values_in_place<CacheT, CacheT>(p, lay, task, j0, j1, work);
+  for (int64_t j = j0; j < j1; ++j) {  // rows widened and padded into a copy, a block at a time
     const int64_t ahead = j + kAheadBlocks;
     prefetch_block<CacheT>(p, task, ahead < j1 ? p.v_cache : p.k_cache, ahead);
     const int64_t n = std::min(bs, task.len - j * bs);
-    const CacheT* v = v_cache + task.table[j] * p.block_stride;
-    const float* w = work + lay.scores() + (j - j0) * bs;
-#if TY_ISA == 512
-    if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
-      if (lay.paired) {
-        block_values(acc, padded, w, lay.score_stride, reinterpret_cast<const PairedBf16*>(v), row_stride, n,
-                     task.rows);
-        continue;
-      }
-    }
-#endif
-    if (dim == padded) {  // rows read in place, widened in registers
-      block_values(acc, padded, w, lay.score_stride, v, row_stride, n, task.rows);
-    } else {
-      const Rows x = block_rows(v, n, row_stride, dim, padded, work + lay.v_rows());
-      block_values(acc, padded, w, lay.score_stride, x.data, x.stride, n, task.rows);
-    }
+    const Rows x = block_rows(v_cache + task.table[j] * p.block_stride, n, row_stride, dim, padded,
+                              work + lay.v_rows());
+    const float* rows[1] = {x.data};
+    block_values(acc, padded, work + lay.scores() + (j - j0) * bs, lay.score_stride,
+                 VBlocks<float>{rows, 1, n, n, nullptr, 0, 0}, x.stride, task.rows);
   }
-}
-
-// out[d] = row[d] * inv for d < dim in out's dtype (rounded to nearest even, as static_cast), the
-// row's dims in order again where it holds paired accumulators.
-template <typename IoT>
-inline void write_row(IoT* out, const float* row, int64_t dim, bool paired, float inv) {
-#if TY_ISA == 512
-  const V s = Vec::set1(inv);
-  if (paired) {  // [even 16 | odd 16] per 32 dims -> interleaved
-    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int64_t d = 0; d < dim; d += 32) {
-      const V even = Vec::mul(Vec::load(row + d), s), odd = Vec::mul(Vec::load(row + d + 16), s);
-      store_out(out + d, _mm512_permutex2var_ps(even, lo, odd));
-      store_out(out + d + 16, _mm512_permutex2var_ps(even, hi, odd));
-    }
-    return;
-  }
-  if (dim % Vec::W == 0) {
-    for (int64_t d = 0; d < dim; d += Vec::W) store_out(out + d, Vec::mul(Vec::load(row + d), s));
-    return;
-  }
-#endif
-  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<IoT>(row[paired ? paired_index(d) : d] * inv);
 }
 
 template <typename IoT>
