@@ -273,6 +273,7 @@ def render(report: dict) -> str:
                       *table(rows), ""]
         lines += [*ratios(best, model), ""]
     lines += [f"Load average at the start: {report['load_start']}; at the end: {report['load_end']}.", "",
+              *([report["kernel_warning"], ""] if report.get("kernel_warning") else []),
               MARKERS[1]]
     return "\n".join(lines)
 
@@ -345,6 +346,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="tengyun-quant-"))
     ctx = prepare(args, workdir)
     compare = ctx["compare"]
+    guard = compare.KernelGuard()
     versions = compare.versions({"vllm": ctx["venvs"]["vllm"], "hf": ctx["venvs"]["hf"]})
     report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "args": vars(args),
               "command": "python benchmarks/quant.py " + " ".join(sys.argv[1:]), "machine": compare.machine(),
@@ -360,6 +362,9 @@ def main() -> None:
                 log("   -> " + (record["error"][-300:] if "error" in record else
                                 f"{rate(record):.1f} output tok/s, peak RSS {record['peak_rss_mib']:.0f} MiB"))
     report["load_end"] = compare.loadavg()
+    report["kernel_warning"] = guard.changed()
+    if report["kernel_warning"]:
+        log(report["kernel_warning"])
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
     report["results_file"] = f"quant-{stamp}.json"
     if args.no_readme:
