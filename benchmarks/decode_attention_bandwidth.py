@@ -8,6 +8,9 @@ reading K/V.
 SmolLM2-135M's shapes by default: 64 sequences of ~150 tokens, 9 query / 3 KV heads of 64.
 
     python benchmarks/decode_attention_bandwidth.py [--threads 2] [--dtype bfloat16]
+    # one build against another (a .so under ~/.cache/tengyun/torch_extensions/), kernel only; with
+    # --layers 1 --seqs 16 --repeat 120 the K/V stay in cache: the kernel's arithmetic alone
+    python benchmarks/decode_attention_bandwidth.py --kernel-only --library PATH/tengyun_cpu_kernels.so
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=150)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeat", type=int, default=1, help="calls per layer in a step")
+    parser.add_argument("--kernel-only", action="store_true", help="time the compiled kernel alone")
+    parser.add_argument("--library", default=None, help="load this kernel build instead of the checkout's")
     args = parser.parse_args()
+    if args.library:
+        torch.ops.load_library(args.library)
+        cpu_kernels._loaded = args.library  # load_error() then reports it loaded
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     q_heads, kv_heads, dim, block_size = 9, 3, 64, 16
@@ -74,13 +83,15 @@ def main() -> None:
     for _ in range(2):  # interleaved, best of each
         if not kernel_error:
             rows.append((f"cpu_paged kernel, in place ({cpu_kernels.isa()})",
-                         best_ms(lambda: [kernel(k, v) for k, v in caches])))
+                         best_ms(lambda: [kernel(k, v) for k, v in caches * args.repeat])))
+        if args.kernel_only:
+            continue
         rows.append(("torch_sdpa backend (gather, then SDPA / matmuls)",
-                     best_ms(lambda: [backend._decode(q, k, v, meta, dim ** -0.5) for k, v in caches])))
-        rows.append(("gather + SDPA (before)", best_ms(lambda: [sdpa(k, v) for k, v in caches])))
-        rows.append(("read K/V only (sum)", best_ms(lambda: [(k.sum(), v.sum()) for k, v in caches])))
+                     best_ms(lambda: [backend._decode(q, k, v, meta, dim ** -0.5) for k, v in caches * args.repeat])))
+        rows.append(("gather + SDPA (before)", best_ms(lambda: [sdpa(k, v) for k, v in caches * args.repeat])))
+        rows.append(("read K/V only (sum)", best_ms(lambda: [(k.sum(), v.sum()) for k, v in caches * args.repeat])))
     best = {name: min(ms for n, ms in rows if n == name) for name, _ in rows}
-    kv_bytes = 2 * args.seqs * args.context * kv_heads * dim * caches[0][0].element_size() * args.layers
+    kv_bytes = 2 * args.seqs * args.context * kv_heads * dim * caches[0][0].element_size() * args.layers * args.repeat
     print(f"{args.layers} layers, {args.seqs} x {args.context} tokens, {args.dtype}, {args.threads} threads: "
           f"K/V {kv_bytes / 2**20:.0f} MiB per step")
     print("| what | ms per step | GB/s of K/V |")

@@ -152,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> logits [N, vocab] float32 on TP rank 0; None on the other TP ranks."""
-        logits = self.lm_head.compute_logits(hidden)
-        return None if logits is None else logits.float()
+        """hidden [N, hidden] -> logits [N, vocab] in the head's dtype on TP rank 0 (the sampler and
+        the logprobs widen them to float32 where they compute; the CPU's compiled draw reads bfloat16
+        as it is); None on the other TP ranks."""
+        return self.lm_head.compute_logits(hidden)

@@ -123,7 +123,7 @@ class ModelRunner:
         rows = batch.logits_indices
         if batch.prompt_rows:
             rows = torch.cat([rows, batch.prompt_indices])
-        logits = self.model.compute_logits(hidden[rows])  # [B + R, V] float32; None off TP rank 0
+        logits = self.model.compute_logits(hidden[rows])  # [B + R, V] the model's dtype; None off TP rank 0
         if logits is None:
             return None
         num_sampled = len(batch.logits_indices)
@@ -299,7 +299,7 @@ class ModelRunner:
         R <= the step's tokens, so memory stays within --max-num-batched-tokens x vocab floats."""
         wanted = {seq_id: self.states[seq_id].params.prompt_logprobs for seq_id, _, _ in batch.prompt_rows}
         max_k = min(max(wanted.values()), self.vocab_size)
-        ids, logprobs, ranks = gather_logprobs(logits.log_softmax(dim=-1), batch.prompt_targets, max_k)
+        ids, logprobs, ranks = gather_logprobs(logits.float().log_softmax(dim=-1), batch.prompt_targets, max_k)
         ids, logprobs, ranks = ids.tolist(), logprobs.tolist(), ranks.tolist()
         row = 0
         for seq_id, start, count in batch.prompt_rows:
