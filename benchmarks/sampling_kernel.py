@@ -8,23 +8,16 @@ cumulative sum, search; argmax for greedy rows) against the compiled sample_rows
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
 import torch
 
-from tengyun.layers.attention import cpu_kernels
-from tengyun.layers.sampler import sample_from_probs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_attention_bandwidth import best_ms  # noqa: E402
 
-
-def best_ms(fn, rounds: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - start) * 1e3)
-    return best
+from tengyun.layers.attention import cpu_kernels  # noqa: E402
+from tengyun.layers.sampler import sample_from_probs  # noqa: E402
 
 
 def table_row(op, rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generator) -> str:
@@ -36,8 +29,9 @@ def table_row(op, rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generato
         return sample_from_probs((logits.float() / temperature.unsqueeze(1)).softmax(dim=-1), u)
 
     same = torch.equal(pytorch_draw(), op(logits, temperature, u))
-    return (f"| {rows} | {best_ms(pytorch_draw):.3f} | {best_ms(lambda: op(logits, temperature, u)):.3f} | "
-            f"{best_ms(lambda: logits.float().argmax(dim=-1)):.3f} | {best_ms(lambda: op(logits)):.3f} | {same} |")
+    times = [best_ms(fn, rounds=20) for fn in (pytorch_draw, lambda: op(logits, temperature, u),
+                                               lambda: logits.float().argmax(dim=-1), lambda: op(logits))]
+    return f"| {rows} | " + " | ".join(f"{ms:.3f}" for ms in times) + f" | {same} |"
 
 
 def main() -> None:

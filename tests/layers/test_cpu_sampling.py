@@ -13,19 +13,13 @@ from tengyun import LLM, SamplingParams
 from tengyun.layers.sampler import sample_from_probs
 from tengyun.platforms.cpu import CpuPlatform
 
-from test_cpu_paged_attention import ISAS, kernels  # noqa: F401 - the build-or-skip fixture
+from test_cpu_paged_attention import isa, kernels  # noqa: F401 - the build-or-skip and per-ISA fixtures
 
 
-@pytest.fixture(params=ISAS)
-def sample_rows(request, kernels):  # noqa: F811
-    """torch.ops.tengyun.sample_rows on one instruction-set copy; the best one again afterwards."""
-    best = kernels.isa()
-    try:
-        torch.ops.tengyun.paged_attention_isa(request.param)
-    except RuntimeError:
-        pytest.skip(f"this CPU lacks {request.param}")
-    yield torch.ops.tengyun.sample_rows
-    torch.ops.tengyun.paged_attention_isa(best)
+@pytest.fixture
+def sample_rows(isa):  # noqa: F811
+    """torch.ops.tengyun.sample_rows on each instruction-set copy this CPU has."""
+    return torch.ops.tengyun.sample_rows
 
 
 def _pytorch_draw(logits, temperature, u):
