@@ -134,7 +134,7 @@ class CpuPlatform(Platform):
 
     def sample_rows_kernel(self):
         """The compiled draw (csrc/sampling.cpp: argmax or inverse CDF straight from bf16 logits,
-        64 x 49152 rows 21 ms -> 1.4 ms here) when the kernel library loads."""
+        64 x 49152 rows 14.1 ms -> 1.3 ms on a 2-core EPYC) when the kernel library loads."""
         import torch
 
         from tengyun.layers.attention import cpu_kernels
