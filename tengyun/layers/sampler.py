@@ -233,13 +233,27 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
     probs [.5, .3, .15, .05], top_p .75: ascending cumsum [.05, .2, .5, 1.] -> drop where
     <= .25 -> keep {.5, .3}. The most likely token is always kept.
+
+    Rows already narrowed to a few finite logits (top_k first: Qwen's generation_config asks for
+    top_k 20 with top_p 0.8) sort only those: the -inf rest weighs 0 and comes first in the
+    ascending order, so the sums are the same (16 x 151936: 70 -> ~3 ms a step).
     """
+    kept = int((logits > float("-inf")).sum(dim=-1).max())  # most finite logits in a row
+    if kept * 8 <= logits.shape[1]:
+        top, order = logits.topk(kept, dim=-1)  # descending; a shorter row's -inf entries come last
+        top, order = top.flip(-1), order.flip(-1)
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, _drop_below_top_p(top, top_p))
     sorted_logits, order = logits.sort(dim=-1)  # ascending
-    cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)  # [B, V]
+    return torch.empty_like(logits).scatter_(1, order, _drop_below_top_p(sorted_logits, top_p))
+
+
+def _drop_below_top_p(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """In place on [B, N] ascending logits: -inf where the cumulative probability from below is
+    <= 1 - top_p, the last (largest) always kept."""
+    cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)  # [B, N]
     drop = cum <= (1.0 - top_p).unsqueeze(1)
     drop[:, -1] = False
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return sorted_logits.masked_fill_(drop, float("-inf"))
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -276,14 +290,17 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
-def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """[B, V] penalised logits -> [B] tokens for the random rows (greedy rows' values are junk)."""
+def _sample_random(logits: torch.Tensor, md: SamplingMetadata, sample_rows=None) -> torch.Tensor:
+    """[B, V] penalised logits -> [B] tokens for the random rows (greedy rows' values are junk).
+    sample_rows: the platform's fused draw, used after the filters unless min_p is set."""
     if md.temperature is not None:
         logits = logits / md.temperature.unsqueeze(1)
     if md.top_k is not None:
         logits = apply_top_k(logits, md.top_k, md.max_top_k)
     if md.top_p is not None:
         logits = apply_top_p(logits, md.top_p)
+    if sample_rows is not None and md.min_p is None:  # the inverse CDF of softmax(logits); -inf weighs 0
+        return sample_rows(logits, None, uniform_draws(logits.shape[0], md, logits.device), None)
     probs = logits.softmax(dim=-1)
     if md.min_p is not None:
         probs = apply_min_p(probs, md.min_p)
@@ -342,9 +359,9 @@ class Sampler(nn.Module):
         elif md.all_greedy:
             sampled = logits.argmax(dim=-1)
         elif md.all_random:
-            sampled = _sample_random(logits, md)
+            sampled = _sample_random(logits, md, self.sample_rows)
         else:
-            sampled = torch.where(md.is_greedy, logits.argmax(dim=-1), _sample_random(logits, md))
+            sampled = torch.where(md.is_greedy, logits.argmax(dim=-1), _sample_random(logits, md, self.sample_rows))
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)

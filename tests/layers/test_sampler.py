@@ -146,6 +146,23 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert torch.nonzero(apply_top_p(logits[:1], torch.tensor([1e-9]))[0] > NEG_INF).flatten().tolist() == [0]
 
 
+def test_top_p_after_top_k_sorts_only_the_kept_logits_and_keeps_the_same_tokens():
+    """Rows narrowed by top_k take apply_top_p's short path (a topk of the finite logits); it must
+    keep exactly the tokens the full ascending sort keeps. Distinct values: no ties to order."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4000, generator=gen) * 3
+    narrowed = apply_top_k(logits, torch.tensor([20, 5, 1, 20, 13, 2]), max_top_k=20)
+    top_p = torch.tensor([0.8, 0.5, 0.9, 1.0, 0.05, 0.6])
+    sorted_logits, order = narrowed.sort(dim=-1)  # the full sort, written out here
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    want = torch.empty_like(narrowed).scatter_(1, order, sorted_logits.masked_fill(drop, NEG_INF))
+    got = apply_top_p(narrowed, top_p)
+    assert torch.equal(got > NEG_INF, want > NEG_INF)
+    assert torch.equal(got[got > NEG_INF], want[want > NEG_INF])
+
+
 def test_min_p_drops_tokens_below_fraction_of_max():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2)
     out = apply_min_p(probs, torch.tensor([0.5, 0.2]))
