@@ -234,16 +234,18 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     probs [.5, .3, .15, .05], top_p .75: ascending cumsum [.05, .2, .5, 1.] -> drop where
     <= .25 -> keep {.5, .3}. The most likely token is always kept.
 
-    Rows already narrowed to a few finite logits (top_k first: Qwen's generation_config asks for
-    top_k 20 with top_p 0.8) sort only those: the -inf rest weighs 0 and comes first in the
-    ascending order, so the sums are the same (16 x 151936: 70 -> ~3 ms a step).
+    Equal logits are ordered by column (a stable sort), so which of two tied tokens the cut keeps
+    does not depend on the path. Rows already narrowed to a few finite logits (top_k first: Qwen's
+    generation_config asks for top_k 20 with top_p 0.8) sort only those: the -inf rest weighs 0
+    and comes first in the ascending order, so the sums are the same.
     """
     kept = int((logits > float("-inf")).sum(dim=-1).max())  # most finite logits in a row
     if kept * 8 <= logits.shape[1]:
-        top, order = logits.topk(kept, dim=-1)  # descending; a shorter row's -inf entries come last
-        top, order = top.flip(-1), order.flip(-1)
-        return torch.full_like(logits, float("-inf")).scatter_(1, order, _drop_below_top_p(top, top_p))
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
+        columns = logits.topk(kept, dim=-1).indices.sort(dim=-1).values  # a shorter row takes some -inf too
+        top, order = logits.gather(1, columns).sort(dim=-1, stable=True)  # ascending, ties by column
+        columns = columns.gather(1, order)
+        return torch.full_like(logits, float("-inf")).scatter_(1, columns, _drop_below_top_p(top, top_p))
+    sorted_logits, order = logits.sort(dim=-1, stable=True)  # ascending, ties by column
     return torch.empty_like(logits).scatter_(1, order, _drop_below_top_p(sorted_logits, top_p))
 
 
@@ -293,6 +295,52 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _sample_random(logits: torch.Tensor, md: SamplingMetadata, sample_rows=None) -> torch.Tensor:
     """[B, V] penalised logits -> [B] tokens for the random rows (greedy rows' values are junk).
     sample_rows: the platform's fused draw, used after the filters unless min_p is set."""
+    candidates = _top_k_candidates(logits, md)
+    if candidates is not None:
+        return _sample_candidates(*candidates, md)
+    return _sample_vocabulary(logits, md, sample_rows)
+
+
+def _top_k_candidates(logits: torch.Tensor, md: SamplingMetadata):
+    """On CPU, when every random row has a top_k: (the best logits of every row [B, N] descending,
+    divided by the temperature, and their ids [B, N]), N = max_top_k, or more where a tie at a
+    row's k-th logit reaches past it (apply_top_k keeps every tie); None where a random row has no
+    top_k (the full rows are needed)."""
+    if md.top_k is None or logits.device.type != "cpu":
+        return None
+    random_rows = ~md.is_greedy
+    if not bool((md.top_k > 0)[random_rows].all()):
+        return None
+    vals, ids = logits.topk(min(md.max_top_k + 1, logits.shape[1]), dim=-1)  # logits / t: the same order
+    kth = vals.gather(1, (md.top_k - 1).clamp(min=0).unsqueeze(1))  # [B, 1]
+    if vals.shape[1] > md.max_top_k:
+        if bool((vals[:, -1:] >= kth)[random_rows].any()):  # ties past the K-th: take them all
+            vals, ids = logits.topk(int((logits >= kth).sum(dim=-1)[random_rows].max()), dim=-1)
+        else:
+            vals, ids = vals[:, :-1], ids[:, :-1]
+    if md.temperature is not None:
+        vals = vals / md.temperature.unsqueeze(1)
+    return vals, ids
+
+
+def _sample_candidates(vals: torch.Tensor, ids: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """_sample_vocabulary on the candidates (already divided by the temperature): the other logits
+    are -inf after top_k, so the filters see the same probabilities, and the draw walks the
+    candidates in token-id order, as the vocabulary's CDF does: the same uniform, the same token
+    (a seeded row's draw does not depend on which path its batch takes)."""
+    ids, by_id = ids.sort(dim=-1)  # columns in token-id order: apply_top_p's ties, and the CDF
+    vals = apply_top_k(vals.gather(1, by_id), md.top_k, md.max_top_k)
+    if md.top_p is not None:
+        vals = apply_top_p(vals, md.top_p)
+    probs = vals.softmax(dim=-1)
+    if md.min_p is not None:
+        probs = apply_min_p(probs, md.min_p)
+    position = sample_from_probs(probs, uniform_draws(probs.shape[0], md, probs.device))
+    return ids.gather(1, position.unsqueeze(1)).squeeze(1)
+
+
+def _sample_vocabulary(logits: torch.Tensor, md: SamplingMetadata, sample_rows=None) -> torch.Tensor:
+    """_sample_random over the whole vocabulary."""
     if md.temperature is not None:
         logits = logits / md.temperature.unsqueeze(1)
     if md.top_k is not None:

@@ -163,6 +163,32 @@ def test_top_p_after_top_k_sorts_only_the_kept_logits_and_keeps_the_same_tokens(
     assert torch.equal(got[got > NEG_INF], want[want > NEG_INF])
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k_rows_sample_from_their_candidates_as_from_the_whole_vocabulary(ties):
+    """Where every random row has a top_k, the sampler works on the best max_top_k logits (more
+    where a tie at a k-th logit reaches past them): the same tokens as the whole-vocabulary path
+    on the same uniforms, with temperature, top_p, min_p, a greedy row, and bf16-like ties."""
+    from tengyun.layers.sampler import _sample_random, _sample_vocabulary, _top_k_candidates
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, 3000, generator=gen) * 3
+    if ties:
+        logits = (logits * 4).round() / 4  # many equal values at every k-th
+    params = [SamplingParams(temperature=0.0) if i == 7 else
+              SamplingParams(temperature=0.5 + (i % 4) * 0.3, top_k=1 + i % 25, top_p=(1.0, 0.8, 0.5)[i % 3],
+                             min_p=0.05 if i % 5 == 0 else 0.0) for i in range(40)]
+    md = SamplingMetadata.build(params, [[]] * 40, [[]] * 40, 3000, CPU)
+    vals, _ = _top_k_candidates(logits, md)
+    assert (vals.shape[1] > md.max_top_k) == ties
+    random_rows = torch.tensor([i != 7 for i in range(40)])
+    for seed in range(5):
+        torch.manual_seed(seed)
+        got = _sample_random(logits, md)
+        torch.manual_seed(seed)
+        want = _sample_vocabulary(logits, md)
+        assert torch.equal(got[random_rows], want[random_rows])
+
+
 def test_min_p_drops_tokens_below_fraction_of_max():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2)
     out = apply_min_p(probs, torch.tensor([0.5, 0.2]))
