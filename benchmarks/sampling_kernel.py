@@ -1,6 +1,8 @@
 """The sampler's last stage on CPU: PyTorch's ops (float32 copy, / temperature, softmax, float64
 cumulative sum, search; argmax for greedy rows) against the compiled sample_rows
 (tengyun/csrc/sampling.cpp) on the same logits and uniforms, SmolLM2's vocabulary by default.
+Then the filters Qwen's generation_config asks for (temperature 0.7, top_k 20, top_p 0.8): the
+whole-vocabulary path against the top_k candidates (layers/sampler.py, _top_k_candidates).
 
     OMP_NUM_THREADS=2 python benchmarks/sampling_kernel.py [--vocab 49152] [--dtype bfloat16]
 """
@@ -34,6 +36,21 @@ def table_row(op, rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generato
     return f"| {rows} | " + " | ".join(f"{ms:.3f}" for ms in times) + f" | {same} |"
 
 
+def filtered_row(rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generator) -> str:
+    from tengyun.layers.sampler import SamplingMetadata, _sample_random, _sample_vocabulary
+    from tengyun.sampling_params import SamplingParams
+
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype).float()  # the sampler widens first
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * rows
+    md = SamplingMetadata.build(params, [[]] * rows, [[]] * rows, vocab, torch.device("cpu"))
+    torch.manual_seed(0)
+    want = _sample_vocabulary(logits, md)
+    torch.manual_seed(0)
+    same = torch.equal(_sample_random(logits, md), want)
+    times = [best_ms(lambda: _sample_vocabulary(logits, md), rounds=10), best_ms(lambda: _sample_random(logits, md))]
+    return f"| {rows} | " + " | ".join(f"{ms:.3f}" for ms in times) + f" | {same} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vocab", type=int, default=49152)
@@ -50,6 +67,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
         print(table_row(op, rows, args.vocab, getattr(torch, args.dtype), gen))
+    print("\n| rows | top_k 20, top_p 0.8, t 0.7: vocabulary | candidates | same draws |\n|---|---|---|---|")
+    for rows in map(int, args.rows.split(",")):
+        print(filtered_row(rows, args.vocab, getattr(torch, args.dtype), gen))
 
 
 if __name__ == "__main__":
