@@ -293,8 +293,9 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, md: SamplingMetadata, sample_rows=None) -> torch.Tensor:
-    """[B, V] penalised logits -> [B] tokens for the random rows (greedy rows' values are junk).
-    sample_rows: the platform's fused draw, used after the filters unless min_p is set."""
+    """[B, V] penalised logits -> [B] tokens for the random rows (greedy rows' values are junk):
+    on the top_k candidates where every random row has one (CPU), else on the whole vocabulary,
+    where sample_rows (the platform's fused draw) draws after the filters unless min_p is set."""
     candidates = _top_k_candidates(logits, md)
     if candidates is not None:
         return _sample_candidates(*candidates, md)
