@@ -7,8 +7,9 @@ penalties; a -inf logit stays -inf through both, so the order of those three doe
 Every stage that no row uses is skipped; an all-greedy batch is one argmax. Where the platform
 has a fused last stage (``bind_kernels``: the CPU's compiled ``sample_rows``) and no row filters
 with top_k / top_p / min_p, the argmax or the temperature-softmax-draw is that one kernel, reading
-the logits in the model's dtype: the same uniform per row, the same tokens up to rounding at a CDF
-step.
+the logits in the model's dtype; after top_k / top_p it draws too (not with min_p). A batch whose
+random rows all have a top_k works on those candidates instead of the vocabulary. Every path:
+the same uniform per row, the same tokens up to rounding at a CDF step.
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _sample_random(logits: torch.Tensor, md: SamplingMetadata, sample_rows=None) -> torch.Tensor:
     """[B, V] penalised logits -> [B] tokens for the random rows (greedy rows' values are junk):
-    on the top_k candidates where every random row has one (CPU), else on the whole vocabulary,
+    on the top_k candidates where every random row has one, else on the whole vocabulary,
     where sample_rows (the platform's fused draw) draws after the filters unless min_p is set."""
     candidates = _top_k_candidates(logits, md)
     if candidates is not None:
@@ -303,11 +304,11 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata, sample_rows=None)
 
 
 def _top_k_candidates(logits: torch.Tensor, md: SamplingMetadata):
-    """On CPU, when every random row has a top_k: (the best logits of every row [B, N] descending,
+    """When every random row has a top_k: (the best logits of every row [B, N] descending,
     divided by the temperature, and their ids [B, N]), N = max_top_k, or more where a tie at a
     row's k-th logit reaches past it (apply_top_k keeps every tie); None where a random row has no
     top_k (the full rows are needed)."""
-    if md.top_k is None or logits.device.type != "cpu":
+    if md.top_k is None:
         return None
     random_rows = ~md.is_greedy
     if not bool((md.top_k > 0)[random_rows].all()):
