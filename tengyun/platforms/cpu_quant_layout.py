@@ -21,6 +21,10 @@ dequantize the whole weight once per call
 (``quant_dequantize_t``, [in, out] bfloat16, freed after the call) and run one dense matmul,
 measured faster there than the kernel's repeated passes or torch's int4 matmul
 (benchmarks/quant_gemv_kernels.py, benchmarks/README.md). One resident copy either way.
+A weight whose dequantized copy would not stay in cache (LARGE_WEIGHT_BYTES: an LM head, 151936 x
+896 for Qwen2.5) pays that copy in DRAM writes: it runs the kernel on chunks of kernel_rows() rows
+up to LARGE_WEIGHT_CHUNKED_ROWS rows instead (Qwen2.5's head at 64 rows, 8 bits: 93 vs 171 ms;
+4 bits: 67 vs 158 ms; even at 256 rows).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ MAX_KERNEL_ROWS = 32  # more rows: dequantize once and multiply densely (crossov
 # 0.886 / 1.199 (3072 x 576), at 32 rows 1.766 / 1.087; 8 bits at 16 rows 0.725 / 0.889, at 32 rows
 # 1.335 / 0.912 (benchmarks/README.md, "The AMX VM against vLLM").
 AMX_MAX_KERNEL_ROWS = 16
+# A weight of at least this many bytes dequantized to bfloat16 runs the kernel on row chunks up to
+# LARGE_WEIGHT_CHUNKED_ROWS rows (2026-12-03's AMD VM, 2 threads: Qwen2.5's 4864 x 896 MLP
+# projections, 8.7 MB, cross over at 64-128 rows either way; the heads, 56 and 272 MB, at ~256).
+LARGE_WEIGHT_BYTES = 32 << 20
+LARGE_WEIGHT_CHUNKED_ROWS = 256
 LAYOUT_KEYS = ("qpacked", "qscales", "qzeros", "qoffsets", "qcolumns")
 
 
@@ -74,9 +83,14 @@ def pack(values: torch.Tensor, bits: int, scale: torch.Tensor, zero_points: torc
 
 
 def linear(x2: torch.Tensor, prepared: Tensors, bits: int, zero: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2 [M, in] -> [M, out] in x2's dtype: the kernel for up to kernel_rows() bfloat16 rows,
-    else the weight dequantized once into x2's dtype and one dense matmul."""
-    if x2.dtype == torch.bfloat16 and x2.shape[0] <= kernel_rows():
+    """x2 [M, in] -> [M, out] in x2's dtype: the kernel for up to kernel_rows() bfloat16 rows
+    (a large weight: on chunks of them, up to LARGE_WEIGHT_CHUNKED_ROWS), else the weight
+    dequantized once into x2's dtype and one dense matmul."""
+    rows = x2.shape[0]
+    if x2.dtype == torch.bfloat16 and kernel_rows() < rows <= LARGE_WEIGHT_CHUNKED_ROWS \
+            and _dequantized_bytes(prepared) >= LARGE_WEIGHT_BYTES:
+        return torch.cat([linear(chunk, prepared, bits, zero, bias) for chunk in x2.split(kernel_rows())])
+    if x2.dtype == torch.bfloat16 and rows <= kernel_rows():
         fused = bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
         packed, scales = prepared["qpacked"], prepared["qscales"]
         y = _quant_linear_op()(x2, packed, bits, packed.shape[1] // scales.shape[1], scales, prepared.get("qzeros"),
@@ -130,6 +144,11 @@ def _quant_linear_op():
     """The op's overload, resolved once (a call through torch.ops.tengyun.quant_linear resolves it
     every time: microseconds on each of a decode step's ~100 linears)."""
     return torch.ops.tengyun.quant_linear.default
+
+
+def _dequantized_bytes(prepared: Tensors) -> int:
+    """Bytes of the layout's weight dequantized to bfloat16 ([in, out])."""
+    return 2 * prepared["qpacked"].shape[1] * prepared["qcolumns"].shape[0]
 
 
 def _group(prepared: Tensors) -> int:

@@ -120,6 +120,32 @@ def test_the_kernel_row_limit_follows_amx(fits, monkeypatch, flags, rows):
         layout.kernel_rows.cache_clear()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_large_weight_runs_the_kernel_on_row_chunks(fits, monkeypatch, bits):
+    """A weight whose dequantized copy is LARGE_WEIGHT_BYTES or more (an LM head) past kernel_rows()
+    rows: the kernel on chunks of kernel_rows() rows (bit-equal to calling it per chunk), never the
+    dequantized copy, up to LARGE_WEIGHT_CHUNKED_ROWS rows; a smaller weight and more rows: the copy."""
+    monkeypatch.setattr(layout, "kernel_rows", lambda: 8)
+    n, scale, zero, w = _layer(96, 128, 32, symmetric=True)
+    prepared = layout.pack(n if bits == 4 else (n.to(torch.int8) - 8), bits, scale)
+    zero_point = 8 if bits == 4 else 0
+    bias = torch.randn(96).bfloat16()
+    x = torch.randn(21, 128).bfloat16()
+    monkeypatch.setattr(layout, "LARGE_WEIGHT_BYTES", 2 * 128 * 96)  # this layer counts as large
+    chunks = torch.cat([layout.linear(c, prepared, bits, zero_point, bias) for c in x.split(8)])
+    copies = []
+    real_dequantized_t = layout.dequantized_t
+    monkeypatch.setattr(layout, "dequantized_t", lambda *a: copies.append(a) or real_dequantized_t(*a))
+    assert torch.equal(layout.linear(x, prepared, bits, zero_point, bias), chunks) and not copies
+    torch.testing.assert_close(chunks.double(), x.double() @ w.double().t() + bias.double(), **KERNEL_TOLERANCE)
+    monkeypatch.setattr(layout, "LARGE_WEIGHT_CHUNKED_ROWS", 16)
+    layout.linear(x, prepared, bits, zero_point, bias)
+    monkeypatch.setattr(layout, "LARGE_WEIGHT_CHUNKED_ROWS", 256)
+    monkeypatch.setattr(layout, "LARGE_WEIGHT_BYTES", 2 * 128 * 96 + 1)
+    layout.linear(x, prepared, bits, zero_point, bias)
+    assert len(copies) == 2
+
+
 def test_eight_bit_path_with_offsets_and_scales_kept_exact(fits, monkeypatch):
     monkeypatch.setattr(layout, "kernel_rows", lambda: layout.MAX_KERNEL_ROWS)  # the kernel to 32 rows, AMX or not
     generator = torch.Generator().manual_seed(1)
