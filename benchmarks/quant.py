@@ -22,6 +22,10 @@ repeat (all of them are in the JSON). Memory for weights: Tengyun's held tensors
 llama_model_size against the packed size (a GGUF's file size; a folder's safetensors with its
 float tensors counted in the dtype they are served in).
 
+The "-lmhead" formats (w8a8-lmhead, w4a16-lmhead; untied models only: Qwen2.5-Coder) are the same
+schemes written with `tengyun quantize --quantize-lm-head`: the LM head quantised too (W8A8, and
+W8A16 per channel beside W4A16), targeted by name as vLLM loads it.
+
 The "GGUF kept quantised" Tengyun rows: runs tengyun:gguf-q8_0 (gguf-q4_0, gguf-q4_k_m)
 serve llama.cpp's quantised GGUF file with GGUF_KEPT_QUANTISED (--quantization gguf) in
 --quant-dtype, and the report compares them with the llama.cpp row of the same file.
@@ -47,12 +51,16 @@ sys.path.insert(0, str(BENCH))
 from batch1_decode import LLAMA_CPP_VERSION, cache_root, compare_module, gguf_file, llama_cpp_python  # noqa: E402
 from offline_throughput import MODELS, write_workload  # noqa: E402
 
-FORMATS = {"fp32": "float32", "bf16": "bfloat16", "w8a8": None, "w4a16": None}  # HF folder formats -> dtype
+FORMATS = {"fp32": "float32", "bf16": "bfloat16", "w8a8": None, "w4a16": None,  # HF folder formats -> dtype
+           "w8a8-lmhead": None, "w4a16-lmhead": None}  # (the default runs leave out the -lmhead ones)
+HEAD_SUFFIX = "-lmhead"  # `tengyun quantize --quantize-lm-head`
 LLAMACPP_FORMATS = ("f32", "q8_0", "q4_0", "q4_k_m")
 GGUF_KEPT_QUANTISED: dict = {"quantization": "gguf"}  # LLM(...) keywords that keep a GGUF's blocks quantised
-DEFAULT_RUNS = (*(f"tengyun:{f}" for f in FORMATS), *(f"llamacpp:{f}" for f in LLAMACPP_FORMATS),
-                *(f"vllm:{f}" for f in FORMATS))
-ALL_RUNS = (*DEFAULT_RUNS, *(f"tengyun:gguf-{f}" for f in LLAMACPP_FORMATS[1:]))
+_DEFAULT_FORMATS = [f for f in FORMATS if not f.endswith(HEAD_SUFFIX)]
+DEFAULT_RUNS = (*(f"tengyun:{f}" for f in _DEFAULT_FORMATS), *(f"llamacpp:{f}" for f in LLAMACPP_FORMATS),
+                *(f"vllm:{f}" for f in _DEFAULT_FORMATS))
+ALL_RUNS = (*DEFAULT_RUNS, *(f"tengyun:gguf-{f}" for f in LLAMACPP_FORMATS[1:]),
+            *(f"{system}:{f}" for system in ("tengyun", "vllm") for f in FORMATS if f.endswith(HEAD_SUFFIX)))
 MARKERS = ("<!-- quant:begin -->", "<!-- quant:end -->")
 QUANTIZE_GGUF = """import ctypes, sys, llama_cpp
 src, dst, ftype, threads = sys.argv[1:]
@@ -73,10 +81,11 @@ def group_size(folder: Path) -> int:
     return next(g for g in (128, 64, 32) if all(f % g == 0 for f in features))
 
 
-def tengyun_quantized(model: str, folder: Path, scheme: str) -> Path:
+def tengyun_quantized(model: str, folder: Path, fmt: str) -> Path:
     """`tengyun quantize` of the HF folder, cached (written to a scratch folder, then renamed)."""
+    scheme = fmt.removesuffix(HEAD_SUFFIX)
     suffix = f"-g{group_size(folder)}" if scheme == "w4a16" else ""
-    target = cache_root() / "quantized" / f"{model}-{scheme}{suffix}"
+    target = cache_root() / "quantized" / f"{model}-{fmt}{suffix}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +94,8 @@ def tengyun_quantized(model: str, folder: Path, scheme: str) -> Path:
            "--scheme", scheme]
     if scheme == "w4a16":
         cmd += ["--group-size", str(group_size(folder))]
+    if fmt.endswith(HEAD_SUFFIX):
+        cmd.append("--quantize-lm-head")
     log(f"tengyun quantize {model} -> {target}")
     subprocess.run(cmd, check=True, cwd=REPO, stdout=sys.stderr)
     scratch.rename(target)
@@ -235,6 +246,7 @@ def ratios(best: dict, model: str) -> list[str]:
 
     out = []
     pairs = [("w8a8", "q8_0"), ("w4a16", "q4_0"), ("w4a16", "q4_k_m"), ("fp32", "f32"),
+             ("w8a8-lmhead", "q8_0"), ("w4a16-lmhead", "q4_0"),
              *((f"gguf-{f}", f) for f in LLAMACPP_FORMATS[1:])]
     for ours, theirs in pairs:
         a, b = ok("batch1", f"tengyun:{ours}"), ok("batch1", f"llamacpp:{theirs}")
@@ -245,7 +257,7 @@ def ratios(best: dict, model: str) -> list[str]:
         if a and b:
             out.append(f"- throughput output tok/s, Tengyun / vLLM on the same {fmt} checkpoint: "
                        f"**{rate(a) / rate(b):.2f}x**")
-    for fmt in ("w8a8", "w4a16"):
+    for fmt in ("w8a8", "w4a16", "w8a8-lmhead", "w4a16-lmhead"):
         a = ok("batch1", f"tengyun:{fmt}")
         if a and a.get("weights_held_mib"):
             out.append(f"- Tengyun {fmt} weights held / packed: {a['weights_held_mib'] / a['packed_mib']:.2f}")

@@ -2,10 +2,14 @@
 
 Either holds a dense ``weight`` [vocab / tp, hidden], or (a GGUF kept quantised, whose
 token_embd / output tensors are blocks: QuantConfig.vocab_layers, as vLLM's GGUF embedding and
-head) its scheme's ``qweight`` [vocab / tp, hidden / block, block bytes], rows by token. A
-quantised embedding looks tokens up by dequantizing their rows; a quantised head multiplies
-through the platform's quant kernel where that kernel streams the blocks (else its weight is
-dequantized once at bind and it runs dense, as before).
+head) its scheme's ``qweight`` [vocab / tp, hidden / block, block bytes], rows by token; or (an
+untied head a compressed-tensors checkpoint targets by name: QuantConfig.head_scheme) that
+scheme's tensors, weight_packed [vocab / tp, hidden * bits / 32] and weight_scale [vocab / tp,
+groups], or W8A8's int8 weight and weight_scale [vocab / tp, 1]. A quantised embedding looks
+tokens up by dequantizing their rows; a quantised head multiplies through the platform's quant
+kernel where that kernel streams the quantised weight (else a weight-only head is dequantized
+once at bind and runs dense, as before: the same logits; a W8A8 head, whose activations are
+quantised too, keeps the reference kernel).
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from tengyun.distributed.parallel_state import (
 )
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.linear_kernel import DenseLinearKernel, RowReader
-from tengyun.layers.quant_kernels import reference_kernel
+from tengyun.layers.quant_kernels import dequantize_unpacked, reference_kernel, unpacked_weight
 from tengyun.layers.weight_loading import (
-    check_integer_dtype, check_shape, layout_dtype, set_weight_loader,
+    check_dropped, check_integer_dtype, check_shape, layout_dtype, set_weight_loader,
 )
 from tengyun.quantization.config import QuantizationError
 from tengyun.quantization.scheme import OUT, LinearScheme
@@ -51,20 +55,26 @@ class VocabParallelEmbedding(nn.Module):
         self.head_tied = False  # a ParallelLMHead shares this weight (it binds the kernels for both)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        layout = getattr(param, "tensor_layout", None)
+        if layout is not None and not layout.kept:  # compressed-tensors' weight_shape: checked, then dropped
+            check_shape(torch.empty(layout.shape(self.vocab_size, self.hidden_size), device="meta"), loaded)
+            check_dropped(layout, loaded, self.scheme, self.vocab_size, self.hidden_size, "LM head")
+            return
         check_shape(torch.empty((self.vocab_size, *param.shape[1:]), device="meta"), loaded)
         if self.scheme is not None:
-            check_integer_dtype(param, loaded, param.tensor_layout, self.scheme.description)
+            check_integer_dtype(param, loaded, layout, self.scheme.description)
         rows = min(self.shard_size, self.vocab_size - self.vocab_start)
         param.data.zero_()  # padding rows of the last shard: zero (zero blocks dequantize to 0)
         param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
     # ----- quantised rows (GGUF) ------------------------------------------------------------------
     def use_quant_scheme(self, scheme: LinearScheme, name: str, device: torch.device | None = None) -> None:
-        """Hold ``scheme``'s tensors instead of ``weight`` (before loading): each must run over the
-        vocab along dim 0, one row per token, as a GGUF's blocks do."""
-        if any(t.axis(OUT) != (0, 1) or not t.kept for t in scheme.tensors):
-            raise QuantizationError(f"{name}: {scheme.description} does not store one row per token; Tengyun "
-                                    f"keeps only a GGUF's embedding and LM head quantised.")
+        """Hold ``scheme``'s tensors instead of ``weight`` (before loading): each it keeps must run
+        over the vocab along dim 0, one row per token, as a GGUF's blocks do."""
+        if any(t.axis(OUT) != (0, 1) for t in scheme.tensors if t.kept):
+            raise QuantizationError(f"{name}: {scheme.description} does not store one row per token (an "
+                                    f"asymmetric checkpoint's zero points pack several); Tengyun keeps an LM head "
+                                    f"quantised with symmetric weights only: add {name} to the ignore list.")
         problem = scheme.shape_problem(self.shard_size, self.hidden_size)
         if problem:
             raise ValueError(f"{name}: {scheme.description} cannot hold {self.vocab_size} x {self.hidden_size}: "
@@ -72,8 +82,8 @@ class VocabParallelEmbedding(nn.Module):
         device = device or self.weight.device
         del self.weight
         for layout in scheme.tensors:
-            param = nn.Parameter(torch.empty(layout.shape(self.shard_size, self.hidden_size),
-                                             dtype=layout_dtype(layout, self.params_dtype), device=device),
+            shape = layout.shape(self.shard_size, self.hidden_size) if layout.kept else (0,)
+            param = nn.Parameter(torch.empty(shape, dtype=layout_dtype(layout, self.params_dtype), device=device),
                                  requires_grad=False)
             param.tensor_layout, param.described_as = layout, scheme.description  # type: ignore[attr-defined]
             set_weight_loader(param, self.weight_loader)
@@ -81,11 +91,13 @@ class VocabParallelEmbedding(nn.Module):
         self.scheme = scheme
 
     def quant_tensors(self) -> dict[str, torch.Tensor]:
-        return {t.name: getattr(self, t.name).data for t in self.scheme.tensors}
+        return {t.name: getattr(self, t.name).data for t in self.scheme.tensors if t.kept}
 
     def dequantized(self) -> torch.Tensor:
         """The quantised rows as a dense [vocab / tp, hidden] weight in params_dtype."""
         read = reference_kernel(self.scheme).row_reader(self.quant_tensors(), self.params_dtype)
+        if read is None:  # a compressed-tensors head: all of it at once
+            return dequantize_unpacked(unpacked_weight(self.quant_tensors(), self.scheme), self.params_dtype)
         ids = torch.arange(self.shard_size, device=self.quant_tensors()[self.scheme.tensors[0].name].device)
         return torch.cat([read(chunk) for chunk in ids.split(_DEQUANTIZE_ROWS)])
 
@@ -174,12 +186,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def _bind_quant_kernel(self, kernels: KernelBundle) -> bool:
-        """Multiply through the platform's kernel for the scheme where it streams the blocks (a
-        tied embedding then reads its rows from that kernel's copy when it can). False: none does."""
+        """Multiply through the platform's kernel for the scheme where it streams the quantised
+        weight (a tied embedding then reads its rows from that kernel's copy when it can). False:
+        none does, and a dense copy computes the same logits (weight-only). A head whose activations
+        are quantised too (W8A8) keeps its kernel, the reference where the platform has none."""
         kernel = kernels.quant_linear.get(self.scheme)
-        if kernel is None or not kernel.streams_quantised:
+        weight_only = not self.scheme.quantises_activations
+        if kernel is None and not weight_only:
+            kernel = reference_kernel(self.scheme)
+        if kernel is None or (weight_only and not kernel.streams_quantised):
             return False
-        self.kernel, self.kernel_weight = kernel, kernel.prepare(self.quant_tensors())
+        prepared = kernel.prepare(self.quant_tensors())
+        if weight_only and not kernel.streams(prepared):
+            return False
+        self.kernel, self.kernel_weight = kernel, prepared
         logger.info("LM head kept quantised: %s through %s", self.scheme.description, type(kernel).__name__)
         if not kernel.frees_original:
             return True

@@ -34,7 +34,8 @@ Tensors = dict[str, torch.Tensor]
 class QuantLinearKernel:
     frees_original = False  # prepare returns new tensors: the layer drops its loaded ones
     # apply reads the quantised weight as held, without dequantizing all of it at decode's row
-    # counts: what a quantised LM head needs to be faster than a dense one (embed_head.py)
+    # counts: what a quantised LM head needs to be faster than a dense one (embed_head.py); a
+    # kernel that may fall back per layer says so for each prepared layer (``streams``)
     streams_quantised = False
 
     def __init__(self, scheme: LinearScheme):
@@ -45,6 +46,11 @@ class QuantLinearKernel:
 
     def apply(self, x: torch.Tensor, prepared: Tensors, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def streams(self, prepared: Tensors) -> bool:
+        """Does apply read ``prepared``'s quantised weight as held (streams_quantised), or did
+        prepare keep the layer on a dequantizing path?"""
+        return self.streams_quantised
 
     def row_reader(self, prepared: Tensors, dtype: torch.dtype) -> RowReader | None:
         """ids [T] -> rows [T, in] in ``dtype`` of the weight ``prepared`` holds, each its

@@ -10,7 +10,9 @@ v_proj are, all with one scheme (or, where the format allows a mix: a GGUF, each
 the layer's shards: LinearBase.use_shard_schemes); stacked MoE experts (FusedMoE) when expert 0's
 projections are.
 Where the format stores them quantised too (QuantConfig.vocab_layers: GGUF), the embedding and LM
-head take their scheme's tensors (embed_head.py); a tied head shares its embedding's.
+head take their scheme's tensors (embed_head.py); a tied head shares its embedding's. An untied
+LM head a compressed-tensors checkpoint targets by name (QuantConfig.head_scheme) takes its
+scheme's tensors too.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
     used: set[LinearScheme] = set()
     for name, module in list(model.named_modules()):  # a list: a mixed fused layer adds its shards
         if isinstance(module, VocabParallelEmbedding):
-            if quant is not None and quant.vocab_layers:
+            if quant is not None and (quant.vocab_layers or quant.named_head):
                 scheme = _vocab_scheme(model, name, module, quant)
                 if scheme is not None:
                     module.use_quant_scheme(scheme, name, device)
@@ -81,7 +83,11 @@ def apply_quant_config(model: nn.Module, quant: QuantConfig | None, device: torc
 def _vocab_scheme(model: nn.Module, name: str, module: VocabParallelEmbedding,
                   quant: QuantConfig) -> LinearScheme | None:
     """The embedding's stored scheme; a tied head's is its embedding's (a tied checkpoint stores
-    the embedding only), also on a last pipeline stage that holds the head without the embedding."""
+    the embedding only), also on a last pipeline stage that holds the head without the embedding.
+    Formats that quantise linear layers only: an untied head's, where a target names it."""
+    if not quant.vocab_layers:
+        tied = getattr(model, "tie_word_embeddings", False) or getattr(module, "tied_embedding", None)
+        return quant.head_scheme(name) if isinstance(module, ParallelLMHead) and not tied else None
     if isinstance(module, ParallelLMHead) and module.tied_embedding:
         return module.tied_embedding[0].scheme
     if isinstance(module, ParallelLMHead) and getattr(model, "tie_word_embeddings", False):

@@ -243,17 +243,18 @@ def _quantized_weight_bytes(spec: ModelSpec, request: PlanRequest, dtype: str, s
 def _vocab_bytes_change(spec: ModelSpec, request: PlanRequest, dtype: str, params: StageParams,
                         quant: QuantConfig) -> int:
     """How a stage's bytes change where the checkpoint stores the embedding / LM head quantised
-    (QuantConfig.vocab_layers: a GGUF), held as tengyun/layers/embed_head.py holds them: the head
-    through the platform's kernel (Platform.quantized_head) or dense; the embedding as its blocks,
-    as nothing when a tied head's kernel serves its rows, or dense with a dense tied head."""
+    (QuantConfig.vocab_layers: a GGUF; an untied head compressed-tensors targets by name), held as
+    tengyun/layers/embed_head.py holds them: the head through the platform's kernel
+    (Platform.quantized_head) or dense; the embedding as its blocks, as nothing when a tied head's
+    kernel serves its rows, or dense with a dense tied head."""
     from tengyun.platforms import platform_class
 
-    if not quant.vocab_layers:
+    if not (quant.vocab_layers or quant.named_head):
         return 0
     platform, width = platform_class(request.device), DTYPE_BYTES[dtype]
     rows, hidden, tied = -(-spec.vocab_size // request.tp), spec.hidden_size, spec.tie_word_embeddings
-    embed_scheme = quant.scheme_for("model.embed_tokens")
-    head_scheme = embed_scheme if tied else quant.scheme_for("lm_head")
+    embed_scheme = quant.scheme_for("model.embed_tokens") if quant.vocab_layers else None
+    head_scheme = embed_scheme if tied else quant.head_scheme("lm_head")
     head = platform.quantized_head(head_scheme, dtype) if head_scheme else None
     change = 0
     if params.lm_head or (tied and params.stage == request.pp - 1):  # this stage holds the head

@@ -194,8 +194,9 @@ class Platform:
         when served in ``dtype``: "rows" (its kernel streams the blocks and its copy serves a tied
         embedding's lookups), "kernel" (streams them; a tied embedding keeps its blocks), None
         (dequantized once at bind: dense). What `tengyun plan` counts (embed_head.py does it).
-        Torch-free. Here: dense."""
-        return None
+        Torch-free. Here: dense, except a W8A8 head, whose activations are quantised too: it keeps
+        its kernel (the reference where the platform has none)."""
+        return "kernel" if scheme.quantises_activations else None
 
     def sample_rows_kernel(self):
         """The sampler's fused last stage (KernelBundle.sample_rows), or None: PyTorch's ops."""

@@ -214,10 +214,18 @@ class CpuPlatform(Platform):
 
     @classmethod
     def quantized_head(cls, scheme, dtype: str) -> str | None:
-        """GGUF in bfloat16 (blocks of 32): the compiled layout ("rows") or torch's int4 layout."""
+        """GGUF in bfloat16 (blocks of 32): the compiled layout ("rows") or torch's int4 layout.
+        compressed-tensors (an untied head): W8A8 its int8 kernel; 4- and 8-bit weight-only in
+        bfloat16 the compiled layout, or (4 bits) torch's int4 layout."""
         from tengyun.platforms import cpu_gguf
 
-        if not (scheme.kernel.startswith("gguf_") and cpu_gguf.int4pack_fits(scheme, dtype, 16)):
+        if scheme.kernel == "wna16_int":
+            compiled = cls._compiled_quant_layout()
+            fits = (int8_layout_fits(scheme, dtype) and compiled) or int4pack_fits(scheme, dtype, 16)
+            return "kernel" if fits else None
+        if not scheme.kernel.startswith("gguf_"):
+            return super().quantized_head(scheme, dtype)
+        if not cpu_gguf.int4pack_fits(scheme, dtype, 16):
             return None
         return "rows" if cls._compiled_quant_layout() else "kernel"
 

@@ -86,6 +86,8 @@ def _run_packed(op, x: torch.Tensor, prepared: Tensors, scale: torch.Tensor, bia
 
 
 class CpuW8A8Kernel(QuantLinearKernel):
+    streams_quantised = True  # the int8 weight as held, packed or through torch._int_mm
+
     def __init__(self, scheme, compiled: bool = False, pack: bool = True):
         """compiled: the kernel library is loaded (cpu_kernels.load_error() is None); where the CPU
         has VNNI (and ``pack``) the weight is repacked once and every call runs w8a8_packed_gemm,
@@ -128,10 +130,14 @@ class CpuInt4PackKernel(ReferenceWNA16Kernel):
     dequantizing through g_idx per call (benchmarks/act_order_kernels.py, docs/quantization.md)."""
 
     frees_original = True
+    streams_quantised = True  # where prepare repacks (``streams``)
 
     def __init__(self, scheme, compiled: bool = False):
         super().__init__(scheme)
         self.compiled = compiled
+
+    def streams(self, prepared: Tensors) -> bool:
+        return "qpacked" in prepared or "int4pack" in prepared
 
     def prepare(self, tensors: Tensors) -> Tensors:
         w = unpacked_weight(tensors, self.scheme)
@@ -181,6 +187,10 @@ class CpuInt8WeightOnlyKernel(ReferenceWNA16Kernel):
     is exact in float32 (always for 16-bit scales); elsewhere the layer keeps the reference."""
 
     frees_original = True
+    streams_quantised = True  # where prepare repacks (``streams``)
+
+    def streams(self, prepared: Tensors) -> bool:
+        return "qpacked" in prepared
 
     def prepare(self, tensors: Tensors) -> Tensors:
         ordered = in_group_order(unpacked_weight(tensors, self.scheme), self.scheme.group_size)

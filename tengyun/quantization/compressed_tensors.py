@@ -65,7 +65,7 @@ def from_config(quant: Mapping[str, Any]) -> QuantConfig:
     parsed = tuple(QuantGroup(tuple(group.get("targets") or ("Linear",)),
                               _scheme(f"config_groups.{name}", group, group.get("format") or quant.get("format")))
                    for name, group in groups.items())
-    return QuantConfig(METHOD, parsed, tuple(quant.get("ignore") or ()))
+    return QuantConfig(METHOD, parsed, tuple(quant.get("ignore") or ()), named_head=True)
 
 
 def _scheme(where: str, group: Mapping[str, Any], fmt: str | None) -> LinearScheme:
@@ -113,10 +113,16 @@ def _args(bits: int, strategy: str, group_size: int | None, dynamic: bool) -> di
             "dynamic": dynamic}
 
 
-def quantization_config(scheme: str, group_size: int | None = 128, ignore: tuple[str, ...] = ("lm_head",)
-                        ) -> dict[str, Any]:
+HEAD_TARGET = "lm_head"  # the name a config group targets an untied LM head by (vLLM matches it so)
+
+
+def quantization_config(scheme: str, group_size: int | None = 128, ignore: tuple[str, ...] = ("lm_head",),
+                        head: bool = False) -> dict[str, Any]:
     """config.json's quantization_config for ``scheme`` "w8a8" or "w4a16", as llm-compressor
-    (compressed-tensors 0.20.1) writes it for its W8A8 and W4A16 presets."""
+    (compressed-tensors 0.20.1) writes it for its W8A8 and W4A16 presets. ``head``: the LM head is
+    quantised too, targeted by name (not in ``ignore``): w8a8 in the same group, w4a16 in a second
+    group as W8A16 per channel (8 bits: llama.cpp's Q4_0 file of Qwen2.5-Coder-0.5B keeps its output
+    tensor at Q8_0 too)."""
     if scheme == "w8a8":
         group = {"weights": _args(8, "channel", None, False), "input_activations": _args(8, "token", None, True)}
         fmt = "int-quantized"
@@ -124,8 +130,14 @@ def quantization_config(scheme: str, group_size: int | None = 128, ignore: tuple
         strategy = "group" if group_size else "channel"
         group = {"weights": _args(4, strategy, group_size, False), "input_activations": None}
         fmt = "pack-quantized"
+    groups = {"group_0": {"targets": ["Linear"], **group, "output_activations": None, "format": None}}
+    if head and scheme == "w8a8":
+        groups["group_0"]["targets"].append(HEAD_TARGET)
+    elif head:
+        groups["group_1"] = {"targets": [HEAD_TARGET], "weights": _args(8, "channel", None, False),
+                             "input_activations": None, "output_activations": None, "format": None}
     return {
-        "config_groups": {"group_0": {"targets": ["Linear"], **group, "output_activations": None, "format": None}},
+        "config_groups": groups,
         "format": fmt, "global_compression_ratio": None, "ignore": list(ignore), "kv_cache_scheme": None,
         "moe_sparsity_config": None, "quant_method": METHOD, "quantization_status": "compressed",
         "sparsity_config": {}, "transform_config": {}, "version": FORMAT_VERSION,

@@ -36,8 +36,11 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()  # module names or "re:<regex>" kept unquantised (e.g. "lm_head")
     # The embedding and LM head may be stored quantised too, by their module names
     # (model.embed_tokens, lm_head): a GGUF's token_embd / output, as vLLM's GGUF loader keeps
-    # them. Other formats quantise linear layers only (vLLM's ParallelLMHead is not a LinearBase).
+    # them. Other formats quantise linear layers only (vLLM's ParallelLMHead is not a LinearBase),
+    # except that compressed-tensors stores an untied LM head quantised when a group's targets name
+    # it (head_scheme).
     vocab_layers: bool = False
+    named_head: bool = False  # the LM head is quantised where a target names it (not "Linear")
     # The checkpoint modules fused into one layer (q/k/v_proj -> qkv_proj) may be stored in different
     # schemes, each then held as its own shard (a GGUF's Q4_K_M: Q6_K v_proj, Q4_K q_proj), as vLLM's
     # GGUF loader allows. Other formats give them one scheme (vLLM refuses a mix as well).
@@ -51,6 +54,20 @@ class QuantConfig:
             return None
         for group in self.groups:
             if any(target == "Linear" or _matches(module, target) for target in group.targets):
+                return group.scheme
+        return None
+
+    def head_scheme(self, module: str) -> LinearScheme | None:
+        """The scheme an untied LM head stored as ``module`` (lm_head) is held in; None: dense. A
+        GGUF's (vocab_layers) as any module; compressed-tensors' where a group's targets name it by
+        name or "re:" pattern and the ignore list does not, as vLLM matches its ParallelLMHead
+        ("Linear" targets linear layers only; llm-compressor's default ignore list holds lm_head)."""
+        if self.vocab_layers:
+            return self.scheme_for(module)
+        if not self.named_head or self.ignores(module):
+            return None
+        for group in self.groups:
+            if any(target != "Linear" and _matches(module, target) for target in group.targets):
                 return group.scheme
         return None
 

@@ -9,6 +9,12 @@ calibration data). Qwen3.5 and Qwen3-Next keep in 16 bits what their layers woul
 whole: the one-row shared_expert_gate, the per-head in_proj_b / in_proj_a (Qwen3-Next's
 in_proj_ba; vLLM runs them as one in_proj_ba layer), and the vision tower and MTP layers a
 multimodal checkpoint holds (not decoder layers: copied as stored, and ignored by name).
+With ``--quantize-lm-head`` an untied LM head is quantised too, targeted by name as vLLM loads it:
+W8A8 like the rest; W4A16 at 8 bits per channel (W8A16, as llama.cpp's own 4-bit files keep their
+output tensor at 6 or 8 bits: Q8_0 in Qwen2.5-Coder-0.5B's Q4_0 file). At batch 1 the head is the
+largest read of a small model (Qwen2.5-Coder-0.5B: 272 MB of 16-bit head, 180 MB of 4-bit
+decoder). vLLM's CPU build (0.32) runs no 8-bit weight-only layer (its CPU WNA16 kernel takes 4
+bits), so it refuses the W4A16 folder with such a head; its GPU kernels (Marlin) take 8 bits.
 Everything else is copied as stored. The folder holds config.json with the quantization_config
 compressed-tensors 0.20.1 writes, the safetensors (one per input shard, same names, with an index
 when the input had one) and every other file of the input (tokenizer, generation_config.json, ...).
@@ -41,6 +47,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qw
 IGNORE = ("lm_head", "re:.*mlp.gate$")
 # Qwen3.5 (hybrid) checkpoints also keep these unquantised (the module docstring says why)
 HYBRID_IGNORE = ("re:.*mlp.shared_expert_gate$", "re:.*linear_attn.in_proj_(a|b|ba)$", "re:.*visual.*", "re:^mtp.*")
+HEAD_WEIGHT = "lm_head.weight"
 _DECODER_PREFIXES = ("model.layers.", "model.language_model.layers.")  # text-only, multimodal layout
 _GATED_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")  # Qwen3.5's, Qwen3-Next's in_proj_qkvz
 _LINEAR_SUFFIXES = (tuple(f".{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
@@ -62,15 +69,23 @@ def scheme_for(scheme: str, group_size: int | None) -> LinearScheme:
     return compressed_tensors.weight_only_scheme(4, group_size, symmetric=True)
 
 
+def head_scheme_for(scheme: str) -> LinearScheme:
+    """The LM head's scheme under --quantize-lm-head (compressed_tensors.quantization_config's head)."""
+    if scheme == "w8a8":
+        return compressed_tensors.w8a8_scheme()
+    return compressed_tensors.weight_only_scheme(8, None, symmetric=True)
+
+
 def is_quantized_linear(name: str, tensor_dims: int) -> bool:
     return tensor_dims == 2 and name.startswith(_DECODER_PREFIXES) and name.endswith(_LINEAR_SUFFIXES)
 
 
-def ignore_list(config: dict) -> tuple[str, ...]:
+def ignore_list(config: dict, head: bool = False) -> tuple[str, ...]:
     """The modules a quantised folder of ``config``'s model keeps unquantised (compressed-tensors'
-    ``ignore``): lm_head; MoE routers; Qwen3.5's HYBRID_IGNORE."""
+    ``ignore``): lm_head (unless ``head``); MoE routers; Qwen3.5's HYBRID_IGNORE."""
     spec = ModelSpec.from_hf_config(config)
     ignore = IGNORE if spec.moe is not None else IGNORE[:1]
+    ignore = ignore[1:] if head else ignore
     return ignore + HYBRID_IGNORE if spec.architecture.startswith(("Qwen3_5", "Qwen3Next")) else ignore
 
 
@@ -90,14 +105,18 @@ def check_model(config: dict, scheme: str, group_size: int | None) -> None:
 
 
 def quantize_folder(model_dir: Path, out_dir: Path, scheme: str, group_size: int | None = 128,
-                    progress: bool | None = None) -> QuantizeResult:
+                    progress: bool | None = None, head: bool = False) -> QuantizeResult:
+    """``head``: quantise the untied LM head too (--quantize-lm-head)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = json.loads((model_dir / "config.json").read_text())
     check_model(config, scheme, group_size)
     group_size = group_size if scheme == "w4a16" else None
-    layout = scheme_for(scheme, group_size)
+    if head and ModelSpec.from_hf_config(config).tie_word_embeddings:
+        raise ValueError("--quantize-lm-head: MODEL_DIR's config ties the LM head to the embedding "
+                         "(tie_word_embeddings): there is no separate head to quantize; drop the flag.")
     files = safetensors_files(model_dir)
-    _check_shapes(files, layout, group_size)
+    layouts = {"linear": scheme_for(scheme, group_size), "head": head_scheme_for(scheme) if head else None}
+    _check_shapes(files, layouts, group_size)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"OUT_DIR {out_dir} exists and is not empty: pass a new folder.")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -107,34 +126,49 @@ def quantize_folder(model_dir: Path, out_dir: Path, scheme: str, group_size: int
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, desc=f"Quantizing to {scheme.upper()}", unit="tensor", disable=not show) as bar:
         for f in files:
-            tensors = _quantize_file(f, layout, counts, bar)
+            tensors = _quantize_file(f, layouts, counts, bar)
             save_file(tensors, str(out_dir / f.name), metadata={"format": "pt"})
             weight_map.update({name: f.name for name in tensors})
-    _write_metadata(model_dir, out_dir, config, scheme, group_size, weight_map, counts["out"])
+    _write_metadata(model_dir, out_dir, config, scheme, group_size, weight_map, counts["out"], head)
     return QuantizeResult(out_dir, counts["quantized"], counts["copied"], counts["in"], counts["out"])
 
 
-def _check_shapes(files: list[Path], layout: LinearScheme, group_size: int | None) -> None:
+def _layout_of(name: str, dims: int, layouts: dict[str, LinearScheme | None]) -> LinearScheme | None:
+    """The scheme tensor ``name`` is quantised to, or None: copied as stored."""
+    if name == HEAD_WEIGHT and dims == 2:
+        return layouts["head"]
+    return layouts["linear"] if is_quantized_linear(name, dims) else None
+
+
+def _check_shapes(files: list[Path], layouts: dict[str, LinearScheme | None], group_size: int | None) -> None:
+    heads = 0
     for f in files:
         with safe_open(f, framework="pt") as reader:
             for name in reader.keys():
                 shape = reader.get_slice(name).get_shape()
-                if not is_quantized_linear(name, len(shape)):
+                layout = _layout_of(name, len(shape), layouts)
+                heads += layout is not None and name == HEAD_WEIGHT
+                if layout is None:
                     continue
                 problem = layout.shape_problem(*shape)
                 if problem:
                     fits = [g for g in compressed_tensors.GROUP_SIZES if shape[1] % g == 0]
                     hint = (f"; pass --group-size {fits[-1]}" if fits and group_size else "")
                     raise ValueError(f"{name} [{shape[0]}, {shape[1]}] cannot be quantized: {problem}{hint}.")
+    if layouts["head"] is not None and not heads:
+        raise ValueError(f"--quantize-lm-head: MODEL_DIR stores no {HEAD_WEIGHT} (its config ties the LM head to "
+                         f"the embedding, tie_word_embeddings): there is no separate head to quantize; drop the flag.")
 
 
-def _quantize_file(path: Path, layout: LinearScheme, counts: dict, bar) -> dict[str, torch.Tensor]:
+def _quantize_file(path: Path, layouts: dict[str, LinearScheme | None], counts: dict,
+                   bar) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     with safe_open(path, framework="pt") as reader:
         for name in reader.keys():
             tensor = reader.get_tensor(name)
             counts["in"] += tensor.numel() * tensor.element_size()
-            if is_quantized_linear(name, tensor.dim()):
+            layout = _layout_of(name, tensor.dim(), layouts)
+            if layout is not None:
                 out.update(_quantize_weight(name.removesuffix(".weight"), tensor, layout))
                 counts["quantized"] += 1
             else:
@@ -156,8 +190,9 @@ def _quantize_weight(module: str, weight: torch.Tensor, layout: LinearScheme) ->
 
 
 def _write_metadata(model_dir: Path, out_dir: Path, config: dict, scheme: str, group_size: int | None,
-                    weight_map: dict[str, str], total_size: int) -> None:
-    config["quantization_config"] = compressed_tensors.quantization_config(scheme, group_size, ignore_list(config))
+                    weight_map: dict[str, str], total_size: int, head: bool) -> None:
+    config["quantization_config"] = compressed_tensors.quantization_config(
+        scheme, group_size, ignore_list(config, head), head)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if (model_dir / INDEX_FILE).is_file():
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}

@@ -63,6 +63,12 @@ class LinearScheme:
     # (tengyun/layers/quant_kernels.py unpacked_weight): "compressed-tensors", "awq", "gptq", "gptq_v2"
     packing: str = "compressed-tensors"
 
+    @property
+    def quantises_activations(self) -> bool:
+        """W8A8: the layer's inputs are quantised too, so a dense copy of its weight would compute
+        other values."""
+        return self.kernel in ("w8a8_int8", "w8a8_static_int8")
+
     def tensor(self, name: str) -> TensorLayout:
         return next(t for t in self.tensors if t.name == name)
 

@@ -18,6 +18,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--group-size", type=int, default=128,
                         help="input features per int4 scale (w4a16): 32, 64, 128 or 256, or 0 for one scale per "
                              "output channel (default 128)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="quantize the (untied) LM head too, targeted by name as vLLM loads it: w8a8 as the "
+                             "rest, w4a16 at 8 bits per channel (W8A16); by default it stays 16-bit, as "
+                             "llm-compressor's presets keep it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from tengyun.quantization.quantize import quantize_folder
 
     source = resolve_model(args.model)
-    result = quantize_folder(source.folder, args.out_dir, args.scheme, args.group_size or None)
+    result = quantize_folder(source.folder, args.out_dir, args.scheme, args.group_size or None,
+                             head=args.quantize_lm_head)
     print(f"Wrote {result.out_dir}: {result.quantized} linear weights quantized ({args.scheme}), "
           f"{result.copied} tensors copied; {result.bytes_in / 2**20:.1f} MiB -> {result.bytes_out / 2**20:.1f} MiB")
     return 0
