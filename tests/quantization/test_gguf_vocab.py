@@ -13,7 +13,7 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from test_gguf import _random_blocks  # noqa: E402
 from test_gguf_models import VOCAB_TYPES, kept_models  # noqa: E402,F401 (fixture)
-from test_quantized_models import MAX_TOKENS, _hf_greedy, _prompts  # noqa: E402
+from test_quantized_models import MAX_TOKENS, _hf_greedy, _prompts, planned_and_held_bytes  # noqa: E402
 
 from tengyun import LLM, SamplingParams  # noqa: E402
 from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
@@ -163,17 +163,6 @@ def test_kept_vocab_layers_in_bfloat16_run_quantised_hold_less_and_answer_as_a_d
 def test_plan_counts_the_vocab_layers_as_the_engine_holds_them(kept_models, arch, dtype):  # noqa: F811
     """`tengyun plan` on the kept folders (Q4_1 embedding, Q8_0 head; qwen2 tied) counts what the
     worker holds: float32 turns the head dense, bfloat16 keeps both in the kernel's layout."""
-    from tengyun.config import EngineConfig
-    from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
-    from tengyun.worker.worker import Worker
-
     kept, _ = kept_models[arch]
-    config = EngineConfig(str(kept), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4,
-                          block_size=16).finalize()
-    worker = Worker(config)
-    hf_config, checkpoint_bytes, name = read_model(kept)
-    plan = make_plan(hf_config, PlanRequest(
-        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
-        checkpoint_bytes, name, read_quantization(kept, hf_config))
-    assert plan.stages[0].weight_bytes == worker.weight_bytes
+    planned, held = planned_and_held_bytes(kept, dtype)
+    assert planned == held

@@ -9,47 +9,23 @@ TP=2 splits its rows; `tengyun plan` counts what the worker holds; a tied model 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_quantized_models import (
-    MAX_TOKENS, W8A8_LOGPROB_TOLERANCE, _activation_rounding, _hf_greedy, _prompts, _tengyun,
+    MAX_TOKENS, W8A8_LOGPROB_TOLERANCE, _activation_rounding, _hf_greedy, _prompts, _tengyun, dequantized_twin,
+    planned_and_held_bytes,
 )
 
 from tengyun import LLM, SamplingParams
 from tengyun.platforms.cpu_quant import CpuInt8WeightOnlyKernel, CpuW8A8Kernel
 from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
 from tengyun.quantization.config import detect_quantization
-from tengyun.quantization.packing import dequantize, unpack_int32
 from tengyun.quantization.quantize import quantize_folder
 from tengyun.worker.worker import weight_bytes
-
-
-def _twin(folder, out):
-    """An fp32 HF folder whose linear weights, the head's included, are ``folder``'s dequantized
-    values (the bit width read off weight_packed's words per row)."""
-    tensors = load_file(folder / "model.safetensors")
-    for module in {k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")}:
-        scale = tensors.pop(f"{module}.weight_scale").float()
-        if f"{module}.weight_packed" in tensors:
-            packed, shape = tensors.pop(f"{module}.weight_packed"), tensors.pop(f"{module}.weight_shape").tolist()
-            q = unpack_int32(packed, 32 * packed.shape[1] // shape[1])
-        else:
-            q = tensors.pop(f"{module}.weight")
-        tensors[f"{module}.weight"] = dequantize(q, scale)
-    out.mkdir()
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((folder / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
-    for f in folder.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, out / f.name)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +35,7 @@ def with_head(tiny_checkpoints, tmp_path_factory):
     for arch in ("llama", "qwen3"):  # both untied
         for scheme in ("w4a16", "w8a8"):
             q = quantize_folder(tiny_checkpoints[arch], out / f"{arch}_{scheme}", scheme, 32, head=True).out_dir
-            folders[arch, scheme] = (q, _twin(q, out / f"{arch}_{scheme}_twin"))
+            folders[arch, scheme] = (q, dequantized_twin(q, out / f"{arch}_{scheme}_twin"))
     return folders
 
 
@@ -168,21 +144,10 @@ def test_tp2_splits_the_heads_rows_and_gives_the_single_process_tokens(with_head
 def test_plan_counts_the_quantised_head_as_the_worker_holds_it(with_head, tiny_checkpoints, tmp_path, dtype):
     """float32: the weight-only head turns dense at bind (no kernel streams it); bfloat16: the
     compiled layout. The W4A16 folder without the head holds more in bfloat16."""
-    from tengyun.config import EngineConfig
-    from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
-    from tengyun.worker.worker import Worker
-
     def held(folder):
-        config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4,
-                              block_size=16).finalize()
-        worker = Worker(config)
-        hf_config, checkpoint_bytes, name = read_model(folder)
-        plan = make_plan(hf_config, PlanRequest(
-            device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
-            max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
-            checkpoint_bytes, name, read_quantization(folder, hf_config))
-        assert plan.stages[0].weight_bytes == worker.weight_bytes
-        return worker.weight_bytes
+        planned, held_bytes = planned_and_held_bytes(folder, dtype)
+        assert planned == held_bytes
+        return held_bytes
 
     with_quantised_head = held(with_head["llama", "w4a16"][0])
     without = held(quantize_folder(tiny_checkpoints["llama"], tmp_path / "no_head", "w4a16", 32).out_dir)

@@ -37,14 +37,15 @@ def _prompts() -> list[list[int]]:
 
 
 def dequantized_twin(folder, out):
-    """An unquantised fp32 HF folder whose linear weights are ``folder``'s dequantized values."""
+    """An unquantised fp32 HF folder whose linear weights (a quantised LM head's too) are
+    ``folder``'s dequantized values; packed ones at the bit width their words per row say."""
     tensors = load_file(folder / "model.safetensors")
     modules = {k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")}
     for module in modules:
         scale = tensors.pop(f"{module}.weight_scale").float()
         if f"{module}.weight_packed" in tensors:
-            q = unpack_int32(tensors.pop(f"{module}.weight_packed"), 4)
-            del tensors[f"{module}.weight_shape"]
+            packed, in_ = tensors.pop(f"{module}.weight_packed"), int(tensors.pop(f"{module}.weight_shape")[1])
+            q = unpack_int32(packed, 32 * packed.shape[1] // in_)
         else:
             q = tensors.pop(f"{module}.weight")
         tensors[f"{module}.weight"] = dequantize(q, scale)
@@ -291,6 +292,23 @@ def test_plan_command_reads_the_quantization_and_counts_packed_bytes(quantized, 
     assert packed["quantization"] == "compressed-tensors W4A16 (int4, group 32, symmetric)"
     assert packed["weight_scale"] == 1.0 and dense["quantization"] is None
     assert packed["stages"][0]["weight_bytes"] < dense["stages"][0]["weight_bytes"]
+
+
+def planned_and_held_bytes(folder, dtype: str) -> tuple[int, int]:
+    """(`tengyun plan`'s weight bytes for stage 0, what a Worker on ``folder`` holds), on CPU."""
+    from tengyun.config import EngineConfig
+    from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
+    from tengyun.worker.worker import Worker
+
+    config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4,
+                          block_size=16).finalize()
+    worker = Worker(config)
+    hf_config, checkpoint_bytes, name = read_model(folder)
+    plan = make_plan(hf_config, PlanRequest(
+        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
+        checkpoint_bytes, name, read_quantization(folder, hf_config))
+    return plan.stages[0].weight_bytes, worker.weight_bytes
 
 
 def test_quantized_layers_never_allocate_their_dense_weight(quantized, monkeypatch):
