@@ -2,7 +2,9 @@
 cumulative sum, search; argmax for greedy rows) against the compiled sample_rows
 (tengyun/csrc/sampling.cpp) on the same logits and uniforms, SmolLM2's vocabulary by default.
 Then the filters Qwen's generation_config asks for (temperature 0.7, top_k 20, top_p 0.8): the
-whole-vocabulary path against the top_k candidates (layers/sampler.py, _top_k_candidates).
+whole-vocabulary path against the top_k candidates (layers/sampler.py, _top_k_candidates). Then
+top_p without top_k: apply_top_p ranking the best TOP_P_CANDIDATES against ranking every logit
+(its fallback), on logits whose best 256 weigh what the row says.
 
     OMP_NUM_THREADS=2 python benchmarks/sampling_kernel.py [--vocab 49152] [--dtype bfloat16]
 """
@@ -51,6 +53,27 @@ def filtered_row(rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generator
     return f"| {rows} | " + " | ".join(f"{ms:.3f}" for ms in times) + f" | {same} |"
 
 
+def top_p_row(rows: int, vocab: int, scale: float, top_p: float, gen: torch.Generator) -> str:
+    """apply_top_p on [rows, vocab] float32 logits (randn * ``scale``) with the short path, and
+    with it off (TOP_P_CANDIDATES = vocab: every logit ranked)."""
+    import tengyun.layers.sampler as sampler
+
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    p = torch.full((rows,), top_p)
+    mass = float(logits.softmax(dim=-1).topk(sampler.TOP_P_CANDIDATES, dim=-1).values.sum(dim=-1).min())
+    short = sampler.apply_top_p(logits, p)
+    default = sampler.TOP_P_CANDIDATES
+    try:
+        sampler.TOP_P_CANDIDATES = vocab
+        whole = sampler.apply_top_p(logits, p)
+        whole_ms = best_ms(lambda: sampler.apply_top_p(logits, p), rounds=5)
+    finally:
+        sampler.TOP_P_CANDIDATES = default
+    short_ms = best_ms(lambda: sampler.apply_top_p(logits, p), rounds=10)
+    same = torch.equal(short, whole)
+    return f"| {rows} | {scale:g} | {top_p:g} | {mass:.3f} | {whole_ms:.2f} | {short_ms:.2f} | {same} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vocab", type=int, default=49152)
@@ -70,6 +93,11 @@ def main() -> None:
     print("\n| rows | top_k 20, top_p 0.8, t 0.7: vocabulary | candidates | same draws |\n|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
         print(filtered_row(rows, args.vocab, getattr(torch, args.dtype), gen))
+    print("\n| rows | logits randn x | top_p | best 256 weigh (min row) | every logit ranked | best 256 ranked "
+          "| same kept |\n|---|---|---|---|---|---|---|")
+    for rows in map(int, args.rows.split(",")):
+        for scale, top_p in ((4.0, 0.8), (4.0, 0.95), (2.0, 0.9)):
+            print(top_p_row(rows, args.vocab, scale, top_p, gen))
 
 
 if __name__ == "__main__":
