@@ -8,8 +8,9 @@ Every stage that no row uses is skipped; an all-greedy batch is one argmax. Wher
 has a fused last stage (``bind_kernels``: the CPU's compiled ``sample_rows``) and no row filters
 with top_k / top_p / min_p, the argmax or the temperature-softmax-draw is that one kernel, reading
 the logits in the model's dtype; after top_k / top_p it draws too (not with min_p). A batch whose
-random rows all have a top_k works on those candidates instead of the vocabulary. Every path:
-the same uniform per row, the same tokens up to rounding at a CDF step.
+random rows all have a top_k works on those candidates instead of the vocabulary, and top_p ranks
+only a row's best logits where they decide its cut (apply_top_p). Every path: the same uniform
+per row, the same tokens up to rounding at a CDF step.
 """
 
 from __future__ import annotations
