@@ -261,10 +261,14 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if width >= n:
         return _top_p_ranked(logits, probs, _all_columns(logits), top_p)[0]
     values, picked = logits.topk(width, dim=-1)  # [B, width], descending
-    decided = (values >= values[:, TOP_P_CANDIDATES - 1:TOP_P_CANDIDATES]).sum(dim=-1)  # [B] exact ranks
+    kth = values[:, TOP_P_CANDIDATES - 1:TOP_P_CANDIDATES]  # [B, 1]
+    decided = (values >= kth).sum(dim=-1)  # [B] exact ranks
     columns = _ranked(logits, picked)
     out, cum = _top_p_ranked(logits, probs, columns, top_p)
-    short = (decided < width) & (cum.gather(1, (decided - 1).unsqueeze(1)).squeeze(1) >= top_p)
+    # exact: every logit >= the 256th is among the candidates, or (a row top_k narrowed, in a batch
+    # with rows it did not) the row has fewer finite logits, all among them
+    exact = (decided < width) | (kth.squeeze(1) == float("-inf"))
+    short = exact & (cum.gather(1, (decided - 1).unsqueeze(1)).squeeze(1) >= top_p)
     if bool(short.all()):
         return out
     rest = (~short).nonzero().squeeze(1)  # their tie or top_p reaches past the candidates: every rank

@@ -204,6 +204,21 @@ def test_top_p_alone_ranks_the_best_candidates_where_they_reach_p(monkeypatch, s
     assert ranked_rows == [2, 1]  # a tie reaching past the candidates: that row ranks all
 
 
+def test_top_p_on_a_batch_mixing_top_k_rows_ranks_no_whole_row(monkeypatch):
+    """A row narrowed by its top_k beside rows without one: its few finite logits are all among
+    the candidates, so it takes the short path too; the same kept tokens as the rule."""
+    import tengyun.layers.sampler as sampler
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 5000, generator=gen) * 4
+    logits = apply_top_k(logits, torch.tensor([5000, 20, 5000, 3]), max_top_k=5000)
+    top_p = torch.tensor([0.5, 0.9, 0.6, 0.95])
+    monkeypatch.setattr(sampler, "_all_columns", lambda _: pytest.fail("ranked the whole row"))
+    got = apply_top_p(logits, top_p)
+    monkeypatch.undo()
+    assert _kept_equal(got, _top_p_written_out(logits, top_p))
+
+
 def test_top_p_alone_on_bfloat16_logits_keeps_their_ties_among_the_candidates(monkeypatch):
     """bfloat16 logits widened (the sampler's input in bf16 models): many equal values around the
     256th best; the candidates reach past them, so no row ranks all its logits, and ties at the cut
