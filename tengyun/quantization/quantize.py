@@ -47,7 +47,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qw
 IGNORE = ("lm_head", "re:.*mlp.gate$")
 # Qwen3.5 (hybrid) checkpoints also keep these unquantised (the module docstring says why)
 HYBRID_IGNORE = ("re:.*mlp.shared_expert_gate$", "re:.*linear_attn.in_proj_(a|b|ba)$", "re:.*visual.*", "re:^mtp.*")
-HEAD_WEIGHT = "lm_head.weight"
+HEAD_WEIGHT = f"{compressed_tensors.HEAD_TARGET}.weight"  # what --quantize-lm-head quantises
 _DECODER_PREFIXES = ("model.layers.", "model.language_model.layers.")  # text-only, multimodal layout
 _GATED_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")  # Qwen3.5's, Qwen3-Next's in_proj_qkvz
 _LINEAR_SUFFIXES = (tuple(f".{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
@@ -67,13 +67,6 @@ def scheme_for(scheme: str, group_size: int | None) -> LinearScheme:
     if scheme == "w8a8":
         return compressed_tensors.w8a8_scheme()
     return compressed_tensors.weight_only_scheme(4, group_size, symmetric=True)
-
-
-def head_scheme_for(scheme: str) -> LinearScheme:
-    """The LM head's scheme under --quantize-lm-head (compressed_tensors.quantization_config's head)."""
-    if scheme == "w8a8":
-        return compressed_tensors.w8a8_scheme()
-    return compressed_tensors.weight_only_scheme(8, None, symmetric=True)
 
 
 def is_quantized_linear(name: str, tensor_dims: int) -> bool:
@@ -115,7 +108,10 @@ def quantize_folder(model_dir: Path, out_dir: Path, scheme: str, group_size: int
         raise ValueError("--quantize-lm-head: MODEL_DIR's config ties the LM head to the embedding "
                          "(tie_word_embeddings): there is no separate head to quantize; drop the flag.")
     files = safetensors_files(model_dir)
-    layouts = {"linear": scheme_for(scheme, group_size), "head": head_scheme_for(scheme) if head else None}
+    section = compressed_tensors.quantization_config(scheme, group_size, ignore_list(config, head), head)
+    # the head's scheme as the written config gives it (Tengyun and vLLM read it from there)
+    head_layout = compressed_tensors.from_config(section).head_scheme(compressed_tensors.HEAD_TARGET) if head else None
+    layouts = {"linear": scheme_for(scheme, group_size), "head": head_layout}
     _check_shapes(files, layouts, group_size)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"OUT_DIR {out_dir} exists and is not empty: pass a new folder.")
@@ -129,7 +125,7 @@ def quantize_folder(model_dir: Path, out_dir: Path, scheme: str, group_size: int
             tensors = _quantize_file(f, layouts, counts, bar)
             save_file(tensors, str(out_dir / f.name), metadata={"format": "pt"})
             weight_map.update({name: f.name for name in tensors})
-    _write_metadata(model_dir, out_dir, config, scheme, group_size, weight_map, counts["out"], head)
+    _write_metadata(model_dir, out_dir, {**config, "quantization_config": section}, weight_map, counts["out"])
     return QuantizeResult(out_dir, counts["quantized"], counts["copied"], counts["in"], counts["out"])
 
 
@@ -156,8 +152,8 @@ def _check_shapes(files: list[Path], layouts: dict[str, LinearScheme | None], gr
                     hint = (f"; pass --group-size {fits[-1]}" if fits and group_size else "")
                     raise ValueError(f"{name} [{shape[0]}, {shape[1]}] cannot be quantized: {problem}{hint}.")
     if layouts["head"] is not None and not heads:
-        raise ValueError(f"--quantize-lm-head: MODEL_DIR stores no {HEAD_WEIGHT} (its config ties the LM head to "
-                         f"the embedding, tie_word_embeddings): there is no separate head to quantize; drop the flag.")
+        raise ValueError(f"--quantize-lm-head: MODEL_DIR's safetensors hold no {HEAD_WEIGHT}, though its config "
+                         f"does not tie the LM head to the embedding: the checkpoint is incomplete.")
 
 
 def _quantize_file(path: Path, layouts: dict[str, LinearScheme | None], counts: dict,
@@ -189,10 +185,8 @@ def _quantize_weight(module: str, weight: torch.Tensor, layout: LinearScheme) ->
             f"{module}.weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64)}
 
 
-def _write_metadata(model_dir: Path, out_dir: Path, config: dict, scheme: str, group_size: int | None,
-                    weight_map: dict[str, str], total_size: int, head: bool) -> None:
-    config["quantization_config"] = compressed_tensors.quantization_config(
-        scheme, group_size, ignore_list(config, head), head)
+def _write_metadata(model_dir: Path, out_dir: Path, config: dict, weight_map: dict[str, str],
+                    total_size: int) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if (model_dir / INDEX_FILE).is_file():
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}

@@ -9,6 +9,7 @@ TP=2 splits its rows; `tengyun plan` counts what the worker holds; a tied model 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -159,4 +160,17 @@ def test_quantize_lm_head_on_a_tied_model_exits_2_naming_the_flag(tiny_checkpoin
                            str(tiny_checkpoints["qwen2"]), str(tmp_path / "out"), "--scheme", "w4a16",
                            "--group-size", "32", "--quantize-lm-head"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--quantize-lm-head" in proc.stderr and "tie_word_embeddings" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantize_lm_head_on_an_untied_checkpoint_without_its_head_names_the_tensor(tiny_checkpoints, tmp_path):
+    from safetensors.torch import save_file
+
+    source = tmp_path / "headless"
+    shutil.copytree(tiny_checkpoints["llama"], source)
+    tensors = load_file(source / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(source / "model.safetensors"))
+    with pytest.raises(ValueError, match="hold no lm_head.weight"):
+        quantize_folder(source, tmp_path / "out", "w4a16", 32, head=True)
     assert not (tmp_path / "out").exists()
