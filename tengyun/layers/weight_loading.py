@@ -99,6 +99,15 @@ def set_weight_loader(param: torch.nn.Parameter, loader) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
+def drop_weight_loaders(module: torch.nn.Module) -> None:
+    """Forget every parameter's weight_loader once the checkpoint is in. A layer's bound loader
+    makes a cycle (parameter -> loader -> layer -> parameter) that Python's collector leaves
+    alone where C++ also holds the tensor (a view of it, a kernel's handle): a dropped engine
+    kept such weights for the life of the process."""
+    for param in module.parameters():
+        param.__dict__.pop("weight_loader", None)
+
+
 def rank_slice_of_segments(loaded: torch.Tensor, sizes: list[int], tp_rank: int, tp_size: int) -> torch.Tensor:
     """A tensor whose dim 0 is several segments back to back (e.g. Qwen3.5's in_proj_qkv: q | k | v)
     -> this rank's 1/tp of each segment, concatenated: [sum(sizes) / tp, ...]."""

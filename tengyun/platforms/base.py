@@ -87,6 +87,10 @@ class Platform:
     def after_load(self) -> None:
         """Process-wide tuning done once by the worker after the weights and caches are allocated."""
 
+    def release(self) -> None:
+        """A worker that ran after_load() is gone (shut down, or collected): undo the tuning once
+        the process has no other."""
+
     def step_threads(self, world_size: int):
         """Called once by the worker in the thread that built the model, after building it. ->
         None, or a callable the worker wraps each model step in, in the thread that runs it

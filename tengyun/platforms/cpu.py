@@ -19,6 +19,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _KEEP_BYTES = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit
+_GLIBC_MMAP_MAX = 65536  # glibc's defaults, back once the process's last worker is released
+_GLIBC_THRESHOLD = 128 << 10  # M_MMAP_THRESHOLD's and M_TRIM_THRESHOLD's
 
 
 # glibc's own allocator variables: where the user set one, Tengyun leaves the allocator to them
@@ -56,6 +58,14 @@ def _mallopt(*settings: tuple[int, int]) -> bool:
     return ok
 
 
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): free pages anywhere in the heap go back to the system."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        logger.debug("malloc_trim unavailable (not glibc?)")
+
+
 class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
@@ -64,6 +74,7 @@ class CpuPlatform(Platform):
     # multi-threaded torch work, a forked rank hangs in its first parallel op (docs/parallelism.md).
     fork_safe = True
     repacks_linear_weights = True  # oneDNN's blocked layout (OneDNNPackedLinearKernel), where available
+    _loaded_workers = 0  # workers of this process between after_load() and release()
     kv_cache_in_host_memory = True
     supports_graphs = True  # TorchScript traces of small decode steps (cpu_graphs.py)
     ranks_share_host_cores = True
@@ -108,6 +119,18 @@ class CpuPlatform(Platform):
         2.9 s -> 1.8 s, as fast as with tcmalloc preloaded. Not before loading: the temporaries
         loading frees still go back to the system."""
         _mallopt((_M_MMAP_MAX, 0))
+        CpuPlatform._loaded_workers += 1
+
+    def release(self) -> None:
+        """Once this process's last loaded worker is gone: glibc's defaults again, and the heap's
+        free pages given back (malloc_trim). Without it a process that dropped its engine kept
+        every block the engine had freed, and the next engine's weights and caches came on top
+        (the test suite's one process grew to 22 GiB and was killed)."""
+        CpuPlatform._loaded_workers = max(0, CpuPlatform._loaded_workers - 1)
+        if CpuPlatform._loaded_workers == 0:
+            _mallopt((_M_MMAP_MAX, _GLIBC_MMAP_MAX), (_M_MMAP_THRESHOLD, _GLIBC_THRESHOLD),
+                     (_M_TRIM_THRESHOLD, _GLIBC_THRESHOLD))
+            _malloc_trim()
 
     def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
         """cpu_paged (the compiled decode kernel) when its library is built and loads, else

@@ -17,12 +17,29 @@ tensor-parallel ranks (gloo) are not ops a trace records, so graphs stay off the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _own_compilation_unit():
+    """Trace into a compilation unit of the trace's own. torch.jit.trace puts a traced function
+    in TorchScript's global unit (torch.jit._state._python_cu, which it looks up at each call;
+    its _compilation_unit argument is read for modules only), and there the function and every
+    tensor it holds as a constant (weights) stayed until the process ended: a dropped engine
+    kept them. The returned function holds its own unit, so both go with it."""
+    from torch.jit import _state
+
+    saved, _state._python_cu = _state._python_cu, torch.jit.CompilationUnit()
+    try:
+        yield
+    finally:
+        _state._python_cu = saved
 
 
 def trace_decode_forward(forward, state: list[torch.Tensor]):
@@ -40,7 +57,8 @@ def trace_decode_forward(forward, state: list[torch.Tensor]):
             # Shape checks become trace-time constants, as intended: the batch size is fixed.
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated", category=DeprecationWarning)
-            traced = torch.jit.trace(lambda *_: forward(), state, check_trace=False)
+            with _own_compilation_unit():
+                traced = torch.jit.trace(lambda *_: forward(), state, check_trace=False)
     except (RuntimeError, AttributeError) as error:  # AttributeError: a torch without TorchScript
         logger.debug("Decode forward not traceable (%s); that batch size stays eager", error)
         return None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+import weakref
 
 import torch
 
@@ -18,7 +20,7 @@ from tengyun.kv_sizing import (
 )
 from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.layers.quantized import apply_quant_config
-from tengyun.layers.weight_loading import deferred_weights
+from tengyun.layers.weight_loading import deferred_weights, drop_weight_loaders
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
@@ -49,6 +51,9 @@ class Worker:
         dtype = TORCH_DTYPES[config.dtype]
         self.mtp_head = (MtpProposer.load_head(config, self.model, self.kernels, dtype, self.device)
                          if self._runs_mtp_head() else None)
+        for module in (self.model, self.mtp_head):
+            if module is not None:
+                drop_weight_loaders(module)
         # After binding: repacked weights count, freed ones not; the MTP head's too.
         self.weight_bytes = weight_bytes(self.model) + (weight_bytes(self.mtp_head) if self.mtp_head is not None else 0)
         logger.info("Loaded %s (%s, %s) in %.1f s: %.1f MiB of weights on rank %d", config.architecture,
@@ -63,7 +68,15 @@ class Worker:
             self.runner.mtp = MtpProposer.build(config, self.mtp_head, self.model, self.num_blocks + int(graphs),
                                                 TORCH_DTYPES[config.kv_cache_dtype], self.device)
         self.platform.after_load()
+        self._release_platform = weakref.finalize(self, self.platform.release)  # shutdown(), or collected
         self.step_threads = self.platform.step_threads(rank.world_size if rank else 1)
+
+    def shutdown(self) -> None:
+        """The in-process engine's end (``llm.llm_engine.shutdown()``): its weights, caches and
+        graphs go now rather than with the LLM object, and the platform's process tuning is undone."""
+        self.model = self.mtp_head = self.runner = self.kv_cache = self.state_cache = None
+        gc.collect()
+        self._release_platform()
 
     def _init_device(self) -> tuple[Platform, torch.device]:
         """This process's device made current, pinned near it (NUMA), tuned, joined to the other ranks."""

@@ -144,10 +144,13 @@ def test_cached_states_are_never_corrupted(tiny_hybrid_checkpoints):
     sched = CachedStatesStayIntact.cached.llm_engine.scheduler
     assert (sched.state_pool.num_slots, sched.snapshots.num_rows, sched.block_manager.num_blocks) == (2, 2, 6)
     CachedStatesStayIntact.reference = LLM(folder, dtype="float32", block_size=8, max_model_len=48,
-                                           enable_prefix_caching=False)
+                                           enable_prefix_caching=False, kv_cache_memory="1MiB")
     CachedStatesStayIntact.expected = {}
     CachedStatesStayIntact.prefixes = [shared[:8], shared, shared[:13] + [rng.randrange(1, 300) for _ in range(9)]]
     run_state_machine_as_test(CachedStatesStayIntact, settings=settings(max_examples=12, stateful_step_count=25,
                                                                         deadline=None))
     stats = CachedStatesStayIntact.cached.llm_engine.get_stats()
+    for llm in (CachedStatesStayIntact.cached, CachedStatesStayIntact.reference):  # class attributes outlive the test
+        llm.llm_engine.shutdown()
+    del CachedStatesStayIntact.cached, CachedStatesStayIntact.reference
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0

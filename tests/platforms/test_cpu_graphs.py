@@ -147,3 +147,48 @@ def test_a_forward_that_cannot_be_traced_gives_none():
     from tengyun.platforms.cpu_graphs import trace_decode_forward
 
     assert trace_decode_forward(lambda: {"hidden": torch.zeros(2)}, []) is None  # a dict output
+
+
+def test_a_trace_and_its_constants_go_with_the_replay():
+    """A trace is not left in TorchScript's global compilation unit, where it (and the weights it
+    holds as constants) lived until the process ended."""
+    import gc
+    import weakref
+
+    from torch.jit import _state
+
+    from tengyun.platforms.cpu_graphs import trace_decode_forward
+
+    def traced_with_a_constant():
+        weight, cache = torch.randn(8, 3), torch.zeros(2, 3)
+        return trace_decode_forward(lambda: cache + weight[:2], [cache]), weakref.ref(weight)
+
+    global_functions = len(_state._python_cu.get_functions())
+    replay, held = traced_with_a_constant()
+    assert replay is not None and len(_state._python_cu.get_functions()) == global_functions
+    assert held() is not None  # the replay holds it
+    del replay
+    gc.collect()
+    assert held() is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_dropped_or_shut_down_engine_frees_its_weights(tiny_checkpoints, arch):
+    """Decode graphs traced and replayed, then the engine shut down (the LLM still referenced), or
+    the LLM dropped without it: no parameter is left alive (the graphs held the embedding and
+    Qwen2's qkv biases for the life of the process)."""
+    import gc
+    import weakref
+
+    _needs_kernel("float32")
+    for shut_down in (True, False):
+        llm = LLM(str(tiny_checkpoints[arch]), dtype="float32", **ARGS)
+        assert llm.llm_engine.executor.runner.decode_graphs is not None
+        llm.generate(_prompts()[:2], _params()[:2])
+        held = [weakref.ref(p) for p in llm.llm_engine.executor.model.parameters()]
+        if shut_down:
+            llm.llm_engine.shutdown()
+        else:
+            del llm
+        gc.collect()
+        assert not [ref for ref in held if ref() is not None]

@@ -1,7 +1,7 @@
 """CpuPlatform's allocator settings, seen through glibc's own accounting (mallinfo2): after
 after_load(), a 64 MiB tensor comes from the heap, not from a fresh mmap that page-faults on
-every first touch; unless the user set glibc's own malloc variables, which then win. Run in a
-subprocess: the settings are process-wide."""
+every first touch, until the process's last engine is released; unless the user set glibc's own
+malloc variables, which then win. Run in a subprocess: the settings are process-wide."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ platform.init_process()  # before loading: blocks above 32 MiB are still mmapped
 print(mmapped_by_a_64_mib_tensor() >= 64 << 20)
 platform.after_load()
 print(mmapped_by_a_64_mib_tensor() == 0)
+platform.after_load()  # a second engine in the process
+platform.release()
+print(mmapped_by_a_64_mib_tensor() == 0)  # the other still runs: heap blocks
+platform.release()  # the last one gone: glibc's defaults, large blocks mmapped (and given back) again
+print(mmapped_by_a_64_mib_tensor() >= 64 << 20)
 """
 
 
@@ -43,10 +48,10 @@ def _has_mallinfo2() -> bool:
 
 
 @pytest.mark.skipif(not _has_mallinfo2(), reason="glibc >= 2.33 (mallinfo2) needed to observe the allocator")
-def test_after_load_serves_large_blocks_from_the_heap():
+def test_after_load_serves_large_blocks_from_the_heap_until_the_last_release():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "True"]
+    assert out.stdout.split() == ["True", "True", "True", "True"]
 
 
 @pytest.mark.skipif(not _has_mallinfo2(), reason="glibc >= 2.33 (mallinfo2) needed to observe the allocator")
@@ -54,4 +59,4 @@ def test_glibcs_own_variable_keeps_large_blocks_mmapped_and_so_given_back():
     env = {**os.environ, "MALLOC_MMAP_MAX_": "65536"}  # glibc's default: what a memory-tight host asks for
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "False"]
+    assert out.stdout.split() == ["True", "False", "False", "True"]

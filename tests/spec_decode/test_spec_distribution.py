@@ -64,8 +64,8 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_checkpoints):
     path = str(tiny_checkpoints["llama"])
     joint = _exact_joint(path)
     llm = LLM(path, dtype="float32", block_size=8, max_model_len=64, max_num_seqs=256, seed=1234,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 1})
+              kv_cache_memory="16MiB", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                           "prompt_lookup_min": 1, "prompt_lookup_max": 1})
     params = SamplingParams(n=NUM_SAMPLES, temperature=1.0, top_k=TOP_K, logit_bias=BIAS, max_tokens=NUM_TOKENS,
                             ignore_eos=True)
     outputs = llm.generate([PROMPT], params)[0].outputs
