@@ -246,6 +246,9 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput,
                       sampled_elsewhere: dict[int, list[int]] | None = None) -> ModelRunnerOutput | None:
+        if self.runner is None:
+            raise RuntimeError("This engine was shut down (llm_engine.shutdown()) and holds no model any more; "
+                               "build a new LLM to generate again.")
         if self.step_threads is None:
             return self.runner.execute(sched, sampled_elsewhere)
         with self.step_threads(sched.total_num_scheduled_tokens):

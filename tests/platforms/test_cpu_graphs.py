@@ -188,6 +188,8 @@ def test_a_dropped_or_shut_down_engine_frees_its_weights(tiny_checkpoints, arch)
         held = [weakref.ref(p) for p in llm.llm_engine.executor.model.parameters()]
         if shut_down:
             llm.llm_engine.shutdown()
+            with pytest.raises(RuntimeError, match=r"engine was shut down .*build a new LLM"):
+                llm.generate(_prompts()[:1], _params()[:1])
         else:
             del llm
         gc.collect()
