@@ -42,6 +42,7 @@
 
 #include "cpu_isa.h"
 
+
 namespace tengyun {
 namespace {
 
@@ -69,8 +70,8 @@ struct QuantArgs {
   float zero;
 };
 
-// 8 bits at more than kMaxRows rows: block8_many_rows (bfloat16 pairs, as the 4-bit path) instead of the tiles.
-bool many_rows8(const QuantArgs& a, int bits) { return bits == 8 && a.rows > kMaxRows && a.group % 2 == 0; }
+// 8 bits at more than kMaxRows rows: each block widened once into bfloat16 pairs (linear_blocks).
+bool wide_rows(const QuantArgs& a, int bits) { return bits == 8 && a.rows > kMaxRows && a.group % 2 == 0; }
 
 #if TY_HAVE_X86_COPIES
 #define TY_QUANT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -180,25 +181,46 @@ TY_QUANT_TARGET void tile8(const QuantArgs& a, int64_t r0, int64_t b) {
   for (int m = 0; m < M; ++m) store_row(a, acc[m][0], r0 + m, b * kCols), store_row(a, acc[m][1], r0 + m, b * kCols + 16);
 }
 
-// 4 bits, rows [r0, r0 + M) of block b: per group, the nibbles (exact in bfloat16) against bfloat16
-// x pairs (vdpbf16ps: exact products, float32 sums), then s * sum(x n) + o * sum(x).
-template <int M>
-TY_QUANT_TARGET void tile4(const QuantArgs& a, int64_t r0, int64_t b) {
+// Where a tile reads the 64 weights of (block b, inputs k, k + 1) as bfloat16 pairs (lo: columns
+// 0-15, hi: 16-31, each 32-bit lane (w[c, k], w[c, k + 1]) as integers, exact in bfloat16): the
+// packed 4-bit block unpacked in registers (each pass streams it from memory), or the block widened
+// once into a buffer (many rows: every pass after the widening reads it from cache).
+struct NibblePairs {
+  const uint8_t* p;
+  __m512i lut;
+  TY_QUANT_TARGET inline void next(__m512i& lo, __m512i& hi) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+    load_nibble_pairs(p, lut, lo, hi);
+    p += kCols;
+  }
+};
+
+struct WidenedPairs {
+  const uint16_t* p;  // bfloat16 [K / 2][2 halves][32]
+  TY_QUANT_TARGET inline void next(__m512i& lo, __m512i& hi) {
+    lo = _mm512_loadu_si512(p);
+    hi = _mm512_loadu_si512(p + kCols);
+    p += 2 * kCols;
+  }
+};
+
+// Rows [r0, r0 + M) of block b from bfloat16 pairs (4 bits; 8 bits widened): per group, the integer
+// weights against bfloat16 x pairs (vdpbf16ps: exact products, float32 sums), then s * sum(x n) +
+// o * sum(x).
+template <int M, typename Pairs>
+TY_QUANT_TARGET void tile_pairs(const QuantArgs& a, int64_t r0, int64_t b, Pairs src) {
   const int64_t groups = a.k / a.group;
-  const uint8_t* p = a.packed + b * a.k * (kCols / 2);
-  const __m512i lut = _mm512_load_si512(kNibbleBf16);
   __m512 acc[M][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[M][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
-    for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 2, p += kCols) {
+    for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 2) {
       __m512i lo, hi;
-      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
-      load_nibble_pairs(p, lut, lo, hi);
-#pragma GCC unroll 4
+      src.next(lo, hi);
+#pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         int32_t pair;  // x[k] in the low half, x[k + 1] in the high
         std::memcpy(&pair, a.xb + (r0 + m) * a.x_stride + k, sizeof pair);
@@ -209,16 +231,19 @@ TY_QUANT_TARGET void tile4(const QuantArgs& a, int64_t r0, int64_t b) {
     }
     fold_group<M>(a, b, g, r0, part, acc);
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int m = 0; m < M; ++m) store_row(a, acc[m][0], r0 + m, b * kCols), store_row(a, acc[m][1], r0 + m, b * kCols + 16);
 }
 
-// 8 bits, more than kMaxRows rows: each group of block b is widened once into bfloat16 pairs (int8
-// is exact in bfloat16) in ``pairs`` [group / 2][2 halves][32], then every row runs the 4-bit
-// path's arithmetic on it: s * sum(x q) (vdpbf16ps: exact products, float32 sums) + o * sum(x),
-// accumulated per row in ``acc`` [rows][32]. The widening is paid once per group, not once per
-// pass of kMaxRows rows (the float32 tiles' cost at 16-32 rows: an LM head's decode batch).
-constexpr int kPairRows = 8;  // rows per pass over a group's pairs: 8 x 2 sums, the 2 pair vectors
+template <int M>
+TY_QUANT_TARGET void tile4(const QuantArgs& a, int64_t r0, int64_t b) {
+  tile_pairs<M>(a, r0, b, NibblePairs{a.packed + b * a.k * (kCols / 2), _mm512_load_si512(kNibbleBf16)});
+}
+
+// 8 bits at more than kMaxRows rows (an even group): block b is widened once into bfloat16 pairs,
+// then passes of kMaxRows rows read it from cache with the 4-bit tile's arithmetic: the widening is
+// paid once per block, not once per pass. Measured against passes of 6 and 8 rows (slower) and
+// against widening the 4-bit blocks too (slower than unpacking nibbles in registers each pass).
 
 alignas(64) constexpr int16_t kPairLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -232,9 +257,12 @@ TY_QUANT_TARGET inline __m512i int16_to_bf16(__m512i v) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
 }
 
-TY_QUANT_TARGET void widen_group8(const uint8_t* p, int64_t group, uint16_t* pairs) {
+// Block b's 8-bit weights into ``pairs`` bfloat16 [K / 2][2 halves][32] (WidenedPairs' layout).
+TY_QUANT_TARGET void widen_block8(const QuantArgs& a, int64_t b, uint16_t* pairs) {
   const __m512i low_index = _mm512_load_si512(kPairLow), high_index = _mm512_load_si512(kPairHigh);
-  for (int64_t i = 0; i < group; i += 2, p += 2 * kCols, pairs += 2 * kCols) {
+  const uint8_t* p = a.packed + b * a.k * kCols;
+  for (int64_t k = 0; k < a.k; k += 2, p += 2 * kCols, pairs += 2 * kCols) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
     const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kCols)));
     _mm512_storeu_si512(pairs, int16_to_bf16(_mm512_permutex2var_epi16(k0, low_index, k1)));
@@ -243,58 +271,12 @@ TY_QUANT_TARGET void widen_group8(const uint8_t* p, int64_t group, uint16_t* pai
 }
 
 template <int M>
-TY_QUANT_TARGET void pair_rows8(const QuantArgs& a, const uint16_t* pairs, int64_t g, int64_t r0,
-                                const __m512 (&s)[2], const __m512 (&o)[2], float* acc) {
-  const int64_t groups = a.k / a.group;
-  __m512 part[M][2];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
-  for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 2, pairs += 2 * kCols) {
-    const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs));
-    const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + kCols));
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      int32_t pair;  // x[k] in the low half, x[k + 1] in the high
-      std::memcpy(&pair, a.xb + (r0 + m) * a.x_stride + k, sizeof pair);
-      const __m512bh xs = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      part[m][0] = _mm512_dpbf16_ps(part[m][0], xs, lo);
-      part[m][1] = _mm512_dpbf16_ps(part[m][1], xs, hi);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) {
-    const __m512 x_sum = _mm512_set1_ps(a.x_sums[(r0 + m) * groups + g]);
-    for (int h = 0; h < 2; ++h) {
-      float* at = acc + (r0 + m) * kCols + 16 * h;
-      _mm512_storeu_ps(at, _mm512_fmadd_ps(o[h], x_sum, _mm512_fmadd_ps(s[h], part[m][h], _mm512_loadu_ps(at))));
-    }
-  }
-}
-
-using PairRowsFn = void (*)(const QuantArgs&, const uint16_t*, int64_t, int64_t, const __m512 (&)[2],
-                            const __m512 (&)[2], float*);
-
-TY_QUANT_TARGET void block8_many_rows(const QuantArgs& a, int64_t b, uint16_t* pairs, float* acc) {
-  static constexpr PairRowsFn passes[kPairRows] = {pair_rows8<1>, pair_rows8<2>, pair_rows8<3>, pair_rows8<4>,
-                                                   pair_rows8<5>, pair_rows8<6>, pair_rows8<7>, pair_rows8<8>};
-  std::fill(acc, acc + a.rows * kCols, 0.0f);
-  const uint8_t* p = a.packed + b * a.k * kCols;
-  for (int64_t g = 0; g < a.k / a.group; ++g, p += a.group * kCols) {
-    widen_group8(p, a.group, pairs);
-    __m512 s[2], o[2];
-    load_group(a, b, g, 0, s[0], o[0]);
-    load_group(a, b, g, 1, s[1], o[1]);
-    for (int64_t r = 0; r < a.rows; r += kPairRows) {
-      passes[std::min<int64_t>(kPairRows, a.rows - r) - 1](a, pairs, g, r, s, o, acc);
-    }
-  }
-  for (int64_t m = 0; m < a.rows; ++m) {
-    store_row(a, _mm512_loadu_ps(acc + m * kCols), m, b * kCols);
-    store_row(a, _mm512_loadu_ps(acc + m * kCols + 16), m, b * kCols + 16);
-  }
+TY_QUANT_TARGET void tile_widened(const QuantArgs& a, int64_t r0, int64_t b, const uint16_t* pairs) {
+  tile_pairs<M>(a, r0, b, WidenedPairs{pairs});
 }
 
 using TileFn = void (*)(const QuantArgs&, int64_t, int64_t);
+using WideTileFn = void (*)(const QuantArgs&, int64_t, int64_t, const uint16_t*);
 
 TileFn tile_for(int bits, int rows) {
   static constexpr TileFn tiles4[kMaxRows] = {tile4<1>, tile4<2>, tile4<3>, tile4<4>};
@@ -302,17 +284,20 @@ TileFn tile_for(int bits, int rows) {
   return (bits == 4 ? tiles4 : tiles8)[rows - 1];
 }
 
+WideTileFn wide_tile_for(int rows) {
+  static constexpr WideTileFn tiles[kMaxRows] = {tile_widened<1>, tile_widened<2>, tile_widened<3>, tile_widened<4>};
+  return tiles[rows - 1];
+}
+
 void linear_blocks(const QuantArgs& a, int bits, int64_t b0, int64_t b1) {
-  if (many_rows8(a, bits)) {
-    std::vector<uint16_t> pairs(a.group * kCols);
-    std::vector<float> acc(a.rows * kCols);
-    for (int64_t b = b0; b < b1; ++b) block8_many_rows(a, b, pairs.data(), acc.data());
-    return;
-  }
+  const bool wide = wide_rows(a, bits);
+  std::vector<uint16_t> pairs(wide ? a.k * kCols : 0);
   for (int64_t b = b0; b < b1; ++b) {
+    if (wide) widen_block8(a, b, pairs.data());
     for (int64_t r = 0; r < a.rows; r += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.rows - r));
-      tile_for(bits, rows)(a, r, b);
+      if (wide) wide_tile_for(rows)(a, r, b, pairs.data());
+      else tile_for(bits, rows)(a, r, b);
     }
   }
 }
@@ -448,7 +433,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
   const at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
   at::Tensor widened, sums;
   a.rows = x.size(0);
-  if (bits == 8 && !many_rows8(a, 8)) {
+  if (bits == 8 && !wide_rows(a, 8)) {
     widened = xc.to(at::kFloat).contiguous();  // bfloat16 widens exactly
     a.xf = widened.data_ptr<float>();
   }

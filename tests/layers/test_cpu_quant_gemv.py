@@ -155,7 +155,7 @@ def test_eight_bit_path_with_offsets_and_scales_kept_exact(fits, monkeypatch):
     w = (q.float().view(70, 3, 32) * scale.float()[..., None]).reshape(70, 96)
     assert torch.equal(layout.dequantized_t(prepared, 8, 0).t(), w)
     bias = torch.randn(70).bfloat16()
-    for rows in (1, 5, 8, 17, 32):  # from 5 rows: the widened-pairs path (block8_many_rows)
+    for rows in (1, 5, 8, 17, 32):  # from 5 rows: each block widened once to bfloat16 pairs (widen_block8)
         x = torch.randn(rows, 96).bfloat16()
         torch.testing.assert_close(layout.linear(x, prepared, 8, 0, bias).double(),
                                    x.double() @ w.double().t() + bias.double(), **KERNEL_TOLERANCE)
