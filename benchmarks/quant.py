@@ -22,7 +22,7 @@ repeat (all of them are in the JSON). Memory for weights: Tengyun's held tensors
 llama_model_size against the packed size (a GGUF's file size; a folder's safetensors with its
 float tensors counted in the dtype they are served in).
 
-The "-lmhead" formats (w8a8-lmhead, w4a16-lmhead; untied models only: Qwen2.5-Coder) are the same
+The "-lmhead" formats (w8a8-lmhead, w4a16-lmhead; a tied model, SmolLM2, is untied) are the same
 schemes written with `tengyun quantize --quantize-lm-head`: the LM head quantised too (W8A8, and
 W8A16 per channel beside W4A16), targeted by name as vLLM loads it.
 

@@ -9,7 +9,10 @@ calibration data). Qwen3.5 and Qwen3-Next keep in 16 bits what their layers woul
 whole: the one-row shared_expert_gate, the per-head in_proj_b / in_proj_a (Qwen3-Next's
 in_proj_ba; vLLM runs them as one in_proj_ba layer), and the vision tower and MTP layers a
 multimodal checkpoint holds (not decoder layers: copied as stored, and ignored by name).
-With ``--quantize-lm-head`` an untied LM head is quantised too, targeted by name as vLLM loads it:
+With ``--quantize-lm-head`` the LM head is quantised too, targeted by name as vLLM loads it (a
+model that ties its head to the embedding, SmolLM2, is untied: ``lm_head`` is quantised from the
+embedding, which stays as stored for the token lookups, and config.json says
+``tie_word_embeddings: false``; vLLM loads such a folder as any untied one):
 W8A8 like the rest; W4A16 at 8 bits per channel (W8A16, as llama.cpp's own 4-bit files keep their
 output tensor at 6 or 8 bits: Q8_0 in Qwen2.5-Coder-0.5B's Q4_0 file). At batch 1 the head is the
 largest read of a small model (Qwen2.5-Coder-0.5B: 272 MB of 16-bit head, 180 MB of 4-bit
@@ -48,6 +51,7 @@ IGNORE = ("lm_head", "re:.*mlp.gate$")
 # Qwen3.5 (hybrid) checkpoints also keep these unquantised (the module docstring says why)
 HYBRID_IGNORE = ("re:.*mlp.shared_expert_gate$", "re:.*linear_attn.in_proj_(a|b|ba)$", "re:.*visual.*", "re:^mtp.*")
 HEAD_WEIGHT = f"{compressed_tensors.HEAD_TARGET}.weight"  # what --quantize-lm-head quantises
+EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")  # a tied head's source
 _DECODER_PREFIXES = ("model.layers.", "model.language_model.layers.")  # text-only, multimodal layout
 _GATED_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")  # Qwen3.5's, Qwen3-Next's in_proj_qkvz
 _LINEAR_SUFFIXES = (tuple(f".{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
@@ -99,20 +103,20 @@ def check_model(config: dict, scheme: str, group_size: int | None) -> None:
 
 def quantize_folder(model_dir: Path, out_dir: Path, scheme: str, group_size: int | None = 128,
                     progress: bool | None = None, head: bool = False) -> QuantizeResult:
-    """``head``: quantise the untied LM head too (--quantize-lm-head)."""
+    """``head``: quantise the LM head too (--quantize-lm-head; a tied one from the embedding, untied)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = json.loads((model_dir / "config.json").read_text())
     check_model(config, scheme, group_size)
     group_size = group_size if scheme == "w4a16" else None
-    if head and ModelSpec.from_hf_config(config).tie_word_embeddings:
-        raise ValueError("--quantize-lm-head: MODEL_DIR's config ties the LM head to the embedding "
-                         "(tie_word_embeddings): there is no separate head to quantize; drop the flag.")
+    tied = head and ModelSpec.from_hf_config(config).tie_word_embeddings
+    config = _untied(config) if tied else config
     files = safetensors_files(model_dir)
+    head_source = _head_source(files, tied) if head else None
     section = compressed_tensors.quantization_config(scheme, group_size, ignore_list(config, head), head)
     # the head's scheme as the written config gives it (Tengyun and vLLM read it from there)
     head_layout = compressed_tensors.from_config(section).head_scheme(compressed_tensors.HEAD_TARGET) if head else None
     layouts = {"linear": scheme_for(scheme, group_size), "head": head_layout}
-    _check_shapes(files, layouts, group_size)
+    _check_shapes(files, layouts, group_size, head_source)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"OUT_DIR {out_dir} exists and is not empty: pass a new folder.")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,28 +126,46 @@ def quantize_folder(model_dir: Path, out_dir: Path, scheme: str, group_size: int
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, desc=f"Quantizing to {scheme.upper()}", unit="tensor", disable=not show) as bar:
         for f in files:
-            tensors = _quantize_file(f, layouts, counts, bar)
+            tensors = _quantize_file(f, layouts, counts, bar, head_source)
             save_file(tensors, str(out_dir / f.name), metadata={"format": "pt"})
             weight_map.update({name: f.name for name in tensors})
     _write_metadata(model_dir, out_dir, {**config, "quantization_config": section}, weight_map, counts["out"])
     return QuantizeResult(out_dir, counts["quantized"], counts["copied"], counts["in"], counts["out"])
 
 
-def _layout_of(name: str, dims: int, layouts: dict[str, LinearScheme | None]) -> LinearScheme | None:
+def _untied(config: dict) -> dict:
+    """config.json with tie_word_embeddings false wherever it says true (the top level; a
+    multimodal wrapper's text_config too): the written folder holds its own lm_head."""
+    untied = {**config, "tie_word_embeddings": False}
+    if isinstance(config.get("text_config"), dict) and "tie_word_embeddings" in config["text_config"]:
+        untied["text_config"] = {**config["text_config"], "tie_word_embeddings": False}
+    return untied
+
+
+def _head_source(files: list[Path], tied: bool) -> str | None:
+    """The tensor --quantize-lm-head quantises into lm_head: lm_head.weight; a tied model's
+    embedding where it stores no lm_head.weight; None where neither is stored."""
+    names = {name for f in files for name in safe_open(f, framework="pt").keys()}
+    return next((name for name in (HEAD_WEIGHT, *(EMBEDDINGS if tied else ())) if name in names), None)
+
+
+def _layout_of(name: str, dims: int, layouts: dict[str, LinearScheme | None],
+               head_source: str | None) -> LinearScheme | None:
     """The scheme tensor ``name`` is quantised to, or None: copied as stored."""
-    if name == HEAD_WEIGHT and dims == 2:
+    if name == head_source and dims == 2:
         return layouts["head"]
     return layouts["linear"] if is_quantized_linear(name, dims) else None
 
 
-def _check_shapes(files: list[Path], layouts: dict[str, LinearScheme | None], group_size: int | None) -> None:
+def _check_shapes(files: list[Path], layouts: dict[str, LinearScheme | None], group_size: int | None,
+                  head_source: str | None) -> None:
     heads = 0
     for f in files:
         with safe_open(f, framework="pt") as reader:
             for name in reader.keys():
                 shape = reader.get_slice(name).get_shape()
-                layout = _layout_of(name, len(shape), layouts)
-                heads += layout is not None and name == HEAD_WEIGHT
+                layout = _layout_of(name, len(shape), layouts, head_source)
+                heads += layout is not None and name == head_source
                 if layout is None:
                     continue
                 problem = layout.shape_problem(*shape)
@@ -152,22 +174,24 @@ def _check_shapes(files: list[Path], layouts: dict[str, LinearScheme | None], gr
                     hint = (f"; pass --group-size {fits[-1]}" if fits and group_size else "")
                     raise ValueError(f"{name} [{shape[0]}, {shape[1]}] cannot be quantized: {problem}{hint}.")
     if layouts["head"] is not None and not heads:
-        raise ValueError(f"--quantize-lm-head: MODEL_DIR's safetensors hold no {HEAD_WEIGHT}, though its config "
-                         f"does not tie the LM head to the embedding: the checkpoint is incomplete.")
+        raise ValueError(f"--quantize-lm-head: MODEL_DIR's safetensors hold no {HEAD_WEIGHT} (nor, where the config "
+                         f"ties the head to the embedding, {EMBEDDINGS[0]}): the checkpoint is incomplete.")
 
 
-def _quantize_file(path: Path, layouts: dict[str, LinearScheme | None], counts: dict,
-                   bar) -> dict[str, torch.Tensor]:
+def _quantize_file(path: Path, layouts: dict[str, LinearScheme | None], counts: dict, bar,
+                   head_source: str | None) -> dict[str, torch.Tensor]:
+    """``head_source``'s tensor is quantised as lm_head (an embedding is also kept as stored)."""
     out: dict[str, torch.Tensor] = {}
     with safe_open(path, framework="pt") as reader:
         for name in reader.keys():
             tensor = reader.get_tensor(name)
             counts["in"] += tensor.numel() * tensor.element_size()
-            layout = _layout_of(name, tensor.dim(), layouts)
+            layout = _layout_of(name, tensor.dim(), layouts, head_source)
             if layout is not None:
-                out.update(_quantize_weight(name.removesuffix(".weight"), tensor, layout))
+                module = compressed_tensors.HEAD_TARGET if name == head_source else name.removesuffix(".weight")
+                out.update(_quantize_weight(module, tensor, layout))
                 counts["quantized"] += 1
-            else:
+            if layout is None or name in EMBEDDINGS:  # an embedding made lm_head stays for the token lookups
                 out[name] = tensor.contiguous()
                 counts["copied"] += 1
             bar.update(1)

@@ -4,7 +4,8 @@ quantize --quantize-lm-head`, which writes one: W8A8 in the decoder's group, W4A
 per channel in a group of its own. Tokens against HF's on the dequantized fp32 twin (weight-only:
 exact), W8A8 logprobs against HF with the same activation rounding (the head's input rounded
 too); in bfloat16 the head runs the compiled kernel on its int8 weights and holds no dense copy;
-TP=2 splits its rows; `tengyun plan` counts what the worker holds; a tied model refuses the flag."""
+TP=2 splits its rows; `tengyun plan` counts what the worker holds; a tied model is untied, its head
+quantised from the embedding."""
 
 from __future__ import annotations
 
@@ -155,12 +156,25 @@ def test_plan_counts_the_quantised_head_as_the_worker_holds_it(with_head, tiny_c
     assert (with_quantised_head < without) == (dtype == "bfloat16" and quant_gemv_fits())
 
 
-def test_quantize_lm_head_on_a_tied_model_exits_2_naming_the_flag(tiny_checkpoints, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "quantize",
-                           str(tiny_checkpoints["qwen2"]), str(tmp_path / "out"), "--scheme", "w4a16",
-                           "--group-size", "32", "--quantize-lm-head"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--quantize-lm-head" in proc.stderr and "tie_word_embeddings" in proc.stderr
-    assert not (tmp_path / "out").exists()
+def test_quantize_lm_head_unties_a_tied_model_and_gives_hf_tokens_on_the_twin(tiny_checkpoints, tmp_path):
+    """A tied model's head is quantised from the embedding into lm_head, the embedding stays as
+    stored for the lookups, and config.json unties them (what vLLM then loads as an untied head)."""
+    source = tiny_checkpoints["qwen2"]
+    assert json.loads((source / "config.json").read_text())["tie_word_embeddings"] is True
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "quantize", str(source), str(out),
+                           "--scheme", "w4a16", "--group-size", "32", "--quantize-lm-head"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and "lm_head" not in config["quantization_config"]["ignore"]
+    tensors, stored = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")
+    assert "lm_head.weight" not in stored and torch.equal(tensors["model.embed_tokens.weight"],
+                                                          stored["model.embed_tokens.weight"])
+    assert tensors["lm_head.weight_packed"].shape == (stored["model.embed_tokens.weight"].shape[0], 64 * 8 // 32)
+    assert detect_quantization(config).head_scheme("lm_head").weight_bits == 8
+    twin = dequantized_twin(out, tmp_path / "twin")
+    assert [o.token_ids for o in _tengyun(out)] == _hf_greedy(twin, _prompts())
 
 
 def test_quantize_lm_head_on_an_untied_checkpoint_without_its_head_names_the_tensor(tiny_checkpoints, tmp_path):

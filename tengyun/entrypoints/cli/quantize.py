@@ -19,9 +19,10 @@ def add_parser(subparsers) -> None:
                         help="input features per int4 scale (w4a16): 32, 64, 128 or 256, or 0 for one scale per "
                              "output channel (default 128)")
     parser.add_argument("--quantize-lm-head", action="store_true",
-                        help="quantize the (untied) LM head too, targeted by name as vLLM loads it: w8a8 as the "
-                             "rest, w4a16 at 8 bits per channel (W8A16); by default it stays 16-bit, as "
-                             "llm-compressor's presets keep it")
+                        help="quantize the LM head too, targeted by name as vLLM loads it: w8a8 as the rest, "
+                             "w4a16 at 8 bits per channel (W8A16); a head tied to the embedding is untied (lm_head "
+                             "quantized from it, the embedding kept for lookups); by default it stays 16-bit, "
+                             "as llm-compressor's presets keep it")
 
 
 def run(args: argparse.Namespace) -> int:
