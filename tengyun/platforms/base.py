@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 class Platform:
     device_type: str = ""
@@ -84,8 +90,9 @@ class Platform:
     def init_process(self) -> None:
         """Process-wide tuning done once by the worker before the model is built."""
 
-    def after_load(self) -> None:
-        """Process-wide tuning done once by the worker after the weights and caches are allocated."""
+    def after_load(self, weights: Sequence[torch.Tensor] = ()) -> None:
+        """Process-wide tuning done once by the worker after the weights and caches are allocated;
+        ``weights``: the tensors the worker holds as weights (parameters, kernels' repacked ones)."""
 
     def release(self) -> None:
         """A worker that ran after_load() is gone (shut down, or collected): undo the tuning once

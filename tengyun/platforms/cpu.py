@@ -6,11 +6,17 @@ import functools
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from tengyun.ops import probe
 from tengyun.ops.probe import cpu_flags, process_tree_rss
 from tengyun.ops.telemetry import CpuUse, cpu_reading, parse_meminfo
 from tengyun.platforms.base import Platform
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +118,22 @@ class CpuPlatform(Platform):
         reach for tcmalloc via LD_PRELOAD for the same reason; this needs no preload."""
         _mallopt((_M_MMAP_THRESHOLD, _KEEP_BYTES), (_M_TRIM_THRESHOLD, 1 << 30))
 
-    def after_load(self) -> None:
+    def after_load(self, weights: Sequence[torch.Tensor] = ()) -> None:
         """No new mmaps at all once weights and caches are in place (M_MMAP_MAX 0): blocks above
         the 32 MiB threshold come from the heap too and are reused step after step. Qwen2.5-0.5B's
         prefill of 16 x 128 tokens faulted in its 40 MiB MLP activations afresh in every layer:
         2.9 s -> 1.8 s, as fast as with tcmalloc preloaded. Not before loading: the temporaries
-        loading frees still go back to the system."""
+        loading frees still go back to the system. The weights then move onto 2 MiB pages
+        (cpu_hugepages.py): a decode step streams all of them."""
+        from tengyun.platforms import cpu_hugepages
+
         _mallopt((_M_MMAP_MAX, 0))
         CpuPlatform._loaded_workers += 1
+        started = time.perf_counter()
+        moved = cpu_hugepages.collapse(cpu_hugepages.weight_ranges(weights))
+        if moved:
+            logger.info("Weights on huge pages: %.0f MiB moved onto 2 MiB pages in %.2f s", moved / 2**20,
+                        time.perf_counter() - started)
 
     def release(self) -> None:
         """Once this process's last loaded worker is gone: glibc's defaults again, and the heap's

@@ -67,7 +67,8 @@ class Worker:
         if self.mtp_head is not None:
             self.runner.mtp = MtpProposer.build(config, self.mtp_head, self.model, self.num_blocks + int(graphs),
                                                 TORCH_DTYPES[config.kv_cache_dtype], self.device)
-        self.platform.after_load()
+        self.platform.after_load([t for module in (self.model, self.mtp_head) if module is not None
+                                  for t in weight_tensors(module)])
         self._release_platform = weakref.finalize(self, self.platform.release)  # shutdown(), or collected
         self.step_threads = self.platform.step_threads(rank.world_size if rank else 1)
 
@@ -258,13 +259,18 @@ class Worker:
         """The single-process worker lives in the engine's process: nothing can die separately."""
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights this rank holds: parameters and repacked kernel weights, shared storage once."""
-    seen, total = set(), 0
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of weights this rank holds: parameters and the kernels' repacked weights."""
     tensors = [p.data for p in model.parameters()]
     for m in model.modules():  # quantised layers' kernels keep dicts of tensors (a list of them per expert)
         tensors += _tensors_in(getattr(m, "kernel_weight", None))
-    for t in tensors:
+    return tensors
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights this rank holds: parameters and repacked kernel weights, shared storage once."""
+    seen, total = set(), 0
+    for t in weight_tensors(model):
         if not isinstance(t, torch.Tensor) or not t.numel():
             continue
         if t.is_mkldnn:  # oneDNN's blocked layout: opaque storage, same element count
