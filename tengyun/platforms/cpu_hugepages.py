@@ -1,16 +1,16 @@
 """The weights on 2 MiB pages (Linux transparent huge pages), once they are in place.
 
-A decode step streams every weight from memory: SmolLM2-135M in bfloat16 reads ~212 MB of
-linear weights a step, in 4 KiB pages unless asked otherwise (Debian's default THP mode is
-"madvise", and glibc's malloc asks only under ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``). On
-2 MiB pages the same 30 layers of oneDNN linears at 64 rows took 45.0 / 42.0 ms against 51.9 /
-73.4 ms on 4 KiB pages, and a 64-sequence SmolLM2 decode step 74.8 / 77.4 against 86.5 / 88.5
-(benchmarks/README.md, "Weights on huge pages"): fewer TLB misses, and the hardware prefetchers,
-which stop at a 4 KiB page's end, run on. The KV cache stays on 4 KiB pages: the decode attention
-measured no faster on huge pages (11.3-14.7 ms against 14.6-15.0).
+A decode step streams every weight from memory: SmolLM2-135M in bfloat16 reads ~260 MB a step,
+in 4 KiB pages unless asked otherwise (Debian's default THP mode is "madvise", and glibc's malloc
+asks only under ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``). The same weights in one process,
+4 KiB against 2 MiB pages (benchmarks/huge_pages.py; benchmarks/README.md, "Weights on huge
+pages"), medians: SmolLM2's linears and head at one row 13.66 -> 11.14 ms, Qwen2.5-Coder-0.5B's
+41.41 -> 33.57 ms, SmolLM2's at 64 rows 63.67 -> 60.78 ms: fewer TLB misses, and the hardware
+prefetchers, which stop at a 4 KiB page's end, run on. The KV cache stays on 4 KiB pages: the
+decode attention measured no faster on huge pages (11.3-14.7 ms against 14.6-15.0).
 
 ``collapse(ranges)`` asks the kernel to move the 2 MiB-aligned parts of the weights' address
-ranges onto huge pages (``madvise(MADV_COLLAPSE)``, Linux 6.1 and later; it copies, ~0.4-1 GB/s
+ranges onto huge pages (``madvise(MADV_COLLAPSE)``, Linux 6.1 and later; it copies, 0.3-1.6 GB/s
 here), only where all their pages are resident (``mincore``): a collapse fills in the pages a
 range lacks, which would grow the resident size. The ranges are not marked MADV_HUGEPAGE, so
 later faults there stay 4 KiB pages. Where THP is "never", the kernel is older or the call
