@@ -42,7 +42,6 @@
 
 #include "cpu_isa.h"
 
-
 namespace tengyun {
 namespace {
 
@@ -211,16 +210,16 @@ template <int M, typename Pairs>
 TY_QUANT_TARGET void tile_pairs(const QuantArgs& a, int64_t r0, int64_t b, Pairs src) {
   const int64_t groups = a.k / a.group;
   __m512 acc[M][2];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[M][2];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int m = 0; m < M; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
     for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 2) {
       __m512i lo, hi;
       src.next(lo, hi);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int m = 0; m < M; ++m) {
         int32_t pair;  // x[k] in the low half, x[k + 1] in the high
         std::memcpy(&pair, a.xb + (r0 + m) * a.x_stride + k, sizeof pair);
@@ -231,7 +230,7 @@ TY_QUANT_TARGET void tile_pairs(const QuantArgs& a, int64_t r0, int64_t b, Pairs
     }
     fold_group<M>(a, b, g, r0, part, acc);
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int m = 0; m < M; ++m) store_row(a, acc[m][0], r0 + m, b * kCols), store_row(a, acc[m][1], r0 + m, b * kCols + 16);
 }
 
