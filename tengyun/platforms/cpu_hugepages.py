@@ -86,6 +86,15 @@ def resident_runs(first: int, resident: bytes, page: int) -> list[tuple[int, int
     return [(a, b) for a, b in runs]
 
 
+def _residency(libc, first: int, last: int, page: int) -> bytes:
+    """mincore's vector for [first, last), asked one 2 MiB page at a time: a merged range may span
+    a hole between two mappings, where mincore fails (ENOMEM); that page then counts as absent."""
+    vector, out = (ctypes.c_ubyte * (HUGE_PAGE // page))(), bytearray()
+    for at in range(first, last, HUGE_PAGE):
+        out += bytes(vector) if libc.mincore(ctypes.c_void_p(at), HUGE_PAGE, vector) == 0 else bytes(len(vector))
+    return bytes(out)
+
+
 def collapse(ranges: Iterable[tuple[int, int]]) -> int:
     """Move the wholly resident 2 MiB pages inside ``ranges`` onto huge pages -> bytes moved
     (0 where nothing could be)."""
@@ -103,12 +112,7 @@ def collapse(ranges: Iterable[tuple[int, int]]) -> int:
     page, moved = os.sysconf("SC_PAGE_SIZE"), 0
     for start, end in ranges:
         first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-        if last <= first:
-            continue
-        vector = (ctypes.c_ubyte * ((last - first) // page))()
-        if libc.mincore(ctypes.c_void_p(first), last - first, vector) != 0:
-            continue
-        for a, b in resident_runs(first, bytes(vector), page):
+        for a, b in resident_runs(first, _residency(libc, first, last, page), page):
             if libc.madvise(ctypes.c_void_p(a), b - a, MADV_COLLAPSE) == 0:
                 moved += b - a
             elif ctypes.get_errno() == EINVAL:
