@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import sys
@@ -32,7 +33,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 MADV_COLLAPSE = 25  # linux/mman.h, Linux 6.1
-EINVAL = 22
 HUGE_PAGE = 2 << 20
 MERGE_GAP = 8 << 20  # weights closer than this are one range: what lies between is resident too (mincore checks)
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -115,7 +115,7 @@ def collapse(ranges: Iterable[tuple[int, int]]) -> int:
         for a, b in resident_runs(first, _residency(libc, first, last, page), page):
             if libc.madvise(ctypes.c_void_p(a), b - a, MADV_COLLAPSE) == 0:
                 moved += b - a
-            elif ctypes.get_errno() == EINVAL:
+            elif ctypes.get_errno() == errno.EINVAL:
                 logger.debug("Huge pages: this kernel has no MADV_COLLAPSE (Linux 6.1 and later)")
                 return moved
     return moved
