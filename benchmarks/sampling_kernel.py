@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention_bandwidth import best_ms  # noqa: E402
 
 from tengyun.layers.attention import cpu_kernels  # noqa: E402
-from tengyun.layers.sampler import sample_from_probs  # noqa: E402
+from tengyun.layers.sampling.draw import sample_from_probs  # noqa: E402
 
 
 def table_row(op, rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generator) -> str:
@@ -39,7 +39,9 @@ def table_row(op, rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generato
 
 
 def filtered_row(rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generator) -> str:
-    from tengyun.layers.sampler import SamplingMetadata, _sample_random, _sample_vocabulary
+    from tengyun.layers.sampling.draw import _sample_vocabulary
+    from tengyun.layers.sampling.draw import sample_random as _sample_random
+    from tengyun.layers.sampling.metadata import SamplingMetadata
     from tengyun.sampling_params import SamplingParams
 
     logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype).float()  # the sampler widens first
@@ -56,7 +58,7 @@ def filtered_row(rows: int, vocab: int, dtype: torch.dtype, gen: torch.Generator
 def top_p_row(rows: int, vocab: int, scale: float, top_p: float, gen: torch.Generator) -> str:
     """apply_top_p on [rows, vocab] float32 logits (randn * ``scale``) with the short path, and
     with it off (TOP_P_CANDIDATES = vocab: every logit ranked)."""
-    import tengyun.layers.sampler as sampler
+    import tengyun.layers.sampling.filters as sampler
 
     logits = torch.randn(rows, vocab, generator=gen) * scale
     p = torch.full((rows,), top_p)

@@ -15,7 +15,9 @@ from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.block_manager import blocks_to_keep
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
-from tengyun.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from tengyun.layers.sampler import Sampler, SamplerOutput
+from tengyun.layers.sampling.logprobs import gather_logprobs
+from tengyun.layers.sampling.metadata import SamplingMetadata
 from tengyun.sampling_params import SamplingParams
 from tengyun.spec_decode.verify import accepted_tokens
 from tengyun.worker.decode_graphs import DecodeGraphs

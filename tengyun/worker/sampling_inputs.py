@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from tengyun.layers.sampler import SamplingMetadata
+from tengyun.layers.sampling.metadata import SamplingMetadata
 from tengyun.sampling_params import SamplingParams
 
 

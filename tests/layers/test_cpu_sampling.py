@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tengyun import LLM, SamplingParams
-from tengyun.layers.sampler import sample_from_probs
+from tengyun.layers.sampling.draw import sample_from_probs
 from tengyun.platforms.cpu import CpuPlatform
 
 from test_cpu_paged_attention import isa, kernels  # noqa: F401 - the build-or-skip and per-ISA fixtures

@@ -6,16 +6,10 @@ import math
 import pytest
 import torch
 
-from tengyun.layers.sampler import (
-    Sampler,
-    SamplingMetadata,
-    apply_logit_bias,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k,
-    apply_top_p,
-    step_seed,
-)
+from tengyun.layers.sampler import Sampler
+from tengyun.layers.sampling.filters import apply_min_p, apply_top_k, apply_top_p
+from tengyun.layers.sampling.metadata import SamplingMetadata, step_seed
+from tengyun.layers.sampling.penalties import apply_logit_bias, apply_penalties
 from tengyun.layers.kernels import KernelBundle
 from tengyun.sampling_params import SamplingParams
 
@@ -151,7 +145,8 @@ def test_top_k_rows_sample_from_their_candidates_as_from_the_whole_vocabulary(ti
     """Where every random row has a top_k, the sampler works on the best max_top_k logits (more
     where a tie at a k-th logit reaches past them): the same tokens as the whole-vocabulary path
     on the same uniforms, with temperature, top_p, min_p, a greedy row, and bf16-like ties."""
-    from tengyun.layers.sampler import _sample_random, _sample_vocabulary, _top_k_candidates
+    from tengyun.layers.sampling.draw import _sample_vocabulary, _top_k_candidates
+    from tengyun.layers.sampling.draw import sample_random as _sample_random
 
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(40, 3000, generator=gen) * 3
@@ -199,7 +194,7 @@ def test_temperature_sharpens_and_flattens():
 
 
 def test_extreme_uniform_draws_never_pick_a_filtered_token():
-    from tengyun.layers.sampler import sample_from_probs
+    from tengyun.layers.sampling.draw import sample_from_probs
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 3)
     u = torch.tensor([0.0, 1.0 - 1e-16, 0.9999999], dtype=torch.float64)
@@ -348,7 +343,7 @@ def test_logprobs_zero_returns_only_the_sampled_token():
 
 def test_step_seed_is_pinned_and_depends_on_seed_and_step():
     # Pinned: changing the mix breaks reproducibility of seeded requests across versions.
-    from tengyun.layers.sampler import _splitmix64
+    from tengyun.layers.sampling.metadata import _splitmix64
 
     assert _splitmix64(0) == 0xE220A8397B1DCDAF  # the reference splitmix64 stream's first value
     assert step_seed(0, 0) == 0xA706DD2F4D197E6F

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tengyun.layers.sampler import apply_top_k, apply_top_p
+from tengyun.layers.sampling.filters import apply_top_k, apply_top_p
 
 NEG_INF = float("-inf")
 
@@ -31,7 +31,7 @@ def _kept_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
 def test_top_p_after_top_k_ranks_only_the_kept_logits_and_keeps_the_same_tokens(monkeypatch):
     """Rows narrowed by top_k take apply_top_p's short path (a topk of the finite logits, never the
     whole row ranked); it keeps exactly the tokens the rule over every rank keeps."""
-    import tengyun.layers.sampler as sampler
+    import tengyun.layers.sampling.filters as sampler
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 4000, generator=gen) * 3
@@ -47,7 +47,7 @@ def test_top_p_alone_ranks_the_best_candidates_where_they_reach_p(monkeypatch, s
     whole row); the kept tokens equal the rule over every rank. Rows that do not reach p, or whose
     tie at the 256th reaches past the candidates, rank all their logits (those rows alone): the
     same rule, the same tokens."""
-    import tengyun.layers.sampler as sampler
+    import tengyun.layers.sampling.filters as sampler
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(8, 5000, generator=gen) * 4  # peaked: the best 256 weigh ~0.9
@@ -74,7 +74,7 @@ def test_top_p_alone_ranks_the_best_candidates_where_they_reach_p(monkeypatch, s
 def test_top_p_on_a_batch_mixing_top_k_rows_ranks_no_whole_row(monkeypatch):
     """A row narrowed by its top_k beside rows without one: its few finite logits are all among
     the candidates, so it takes the short path too; the same kept tokens as the rule."""
-    import tengyun.layers.sampler as sampler
+    import tengyun.layers.sampling.filters as sampler
 
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(4, 5000, generator=gen) * 4
@@ -90,7 +90,7 @@ def test_top_p_alone_on_bfloat16_logits_keeps_their_ties_among_the_candidates(mo
     """bfloat16 logits widened (the sampler's input in bf16 models): many equal values around the
     256th best; the candidates reach past them, so no row ranks all its logits, and ties at the cut
     are ordered by column as the rule over every rank orders them."""
-    import tengyun.layers.sampler as sampler
+    import tengyun.layers.sampling.filters as sampler
 
     gen = torch.Generator().manual_seed(9)
     logits = (torch.randn(16, 49152, generator=gen) * 4).bfloat16().float()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tengyun import LLM, SamplingParams
-from tengyun.layers.sampler import SamplingMetadata
+from tengyun.layers.sampling.metadata import SamplingMetadata
 from tengyun.worker.sampling_inputs import SamplingInputs
 
 CPU = torch.device("cpu")
