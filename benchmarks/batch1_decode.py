@@ -120,7 +120,7 @@ AVX512_WITHOUT_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA
 def llama_cpp_python() -> Path:
     """The python of a venv holding llama-cpp-python LLAMA_CPP_VERSION built for this CPU (AVX-512
     without AMX where the CPU has AMX: see AVX512_WITHOUT_AMX), built on first use."""
-    from tengyun.ops.probe import cpu_flags  # the parent's venv: Tengyun's (children never build)
+    from tengyun.host.probe import cpu_flags  # the parent's venv: Tengyun's (children never build)
 
     amx = "amx_int8" in cpu_flags()  # ggml's AMX backend is its int8 one
     venv = cache_root() / "bench-venvs" / f"llama-cpp-python-{LLAMA_CPP_VERSION}{'-noamx' if amx else ''}"

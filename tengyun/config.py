@@ -269,7 +269,7 @@ class EngineConfig:
 
     def _read_rank_table(self) -> None:
         """--rank-table (else $RANK_TABLE_FILE): validated and checked against this node's settings."""
-        from tengyun.ops import probe, ranktable
+        from tengyun.host import probe, ranktable
 
         if self.rank_table is None:
             self.rank_table = os.environ.get("RANK_TABLE_FILE") or None

@@ -44,7 +44,7 @@ class SystemdUnit:
     numa_node: int | None = None  # bind the whole service with numactl (one worker, or all on one node)
     numactl: str = "/usr/bin/numactl"
     # The NUMA node of each local worker's device, [6, 6, 4, 4]: written as $TENGYUN_NUMA_NODES, which
-    # each worker binds by (ops/numa.py); worker_numa_lines explain it in the unit's comments.
+    # each worker binds by (host/numa.py); worker_numa_lines explain it in the unit's comments.
     worker_numa_nodes: list[int] | None = None
     worker_numa_lines: list[str] = field(default_factory=list)
     restart_sec: int = 5

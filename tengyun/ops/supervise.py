@@ -2,7 +2,7 @@
 
 Pure logic, driven by the CLI loop (entrypoints/cli/supervise.py), which owns the process,
 polls /health, reads memory through the platform layer and, until the server is ready, its CPU
-time (ops/probe.py), then asks `Watchdog.check`.
+time (host/probe.py), then asks `Watchdog.check`.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class Platform:
     @classmethod
     def check_versions(cls) -> None:
         """Raise startup.DeviceStartupError when this device's software versions are a combination
-        known not to work (tengyun/ops/compat_table.json); nothing to check by default."""
+        known not to work (tengyun/host/compat_table.json); nothing to check by default."""
 
     def torch_device(self, local_rank: int = 0):
         import torch
@@ -121,7 +121,7 @@ class Platform:
         return None
 
     def device_readings(self) -> list:
-        """[DeviceReading] (tengyun/ops/telemetry.py) of the devices this server uses on this host,
+        """[DeviceReading] (tengyun/host/telemetry.py) of the devices this server uses on this host,
         for the /metrics device gauges and /health/detail; [] when nothing is readable. Called
         by the server's sampler thread, never on a step: it may run npu-smi / nvidia-smi, but
         never initialises a device in the calling process."""
@@ -237,7 +237,7 @@ def torch_memory_readings(device_type: str) -> list:
     runtime's mem_get_info, only where this process already initialised it; else []."""
     import sys
 
-    from tengyun.ops.telemetry import DeviceReading
+    from tengyun.host.telemetry import DeviceReading
 
     torch = sys.modules.get("torch")
     runtime = getattr(torch, device_type, None) if torch is not None else None

@@ -8,9 +8,9 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from tengyun.ops import probe
-from tengyun.ops.probe import cpu_flags, process_tree_rss
-from tengyun.ops.telemetry import CpuUse, cpu_reading, parse_meminfo
+from tengyun.host import probe
+from tengyun.host.probe import cpu_flags, process_tree_rss
+from tengyun.host.telemetry import CpuUse, cpu_reading, parse_meminfo
 from tengyun.platforms.base import Platform
 
 if TYPE_CHECKING:

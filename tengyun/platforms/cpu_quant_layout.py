@@ -134,7 +134,7 @@ def rows(prepared: Tensors, ids: torch.Tensor, bits: int, zero: int, dtype: torc
 @functools.cache
 def kernel_rows() -> int:
     """The most rows the kernel takes on this CPU (AMX_MAX_KERNEL_ROWS where it has AMX-BF16)."""
-    from tengyun.ops.probe import cpu_flags
+    from tengyun.host.probe import cpu_flags
 
     return AMX_MAX_KERNEL_ROWS if "amx_bf16" in cpu_flags() else MAX_KERNEL_ROWS
 

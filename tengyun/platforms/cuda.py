@@ -141,13 +141,13 @@ class CudaPlatform(Platform):
         return torch.cuda.mem_get_info()
 
     def smi_device_ids(self) -> list[int]:
-        from tengyun.ops import probe, smi
+        from tengyun.host import probe, smi
 
         out = probe.nvidia_smi_memory()
         return sorted(smi.parse_nvidia_memory(out.stdout)) if out and out.returncode == 0 else []
 
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
-        from tengyun.ops import probe, smi
+        from tengyun.host import probe, smi
 
         out = probe.nvidia_smi_memory()
         if out is None or out.returncode != 0:
@@ -159,7 +159,7 @@ class CudaPlatform(Platform):
         process's own device through torch. NVML and nvidia-smi number GPUs in PCI order;
         CUDA_VISIBLE_DEVICES is matched against those numbers (set CUDA_DEVICE_ORDER=PCI_BUS_ID
         so both agree)."""
-        from tengyun.ops import probe, smi, telemetry
+        from tengyun.host import probe, smi, telemetry
 
         visible = os.environ.get(self.visible_devices_env)
         readings = nvml_readings(visible)
@@ -187,7 +187,7 @@ def _nvml():
 
 def nvml_readings(visible: str | None) -> list | None:
     """[DeviceReading] of every GPU NVML lists (limited to ``visible`` ids); None without NVML."""
-    from tengyun.ops.telemetry import DeviceReading, visible_ids
+    from tengyun.host.telemetry import DeviceReading, visible_ids
 
     nvml = _nvml()
     if nvml is None:

@@ -4,12 +4,12 @@ import importlib.util
 import os
 import sys
 
+from tengyun.host.versions import SET_ENV
 from tengyun.platforms.base import Platform, fullest_device, torch_memory_readings
 from tengyun.platforms.startup import (
     DEVICE_INIT_TIMEOUT_ENV, SKIP_HINT, DeviceStartupError, RuntimeProblem, run_child_probe,
 )
 
-SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 INSTALL_FIX = (f"install the torch_npu build matching your torch and CANN (`tengyun doctor` names it), "
                f"then `source {SET_ENV}`")
 NO_NPU_FIX = (f"run `source {SET_ENV}`, check `npu-smi info` lists the cards, and check ASCEND_RT_VISIBLE_DEVICES "
@@ -129,9 +129,9 @@ class NpuPlatform(Platform):
     @classmethod
     def check_versions(cls) -> None:
         """torch / torch_npu / CANN / driver against compat_table.json, as `tengyun doctor` reads them."""
-        from tengyun.ops import doctor, probe
+        from tengyun.host import probe, versions
 
-        bad = doctor.known_bad_versions(probe.collect_versions())
+        bad = versions.known_bad_versions(probe.collect_versions())
         if bad:
             raise DeviceStartupError(
                 "the NPU software stack is a known-bad version combination:\n"
@@ -154,7 +154,7 @@ class NpuPlatform(Platform):
         return torch.npu.mem_get_info()
 
     def smi_device_ids(self) -> list[int]:
-        from tengyun.ops import probe, smi
+        from tengyun.host import probe, smi
 
         out = probe.npu_smi_info()
         if out is None or out.returncode != 0:
@@ -162,7 +162,7 @@ class NpuPlatform(Platform):
         return sorted({d.npu_id for d in smi.parse_npu_smi_info(out.stdout).devices})
 
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
-        from tengyun.ops import probe, smi
+        from tengyun.host import probe, smi
 
         out = probe.npu_smi_info()
         if out is None or out.returncode != 0:
@@ -177,7 +177,7 @@ class NpuPlatform(Platform):
     def device_readings(self) -> list:
         """npu-smi (HBM, AI Core use, temperature, power, health per visible chip), else this
         process's own device through torch_npu's mem_get_info."""
-        from tengyun.ops import probe, smi, telemetry
+        from tengyun.host import probe, smi, telemetry
 
         out = probe.npu_smi_info()
         if out is not None and out.returncode == 0:
@@ -190,7 +190,7 @@ class NpuPlatform(Platform):
     def link_status(self) -> dict[str, str] | None:
         """`hccn_tool -i N -link -g` for each visible device: {"npu:N": "UP" | "DOWN" | "unknown"};
         None when hccn_tool is not installed."""
-        from tengyun.ops import probe, smi, telemetry
+        from tengyun.host import probe, smi, telemetry
 
         if probe.hccn_tool() is None:
             return None

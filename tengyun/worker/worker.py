@@ -24,7 +24,7 @@ from tengyun.layers.weight_loading import deferred_weights, drop_weight_loaders
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
 from tengyun.models.registry import get_model_class
-from tengyun.ops.numa import bind_to_device_numa
+from tengyun.host.numa import bind_to_device_numa
 from tengyun.platforms import Platform, get_platform
 from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache

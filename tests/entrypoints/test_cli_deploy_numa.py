@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tengyun.entrypoints.cli.main import main
-from tengyun.ops import probe
-from tengyun.ops.probe import CommandOutput
+from tengyun.host import probe
+from tengyun.host.probe import CommandOutput
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
 RECORDED_OUTPUTS = {("npu-smi", "info"): "npu_smi_info_910b3_x8.txt",

@@ -104,7 +104,7 @@ def test_strided_rows_gathered_inputs_and_many_rows(fits):
 def test_the_kernel_row_limit_follows_amx(fits, monkeypatch, flags, rows):
     """On cores with AMX the dense path (dequantize, then AMX's bfloat16 matmul) wins from ~20 rows:
     17 rows run the kernel elsewhere, the dense path there."""
-    import tengyun.ops.probe as probe
+    import tengyun.host.probe as probe
 
     monkeypatch.setattr(probe, "cpu_flags", lambda: flags)
     layout.kernel_rows.cache_clear()

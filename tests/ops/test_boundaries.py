@@ -1,4 +1,4 @@
-"""STYLE boundaries of ops/: no engine or torch imports; only probe.py touches the machine."""
+"""STYLE boundaries of ops/ and host/: no engine or torch imports; only host/probe.py touches the machine."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-OPS = Path(__file__).parents[2] / "tengyun" / "ops"
-MODULES = ("compat", "doctor", "grafana", "model_size", "monitoring", "numa", "plan", "probe", "ranktable", "smi",
-           "telemetry")
+PACKAGE = Path(__file__).parents[2] / "tengyun"
+MODULES = ("host.compat", "ops.doctor", "ops.grafana", "ops.model_size", "ops.monitoring", "host.numa", "ops.plan",
+           "host.probe", "host.ranktable", "host.smi", "host.telemetry", "host.findings", "host.versions")
 
 
 def test_ops_modules_import_neither_torch_nor_the_engine():
     code = ("import sys\n"
-            + "".join(f"import tengyun.ops.{m}\n" for m in MODULES)
+            + "".join(f"import tengyun.{m}\n" for m in MODULES)
             + "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('tengyun.engine', "
               "'tengyun.worker', 'tengyun.models', 'tengyun.layers', 'tengyun.executor', 'tengyun.distributed')))\n"
               "print(bad)\n")
@@ -24,11 +24,11 @@ def test_ops_modules_import_neither_torch_nor_the_engine():
 
 def test_only_probe_shells_out_or_reads_sysfs():
     for module in MODULES:
-        if module == "probe":
+        if module == "host.probe":
             continue
-        source = (OPS / f"{module}.py").read_text()
+        source = (PACKAGE / f"{module.replace('.', '/')}.py").read_text()
         for marker in ("subprocess", "/sys/", "/proc/", "sched_setaffinity", "ctypes", "shutil.which"):
-            assert marker not in source, f"ops/{module}.py uses {marker}: move it to ops/probe.py"
+            assert marker not in source, f"{module} uses {marker}: move it to host/probe.py"
 
 
 def test_the_model_spec_and_kv_sizing_are_torch_free():

@@ -240,7 +240,7 @@ def test_watchdog_stall_check_is_off_at_0_and_without_cpu_readings():
 
 
 def test_stat_cpu_ticks_counts_from_the_last_parenthesis():
-    from tengyun.ops.probe import stat_cpu_ticks
+    from tengyun.host.probe import stat_cpu_ticks
 
     # A real /proc/PID/stat line whose command name holds ") (" and spaces.
     line = "4242 (py ) (x) S 1 4242 4242 0 -1 4194560 2573 0 0 0 30 5 2 1 20 0 3 0 98765 123 45 18446744073709551615"
@@ -248,7 +248,7 @@ def test_stat_cpu_ticks_counts_from_the_last_parenthesis():
 
 
 def test_process_tree_cpu_counts_a_busy_child_and_none_once_gone():
-    from tengyun.ops.probe import process_tree, process_tree_cpu_s
+    from tengyun.host.probe import process_tree, process_tree_cpu_s
 
     burn = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
     parent = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {burn!r}]).wait()\n"

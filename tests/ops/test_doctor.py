@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tengyun.ops.compat import load_table, version_key
+from tengyun.host.compat import load_table, version_key
 from tengyun.ops.doctor import Status, check_gcc, check_numa, check_topology, exit_code, run_checks
-from tengyun.ops.probe import CommandOutput, HostFacts
+from tengyun.host.probe import CommandOutput, HostFacts
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
 GiB = 2**30
@@ -248,7 +248,7 @@ def test_npus_whose_memory_another_process_holds_warn_naming_the_free_ones():
 
 
 def test_known_bad_versions_are_the_ones_serve_refuses():
-    from tengyun.ops.doctor import known_bad_versions
+    from tengyun.host.versions import known_bad_versions
 
     assert known_bad_versions(ascend_host()) == []
     other_torch = known_bad_versions(ascend_host(torch_probe=dict(ascend_host().torch_probe, torch="2.5.1")))

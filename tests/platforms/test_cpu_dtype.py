@@ -12,7 +12,7 @@ import pytest
 
 from tengyun.config import EngineConfig
 from tengyun.ops.plan import PlanRequest, make_plan, read_model
-from tengyun.ops.probe import cpu_flags
+from tengyun.host.probe import cpu_flags
 from tengyun.platforms import cpu
 from tengyun.platforms.cpu import CpuPlatform
 

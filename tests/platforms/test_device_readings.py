@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tengyun.ops import probe
-from tengyun.ops.telemetry import DeviceReading, parse_meminfo
+from tengyun.host import probe
+from tengyun.host.telemetry import DeviceReading, parse_meminfo
 from tengyun.platforms import cuda
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.cuda import CudaPlatform

@@ -190,10 +190,10 @@ def run_systemd(args: argparse.Namespace) -> int:
 
 
 def worker_placement(serve: argparse.Namespace, env: dict[str, str], numa_node: int | None):
-    """Each of this node's workers on its device's NUMA node (ops/numa.py WorkerPlacement), None
+    """Each of this node's workers on its device's NUMA node (host/numa.py WorkerPlacement), None
     where the host has one node or no accelerator; --numa-node N is refused when it would pin
     workers whose devices sit on other nodes."""
-    from tengyun.ops import numa, probe
+    from tengyun.host import numa, probe
 
     kind = numa.accelerator_kind(serve.device)
     nodes, device_nodes = numa.host_device_nodes(kind) if kind else (probe.read_numa_nodes(), {})

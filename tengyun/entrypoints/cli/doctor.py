@@ -15,7 +15,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tengyun.ops import probe
+    from tengyun.host import probe
     from tengyun.ops.doctor import exit_code, run_checks
 
     facts = probe.collect()

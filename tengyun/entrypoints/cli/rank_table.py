@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tengyun.ops import ranktable
+    from tengyun.host import ranktable
 
     if args.rank_table_command == "generate":
         servers = [ranktable.parse_server_arg(s, read_file=lambda p: Path(p).read_text()) for s in args.server]

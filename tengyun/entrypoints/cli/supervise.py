@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
-from tengyun.ops import probe
+from tengyun.host import probe
 from tengyun.ops.supervise import Decision, Observation, Reason, Watchdog, WatchdogPolicy
 
 logger = logging.getLogger("tengyun.supervise")

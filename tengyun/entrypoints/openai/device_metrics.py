@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily
 
-from tengyun.ops import probe
-from tengyun.ops.telemetry import DeviceReading, parse_meminfo
+from tengyun.host import probe
+from tengyun.host.telemetry import DeviceReading, parse_meminfo
 
 logger = logging.getLogger("tengyun.server")
 

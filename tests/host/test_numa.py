@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from tengyun.ops import numa, probe, smi
-from tengyun.ops.numa import (
+from tengyun.host import numa, probe, smi
+from tengyun.host.numa import (
     bind_to_device_numa, decide_binding, format_cpulist, parse_cpulist, physical_device_index,
 )
 
@@ -67,7 +67,7 @@ def test_binding_is_a_logged_no_op_on_this_machine(caplog):
     if len(probe.read_numa_nodes()) > 1:
         pytest.skip("this host has more than one NUMA node")
     before = os.sched_getaffinity(0)
-    with caplog.at_level(logging.INFO, logger="tengyun.ops.numa"):
+    with caplog.at_level(logging.INFO, logger="tengyun.host.numa"):
         decision = bind_to_device_numa(0, "auto", "npu")
     assert decision.node is None
     assert os.sched_getaffinity(0) == before
@@ -82,7 +82,7 @@ def test_multi_node_decision_pins_threads_and_memory(monkeypatch, caplog):
     monkeypatch.setattr(probe, "pin_process_cpus", lambda cpus: calls.append(("cpus", sorted(cpus))))
     monkeypatch.setattr(probe, "prefer_memory_node", lambda node: calls.append(("mem", node)) or False)
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,3")
-    with caplog.at_level(logging.INFO, logger="tengyun.ops.numa"):
+    with caplog.at_level(logging.INFO, logger="tengyun.host.numa"):
         decision = numa.bind_to_device_numa(1, "auto", "npu")  # physical NPU 3: bus 42, node 2
     assert calls == [("cpus", list(range(48, 72))), ("mem", 2)]
     assert decision.reason.endswith("(libnuma not found: CPUs only; install libnuma1)")

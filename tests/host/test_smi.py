@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tengyun.ops.smi import (
+from tengyun.host.smi import (
     is_fast_link, parse_colon_table, parse_gcc_version, parse_key_value_file, parse_npu_smi_info,
     parse_nvidia_query, parse_topology, slowest_link,
 )

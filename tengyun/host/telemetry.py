@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from tengyun.ops.smi import GpuTelemetry, NpuSmiInfo
+from tengyun.host.smi import GpuTelemetry, NpuSmiInfo
 
 MIB = 1 << 20
 

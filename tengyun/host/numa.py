@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from tengyun.ops import probe, smi
+from tengyun.host import probe, smi
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pytest
 
 from tengyun.config import EngineConfig
 from tengyun.entrypoints.cli.main import main
-from tengyun.ops.ranktable import ServerSpec, generate, node_environment, parse_ip_addresses
+from tengyun.host.ranktable import ServerSpec, generate, node_environment, parse_ip_addresses
 
 HCCL_ENV = ("RANK_TABLE_FILE", "RANK_SIZE", "ASCEND_RT_VISIBLE_DEVICES")
 

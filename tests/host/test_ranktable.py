@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tengyun.ops.ranktable import ServerSpec, generate, parse_hccn_conf, parse_server_arg, validate, validate_text
+from tengyun.host.ranktable import ServerSpec, generate, parse_hccn_conf, parse_server_arg, validate, validate_text
 
 HCCN_CONF = "\n".join(f"address_{i}=192.168.{100 + i % 4}.{11 + i}\nnetmask_{i}=255.255.255.0" for i in range(8))
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tengyun.ops import probe
-from tengyun.ops.smi import parse_hccn_link, parse_npu_smi_info, parse_nvidia_csv
-from tengyun.ops.telemetry import CpuUse, DeviceReading, npu_readings, nvidia_readings, parse_meminfo, visible_ids
+from tengyun.host import probe
+from tengyun.host.smi import parse_hccn_link, parse_npu_smi_info, parse_nvidia_csv
+from tengyun.host.telemetry import CpuUse, DeviceReading, npu_readings, nvidia_readings, parse_meminfo, visible_ids
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
 MIB = 1 << 20
