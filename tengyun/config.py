@@ -314,7 +314,9 @@ class EngineConfig:
 
     def _resolve_dtypes(self) -> None:
         if self.dtype == "auto":
-            self.dtype = self.model_spec.resolve_dtype("auto", self.device_type)
+            from tengyun.platforms import served_dtype
+
+            self.dtype = served_dtype("auto", self.device_type, self.model_spec.checkpoint_dtype)
             logger.info("--dtype auto: %s on %s for a checkpoint config.json calls %s (pass --dtype to choose; "
                         "Platform.auto_dtype says why)", self.dtype, self.device_type,
                         self.model_spec.checkpoint_dtype or "nothing")

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from tengyun.dtypes import DTYPE_ALIASES, DTYPE_BYTES, canonical_dtype  # noqa: F401  (re-exported)
+
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 GATED_ATTENTION_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe") + GATED_ATTENTION_TYPES
@@ -26,7 +28,6 @@ QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
 MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                             "qwen3_moe": "Qwen3MoeForCausalLM"}
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Checkpoint tensors of the Qwen3.5 / Qwen3-Next releases that the text decoder does not load
 # (prefix -> why): the loader skips them, `tengyun plan` leaves them out of the weights.
 VISION_PREFIX, MTP_PREFIX = "model.visual.", "mtp."
@@ -45,12 +46,6 @@ def text_model_name(name: str) -> str:
 
 MTP_ARCHITECTURES = ("Qwen3_5", "Qwen3Next")  # architecture prefixes whose mtp.* layers draft (method mtp)
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
-DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-
-
-def canonical_dtype(name: str) -> str:
-    """'bf16' -> 'bfloat16', 'half' -> 'float16'; other names unchanged (validated by the caller)."""
-    return DTYPE_ALIASES.get(str(name), str(name))
 
 
 def stage_layer_range(num_layers: int, stage: int, pp: int) -> tuple[int, int]:
@@ -321,17 +316,6 @@ class ModelSpec:
             if value % tp:
                 return f"does not divide {name} {value}"
         return None
-
-    # ----- dtype ------------------------------------------------------------------------------
-    def resolve_dtype(self, requested: str, device_type: str) -> str:
-        """--dtype on ``device_type`` ("cpu", "cuda", "npu"): an explicit dtype as given (aliases
-        resolved); "auto" as the platform serves this checkpoint's dtype (Platform.auto_dtype)."""
-        requested = canonical_dtype(requested)
-        if requested != "auto":
-            return requested
-        from tengyun.platforms import platform_class
-
-        return platform_class(device_type).auto_dtype(self.checkpoint_dtype)
 
 
 def as_spec(config: "ModelSpec | Mapping[str, Any]") -> ModelSpec:

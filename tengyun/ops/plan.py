@@ -39,7 +39,7 @@ class PlanRequest:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    dtype: str = "auto"  # weights and activations; auto = what the engine serves on `device` (ModelSpec.resolve_dtype)
+    dtype: str = "auto"  # weights and activations; auto = what the engine serves on `device` (platforms.served_dtype)
     kv_cache_dtype: str = "auto"  # auto = dtype
     device: str = "npu"  # the platform planned for: cpu, cuda or npu
     activation_reserve: int | None = None  # None: estimated (activation_estimate)
@@ -168,7 +168,9 @@ def make_plan(config: ModelSpec | dict[str, Any], request: PlanRequest, checkpoi
     if pp > spec.num_layers:
         raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers "
                          f"{spec.num_layers}: use at most {spec.num_layers}.")
-    dtype = spec.resolve_dtype(request.dtype, request.device)
+    from tengyun.platforms import served_dtype
+
+    dtype = served_dtype(request.dtype, request.device, spec.checkpoint_dtype)
     kv_dtype = dtype if request.kv_cache_dtype == "auto" else canonical_dtype(request.kv_cache_dtype)
     max_len = request.max_model_len or spec.max_position_embeddings
     total = total_params(spec)

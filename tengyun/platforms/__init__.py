@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tengyun.dtypes import canonical_dtype
 from tengyun.platforms.base import Platform
 
 
@@ -28,3 +29,11 @@ def platform_class(device_type: str) -> type[Platform]:
     from tengyun.platforms.npu import NpuPlatform
 
     return {"npu": NpuPlatform, "cuda": CudaPlatform, "cpu": CpuPlatform}[device_type]
+
+
+def served_dtype(requested: str, device_type: str, checkpoint_dtype: str | None) -> str:
+    """--dtype on ``device_type`` ("cpu", "cuda", "npu"): an explicit dtype as given (aliases
+    resolved); "auto" as that platform serves a checkpoint stored in ``checkpoint_dtype``
+    (ModelSpec.checkpoint_dtype; Platform.auto_dtype). The engine and `tengyun plan` both ask here."""
+    requested = canonical_dtype(requested)
+    return platform_class(device_type).auto_dtype(checkpoint_dtype) if requested == "auto" else requested
