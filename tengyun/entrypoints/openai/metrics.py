@@ -28,7 +28,6 @@ vLLM counts its per-request histograms once per sequence when n > 1, and leaves 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from prometheus_client import (
     CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
 )
 
-from tengyun.entrypoints.openai.vllm_metrics import VllmMetrics, metrics_options
+from tengyun.entrypoints.openai.vllm_metrics import VllmMetrics
 from tengyun.outputs import FinishReason, RequestProgress
 from tengyun.platforms import platform_class
 
@@ -109,11 +108,6 @@ class EngineMetrics:
                            "the hidden metrics exist only under vllm: names.")
         self._last_stats = None
         self._timings: dict[str, _RequestTiming] = {}
-
-    @staticmethod
-    def options_from_args(args: argparse.Namespace) -> dict:
-        """Keyword arguments from --disable-vllm-metric-aliases and --show-hidden-metrics-for-version."""
-        return metrics_options(args)
 
     def _family(self, kind, name: str, doc: str, labels=("model_name",), **kwargs):
         family = kind(PREFIX + name, doc, list(labels), registry=self.registry, **kwargs)

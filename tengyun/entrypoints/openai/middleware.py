@@ -45,45 +45,46 @@ def too_large_message(size: int | None, limit: int) -> str:
 
 
 class GateMiddleware:
-    def __init__(self, app: Any, state: Any):
+    def __init__(self, app: Any, host: Any):
         self.app = app
-        self.state = state  # ServerState: api_key, limits, frontend, unavailable_reason(), in_flight, generating
+        self.host = host  # EngineHost: server.required_api_key, limits, frontend, lifecycle
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
-        state = self.state
-        if state.frontend.enable_request_id_headers:
+        host, lifecycle = self.host, self.host.lifecycle
+        if host.frontend.enable_request_id_headers:
             send = _with_request_id(scope, send)
         path = route_path(scope)
         is_api = path.startswith(API_PREFIXES) or path == "/v1"
-        if (is_api or path in DOC_PATHS) and state.api_key and not self._authorized(scope):
+        if (is_api or path in DOC_PATHS) and host.server.required_api_key and not self._authorized(scope):
             response = error_response(401, "Invalid or missing API key: send it as 'Authorization: Bearer KEY'.")
             return await response(scope, receive, send)
         if not is_api:
             return await self.app(scope, receive, send)
-        limit = state.limits.max_request_bytes
+        limit = host.limits.max_request_bytes
         size = _content_length(scope)
         if scope["method"] in BODY_METHODS and size is not None and size > limit:
             # Refused from the header alone: none of the body is read or kept.
             return await error_response(413, too_large_message(size, limit))(scope, receive, send)
-        reason = state.unavailable_reason()
+        reason = lifecycle.unavailable_reason()
         if reason is not None:
             return await error_response(503, reason)(scope, receive, send)
         generating = path in GENERATION_PATHS
-        state.in_flight += 1
-        state.generating += generating
+        lifecycle.in_flight += 1
+        lifecycle.generating += generating
         try:
             await self.app(scope, _counting(receive, limit) if size is None else receive, send)
         finally:
-            state.in_flight -= 1
-            state.generating -= generating
+            lifecycle.in_flight -= 1
+            lifecycle.generating -= generating
 
     def _authorized(self, scope) -> bool:
         value = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = value.partition(b" ")
         # Bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.state.api_key.encode())
+        key = self.host.server.required_api_key.encode()
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key)
 
 
 def route_path(scope) -> str:

@@ -1,10 +1,10 @@
 """How much one request may ask of the server: body bytes, `n`, prompts, sequences, template
-rendering time. Each limit is a flag; a request over one gets a 400 (413 for the body) naming
-the field and the flag, before anything is tokenised or queued."""
+rendering time. Each limit is a flag (ServerConfig's "request limits" group, which checks them); a
+request over one gets a 400 (413 for the body) naming the field and the flag, before anything is
+tokenised or queued."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from tengyun.entrypoints.openai.protocol import RequestError
@@ -27,41 +27,6 @@ class RequestLimits:
     max_seqs_per_request: int = 256  # n x prompts; default --max-num-seqs
     chat_template_timeout_s: float = 10.0
     trust_request_chat_template: bool = False
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, max_model_len: int, max_num_seqs: int) -> "RequestLimits":
-        limits = cls(
-            max_request_bytes=args.max_request_bytes or default_max_request_bytes(max_model_len),
-            max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,
-            max_seqs_per_request=args.max_seqs_per_request or max_num_seqs,
-            chat_template_timeout_s=args.chat_template_timeout,
-            trust_request_chat_template=args.trust_request_chat_template)
-        limits.check()
-        return limits
-
-    def check(self) -> None:
-        for flag, value in (("--max-request-bytes", self.max_request_bytes), ("--max-n", self.max_n),
-                            ("--max-prompts-per-request", self.max_prompts_per_request),
-                            ("--max-seqs-per-request", self.max_seqs_per_request),
-                            ("--chat-template-timeout", self.chat_template_timeout_s)):
-            if value <= 0:
-                raise ValueError(f"{flag} must be positive, got {value}.")
-
-
-def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("request limits")
-    group.add_argument("--max-request-bytes", type=int, default=None,
-                       help="largest request body accepted (413 above it; default: 32 bytes per token of "
-                            "--max-model-len, at least 1 MiB)")
-    group.add_argument("--max-n", type=int, default=128, help="largest `n` a request may ask for (default 128)")
-    group.add_argument("--max-prompts-per-request", type=int, default=256,
-                       help="most prompts one /v1/completions request may list (default 256)")
-    group.add_argument("--max-seqs-per-request", type=int, default=None,
-                       help="most sequences (n x prompts) one request may start (default: --max-num-seqs)")
-    group.add_argument("--chat-template-timeout", type=float, default=10.0,
-                       help="seconds a chat template may take to render before the request gets a 400")
-    group.add_argument("--trust-request-chat-template", action="store_true",
-                       help="accept `chat_template` in requests (refused by default, as vLLM: a template is code)")
 
 
 def check_sequence_counts(limits: RequestLimits, n: int, num_prompts: int) -> None:

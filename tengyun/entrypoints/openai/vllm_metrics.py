@@ -55,22 +55,6 @@ def hidden_shown(version: tuple[int, int] | None) -> dict[str, str]:
     return {name: source for name, (source, last) in HIDDEN.items() if version <= last}
 
 
-def add_metrics_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("metrics")
-    group.add_argument("--disable-vllm-metric-aliases", action="store_true",
-                       help="export /metrics under tengyun: names only, without their vllm: twins")
-    group.add_argument("--show-hidden-metrics-for-version", type=minor_version, default=None, metavar="X.Y",
-                       help="also export the deprecated vllm: names that vLLM X.Y still exported "
-                            "(0.10: gpu_cache_usage_perc, gpu_prefix_cache_queries/hits, "
-                            "time_per_output_token_seconds; 0.11: time_per_output_token_seconds)")
-
-
-def metrics_options(args: argparse.Namespace) -> dict:
-    """EngineMetrics keyword arguments from the two flags above."""
-    return dict(vllm_aliases=not args.disable_vllm_metric_aliases,
-                show_hidden_for=args.show_hidden_metrics_for_version)
-
-
 class VllmMetrics:
     """A collector repeating tengyun families under vllm: names; register it in the same registry."""
 

@@ -18,26 +18,28 @@ TOKENIZER_INFO_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "add_
                        "clean_up_tokenization_spaces", "padding_side", "truncation_side")
 
 
-def add_vllm_routes(app: FastAPI, state: Any) -> None:
+def add_vllm_routes(app: FastAPI, host: Any) -> None:
+    """``host``: the EngineHost the OpenAI routes call."""
     @app.get("/load")
     async def load() -> dict:
         """Generation requests in flight, counted with --enable-server-load-tracking (else 0, as vLLM)."""
-        return {"server_load": state.generating if state.frontend.enable_server_load_tracking else 0}
+        return {"server_load": host.lifecycle.generating if host.frontend.enable_server_load_tracking else 0}
 
-    if state.frontend.enable_tokenizer_info_endpoint:
+    if host.frontend.enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")
         async def tokenizer_info() -> dict:
-            return tokenizer_info_of(state.worker.tokenizer, state.chat_template, state.config.max_model_len)
+            return tokenizer_info_of(host.worker.tokenizer, host.server.chat_template_text,
+                                     host.config.max_model_len)
 
     @app.post("/invocations")
     async def invocations(raw_request: Request):
         body = await _json_object(raw_request)
         if "messages" in body:
             request = _validated(ChatCompletionRequest, body)
-            work = state.chat.create_chat_completion(request)
+            work = host.chat.create_chat_completion(request)
         elif "prompt" in body:
             request = _validated(CompletionRequest, body)
-            work = state.completion.create_completion(request)
+            work = host.completion.create_completion(request)
         else:
             raise RequestError("/invocations takes a chat body (with messages) or a completions body (with "
                                "prompt).", "messages")

@@ -18,7 +18,7 @@ from tengyun.config import EngineConfig
 from tengyun.engine.llm_engine import EngineStats
 from tengyun.entrypoints.openai.device_metrics import TENGYUN_ONLY_FAMILIES
 from tengyun.entrypoints.openai.metrics import EngineMetrics, StatLogger, buckets_1_2_5
-from tengyun.entrypoints.openai.vllm_metrics import add_metrics_args, hidden_shown
+from tengyun.entrypoints.openai.vllm_metrics import hidden_shown
 from tengyun.outputs import RequestMetrics, RequestProgress
 
 MODEL = "tiny-llama"
@@ -118,8 +118,11 @@ def test_hidden_metrics_come_back_for_the_vllm_version_that_still_exported_them(
 
 
 def test_show_hidden_metrics_flag_takes_x_y_and_names_itself_when_wrong(capsys):
+    from tengyun.entrypoints.cli.engine_args import add_dataclass_flags
+    from tengyun.entrypoints.openai.server_config import ServerConfig
+
     parser = argparse.ArgumentParser()
-    add_metrics_args(parser)
+    add_dataclass_flags(parser, ServerConfig, only=("show_hidden_metrics_for_version",))
     assert parser.parse_args(["--show-hidden-metrics-for-version", "0.10"]).show_hidden_metrics_for_version == (0, 10)
     assert parser.parse_args(["--show-hidden-metrics-for-version", "0.11.2"]).show_hidden_metrics_for_version == (0, 11)
     with pytest.raises(SystemExit):

@@ -76,10 +76,11 @@ def _cpu_labels():
 
 def test_starting_server_reports_loading_and_counts_its_503s(server_model):  # noqa: F811
     from tengyun.config import EngineConfig
-    from tengyun.entrypoints.openai.api_server import ServerState, build_app
+    from tengyun.entrypoints.openai.api_server import build_app, build_host
+    from tengyun.entrypoints.openai.server_config import ServerConfig
 
     config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
-    state = ServerState(config, log_stats_interval=None, device_metrics_interval=5)
+    state = build_host(config, ServerConfig(disable_log_stats=True, device_metrics_interval=5))
     app = build_app(state)  # no lifespan: the engine never starts, the sampler never runs
 
     async def run():
@@ -171,12 +172,14 @@ def test_device_metrics_interval_zero_turns_the_gauges_off_and_negative_is_refus
     from prometheus_client import generate_latest
 
     from tengyun.config import EngineConfig
-    from tengyun.entrypoints.openai.api_server import ServerState
+    from tengyun.entrypoints.openai.api_server import build_host
     from tengyun.entrypoints.openai.cli_args import check_server_args, make_arg_parser
+    from tengyun.entrypoints.openai.routes import health_json
+    from tengyun.entrypoints.openai.server_config import ServerConfig
 
     config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
-    state = ServerState(config, log_stats_interval=None, device_metrics_interval=0)
-    assert state.device_sampler is None and state.health_detail()["devices"] is None
+    state = build_host(config, ServerConfig(disable_log_stats=True, device_metrics_interval=0))
+    assert state.device_sampler is None and health_json(state)["devices"] is None
     assert "tengyun:device_" not in generate_latest(state.metrics.registry).decode()
     args = make_arg_parser(argparse.ArgumentParser()).parse_args([str(server_model), "--device-metrics-interval", "-1"])
     with pytest.raises(ValueError, match="--device-metrics-interval"):
@@ -185,15 +188,16 @@ def test_device_metrics_interval_zero_turns_the_gauges_off_and_negative_is_refus
 
 def test_an_internal_error_counts_as_a_5xx_response(server_model):  # noqa: F811
     from tengyun.config import EngineConfig
-    from tengyun.entrypoints.openai.api_server import ServerState, build_app
+    from tengyun.entrypoints.openai.api_server import build_app, build_host
+    from tengyun.entrypoints.openai.server_config import ServerConfig
 
     class Failing:
         async def create_completion(self, request):
             raise RuntimeError("injected bug")
 
     config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
-    state = ServerState(config, log_stats_interval=None)
-    state.ready, state.completion = True, Failing()  # no engine: the route itself fails
+    state = build_host(config, ServerConfig(disable_log_stats=True, device_metrics_interval=0))
+    state.lifecycle.ready, state.completion = True, Failing()  # no engine: the route itself fails
     app = build_app(state)
 
     async def run():

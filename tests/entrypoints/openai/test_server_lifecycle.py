@@ -116,7 +116,7 @@ def _maps_torch(pid: int) -> bool:
 
 
 def test_the_api_process_of_a_cpu_server_never_loads_torch(start_server):  # noqa: F811
-    """Platform selection reads torch's CUDA build from torch/version.py (platforms/cuda.py), so
+    """Platform selection reads torch's CUDA build from torch/version.py (platforms/cuda/platform.py), so
     the API process forks its engine without importing torch (~200 MiB of RSS): only the engine
     process maps libtorch, also after requests are served."""
     server = start_server().wait_ready()
@@ -135,10 +135,11 @@ def test_start_up_failure_exits_2_naming_the_flag(start_server):  # noqa: F811
 
 def test_health_is_503_until_warm_and_after_the_engine_dies(server_model):  # noqa: F811
     from tengyun.config import EngineConfig
-    from tengyun.entrypoints.openai.api_server import ServerState, build_app
+    from tengyun.entrypoints.openai.api_server import build_app, build_host
+    from tengyun.entrypoints.openai.server_config import ServerConfig
 
     config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
-    state = ServerState(config, log_stats_interval=None)
+    state = build_host(config, ServerConfig(disable_log_stats=True, device_metrics_interval=0))
     app = build_app(state)
     body = {"prompt": PROMPT, "max_tokens": 3}
 
@@ -151,13 +152,13 @@ def test_health_is_503_until_warm_and_after_the_engine_dies(server_model):  # no
             assert_error(await http.post("/v1/completions", json=body), 503, "starting")
             await state.start_engine()
             try:
-                assert state.ready and (await http.get("/health")).status_code == 200
+                assert state.lifecycle.ready and (await http.get("/health")).status_code == 200
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
-                assert state.exit_code() is None
+                assert state.lifecycle.exit_code() is None
                 state.engine.engine.step_with_progress = boom
                 assert_error(await http.post("/v1/completions", json=body), 503, "injected device failure")
                 assert_error(await http.get("/health"), 503, "injected device failure")
-                assert state.exit_code() == 1
+                assert state.lifecycle.exit_code() == 1
             finally:
                 state.engine.shutdown()
 
@@ -167,9 +168,9 @@ def test_health_is_503_until_warm_and_after_the_engine_dies(server_model):  # no
 @pytest.mark.parametrize("value, expected", [('["http://a", "http://b"]', ["http://a", "http://b"]),
                                              ("http://a, http://b", ["http://a", "http://b"]), ("*", ["*"])])
 def test_list_flags_take_json_or_commas(value, expected):
-    from tengyun.entrypoints.openai.cli_args import _list_arg
+    from tengyun.entrypoints.openai.server_config import list_arg
 
-    assert _list_arg(value) == expected
+    assert list_arg(value) == expected
 
 
 def test_tengyun_serve_takes_engine_and_server_flags(capsys):
