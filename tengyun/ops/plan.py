@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tengyun.kv_sizing import activation_estimate, kv_cache_shape, split_budget, state_shape
+from tengyun.sizing.cache import activation_estimate, kv_cache_shape, split_budget, state_shape
 from tengyun.model_spec import DTYPE_BYTES, UNLOADED_CHECKPOINT_PREFIXES, ModelSpec, as_spec, canonical_dtype
-from tengyun.ops.model_size import StageParams, decoder_linears, stage_params, total_params
+from tengyun.sizing.model_size import StageParams, decoder_linears, stage_params, total_params
 from tengyun.quantization.config import QuantConfig, detect_quantization
 
 GiB, MiB = 2**30, 2**20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tengyun.kv_sizing import KVCacheShape
+from tengyun.sizing.cache import KVCacheShape
 from tengyun.layers.attention.layer import Attention
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tengyun.kv_sizing import StateShape
+from tengyun.sizing.cache import StateShape
 from tengyun.layers.gated_delta_net import GatedDeltaNet
 
 

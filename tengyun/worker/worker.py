@@ -15,7 +15,7 @@ from tengyun.distributed.parallel_state import (
 )
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
-from tengyun.kv_sizing import (
+from tengyun.sizing.cache import (
     KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape,
 )
 from tengyun.layers.kernels import KernelBundle, bind_kernels

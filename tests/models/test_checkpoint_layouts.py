@@ -108,7 +108,7 @@ def _loaded_tensors(folder):
 
 
 def test_plan_counts_the_decoder_as_loaded_and_fp8_as_held_and_as_served(layout_folders):
-    from tengyun.ops.model_size import total_params
+    from tengyun.sizing.model_size import total_params
     from tengyun.ops.plan import PlanRequest, make_plan, read_model
 
     name, folder, _ = layout_folders

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tengyun import LLM, SamplingParams
-from tengyun.kv_sizing import KVCacheShape, split_budget, state_shape
+from tengyun.sizing.cache import KVCacheShape, split_budget, state_shape
 from tengyun.model_spec import ModelSpec
 from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, make_tiny_qwen3_5
 from test_hf_parity import TOP_K, _prompts

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "tengyun"
-MODULES = ("host.compat", "ops.doctor", "ops.grafana", "ops.model_size", "ops.monitoring", "host.numa", "ops.plan",
+MODULES = ("host.compat", "ops.doctor", "ops.grafana", "sizing.model_size", "ops.monitoring", "host.numa", "ops.plan",
            "host.probe", "host.ranktable", "host.smi", "host.telemetry", "host.findings", "host.versions")
 
 
@@ -34,7 +34,7 @@ def test_only_probe_shells_out_or_reads_sysfs():
 def test_the_model_spec_and_kv_sizing_are_torch_free():
     """`tengyun plan` and the engine share these two modules, so a planning host needs no torch."""
     code = ("import sys, json\n"
-            "import tengyun.model_spec, tengyun.kv_sizing, tengyun.ops.plan\n"
+            "import tengyun.model_spec, tengyun.sizing.cache, tengyun.ops.plan\n"
             "from tengyun.ops.plan import PlanRequest, make_plan\n"
             "cfg = json.load(open(sys.argv[1]))\n"
             "make_plan(cfg, PlanRequest()); make_plan(cfg, PlanRequest(device='cpu', kv_cache_memory=2**30))\n"

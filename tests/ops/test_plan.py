@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tengyun.ops.model_size import total_params
+from tengyun.sizing.model_size import total_params
 from tengyun.ops.plan import PlanRequest, make_plan, read_model, smallest_fit
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"

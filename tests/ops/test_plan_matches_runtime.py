@@ -160,7 +160,7 @@ def test_plan_matches_the_engine_on_a_simulated_device_budget(folders, family, m
 
 @pytest.fixture(scope="module")
 def quantized_folders(folders, tmp_path_factory) -> dict:
-    from tengyun.quantization.quantize import quantize_folder
+    from tengyun.ops.quantize import quantize_folder
 
     out = tmp_path_factory.mktemp("plan_quantized")
     return {(family, scheme): quantize_folder(folders[family], out / f"{family}_{scheme}", scheme, 32).out_dir

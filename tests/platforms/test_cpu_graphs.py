@@ -113,7 +113,7 @@ def test_tensor_parallel_ranks_run_eager():
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
 def test_traced_quantised_decode_steps_give_the_eager_tokens(tiny_checkpoints, tmp_path, scheme):
     """The quantised kernels (int8 GEMV / torch._int_mm, the compiled 4-bit kernel) inside a trace."""
-    from tengyun.quantization.quantize import quantize_folder
+    from tengyun.ops.quantize import quantize_folder
 
     _needs_kernel("bfloat16")
     folder = str(quantize_folder(tiny_checkpoints["llama"], tmp_path / scheme, scheme, 32).out_dir)

@@ -90,7 +90,7 @@ def test_npu_w8a8_kernels_give_the_cpu_engines_tokens(tiny_checkpoints, tmp_path
     """A W8A8 checkpoint through npu_dynamic_quant + npu_quant_matmul (tengyun/platforms/npu_quant.py)
     gives the CPU kernels' tokens: both sum int8 products exactly and scale in float32."""
     from tengyun.platforms.npu_quant import npu_quant_kernel
-    from tengyun.quantization.quantize import quantize_folder
+    from tengyun.ops.quantize import quantize_folder
 
     folder = str(quantize_folder(tiny_checkpoints["qwen2"], tmp_path / "w8a8", "w8a8").out_dir)
     prompts = [[5, 6, 7], list(range(1, 60))]

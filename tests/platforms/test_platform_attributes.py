@@ -15,7 +15,7 @@ from tengyun.entrypoints.cli.launch import device_ids
 from tengyun.entrypoints.openai.metrics import cache_config_labels
 from tengyun.executor.multiproc_executor import _threads_per_rank
 from tengyun.host import probe
-from tengyun.kv_sizing import activation_estimate
+from tengyun.sizing.cache import activation_estimate
 from tengyun.platforms.cpu import CpuPlatform
 from tengyun.platforms.cuda import CudaPlatform
 from tengyun.platforms.npu import NpuPlatform

@@ -26,7 +26,7 @@ from tengyun import LLM, SamplingParams
 from tengyun.platforms.cpu_quant import CpuInt8WeightOnlyKernel, CpuW8A8Kernel
 from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
 from tengyun.quantization.config import detect_quantization
-from tengyun.quantization.quantize import quantize_folder
+from tengyun.ops.quantize import quantize_folder
 from tengyun.worker.worker import weight_bytes
 
 

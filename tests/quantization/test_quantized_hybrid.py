@@ -18,7 +18,7 @@ from awq_gptq_layouts import Format, write_checkpoint
 from conftest import QWEN3_5_TEXT, QWEN3_NEXT, make_tiny_qwen3_5, randomize_norms_and_routers
 from test_quantized_models import (W8A8_LOGPROB_TOLERANCE, _hf_greedy, _hf_logprobs, _prompts, _tengyun,
                                    dequantized_twin)
-from tengyun.quantization.quantize import HYBRID_IGNORE, quantize_folder
+from tengyun.ops.quantize import HYBRID_IGNORE, quantize_folder
 
 # Linear-attention value heads of 16 (Hv * Dv = 64), so that out_proj's input splits in two
 # 32-wide halves at TP=2 (group 32); a shared expert as wide as a group multiple.

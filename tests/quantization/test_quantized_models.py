@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tengyun import LLM, SamplingParams
 from tengyun.quantization import compressed_tensors
 from tengyun.quantization.packing import dequantize, unpack_int32
-from tengyun.quantization.quantize import quantize_folder
+from tengyun.ops.quantize import quantize_folder
 
 MAX_TOKENS = 10
 # W8A8 quantises activations per token to int8: each token's logprob under Tengyun's W8A8 stays

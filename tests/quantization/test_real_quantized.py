@@ -11,7 +11,7 @@ import pytest
 
 from tengyun import LLM, SamplingParams
 from tengyun.models.model_source import resolve_model
-from tengyun.quantization.quantize import quantize_folder
+from tengyun.ops.quantize import quantize_folder
 
 pytestmark = pytest.mark.slow
 

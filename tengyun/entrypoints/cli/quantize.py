@@ -1,5 +1,5 @@
 """`tengyun quantize MODEL OUT_DIR --scheme w8a8|w4a16`: write a compressed-tensors checkpoint
-(tengyun/quantization/quantize.py) that Tengyun and vLLM load."""
+(tengyun/ops/quantize.py) that Tengyun and vLLM load."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tengyun.models.model_source import resolve_model
-    from tengyun.quantization.quantize import quantize_folder
+    from tengyun.ops.quantize import quantize_folder
 
     source = resolve_model(args.model)
     result = quantize_folder(source.folder, args.out_dir, args.scheme, args.group_size or None,
