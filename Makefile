@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml requirements-dev.txt Makefile
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	# The compiled CPU decode attention (~25 s; cached under ~/.cache/tengyun/torch_extensions or
 	# $$TORCH_EXTENSIONS_DIR). Without g++ or ninja it says so and CPU attention stays pure PyTorch.
-	$(PY) -m tengyun.layers.attention.cpu_kernels --build
+	$(PY) -m tengyun.platforms.cpu.native --build
 	touch $@
 
 # The OpenAI-compatible server on the embedded SmolLM2-135M-Instruct; it prints a curl line to try

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tengyun.layers.quant_kernels import ReferenceWNA16Kernel
-from tengyun.platforms.cpu_quant import CpuInt4PackKernel
+from tengyun.platforms.cpu.kernels.quant import CpuInt4PackKernel
 from tengyun.quantization import gptq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

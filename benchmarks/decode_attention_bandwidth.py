@@ -1,6 +1,6 @@
 """Is CPU decode attention memory-bound? Times Tengyun's paged decode attention over 30 layers with
 their own KV caches (as in a real step, so the context comes from DRAM, not cache): the compiled
-kernel that reads blocks in place (cpu_paged, layers/attention/cpu_paged.py; when built), the
+kernel that reads blocks in place (cpu_paged, platforms/cpu/kernels/attention.py; when built), the
 PyTorch path (gather + SDPA in float32, gather + two batched matmuls in bfloat16,
 layers/attention/torch_sdpa.py), the same gather followed by SDPA (the path before), and only
 reading K/V.
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tengyun.layers.attention import cpu_kernels
+from tengyun.platforms.cpu import native as cpu_kernels
 from tengyun.layers.attention.metadata import AttentionMetadata
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 

@@ -1,4 +1,4 @@
-"""Decode graphs on CPU (tengyun/platforms/cpu_graphs.py): a small decode step with and without
+"""Decode graphs on CPU (tengyun/platforms/cpu/runtime/graphs.py): a small decode step with and without
 them, on the real SmolLM2-135M-Instruct, in fresh processes alternated per repeat.
 
 Per run: B requests of 128 token ids, 100 greedy tokens each (ignore_eos); the median over the

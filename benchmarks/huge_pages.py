@@ -2,7 +2,7 @@
 
 Two sets of random bfloat16 weights of a model's decoder linears and LM head, prepared by the CPU
 platform's linear kernel (oneDNN's packed layout; the small-batch kernel reads it at a few rows);
-only the second set is moved onto huge pages (tengyun/platforms/cpu_hugepages.py, as the worker
+only the second set is moved onto huge pages (tengyun/platforms/cpu/runtime/hugepages.py, as the worker
 does once the weights are loaded). Each round runs one step's linears on set A, then on set B:
 every layer's weight once, as a decode step streams them (the sets are larger than the L3, so
 each comes from memory), ROUNDS rounds; medians and minima in milliseconds. Same process, same
@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from tengyun.layers.attention import cpu_kernels
-from tengyun.platforms import cpu_hugepages
-from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, small_batch_kernel_fits
+from tengyun.platforms.cpu import native as cpu_kernels
+from tengyun.platforms.cpu.runtime import hugepages as cpu_hugepages
+from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, small_batch_kernel_fits
 
 # (decoder linears (out, in): qkv, o, gate_up, down; layers; LM head)
 SHAPES = {"smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),

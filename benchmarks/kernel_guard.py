@@ -11,17 +11,17 @@ import sys
 
 class KernelGuard:
     def __init__(self):
-        from tengyun.layers.attention import cpu_kernels
+        from tengyun.platforms.cpu import native as cpu_kernels
 
         error = cpu_kernels.load_error()
         if error:
             sys.exit(f"Tengyun's CPU kernels do not load ({error}): its runs would measure the PyTorch "
-                     "fallback. Build them first: python -m tengyun.layers.attention.cpu_kernels --build")
+                     "fallback. Build them first: python -m tengyun.platforms.cpu.native --build")
         self.folder = cpu_kernels.build_directory()
 
     def changed(self) -> str | None:
         """None while the sources still hash to the build the runs started with, else a warning."""
-        from tengyun.layers.attention import cpu_kernels
+        from tengyun.platforms.cpu import native as cpu_kernels
 
         now = cpu_kernels.build_directory()
         if now == self.folder:

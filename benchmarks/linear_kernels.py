@@ -2,7 +2,7 @@
 at SmolLM2-135M's shapes. Prints milliseconds per call (best of 3 rounds of 30 calls).
 
 ``--small-rows``: oneDNN vs the compiled small-batch kernel on the same packed weights
-(platforms/cpu_linear.py) at 1-16 rows, through all 30 layers' four projections of SmolLM2-135M
+(platforms/cpu/kernels/linear.py) at 1-16 rows, through all 30 layers' four projections of SmolLM2-135M
 (30 separate random weights, 212 MB in bf16: streamed from memory as in a decode step, not from
 cache), median of 15 passes; the row counts where the kernel wins set MAX_SMALL_ROWS.
 
@@ -40,7 +40,7 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gat
 
 
 def small_rows(row_counts: tuple[int, ...] = (1, 2, 4, 8, 12, 16)) -> None:
-    from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, small_batch_kernel_fits
+    from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, small_batch_kernel_fits
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M's 30 x 4 layer weights")
     print("| dtype | rows | oneDNN ms | small-batch kernel ms | speed-up | kernel GB/s |")

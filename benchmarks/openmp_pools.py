@@ -28,7 +28,7 @@ def micro(mode: str) -> list[float]:
     """Seconds for 2,000 x (SiLU * x, then [64 x 576] @ [576 x 1536]), three times."""
     import torch
 
-    from tengyun.platforms.cpu_threads import release_openmp_pool
+    from tengyun.platforms.cpu.runtime.threads import release_openmp_pool
 
     x, w = torch.randn(64, 576), torch.randn(576, 1536)
 
@@ -51,7 +51,7 @@ def micro(mode: str) -> list[float]:
 
 def engine(keep_pool: bool) -> float:
     """Output tok/s of SmolLM2, 64 prompts x 128 random tokens in, 64 out, generated in a second thread."""
-    import tengyun.platforms.cpu_threads as cpu_threads
+    import tengyun.platforms.cpu.runtime.threads as cpu_threads
     from tengyun import LLM, SamplingParams
     from tengyun.models.model_source import resolve_model
 

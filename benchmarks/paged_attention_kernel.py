@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tengyun.layers.attention import cpu_kernels
+from tengyun.platforms.cpu import native as cpu_kernels
 
 ROOT = Path(__file__).parents[1]
 BASE_FILES = ("paged_attention.cpp", "paged_attention_impl.h", "cpu_isa.h")

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from tengyun.layers.attention import cpu_kernels, cpu_paged
+from tengyun.platforms.cpu import native as cpu_kernels
+from tengyun.platforms.cpu.kernels import attention as cpu_paged
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
-from tengyun.layers.attention.registry import get_attention_backend
+from tengyun.platforms.attention_backends import get_attention_backend
 
 CASES = [(16, 128), (8, 256), (4, 512), (1, 128), (1, 512), (1, 1024)]  # (prompts, tokens each)
 

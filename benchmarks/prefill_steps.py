@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--keep-mmap", action="store_true", help="skip CpuPlatform.after_load (glibc's mmaps stay)")
     args = parser.parse_args()
     if args.keep_mmap:
-        from tengyun.platforms.cpu import CpuPlatform
+        from tengyun.platforms.cpu.platform import CpuPlatform
 
         CpuPlatform.after_load = lambda self: None
     from tengyun.models.model_source import resolve_model

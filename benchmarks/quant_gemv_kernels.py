@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from tengyun.layers.attention import cpu_kernels
-from tengyun.platforms import cpu_quant_layout as layout
+from tengyun.platforms.cpu import native as cpu_kernels
+from tengyun.platforms.cpu.kernels import quant_layout as layout
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -66,7 +66,7 @@ def _q8_runs(out: int, in_: int, x: torch.Tensor) -> dict:
     prepared = layout.pack(q, 8, scale)
     planes = []
     d = scale.float()
-    for nibbles, s, z in (((q >> 4) + 8, 16 * d, 0 * d), (q & 15, d, 8 * d)):  # cpu_gguf.py int4_planes
+    for nibbles, s, z in (((q >> 4) + 8, 16 * d, 0 * d), (q & 15, d, 8 * d)):  # cpu/kernels/gguf.py int4_planes
         planes.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1),
                        torch.stack([s.t(), z.t()], dim=-1).bfloat16().contiguous()))
 
@@ -85,8 +85,8 @@ def _q8_runs(out: int, in_: int, x: torch.Tensor) -> dict:
 def _decode_set_kernels(fmt: str) -> tuple:
     """fmt -> (new kernel, old kernel, [(in, new prepared, old prepared)] for 30 layers x SHAPES)."""
     from tengyun.layers.gguf_kernels import q4_0_as_q8_0
-    from tengyun.platforms.cpu_gguf import CpuGgufCompiledKernel, CpuGgufInt4PackKernel
-    from tengyun.platforms.cpu_quant import CpuInt4PackKernel
+    from tengyun.platforms.cpu.kernels.gguf import CpuGgufCompiledKernel, CpuGgufInt4PackKernel
+    from tengyun.platforms.cpu.kernels.quant import CpuInt4PackKernel
     from tengyun.quantization.compressed_tensors import weight_only_scheme
     from tengyun.quantization.gguf import scheme_for_type
     from tengyun.quantization.packing import pack_int32, quantize_symmetric

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "quantization"))
 from awq_gptq_layouts import Format, quantize_layer  # noqa: E402
 
-from tengyun.layers.attention import cpu_kernels  # noqa: E402
+from tengyun.platforms.cpu import native as cpu_kernels  # noqa: E402
 from tengyun.layers.quant_kernels import reference_kernel  # noqa: E402
-from tengyun.platforms.cpu import CpuPlatform  # noqa: E402
-from tengyun.platforms.cpu_gguf import CpuGgufCompiledKernel  # noqa: E402
-from tengyun.platforms.cpu_linear import CpuPackedLinearKernel  # noqa: E402
+from tengyun.platforms.cpu.platform import CpuPlatform  # noqa: E402
+from tengyun.platforms.cpu.kernels.gguf import CpuGgufCompiledKernel  # noqa: E402
+from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel  # noqa: E402
 from tengyun.quantization.config import detect_quantization  # noqa: E402
 from tengyun.quantization.gguf import scheme_for_type  # noqa: E402
 

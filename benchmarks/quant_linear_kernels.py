@@ -27,7 +27,7 @@ import torch
 
 from tengyun.layers.linear_kernel import OneDNNPackedLinearKernel
 from tengyun.layers.quant_kernels import ReferenceWNA16Kernel
-from tengyun.platforms.cpu_quant import CpuInt4PackKernel, CpuW8A8Kernel
+from tengyun.platforms.cpu.kernels.quant import CpuInt4PackKernel, CpuW8A8Kernel
 from tengyun.quantization.compressed_tensors import w8a8_scheme, weight_only_scheme
 from tengyun.quantization.packing import pack_int32, quantize_symmetric
 
@@ -67,7 +67,7 @@ MODEL_SHAPES = {
 
 
 def packed_rows(model: str, dtype: torch.dtype = torch.bfloat16) -> None:
-    from tengyun.platforms.cpu_quant import w8a8_packed_fits
+    from tengyun.platforms.cpu.kernels.quant import w8a8_packed_fits
 
     if not w8a8_packed_fits():
         print("the packed W8A8 kernel does not run here (kernels not built, or no AVX-512 VNNI)")

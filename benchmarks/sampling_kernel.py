@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention_bandwidth import best_ms  # noqa: E402
 
-from tengyun.layers.attention import cpu_kernels  # noqa: E402
+from tengyun.platforms.cpu import native as cpu_kernels  # noqa: E402
 from tengyun.layers.sampling.draw import sample_from_probs  # noqa: E402
 
 

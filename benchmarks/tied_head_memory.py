@@ -36,7 +36,7 @@ def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 import torch
 from tengyun import LLM, SamplingParams
-from tengyun.platforms.cpu_linear import CpuPackedLinearKernel
+from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel
 if mode == "two":
     CpuPackedLinearKernel.row_reader = lambda *args: None
 before = rss()
@@ -67,8 +67,8 @@ def lookups() -> None:
     import torch
     import torch.nn.functional as F
 
-    from tengyun.layers.attention import cpu_kernels
-    from tengyun.platforms.cpu_linear import CpuPackedLinearKernel
+    from tengyun.platforms.cpu import native as cpu_kernels
+    from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel
 
     assert cpu_kernels.load_error() is None, cpu_kernels.load_error()
     print("| dtype | T | F.embedding us | packed_rows us |")

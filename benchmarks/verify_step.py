@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tengyun.layers.attention import cpu_paged  # noqa: E402
+from tengyun.platforms.cpu.kernels import attention as cpu_paged  # noqa: E402
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk  # noqa: E402
-from tengyun.layers.attention.registry import get_attention_backend  # noqa: E402
+from tengyun.platforms.attention_backends import get_attention_backend  # noqa: E402
 
 K = 4
 

@@ -11,7 +11,7 @@
 // per vector, so the weight streams once, front to back, at memory speed, with no horizontal sums.
 // oneDNN's own M = 1 path runs at ~36 GB/s here, this at ~50 (benchmarks/README.md).
 //
-// The layout is oneDNN's choice, not a contract: tengyun/platforms/cpu_linear.py checks every packed
+// The layout is oneDNN's choice, not a contract: tengyun/platforms/cpu/kernels/linear.py checks every packed
 // weight against oneDNN's own product before it routes any row through this kernel, and keeps oneDNN
 // where the check fails (another CPU, another oneDNN).
 //

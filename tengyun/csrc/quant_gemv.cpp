@@ -2,7 +2,7 @@
 // group of inputs and output column) for bfloat16 activations and a few rows (decode), weights
 // dequantised in registers: the packed weight streams once per pass of 4 rows, front to back.
 //
-// Layout (tengyun/platforms/cpu_quant_layout.py writes it once at load), NB = ceil(N / 32) blocks
+// Layout (tengyun/platforms/cpu/kernels/quant_layout.py writes it once at load), NB = ceil(N / 32) blocks
 // of 32 output columns (padding columns hold zero), G = K / group groups:
 //   packed  4 bits: uint8 [NB][K / 2][32]  byte i of (block b, inputs 2p, 2p + 1), c = i / 2,
 //                   k = 2p + i % 2: n[32 b + c, k] | n[32 b + 16 + c, k] << 4, n in [0, 16) (K, group

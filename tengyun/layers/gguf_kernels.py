@@ -3,7 +3,7 @@
 ``dequantize_blocks`` turns qweight uint8 [rows, blocks, block bytes] into weights [rows, blocks *
 block]; tests/quantization/test_gguf.py checks it against the gguf package's dequantize. Every
 type is first split into (q, scale, offset) per 32 weights (``q_scale_offset``), w = q * scale +
-offset, which is also what torch's int4 CPU matmul takes (tengyun/platforms/cpu_gguf.py).
+offset, which is also what torch's int4 CPU matmul takes (tengyun/platforms/cpu/kernels/gguf.py).
 """
 
 from __future__ import annotations

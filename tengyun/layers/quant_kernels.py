@@ -3,7 +3,7 @@
 A kernel takes the layer's loaded tensors by their checkpoint names (scheme.py), prepares them
 once (``prepare``, which may repack; ``frees_original`` then drops the loaded ones) and computes
 y = x W^T + b from the prepared dict (``apply``). Platforms pick faster kernels with the same
-arithmetic (Platform.quant_linear_kernel: tengyun/platforms/cpu_quant.py, npu_quant.py); these
+arithmetic (Platform.quant_linear_kernel: tengyun/platforms/cpu/kernels/quant.py, npu/kernels/quant.py); these
 references run wherever nothing faster exists (and on CUDA), and define what the others must
 match.
 

@@ -24,9 +24,9 @@ def get_platform(requested: str = "auto") -> Platform:
 
 def platform_class(device_type: str) -> type[Platform]:
     """"cpu" | "cuda" | "npu" -> its Platform class, for class attributes without touching the device."""
-    from tengyun.platforms.cpu import CpuPlatform
-    from tengyun.platforms.cuda import CudaPlatform
-    from tengyun.platforms.npu import NpuPlatform
+    from tengyun.platforms.cpu.platform import CpuPlatform
+    from tengyun.platforms.cuda.platform import CudaPlatform
+    from tengyun.platforms.npu.platform import NpuPlatform
 
     return {"npu": NpuPlatform, "cuda": CudaPlatform, "cpu": CpuPlatform}[device_type]
 

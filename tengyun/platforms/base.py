@@ -102,7 +102,7 @@ class Platform:
         """Called once by the worker in the thread that built the model, after building it. ->
         None, or a callable the worker wraps each model step in, in the thread that runs it
         (``with step_threads(num_tokens): ...``): CPU picks its OpenMP thread count from step
-        times there (platforms/cpu_threads.py). ``world_size``: ranks of this engine."""
+        times there (platforms/cpu/runtime/threads.py). ``world_size``: ranks of this engine."""
         return None
 
     def memory_info(self) -> tuple[int, int]:
@@ -155,7 +155,7 @@ class Platform:
         (torch.dtype), a kernel per quantised scheme in ``quant_schemes`` (LinearScheme), the
         norm/rotary ops and, where the model has Gated DeltaNet layers (``linear_attention``), the
         gated-delta-rule kernel. -> KernelBundle"""
-        from tengyun.layers.attention.registry import get_attention_backend
+        from tengyun.platforms.attention_backends import get_attention_backend
         from tengyun.layers.kernels import KernelBundle
 
         return KernelBundle(
@@ -167,7 +167,7 @@ class Platform:
 
     # The choices ``kernels`` bundles; a platform overrides the ones it does differently.
     def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
-        """The attention backend's name (tengyun/layers/attention/registry.py) for KV blocks of
+        """The attention backend's name (tengyun/platforms/attention_backends.py) for KV blocks of
         ``block_size`` tokens in ``kv_cache_dtype`` ("bfloat16", ...)."""
         return "torch_sdpa"
 

@@ -11,7 +11,7 @@ tokens (``AttentionMetadata.decode_max_len``), masked per row by its length.
 What is captured is the model's forward only; logits and sampling run eagerly after it.
 Capturing is the platform's (``Platform.capture_graph``): it runs the forward once to record
 it and returns a function that replays it and returns its output tensor (CUDA graphs; on CPU a
-TorchScript trace, platforms/cpu_graphs.py), or None for a size it cannot record, which then
+TorchScript trace, platforms/cpu/runtime/graphs.py), or None for a size it cannot record, which then
 runs eager. ``Platform.graph_batch_limit`` caps the sizes (CPU: the small-batch kernel's rows).
 """
 

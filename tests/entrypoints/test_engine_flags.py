@@ -130,7 +130,7 @@ def test_bad_choice_or_type_names_the_flag(argv, flag, capsys):
 
 
 def test_block_size_help_states_each_platforms_default():
-    from tengyun.layers.attention.flash_attn import PAGE_BLOCK_MULTIPLE
+    from tengyun.platforms.cuda.kernels.attention import PAGE_BLOCK_MULTIPLE
 
     help_text = next(a.help for a in engine_parser()._actions if a.dest == "block_size")
     per_device = dict(part.split(" ", 1) for part in help_text.split("the platform's: ")[1].rstrip(")").split("; "))

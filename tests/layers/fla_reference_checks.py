@@ -26,9 +26,9 @@ from tengyun.layers.gated_delta_net import GatedDeltaNet
 from tengyun.layers.gated_delta_rule import TorchGatedDeltaRule
 from tengyun.layers.gated_delta_rule_fla import FlaGatedDeltaRule
 from tengyun.layers.kernels import bind_kernels
-from tengyun.platforms import cuda
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cuda import CudaPlatform
+from tengyun.platforms.cuda import platform as cuda
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cuda.platform import CudaPlatform
 from tengyun.model_spec import ModelSpec
 
 HK, HV, DK, DV = 2, 4, 16, 8  # two value heads per key head
@@ -185,7 +185,7 @@ def test_cuda_kernels_bind_fla_only_for_gated_deltanet_models(caplog):
     assert isinstance(layer.kernel, TorchGatedDeltaRule)
     cuda._fla_import_error.cache_clear()
     try:
-        with caplog.at_level("INFO", logger="tengyun.platforms.cuda"):
+        with caplog.at_level("INFO", logger="tengyun.platforms.cuda.platform"):
             assert CudaPlatform().kernels(torch.bfloat16, 256, "bfloat16").gated_delta_rule is None
             assert not [r for r in caplog.records if r.getMessage().startswith("Gated delta rule")]
             bind_kernels(layer, CudaPlatform().kernels(torch.bfloat16, 256, "bfloat16", linear_attention=True))
@@ -198,7 +198,7 @@ def test_cuda_picks_fla_only_when_it_imports(monkeypatch, caplog):
     """CudaPlatform's choice needs no GPU: fla imports on CPU (its Triton kernels never run here)."""
     cuda._fla_import_error.cache_clear()
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)  # `import` now raises ImportError
-    with caplog.at_level("INFO", logger="tengyun.platforms.cuda"):
+    with caplog.at_level("INFO", logger="tengyun.platforms.cuda.platform"):
         assert isinstance(CudaPlatform().gated_delta_rule_kernel(), TorchGatedDeltaRule)
         CudaPlatform().gated_delta_rule_kernel()
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["Gated delta rule: PyTorch kernel"]  # once

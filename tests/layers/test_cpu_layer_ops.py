@@ -1,4 +1,4 @@
-"""The compiled fused layer ops (tengyun/csrc/layer_ops.cpp, platforms/cpu_ops.py) against
+"""The compiled fused layer ops (tengyun/csrc/layer_ops.cpp, platforms/cpu/kernels/layer_ops.py) against
 PyTorch's (TorchLayerOps, HF's arithmetic): RMSNorm with and without the residual add, with a
 gamma in the model dtype (Llama) and in float32 (Qwen3.5's 1 + w), neox rotary on strided q/k
 views of one qkv tensor (odd head counts, GQA, partial rotary), SiLU-and-mul, and W8A8's
@@ -15,8 +15,8 @@ import torch
 from tengyun.layers.layer_ops import TORCH_LAYER_OPS
 from tengyun.layers.quant_kernels import quantize_per_token
 from tengyun.layers.rotary_embedding import RotaryEmbedding
-from tengyun.platforms.cpu_ops import CpuFusedLayerOps
-from tengyun.platforms.cpu_quant import CpuW8A8Kernel
+from tengyun.platforms.cpu.kernels.layer_ops import CpuFusedLayerOps
+from tengyun.platforms.cpu.kernels.quant import CpuW8A8Kernel
 
 from test_cpu_paged_attention import ISAS, kernels  # noqa: F401 - the build-or-skip fixture
 

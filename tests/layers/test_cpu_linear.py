@@ -1,5 +1,5 @@
 """The small-batch linear kernel on oneDNN's packed weights (tengyun/csrc/packed_gemv.cpp,
-platforms/cpu_linear.py) against F.linear in float32 (bfloat16 inputs widened exactly): float32
+platforms/cpu/kernels/linear.py) against F.linear in float32 (bfloat16 inputs widened exactly): float32
 and bfloat16, output counts that are not multiples of the 16-column vector or the 64-column block,
 odd K, 1-5 rows, with and without bias; both block widths oneDNN packs in (64; 32 for bfloat16 on
 AMX cores) on weights laid out by hand, whatever this CPU's oneDNN picks; the routing by row
@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from tengyun.layers import linear_kernel
-from tengyun.layers.attention import cpu_kernels
+from tengyun.platforms.cpu import native as cpu_kernels
 from tengyun.layers.kernels import bind_kernels
 from tengyun.layers.linear import ReplicatedLinear
 from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, PackedLinearWeight, small_batch_kernel_fits
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, PackedLinearWeight, small_batch_kernel_fits
 from tengyun.worker.worker import weight_bytes
 
 from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from tengyun import LLM, SamplingParams
-from tengyun.layers.attention import cpu_kernels
+from tengyun.platforms.cpu import native as cpu_kernels
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.attention.metadata import AttentionMetadata
-from tengyun.layers.attention.registry import get_attention_backend
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.attention_backends import get_attention_backend
+from tengyun.platforms.cpu.platform import CpuPlatform
 
 from test_decode_attention import _reference
 
@@ -183,7 +183,7 @@ def test_the_backend_runs_its_chunks_in_the_kernel_as_torch_sdpa_attends(kernels
     5-token verify ending inside a block, a 40-token fresh prompt and a 30-token chunk after 60
     (short sequences: the kernel's). The kernel's rows are not contiguous. Every token equals
     torch_sdpa's."""
-    from tengyun.layers.attention.cpu_paged import in_kernel
+    from tengyun.platforms.cpu.kernels.attention import in_kernel
     from tengyun.layers.attention.metadata import PrefillChunk
 
     gen, bs, heads, kv_heads, dim = torch.Generator().manual_seed(5), 16, 14, 2, 64
@@ -235,7 +235,7 @@ def test_cpu_platform_picks_cpu_paged_and_the_engine_gives_torch_sdpas_tokens(ke
     prompts = [[5, 6, 7], [(3 * i) % 300 + 1 for i in range(40)], list(range(1, 20))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     args = dict(block_size=8, max_model_len=96, kv_cache_memory="1MiB")
-    with caplog.at_level("INFO", logger="tengyun.platforms.cpu"):
+    with caplog.at_level("INFO", logger="tengyun.platforms.cpu.platform"):
         llm = LLM(folder, dtype="float32", **args)
     assert f"Attention backend: cpu_paged (compiled decode kernel, {kernels.isa()})" in caplog.text
     assert {m.backend.name for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)} == {
@@ -271,7 +271,7 @@ def test_without_a_loadable_library_the_pytorch_path_runs_and_says_why(tiny_chec
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     expected = {"missing": "the CPU kernels are not built", "broken": "failed to load"}[library]
     if library == "broken":
-        probe = "from tengyun.layers.attention import cpu_kernels; print(cpu_kernels.library_path())"
+        probe = "from tengyun.platforms.cpu import native; print(native.library_path())"
         path = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         broken = Path(path.stdout.strip())
         broken.parent.mkdir(parents=True)
@@ -284,7 +284,7 @@ def test_without_a_loadable_library_the_pytorch_path_runs_and_says_why(tiny_chec
     assert result["backends"] == ["torch_sdpa"] and result["layer_ops"] == "TorchLayerOps"
     assert result["sample_rows"] is False  # the sampler's PyTorch ops
     [line] = [line for line in run.stderr.splitlines() if "Attention backend:" in line]
-    assert line.startswith("tengyun.platforms.cpu: Attention backend: torch_sdpa (") and expected in line
+    assert line.startswith("tengyun.platforms.cpu.platform: Attention backend: torch_sdpa (") and expected in line
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert result["tokens"] == LLM(folder, dtype="float32", block_size=8, max_model_len=64,
                                    kv_cache_memory="1MiB").generate(

@@ -1,4 +1,4 @@
-"""The compiled weight-only quantised linear (tengyun/csrc/quant_gemv.cpp, platforms/cpu_quant_layout.py)
+"""The compiled weight-only quantised linear (tengyun/csrc/quant_gemv.cpp, platforms/cpu/kernels/quant_layout.py)
 against its arithmetic contract: the layout's dequantized weights are the reference's float32
 (n - zero) * s exactly, and products match float64 x @ w^T up to float32 sums and one bfloat16
 rounding, and torch's int4 matmul (the path it replaces) within bfloat16 tolerance: odd group
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tengyun.layers.attention import cpu_kernels
-from tengyun.platforms import cpu_quant_layout as layout
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cpu_gguf import CpuGgufInt4PackKernel
+from tengyun.platforms.cpu import native as cpu_kernels
+from tengyun.platforms.cpu.kernels import quant_layout as layout
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels.gguf import CpuGgufInt4PackKernel
 from tengyun.quantization.compressed_tensors import weight_only_scheme
 from tengyun.quantization.gguf import scheme_for_type
 

@@ -11,7 +11,7 @@ import torch
 
 from tengyun import LLM, SamplingParams
 from tengyun.layers.sampling.draw import sample_from_probs
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
 
 from test_cpu_paged_attention import isa, kernels  # noqa: F401 - the build-or-skip and per-ISA fixtures
 

@@ -1,4 +1,4 @@
-"""W8A8's packed kernel (tengyun/csrc/int8_gemv.cpp, platforms/cpu_quant.py): bit-equal to the
+"""W8A8's packed kernel (tengyun/csrc/int8_gemv.cpp, platforms/cpu/kernels/quant.py): bit-equal to the
 PyTorch path (per-token quantisation, torch._int_mm, the float32 rescale, then the bias) for 1 to
 300 rows (every tile shape, row groups of unequal size, prefill sizes), odd K, output counts that
 are not multiples of 16, with and without bias, float32 and bfloat16 activations, every
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tengyun.layers.quant_kernels import quantize_per_tensor, quantize_per_token
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cpu_quant import (
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels.quant import (
     CpuW8A8Kernel, CpuW8A8StaticKernel, pack_w8a8_weight, packed_weight_bytes, w8a8_packed_fits,
 )
 from tengyun.quantization.compressed_tensors import w8a8_scheme

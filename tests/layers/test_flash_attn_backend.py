@@ -13,12 +13,12 @@ import torch
 
 from tengyun import LLM, SamplingParams
 from tengyun.config import EngineConfig
-from tengyun.layers.attention.registry import get_attention_backend
+from tengyun.platforms.attention_backends import get_attention_backend
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cuda import CudaPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cuda.platform import CudaPlatform
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_flash_attn  # noqa: E402
@@ -137,7 +137,7 @@ def test_decode_graphs_replay_flash_attn_decodes(tmp_path_factory, tiny_tokenize
 def test_cuda_platform_picks_flash_attn_only_where_it_works(importable, block_size, kv_dtype, expected, why,
                                                            monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn.module() if importable else None)
-    with caplog.at_level(logging.INFO, logger="tengyun.platforms.cuda"):
+    with caplog.at_level(logging.INFO, logger="tengyun.platforms.cuda.platform"):
         assert CudaPlatform().attention_backend(block_size, kv_dtype) == expected  # no GPU needed
     [record] = caplog.records
     assert record.getMessage().startswith(f"Attention backend: {expected} (") and why in record.getMessage()

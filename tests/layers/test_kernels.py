@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from tengyun import LLM
 from tengyun.layers.activation import SiluAndMul
-from tengyun.layers.attention import cpu_kernels
+from tengyun.platforms.cpu import native as cpu_kernels
 from tengyun.layers.attention.layer import Attention
-from tengyun.layers.attention.registry import get_attention_backend
+from tengyun.platforms.attention_backends import get_attention_backend
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 from tengyun.layers.embed_head import ParallelLMHead
 from tengyun.layers.gated_delta_net import GatedDeltaNet
@@ -23,7 +23,7 @@ from tengyun.layers.layernorm import RMSNorm
 from tengyun.layers.linear import LinearBase, ReplicatedLinear
 from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
 from tengyun.layers.rotary_embedding import RotaryEmbedding
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
 from tengyun.model_spec import ModelSpec
 
 GDN_CONFIG = ModelSpec.from_hf_config(dict(

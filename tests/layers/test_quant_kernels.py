@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tengyun.layers.quant_kernels import reference_kernel
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cpu_quant import CpuInt4PackKernel, CpuW8A8Kernel
-from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
-from tengyun.platforms.npu import NpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels.quant import CpuInt4PackKernel, CpuW8A8Kernel
+from tengyun.platforms.cpu.kernels.quant_layout import quant_gemv_fits
+from tengyun.platforms.npu.platform import NpuPlatform
 from tengyun.quantization.compressed_tensors import w8a8_scheme, weight_only_scheme
 from tengyun.quantization.packing import pack_int32, quantize_symmetric
 

@@ -27,7 +27,7 @@ def draw_with(request):
     if request.param == "torch":
         yield request.param
         return
-    from tengyun.layers.attention import cpu_kernels
+    from tengyun.platforms.cpu import native as cpu_kernels
 
     best = request.getfixturevalue("kernels").isa()
     try:

@@ -15,9 +15,9 @@ from tengyun import LLM, SamplingParams
 from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tengyun.layers.kernels import bind_kernels
 from tengyun.layers.linear_kernel import onednn_available
-from tengyun.platforms import cpu_linear
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, small_batch_kernel_fits
+from tengyun.platforms.cpu.kernels import linear as cpu_linear
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, small_batch_kernel_fits
 from tengyun.worker.worker import weight_bytes
 
 from test_cpu_linear import fits  # noqa: F401 - skips a dtype the small-batch kernel does not run here
@@ -123,9 +123,9 @@ def test_engine_tokens_and_logprobs_are_unchanged_with_one_copy(kernels, tiny_ch
 
 
 def test_the_plan_counts_the_tied_copy_only_where_the_embedding_keeps_one(monkeypatch):
-    monkeypatch.setattr("tengyun.platforms.cpu.cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr("tengyun.platforms.cpu.platform.cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert not CpuPlatform.tied_head_copy("float32", 1) and not CpuPlatform.tied_head_copy("bfloat16", 1)
     assert CpuPlatform.tied_head_copy("bfloat16", 2)  # vocab shards: each embedding shard keeps its rows
     assert CpuPlatform.tied_head_copy("float16", 1)
-    monkeypatch.setattr("tengyun.platforms.cpu.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("tengyun.platforms.cpu.platform.cpu_flags", lambda: {"avx2"})
     assert CpuPlatform.tied_head_copy("float32", 1)

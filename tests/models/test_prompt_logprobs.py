@@ -146,7 +146,7 @@ def test_one_token_prompt_chunks_in_graph_replayed_decode_steps_match_hf(tiny_ch
     token per step beside it, so those steps are decode-only and replay a decode graph (the
     CPU stand-in for a CUDA capture re-runs the recorded forward over the static buffers)."""
     from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
-    from tengyun.platforms.cpu import CpuPlatform
+    from tengyun.platforms.cpu.platform import CpuPlatform
 
     monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
     monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(): (forward(), forward)[1])

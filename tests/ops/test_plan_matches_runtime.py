@@ -15,7 +15,7 @@ import pytest
 from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, randomize_norms_and_routers
 from tengyun.config import EngineConfig
 from tengyun.ops.plan import Plan, PlanRequest, make_plan, read_model
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
 from tengyun.worker.worker import Worker
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]

@@ -11,10 +11,13 @@ import shutil
 import pytest
 
 from tengyun.config import EngineConfig
-from tengyun.ops.plan import PlanRequest, make_plan, read_model
+from tengyun.model_spec import ModelSpec
+from tengyun.sizing.checkpoint import read_model
+from tengyun.sizing.plan import make_plan
+from tengyun.sizing.resolve import resolve_sizing
 from tengyun.host.probe import cpu_flags
-from tengyun.platforms import cpu
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu import platform as cpu
+from tengyun.platforms.cpu.platform import CpuPlatform
 
 
 def test_cpu_flags_reads_the_first_processor(tmp_path):
@@ -52,5 +55,6 @@ def test_engine_and_plan_resolve_a_checkpoint_alike(tiny_checkpoints, tmp_path, 
     assert config.dtype == config.kv_cache_dtype == expected
     assert f"--dtype auto: {expected} on cpu for a checkpoint config.json calls {checkpoint}" in caplog.text
     hf_config, checkpoint_bytes, name = read_model(folder)
-    assert make_plan(hf_config, PlanRequest(device="cpu", kv_cache_memory=2**20), checkpoint_bytes).dtype == expected
+    sizing = resolve_sizing(EngineConfig(kv_cache_memory=2**20), ModelSpec.from_hf_config(hf_config), "cpu")
+    assert make_plan(hf_config, sizing, None, checkpoint_bytes).dtype == expected
     assert EngineConfig(str(folder), device="cpu", dtype="float32").finalize().dtype == "float32"

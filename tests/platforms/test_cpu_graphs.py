@@ -1,4 +1,4 @@
-"""Decode graphs on CPU for real (platforms/cpu_graphs.py): TorchScript traces of the decode
+"""Decode graphs on CPU for real (platforms/cpu/runtime/graphs.py): TorchScript traces of the decode
 forward, replayed instead of the eager forward for decode batches up to the small-batch linear's
 rows. Every replayed step must give the eager engine's tokens and logprobs. The limit is held at
 MAX_SMALL_ROWS on every CPU here (where oneDNN packs for AMX the engine lowers it to 4:
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tengyun import LLM, SamplingParams
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms import cpu_linear
-from tengyun.platforms.cpu_linear import MAX_SMALL_ROWS, small_batch_kernel_fits
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels import linear as cpu_linear
+from tengyun.platforms.cpu.kernels.linear import MAX_SMALL_ROWS, small_batch_kernel_fits
 
 ARGS = dict(block_size=8, max_model_len=96, kv_cache_memory="2MiB", max_num_seqs=6, max_num_batched_tokens=40)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -96,7 +96,7 @@ def test_a_size_that_cannot_be_traced_runs_eager(tiny_checkpoints, monkeypatch):
 
 
 def test_graphs_stay_off_without_the_small_batch_kernel(tiny_checkpoints, monkeypatch, caplog):
-    monkeypatch.setattr("tengyun.platforms.cpu_linear.small_batch_kernel_fits", lambda dtype: False)
+    monkeypatch.setattr("tengyun.platforms.cpu.kernels.linear.small_batch_kernel_fits", lambda dtype: False)
     with caplog.at_level(logging.INFO, logger="tengyun.worker.worker"):
         llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", **ARGS)
     assert llm.llm_engine.executor.runner.decode_graphs is None
@@ -128,7 +128,7 @@ def test_traced_quantised_decode_steps_give_the_eager_tokens(tiny_checkpoints, t
 def test_a_trace_replays_writes_to_the_state_it_is_given():
     """The cache update nothing in the same forward reads back: replayed because the cache is
     one of the trace's inputs (as a constant its write would be dropped)."""
-    from tengyun.platforms.cpu_graphs import trace_decode_forward
+    from tengyun.platforms.cpu.runtime.graphs import trace_decode_forward
 
     cache, slot, x = torch.zeros(4, 3), torch.tensor([1]), torch.ones(1, 3)
 
@@ -144,7 +144,7 @@ def test_a_trace_replays_writes_to_the_state_it_is_given():
 
 
 def test_a_forward_that_cannot_be_traced_gives_none():
-    from tengyun.platforms.cpu_graphs import trace_decode_forward
+    from tengyun.platforms.cpu.runtime.graphs import trace_decode_forward
 
     assert trace_decode_forward(lambda: {"hidden": torch.zeros(2)}, []) is None  # a dict output
 
@@ -157,7 +157,7 @@ def test_a_trace_and_its_constants_go_with_the_replay():
 
     from torch.jit import _state
 
-    from tengyun.platforms.cpu_graphs import trace_decode_forward
+    from tengyun.platforms.cpu.runtime.graphs import trace_decode_forward
 
     def traced_with_a_constant():
         weight, cache = torch.randn(8, 3), torch.zeros(2, 3)

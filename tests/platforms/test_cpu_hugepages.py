@@ -1,4 +1,4 @@
-"""The weights on 2 MiB pages (platforms/cpu_hugepages.py): which address ranges are moved
+"""The weights on 2 MiB pages (platforms/cpu/runtime/hugepages.py): which address ranges are moved
 (only 2 MiB pages inside the weights' ranges whose pages are all resident), that the kernel then
 holds them on huge pages (/proc smaps' AnonHugePages) without the resident size growing, and that
 a CPU engine's worker hands its weights over once loaded."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tengyun.platforms import cpu_hugepages
-from tengyun.platforms.cpu_hugepages import HUGE_PAGE
+from tengyun.platforms.cpu.runtime import hugepages as cpu_hugepages
+from tengyun.platforms.cpu.runtime.hugepages import HUGE_PAGE
 
 PAGE = 4096
 
@@ -71,7 +71,7 @@ import ctypes, mmap, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from test_cpu_hugepages import _huge_bytes_of_mapping
-from tengyun.platforms import cpu_hugepages
+from tengyun.platforms.cpu.runtime import hugepages as cpu_hugepages
 
 weight = torch.ones(16 << 20, dtype=torch.uint8)  # written: resident
 moved = cpu_hugepages.collapse(cpu_hugepages.weight_ranges([weight]))
@@ -97,7 +97,7 @@ def test_a_weight_moves_onto_huge_pages_and_a_sparse_range_does_not_grow():
 ENGINE = """
 import sys
 from tengyun import LLM
-from tengyun.platforms.cpu_hugepages import thp_mode
+from tengyun.platforms.cpu.runtime.hugepages import thp_mode
 
 def huge():
     text = open("/proc/self/smaps_rollup").read()
@@ -128,7 +128,7 @@ def test_a_cpu_engine_puts_its_weights_on_huge_pages(tiny_tokenizer_dir, tmp_pat
 HOLE = """
 import mmap, sys
 import torch
-from tengyun.platforms import cpu_hugepages
+from tengyun.platforms.cpu.runtime import hugepages as cpu_hugepages
 
 # two 8 MiB anonymous mappings with an unmapped 8 MiB hole between them, taken as one range
 block = mmap.mmap(-1, 24 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -15,7 +15,7 @@ import pytest
 
 SCRIPT = """
 import ctypes, ctypes.util, os, torch
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tengyun import LLM, SamplingParams
-from tengyun.platforms.cpu_threads import (
+from tengyun.platforms.cpu.runtime.threads import (
     MAX_RESTARTS, StepThreads, ThreadTuner, model_step_threads, release_openmp_pool, time_thread_counts,
 )
 
@@ -101,7 +101,7 @@ def test_a_sudden_slowdown_brings_the_next_probe_forward():
 
 
 def test_omp_num_threads_fixes_the_count_and_says_so(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="tengyun.platforms.cpu_threads")
+    caplog.set_level(logging.INFO, logger="tengyun.platforms.cpu.runtime.threads")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert model_step_threads(world_size=1, threads=2) is None
     assert "OpenMP: 2 threads, fixed: OMP_NUM_THREADS=2 fixes the count" in caplog.text
@@ -117,7 +117,7 @@ def test_omp_num_threads_fixes_the_count_and_says_so(monkeypatch, caplog):
 
 def test_a_start_up_check_chooses_the_count_the_first_steps_run_with(caplog):
     """The first step is often the largest prefill chunk, which probes never touch."""
-    caplog.set_level(logging.INFO, logger="tengyun.platforms.cpu_threads")
+    caplog.set_level(logging.INFO, logger="tengyun.platforms.cpu.runtime.threads")
     checked = []
 
     def busy_core(counts, set_threads):
@@ -203,7 +203,7 @@ def test_releasing_the_openmp_pool_ends_its_threads():
 
 
 def test_the_engine_steps_through_the_tuner_unless_omp_num_threads_is_set(tiny_checkpoints, monkeypatch, caplog):
-    caplog.set_level(logging.DEBUG, logger="tengyun.platforms.cpu_threads")
+    caplog.set_level(logging.DEBUG, logger="tengyun.platforms.cpu.runtime.threads")
     folder = str(tiny_checkpoints["llama"])
     args = dict(block_size=8, max_model_len=64, max_num_seqs=4, kv_cache_memory="1MiB")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -14,10 +14,10 @@ import pytest
 
 from tengyun.host import probe
 from tengyun.host.telemetry import DeviceReading, parse_meminfo
-from tengyun.platforms import cuda
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cuda import CudaPlatform
-from tengyun.platforms.npu import NpuPlatform
+from tengyun.platforms.cuda import platform as cuda
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cuda.platform import CudaPlatform
+from tengyun.platforms.npu.platform import NpuPlatform
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
 MIB = 1 << 20

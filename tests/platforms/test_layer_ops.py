@@ -1,5 +1,5 @@
 """Layer ops (tengyun/layers/layer_ops.py): the PyTorch default reproduces HF's norm and rotary
-arithmetic bit for bit, and the NPU ops (tengyun/platforms/npu_ops.py) agree with it when run on
+arithmetic bit for bit, and the NPU ops (tengyun/platforms/npu/kernels/layer_ops.py) agree with it when run on
 a CPU reference of the documented torch_npu ops (fake_torch_npu.py)."""
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tengyun.layers.attention import cpu_kernels
+from tengyun.platforms.cpu import native as cpu_kernels
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 from tengyun.layers.layernorm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 from tengyun.layers.linear_kernel import DenseLinearKernel
 from tengyun.layers.rotary_embedding import RotaryEmbedding
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cpu_ops import CpuFusedLayerOps
-from tengyun.platforms.cuda import CudaPlatform
-from tengyun.platforms.npu import NpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels.layer_ops import CpuFusedLayerOps
+from tengyun.platforms.cuda.platform import CudaPlatform
+from tengyun.platforms.npu.platform import NpuPlatform
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_torch_npu  # noqa: E402
@@ -94,14 +94,14 @@ def test_default_rotary_is_the_neox_rotation_of_the_first_rotary_dim_channels(ro
 
 
 def test_npu_platform_supplies_the_npu_ops(fake_npu):
-    from tengyun.platforms.npu_ops import NpuLayerOps
+    from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
 
     assert isinstance(NpuPlatform().layer_ops(), NpuLayerOps)
 
 
 @pytest.mark.parametrize("cls", [RMSNorm, ZeroCenteredRMSNorm])
 def test_npu_norms_call_the_fused_ops_and_match_pytorch(fake_npu, cls):
-    from tengyun.platforms.npu_ops import NpuLayerOps
+    from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
 
     x, residual = torch.randn(7, 3, 32), torch.randn(7, 3, 32)
     reference, npu = _norm(cls, 32, torch.float32), _norm(cls, 32, torch.float32)
@@ -116,7 +116,7 @@ def test_npu_norms_call_the_fused_ops_and_match_pytorch(fake_npu, cls):
 
 
 def test_npu_norm_takes_one_plus_w_in_the_model_dtype(fake_npu):
-    from tengyun.platforms.npu_ops import NpuLayerOps
+    from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
 
     norm = _norm(ZeroCenteredRMSNorm, 32, torch.bfloat16)
     norm.bind_kernels(_kernels(NpuLayerOps()))  # npu_rms_norm asserts gamma has x's dtype
@@ -128,7 +128,7 @@ def test_npu_norm_takes_one_plus_w_in_the_model_dtype(fake_npu):
 
 
 def test_npu_gated_norm_fuses_the_norm_and_keeps_the_gate_in_pytorch(fake_npu):
-    from tengyun.platforms.npu_ops import NpuLayerOps
+    from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
 
     x, gate = torch.randn(5, 4, 8), torch.randn(5, 4, 8)
     reference, npu = _norm(GatedRMSNorm, 8, torch.float32), _norm(GatedRMSNorm, 8, torch.float32)
@@ -139,7 +139,7 @@ def test_npu_gated_norm_fuses_the_norm_and_keeps_the_gate_in_pytorch(fake_npu):
 
 @pytest.mark.parametrize("head_dim,rotary_dim", [(32, 32), (16, 4)])  # full; partial as Qwen3.5
 def test_npu_rotary_rotates_only_the_rotary_channels(fake_npu, head_dim, rotary_dim):
-    from tengyun.platforms.npu_ops import NpuLayerOps
+    from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
 
     reference, npu = RotaryEmbedding(head_dim, rotary_dim, 128, ROPE), RotaryEmbedding(head_dim, rotary_dim, 128, ROPE)
     npu.bind_kernels(_kernels(NpuLayerOps()))
@@ -154,7 +154,7 @@ def test_npu_rotary_rotates_only_the_rotary_channels(fake_npu, head_dim, rotary_
 
 
 def test_npu_rotary_leaves_yarn_on_pytorch(fake_npu):
-    from tengyun.platforms.npu_ops import NpuLayerOps
+    from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
 
     yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
     rope = RotaryEmbedding(16, 16, 128, yarn)

@@ -1,4 +1,4 @@
-"""GGUF kept quantised on Ascend (tengyun/platforms/npu_gguf.py) through npu_weight_quant_batchmatmul,
+"""GGUF kept quantised on Ascend (tengyun/platforms/npu/kernels/gguf.py) through npu_weight_quant_batchmatmul,
 checked on CPU against its documented semantics (fake_torch_npu.py): the blocks' dequantized
 weight up to bf16 rounding of the scales and offsets, Q8_0 and Q4_0 without an offset."""
 
@@ -31,8 +31,8 @@ def _random_blocks(type_name: str, rows: int, in_: int) -> torch.Tensor:
 def test_npu_gguf_kernel_multiplies_by_the_blocks_through_torch_npu(type_name, monkeypatch):
     fake = fake_torch_npu.module()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    from tengyun.platforms.npu import NpuPlatform
-    from tengyun.platforms.npu_gguf import NpuGgufKernel
+    from tengyun.platforms.npu.platform import NpuPlatform
+    from tengyun.platforms.npu.kernels.gguf import NpuGgufKernel
 
     kernel = NpuPlatform.quant_linear_kernel(None, scheme_for_type(type_name), torch.bfloat16)
     assert isinstance(kernel, NpuGgufKernel)
@@ -51,6 +51,6 @@ def test_npu_gguf_kernel_multiplies_by_the_blocks_through_torch_npu(type_name, m
 def test_q6_k_runs_the_reference_on_npu(monkeypatch):
     """torch_npu's grouped antiquant takes one scale per 32 inputs here; Q6_K holds one per 16."""
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu.module())
-    from tengyun.platforms.npu import NpuPlatform
+    from tengyun.platforms.npu.platform import NpuPlatform
 
     assert type(NpuPlatform.quant_linear_kernel(None, scheme_for_type("Q6_K"), torch.bfloat16)) is GgufReferenceKernel

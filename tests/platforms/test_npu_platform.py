@@ -12,14 +12,14 @@ import pytest
 
 from tengyun import LLM, SamplingParams
 from tengyun.config import EngineConfig
-from tengyun.layers.attention.registry import get_attention_backend
+from tengyun.platforms.attention_backends import get_attention_backend
 from tengyun.layers.attention.layer import Attention
 from tengyun.layers.layer_ops import TORCH_LAYER_OPS
 from tengyun.layers.layernorm import RMSNorm
 from tengyun.layers.rotary_embedding import RotaryEmbedding
 from tengyun.platforms import get_platform
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.npu import NpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.npu.platform import NpuPlatform
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_torch_npu  # noqa: E402
@@ -60,7 +60,7 @@ def test_npu_attention_backend_matches_torch_sdpa(tiny_checkpoints, monkeypatch)
 # plain norms; q/k norms; zero-centred, gated, partial rotary
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
-    from tengyun.platforms.npu_ops import NpuLayerOps
+    from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
 
     checkpoints = request.getfixturevalue("tiny_hybrid_checkpoints" if arch == "qwen3_5" else "tiny_checkpoints")
     folder = str(checkpoints[arch])
@@ -87,9 +87,9 @@ def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
 
 
 def test_npu_w8a8_kernels_give_the_cpu_engines_tokens(tiny_checkpoints, tmp_path, monkeypatch):
-    """A W8A8 checkpoint through npu_dynamic_quant + npu_quant_matmul (tengyun/platforms/npu_quant.py)
+    """A W8A8 checkpoint through npu_dynamic_quant + npu_quant_matmul (tengyun/platforms/npu/kernels/quant.py)
     gives the CPU kernels' tokens: both sum int8 products exactly and scale in float32."""
-    from tengyun.platforms.npu_quant import npu_quant_kernel
+    from tengyun.platforms.npu.kernels.quant import npu_quant_kernel
     from tengyun.ops.quantize import quantize_folder
 
     folder = str(quantize_folder(tiny_checkpoints["qwen2"], tmp_path / "w8a8", "w8a8").out_dir)

@@ -16,9 +16,9 @@ from tengyun.entrypoints.openai.metrics import cache_config_labels
 from tengyun.executor.multiproc_executor import _threads_per_rank
 from tengyun.host import probe
 from tengyun.sizing.cache import activation_estimate
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms.cuda import CudaPlatform
-from tengyun.platforms.npu import NpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cuda.platform import CudaPlatform
+from tengyun.platforms.npu.platform import NpuPlatform
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
 MIB = 1 << 20
@@ -81,7 +81,7 @@ def test_torch_cuda_version_is_read_from_torch_without_importing_it():
     import subprocess
     import sys
 
-    code = ("import sys; from tengyun.platforms.cuda import torch_cuda_version; found = torch_cuda_version(); "
+    code = ("import sys; from tengyun.platforms.cuda.platform import torch_cuda_version; found = torch_cuda_version(); "
             "imported = 'torch' in sys.modules; import torch; print(found == torch.version.cuda, imported)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["True", "False"]

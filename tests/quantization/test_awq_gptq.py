@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tengyun.layers.quant_kernels import dequantize_unpacked, in_group_order, reference_kernel, unpacked_weight
-from tengyun.platforms.cpu import CpuPlatform
-from tengyun.platforms import cpu_quant_layout
-from tengyun.platforms.cpu_quant import CpuInt4PackKernel, CpuInt8WeightOnlyKernel
-from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
-from tengyun.platforms.npu import NpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels import quant_layout as cpu_quant_layout
+from tengyun.platforms.cpu.kernels.quant import CpuInt4PackKernel, CpuInt8WeightOnlyKernel
+from tengyun.platforms.cpu.kernels.quant_layout import quant_gemv_fits
+from tengyun.platforms.npu.platform import NpuPlatform
 from tengyun.quantization import awq, gptq
 from tengyun.quantization.config import QuantizationError, detect_quantization
 
@@ -120,7 +120,7 @@ def _close_to_reference(kernel, scheme, tensors, prepared):
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
     not quant_gemv_fits(), reason="the compiled quant kernel does not run here"))])
 def test_cpu_int4_matmul_serves_awq_and_gptq_like_the_reference(fmt, compiled):
-    """Both repackings: torch's int4 layout and the compiled kernel's (cpu_quant_layout.py)."""
+    """Both repackings: torch's int4 layout and the compiled kernel's (cpu/kernels/quant_layout.py)."""
     scheme, tensors = _layer(fmt)
     chosen = CpuPlatform().quant_linear_kernel(scheme, torch.bfloat16)
     assert isinstance(chosen, CpuInt4PackKernel) and chosen.compiled == quant_gemv_fits()

@@ -25,13 +25,13 @@ from tengyun.layers.gguf_kernels import (  # noqa: E402
 from tengyun.layers.quant_kernels import reference_kernel  # noqa: E402
 from tengyun.models.gguf_quantized import kept_types  # noqa: E402
 from tengyun.models.model_source import convert_gguf, qwen_coder_gguf, smollm2_gguf  # noqa: E402
-from tengyun.platforms.cpu import CpuPlatform  # noqa: E402
-from tengyun.platforms.cpu_gguf import (  # noqa: E402
+from tengyun.platforms.cpu.platform import CpuPlatform  # noqa: E402
+from tengyun.platforms.cpu.kernels.gguf import (  # noqa: E402
     DEQUANTIZE_FROM_TOKENS, CpuGgufCompiledKernel, CpuGgufDequantizedKernel, CpuGgufInt4PackKernel, gguf_kernel,
     unpacked_weight,
 )
-from tengyun.platforms import cpu_quant_layout  # noqa: E402
-from tengyun.platforms.cpu_quant_layout import quant_gemv_fits  # noqa: E402
+from tengyun.platforms.cpu.kernels import quant_layout as cpu_quant_layout  # noqa: E402
+from tengyun.platforms.cpu.kernels.quant_layout import quant_gemv_fits  # noqa: E402
 from tengyun.quantization.config import QuantizationError, detect_quantization  # noqa: E402
 from tengyun.quantization.gguf import GGML_TYPES, SUPPORTED_TYPES, quantization_config, scheme_for_type  # noqa: E402
 

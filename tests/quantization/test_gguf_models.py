@@ -115,14 +115,14 @@ def test_kept_blocks_under_tp2_over_gloo_give_the_single_process_tokens(kept_mod
 
 
 def test_kept_blocks_in_bfloat16_through_torch_npu_start_as_the_cpu_kernels(kept_models, monkeypatch):
-    """The tiny Llama in bfloat16 through npu_gguf.py (on fake_torch_npu's documented semantics)
+    """The tiny Llama in bfloat16 through npu/kernels/gguf.py (on fake_torch_npu's documented semantics)
     runs end to end and starts each answer as the CPU kernels do (torch's int4 matmul, the Q8_0
     reference); later tokens of this random model part on bf16 rounding (measured: after 3)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "platforms"))
     import fake_torch_npu
 
-    from tengyun.platforms.cpu import CpuPlatform
-    from tengyun.platforms.npu_gguf import npu_gguf_kernel
+    from tengyun.platforms.cpu.platform import CpuPlatform
+    from tengyun.platforms.npu.kernels.gguf import npu_gguf_kernel
 
     kept, _ = kept_models["llama"]
     cpu = [o.token_ids for o in _tengyun(kept, dtype="bfloat16")]

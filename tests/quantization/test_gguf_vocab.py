@@ -18,8 +18,8 @@ from test_quantized_models import MAX_TOKENS, _hf_greedy, _prompts, planned_and_
 from tengyun import LLM, SamplingParams  # noqa: E402
 from tengyun.layers.embed_head import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
 from tengyun.layers.gguf_kernels import GgufReferenceKernel, dequantize_blocks  # noqa: E402
-from tengyun.platforms.cpu_gguf import CpuGgufCompiledKernel  # noqa: E402
-from tengyun.platforms.cpu_quant_layout import layout_bytes, quant_gemv_fits  # noqa: E402
+from tengyun.platforms.cpu.kernels.gguf import CpuGgufCompiledKernel  # noqa: E402
+from tengyun.platforms.cpu.kernels.quant_layout import layout_bytes, quant_gemv_fits  # noqa: E402
 from tengyun.quantization.gguf import GGML_TYPES, SUPPORTED_TYPES, scheme_for_type  # noqa: E402
 from tengyun.worker.worker import weight_bytes  # noqa: E402
 
@@ -74,7 +74,7 @@ def _pair(type_name: str, vocab: int, tied: bool, dtype: torch.dtype):
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
 def test_a_tied_head_holds_the_blocks_once_in_the_kernel_and_the_embedding_reads_them_there(type_name):
     from tengyun.layers.kernels import bind_kernels
-    from tengyun.platforms.cpu import CpuPlatform
+    from tengyun.platforms.cpu.platform import CpuPlatform
 
     vocab = 197
     pair, qweight = _pair(type_name, vocab, tied=True, dtype=torch.bfloat16)
@@ -94,7 +94,7 @@ def test_a_tied_head_holds_the_blocks_once_in_the_kernel_and_the_embedding_reads
 
 def test_without_a_streaming_kernel_the_head_turns_dense_once_and_a_tied_embedding_shares_it():
     from tengyun.layers.kernels import bind_kernels
-    from tengyun.platforms.cpu import CpuPlatform
+    from tengyun.platforms.cpu.platform import CpuPlatform
 
     pair, qweight = _pair("Q8_0", 197, tied=True, dtype=torch.float32)  # float32: the reference kernel only
     bind_kernels(pair, CpuPlatform().kernels(torch.float32, 16, "float32", quant_schemes=[pair.head.scheme]))

@@ -102,13 +102,13 @@ def test_int64_deq_scale_of_a_float16_export_gives_the_float32_tokens(tiny_check
 
 def test_npu_kernels_give_the_cpu_kernels_tokens(modelslim, monkeypatch):
     """W8A8_DYNAMIC through npu_dynamic_quant + npu_quant_matmul, static W8A8 through npu_quantize
-    + npu_quant_matmul with the int32 quant_bias (tengyun/platforms/npu_quant.py), against a CPU
+    + npu_quant_matmul with the int32 quant_bias (tengyun/platforms/npu/kernels/quant.py), against a CPU
     reference of the documented torch_npu ops."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "platforms"))
     import fake_torch_npu
 
-    from tengyun.platforms.cpu import CpuPlatform
-    from tengyun.platforms.npu_quant import npu_quant_kernel
+    from tengyun.platforms.cpu.platform import CpuPlatform
+    from tengyun.platforms.npu.kernels.quant import npu_quant_kernel
 
     prompts, params = [[5, 6, 7], list(range(1, 40))], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     args = dict(block_size=8, max_model_len=64, kv_cache_memory="1MiB")
@@ -202,7 +202,7 @@ def test_plan_counts_the_stored_bytes(modelslim, tiny_checkpoints):
     fused layer holds once (q/k/v and gate/up see one input): 3 pairs of float32 per layer; and
     where CPU packs W8A8 weights (AVX-512 VNNI), the per-output tensors its kernel does not read:
     weight_offset (all zero), and static W8A8's weight_scale (deq_scale holds the product)."""
-    from tengyun.platforms.cpu import CpuPlatform
+    from tengyun.platforms.cpu.platform import CpuPlatform
 
     dense = tiny_checkpoints["qwen2"]
     quantization, dense_planned = _planned_weights(dense)
@@ -222,7 +222,7 @@ def test_static_kernels_agree_and_read_int64_deq_scales(monkeypatch):
     """CPU (torch._int_mm) and the reference give the same outputs; int64 deq_scale holds the
     float32's bits (0x3C000000 -> 2^-7); static W8A8 refuses to split under tensor parallelism."""
     from tengyun.layers import quant_kernels
-    from tengyun.platforms.cpu_quant import CpuW8A8StaticKernel
+    from tengyun.platforms.cpu.kernels.quant import CpuW8A8StaticKernel
     from tengyun.quantization.modelslim import static_scheme
 
     assert quant_kernels.deq_scale_float32(torch.tensor([0x3C000000], dtype=torch.int64)).item() == 2.0 ** -7

@@ -23,8 +23,8 @@ from test_quantized_models import (
 )
 
 from tengyun import LLM, SamplingParams
-from tengyun.platforms.cpu_quant import CpuInt8WeightOnlyKernel, CpuW8A8Kernel
-from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
+from tengyun.platforms.cpu.kernels.quant import CpuInt8WeightOnlyKernel, CpuW8A8Kernel
+from tengyun.platforms.cpu.kernels.quant_layout import quant_gemv_fits
 from tengyun.quantization.config import detect_quantization
 from tengyun.ops.quantize import quantize_folder
 from tengyun.worker.worker import weight_bytes

@@ -11,7 +11,7 @@ import pytest
 
 from tengyun import LLM, SamplingParams
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
 from tengyun.worker.decode_graphs import capture_sizes
 
 ARGS = dict(block_size=8, max_model_len=96, kv_cache_memory="2MiB", max_num_seqs=6, max_num_batched_tokens=40)

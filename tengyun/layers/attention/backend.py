@@ -1,5 +1,5 @@
 """The attention-backend interface: CUDA and Ascend kernels replace the torch one here (the
-backends by name: registry.py)."""
+backends by name: tengyun/platforms/attention_backends.py)."""
 
 from __future__ import annotations
 

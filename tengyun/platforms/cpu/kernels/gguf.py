@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from tengyun.layers.gguf_kernels import GgufReferenceKernel, dequantize_blocks, q_scale_offset
 from tengyun.layers.quant_kernels import Tensors
-from tengyun.platforms import cpu_quant_layout
+from tengyun.platforms.cpu.kernels import quant_layout as cpu_quant_layout
 from tengyun.quantization.scheme import LinearScheme
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def weight_bytes(scheme: LinearScheme, out: int, in_: int, dtype: str, compiled:
     if dtype == "bfloat16" and scheme.group_size != GROUP:  # Q6_K: dequantized once
         return out * in_ * DTYPE_BYTES[dtype]
     if compiled and int4pack_fits(scheme, dtype, 16):
-        from tengyun.platforms.cpu_quant_layout import layout_bytes
+        from tengyun.platforms.cpu.kernels.quant_layout import layout_bytes
 
         name = ggml_type_of(scheme).name
         return layout_bytes(out, in_, in_ // GROUP, scheme.weight_bits, 4 if name == "Q4_K" else 2, False,

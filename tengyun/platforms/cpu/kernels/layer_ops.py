@@ -7,7 +7,7 @@ rounds, so bf16 results are bit-equal up to float32 summation order and the last
 (``tests/layers/test_cpu_layer_ops.py``). Rotary turns q and k in place.
 
 ``CpuPlatform.layer_ops`` picks these only when the kernel library loads
-(``tengyun.layers.attention.cpu_kernels``); otherwise the PyTorch ops run.
+(``tengyun.platforms.cpu.native``); otherwise the PyTorch ops run.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ verify's last token and drafts) or a short whole sequence (a prompt of up to MAX
 tokens), every query token with its causal limit, each block read once for all of a sequence's
 tokens; token i of a chunk computes exactly what a decode row of its length would. Writing K/V and
 the other prefill chunks are torch_sdpa's, unchanged. Picked by ``CpuPlatform.attention_backend``
-only when the kernel library loads (cpu_kernels.py).
+only when the kernel library loads (platforms/cpu/native.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from dataclasses import dataclass
 
-from tengyun.layers.attention import cpu_kernels
+from tengyun.platforms.cpu import native as cpu_kernels
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 

@@ -53,9 +53,9 @@ LAYOUT_KEYS = ("qpacked", "qscales", "qzeros", "qoffsets", "qcolumns")
 
 def quant_gemv_fits() -> bool:
     """Whether the compiled kernels are loaded and this CPU runs quant_linear (AVX-512 BF16)."""
-    from tengyun.layers.attention import cpu_kernels
+    from tengyun.platforms.cpu import native
 
-    return cpu_kernels.load_error() is None and bool(torch.ops.tengyun.quant_linear_supported())
+    return native.load_error() is None and bool(torch.ops.tengyun.quant_linear_supported())
 
 
 def layout_bytes(out: int, in_: int, groups: int, bits: int, scale_bytes: int, zeros: bool, offsets: bool) -> int:

@@ -60,10 +60,10 @@ class PackedLinearWeight:
 def small_batch_kernel_fits(dtype: torch.dtype) -> bool:
     """Whether the compiled kernels are loaded and this CPU runs the small-batch kernel for dtype
     (AVX-512; bfloat16 also needs AVX-512 BF16)."""
-    from tengyun.layers.attention import cpu_kernels
+    from tengyun.platforms.cpu import native
 
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype)
-    return (name is not None and cpu_kernels.load_error() is None
+    return (name is not None and native.load_error() is None
             and bool(torch.ops.tengyun.packed_gemv_supported(name)))
 
 

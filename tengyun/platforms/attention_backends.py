@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tengyun.layers.attention.backend import AttentionBackend
-from tengyun.layers.attention.cpu_paged import CpuPagedBackend
-from tengyun.layers.attention.flash_attn import FlashAttnBackend
-from tengyun.layers.attention.npu_attention import NpuAttentionBackend
+from tengyun.platforms.cpu.kernels.attention import CpuPagedBackend
+from tengyun.platforms.cuda.kernels.attention import FlashAttnBackend
+from tengyun.platforms.npu.kernels.attention import NpuAttentionBackend
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 
 # Importing a backend's module never imports its library (flash_attn, torch_npu, the compiled CPU

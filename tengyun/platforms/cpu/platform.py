@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 import os
 import time
@@ -12,64 +9,18 @@ from tengyun.host import probe
 from tengyun.host.probe import cpu_flags, process_tree_rss
 from tengyun.host.telemetry import CpuUse, cpu_reading, parse_meminfo
 from tengyun.platforms.base import Platform
+from tengyun.platforms.cpu.runtime import allocator
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import torch
 
+"""The CPU platform: what a worker on host cores does once per process (allocator, huge pages,
+OpenMP threads, decode graphs: runtime/), the kernels it computes with (kernels/, native.py) and
+what it reads of the host for metrics."""
+
 logger = logging.getLogger(__name__)
-
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_M_MMAP_MAX = -4
-_KEEP_BYTES = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit
-_GLIBC_MMAP_MAX = 65536  # glibc's defaults, back once the process's last worker is released
-_GLIBC_THRESHOLD = 128 << 10  # M_MMAP_THRESHOLD's and M_TRIM_THRESHOLD's
-
-
-# glibc's own allocator variables: where the user set one, Tengyun leaves the allocator to them
-# (e.g. MALLOC_MMAP_MAX_=65536, glibc's default, gives large freed blocks back to the system).
-_GLIBC_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
-
-
-def _user_malloc_settings() -> str | None:
-    """The glibc malloc variable the user set (GLIBC_TUNABLES' glibc.malloc.* included), if any."""
-    named = next((name for name in _GLIBC_MALLOC_ENV if name in os.environ), None)
-    if named is None and "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
-        named = "GLIBC_TUNABLES"
-    return named
-
-
-@functools.cache
-def _say_allocator_left_to(variable: str) -> None:
-    logger.info("%s is set: keeping glibc's allocator settings as given (Tengyun's heap reuse is off)", variable)
-
-
-def _mallopt(*settings: tuple[int, int]) -> bool:
-    """glibc's mallopt(param, value) for each setting -> whether all took (False off glibc, or
-    where the user set glibc's own malloc variables: theirs win, one log line says so)."""
-    user = _user_malloc_settings()
-    if user is not None:
-        _say_allocator_left_to(user)
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        ok = all(libc.mallopt(param, value) for param, value in settings)
-    except (OSError, AttributeError, TypeError):
-        ok = False
-    if not ok:
-        logger.debug("mallopt unavailable (not glibc?); keeping the default allocator settings")
-    return ok
-
-
-def _malloc_trim() -> None:
-    """glibc's malloc_trim(0): free pages anywhere in the heap go back to the system."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        logger.debug("malloc_trim unavailable (not glibc?)")
 
 
 class CpuPlatform(Platform):
@@ -82,7 +33,7 @@ class CpuPlatform(Platform):
     repacks_linear_weights = True  # oneDNN's blocked layout (OneDNNPackedLinearKernel), where available
     _loaded_workers = 0  # workers of this process between after_load() and release()
     kv_cache_in_host_memory = True
-    supports_graphs = True  # TorchScript traces of small decode steps (cpu_graphs.py)
+    supports_graphs = True  # TorchScript traces of small decode steps (cpu/runtime/graphs.py)
     ranks_share_host_cores = True
 
     def __init__(self):
@@ -102,7 +53,7 @@ class CpuPlatform(Platform):
     def tied_head_copy(cls, dtype: str, tp: int) -> bool:
         """One copy where the packed head serves the embedding's lookups (ParallelLMHead.bind_kernels):
         TP = 1, float32 on AVX-512 cores or bfloat16 on AVX512-BF16 ones (the compiled kernels'
-        small-batch path, cpu_linear.py; built by `make setup`). Elsewhere two copies."""
+        small-batch path, cpu/kernels/linear.py; built by `make setup`). Elsewhere two copies."""
         flags = cpu_flags()
         served = {"float32": "avx512f" in flags, "bfloat16": "avx512_bf16" in flags}.get(dtype, False)
         return not (tp == 1 and served)
@@ -116,7 +67,7 @@ class CpuPlatform(Platform):
         allocates many multi-MB temporaries, and fresh mmaps page-fault on every touch
         (prefill of 64 x 128 SmolLM2 tokens 12.2 s -> 10.3 s here). vLLM's CPU docs
         reach for tcmalloc via LD_PRELOAD for the same reason; this needs no preload."""
-        _mallopt((_M_MMAP_THRESHOLD, _KEEP_BYTES), (_M_TRIM_THRESHOLD, 1 << 30))
+        allocator.keep_freed_buffers()
 
     def after_load(self, weights: Sequence[torch.Tensor] = ()) -> None:
         """No new mmaps at all once weights and caches are in place (M_MMAP_MAX 0): blocks above
@@ -124,10 +75,10 @@ class CpuPlatform(Platform):
         prefill of 16 x 128 tokens faulted in its 40 MiB MLP activations afresh in every layer:
         2.9 s -> 1.8 s, as fast as with tcmalloc preloaded. Not before loading: the temporaries
         loading frees still go back to the system. The weights then move onto 2 MiB pages
-        (cpu_hugepages.py): a decode step streams all of them."""
-        from tengyun.platforms import cpu_hugepages
+        (cpu/runtime/hugepages.py): a decode step streams all of them."""
+        from tengyun.platforms.cpu.runtime import hugepages as cpu_hugepages
 
-        _mallopt((_M_MMAP_MAX, 0))
+        allocator.no_new_mmaps()
         CpuPlatform._loaded_workers += 1
         started = time.perf_counter()
         moved = cpu_hugepages.collapse(cpu_hugepages.weight_ranges(weights))
@@ -142,30 +93,28 @@ class CpuPlatform(Platform):
         (the test suite's one process grew to 22 GiB and was killed)."""
         CpuPlatform._loaded_workers = max(0, CpuPlatform._loaded_workers - 1)
         if CpuPlatform._loaded_workers == 0:
-            _mallopt((_M_MMAP_MAX, _GLIBC_MMAP_MAX), (_M_MMAP_THRESHOLD, _GLIBC_THRESHOLD),
-                     (_M_TRIM_THRESHOLD, _GLIBC_THRESHOLD))
-            _malloc_trim()
+            allocator.restore_defaults()
 
     def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
         """cpu_paged (the compiled decode kernel) when its library is built and loads, else
         torch_sdpa; one log line says which and why."""
-        from tengyun.layers.attention import cpu_kernels
+        from tengyun.platforms.cpu import native
 
-        reason = cpu_kernels.load_error()
+        reason = native.load_error()
         if reason:
             logger.info("Attention backend: torch_sdpa (%s)", reason)
             return "torch_sdpa"
-        logger.info("Attention backend: cpu_paged (compiled decode kernel, %s)", cpu_kernels.isa())
+        logger.info("Attention backend: cpu_paged (compiled decode kernel, %s)", native.isa())
         return "cpu_paged"
 
     def layer_ops(self):
-        """The compiled fused ops (cpu_ops.py) when the kernel library loads, else PyTorch's."""
-        from tengyun.layers.attention import cpu_kernels
+        """The compiled fused ops (cpu/kernels/layer_ops.py) when the kernel library loads, else PyTorch's."""
+        from tengyun.platforms.cpu import native
         from tengyun.layers.layer_ops import TORCH_LAYER_OPS
 
-        if cpu_kernels.load_error():
+        if native.load_error():
             return TORCH_LAYER_OPS  # attention_backend logs why the library is not there
-        from tengyun.platforms.cpu_ops import CpuFusedLayerOps
+        from tengyun.platforms.cpu.kernels.layer_ops import CpuFusedLayerOps
 
         return CpuFusedLayerOps()
 
@@ -174,21 +123,21 @@ class CpuPlatform(Platform):
         64 x 49152 rows 14.1 ms -> 1.3 ms on a 2-core EPYC) when the kernel library loads."""
         import torch
 
-        from tengyun.layers.attention import cpu_kernels
+        from tengyun.platforms.cpu import native
 
-        return None if cpu_kernels.load_error() else torch.ops.tengyun.sample_rows.default
+        return None if native.load_error() else torch.ops.tengyun.sample_rows.default
 
     def step_threads(self, world_size: int):
         """Also frees the building thread's OpenMP pool, so that the thread that runs the steps
-        (serve's engine thread, or this one again) owns the only one (cpu_threads.py)."""
-        from tengyun.platforms.cpu_threads import model_step_threads, release_openmp_pool
+        (serve's engine thread, or this one again) owns the only one (cpu/runtime/threads.py)."""
+        from tengyun.platforms.cpu.runtime.threads import model_step_threads, release_openmp_pool
 
         if not release_openmp_pool():
             logger.debug("No OpenMP runtime answered omp_pause_resource_all; the building thread keeps its pool")
         return model_step_threads(world_size)
 
     def capture_graph(self, forward, state=()):
-        from tengyun.platforms.cpu_graphs import trace_decode_forward
+        from tengyun.platforms.cpu.runtime.graphs import trace_decode_forward
 
         return trace_decode_forward(forward, state)
 
@@ -206,9 +155,9 @@ class CpuPlatform(Platform):
 
     def linear_kernel(self, dtype):
         """oneDNN with prepacked weights, and the compiled small-batch kernel on those same weights
-        for a few rows where the kernels are built and the CPU has AVX-512 (cpu_linear.py)."""
+        for a few rows where the kernels are built and the CPU has AVX-512 (cpu/kernels/linear.py)."""
         from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
-        from tengyun.platforms.cpu_linear import CpuPackedLinearKernel, small_batch_kernel_fits
+        from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, small_batch_kernel_fits
 
         if not onednn_available(dtype):
             return DenseLinearKernel()
@@ -219,22 +168,22 @@ class CpuPlatform(Platform):
         every call one compiled op (cpu_quant.pack_w8a8_weight); else torch._int_mm (oneDNN),
         activations quantised and sums rescaled by the compiled kernels where they load. 4- and
         8-bit weight-only and GGUF served in bfloat16: the
-        compiled quant kernel's layout where it runs (cpu_quant_layout.py), else (4-bit, GGUF)
+        compiled quant kernel's layout where it runs (cpu/kernels/quant_layout.py), else (4-bit, GGUF)
         torch's int4 CPU matmul.
         Anything else (float32 activations included, which
         torch's int4 matmul runs ~50x slower): the reference, dequantizing per call. Measured in
         benchmarks/README.md."""
         import torch
 
-        from tengyun.platforms import cpu_quant
+        from tengyun.platforms.cpu.kernels import quant as cpu_quant
 
         if scheme.kernel in ("w8a8_int8", "w8a8_static_int8"):
-            from tengyun.layers.attention import cpu_kernels
+            from tengyun.platforms.cpu import native
 
             kernel = cpu_quant.CpuW8A8Kernel if scheme.kernel == "w8a8_int8" else cpu_quant.CpuW8A8StaticKernel
-            return kernel(scheme, compiled=cpu_kernels.load_error() is None)
-        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu_gguf.py)
-            from tengyun.platforms.cpu_gguf import gguf_kernel
+            return kernel(scheme, compiled=native.load_error() is None)
+        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu/kernels/gguf.py)
+            from tengyun.platforms.cpu.kernels.gguf import gguf_kernel
 
             return gguf_kernel(scheme, dtype, compiled=self._compiled_quant_layout())
         dtype_name = str(dtype).removeprefix("torch.")
@@ -254,7 +203,7 @@ class CpuPlatform(Platform):
         """GGUF in bfloat16 (blocks of 32): the compiled layout ("rows") or torch's int4 layout.
         compressed-tensors (an untied head): W8A8 its int8 kernel; 4- and 8-bit weight-only in
         bfloat16 the compiled layout, or (4 bits) torch's int4 layout."""
-        from tengyun.platforms import cpu_gguf
+        from tengyun.platforms.cpu.kernels import gguf as cpu_gguf
 
         if scheme.kernel == "wna16_int":
             compiled = cls._compiled_quant_layout()
@@ -277,14 +226,14 @@ class CpuPlatform(Platform):
         from tengyun.model_spec import DTYPE_BYTES
 
         if scheme.kernel in ("w8a8_int8", "w8a8_static_int8") and cls._packs_w8a8():
-            from tengyun.platforms.cpu_quant import packed_weight_bytes  # outputs padded to 16, inputs to 4
+            from tengyun.platforms.cpu.kernels.quant import packed_weight_bytes  # outputs padded to 16, inputs to 4
 
             if scheme.kernel == "w8a8_int8":  # + weight_scale (a ModelSlim weight_offset is dropped)
                 return packed_weight_bytes(out, in_) + out * DTYPE_BYTES[dtype]
             # + quant_bias int32, deq_scale float32, the input scale's reciprocal and offset
             return packed_weight_bytes(out, in_) + 8 * out + 8
         if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: its int4 repack, or its blocks
-            from tengyun.platforms.cpu_gguf import weight_bytes
+            from tengyun.platforms.cpu.kernels.gguf import weight_bytes
 
             repacked = weight_bytes(scheme, out, in_, dtype, compiled=cls._compiled_quant_layout())
             return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total) if repacked is None else repacked
@@ -295,14 +244,14 @@ class CpuPlatform(Platform):
             in_ = in_total or in_
         permutation = 8 * in_ if scheme.act_order else 0
         if eight_bit:  # int8 values; a scale in dtype, or a float32 scale and offset with zero points
-            from tengyun.platforms.cpu_quant_layout import layout_bytes
+            from tengyun.platforms.cpu.kernels.quant_layout import layout_bytes
 
             groups = in_ // (scheme.group_size or in_)
             scale_bytes = DTYPE_BYTES[dtype] if scheme.symmetric else 4
             return layout_bytes(out, in_, groups, 8, scale_bytes, False, not scheme.symmetric) + permutation
         groups = in_ // scheme.group_size
-        if cls._compiled_quant_layout():  # cpu_quant_layout.py: outputs padded to 32, uint8 zero points
-            from tengyun.platforms.cpu_quant_layout import layout_bytes
+        if cls._compiled_quant_layout():  # cpu/kernels/quant_layout.py: outputs padded to 32, uint8 zero points
+            from tengyun.platforms.cpu.kernels.quant_layout import layout_bytes
 
             return layout_bytes(out, in_, groups, 4, DTYPE_BYTES[dtype], not scheme.symmetric, False) + permutation
         if out % 16:
@@ -312,14 +261,14 @@ class CpuPlatform(Platform):
     @staticmethod
     def _packs_w8a8() -> bool:
         """Do W8A8 layers take the packed layout here (cpu_quant.w8a8_packed_fits)?"""
-        from tengyun.platforms.cpu_quant import w8a8_packed_fits
+        from tengyun.platforms.cpu.kernels.quant import w8a8_packed_fits
 
         return w8a8_packed_fits()
 
     @staticmethod
     def _compiled_quant_layout() -> bool:
         """Do 4-bit layers take the compiled kernel's layout here (cpu_quant_layout.quant_gemv_fits)?"""
-        from tengyun.platforms.cpu_quant_layout import quant_gemv_fits
+        from tengyun.platforms.cpu.kernels.quant_layout import quant_gemv_fits
 
         return quant_gemv_fits()
 

@@ -1,6 +1,6 @@
 """The compiled CPU kernels (tengyun/csrc/): built once, loaded lazily, optional.
 
-``make setup`` builds them (``python -m tengyun.layers.attention.cpu_kernels --build``) with
+``make setup`` builds them (``python -m tengyun.platforms.cpu.native --build``) with
 ``torch.utils.cpp_extension`` (g++, ninja, OpenMP) into
 ``$TORCH_EXTENSIONS_DIR/tengyun_cpu_kernels_<hash>/`` (default ``~/.cache/tengyun/torch_extensions``),
 never into the repository. The hash covers the sources, the flags and the torch and Python versions, so
@@ -102,7 +102,7 @@ def load() -> str | None:
         return None
     path = library_path()
     if not path.is_file():
-        return (f"the CPU kernels are not built (no {path}); run `python -m tengyun.layers.attention.cpu_kernels "
+        return (f"the CPU kernels are not built (no {path}); run `python -m tengyun.platforms.cpu.native "
                 "--build`, which `make setup` does")
     try:
         torch.ops.load_library(str(path))

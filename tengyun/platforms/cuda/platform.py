@@ -113,7 +113,7 @@ class CudaPlatform(Platform):
     def default_block_size(self) -> int:
         """256 when flash-attn imports (its paged KV needs a multiple of 256), else 16. Pass
         --block-size 16 for finer prefix-cache hits; attention then runs on torch_sdpa."""
-        from tengyun.layers.attention.flash_attn import PAGE_BLOCK_MULTIPLE, flash_attn_import_error
+        from tengyun.platforms.cuda.kernels.attention import PAGE_BLOCK_MULTIPLE, flash_attn_import_error
 
         return PAGE_BLOCK_MULTIPLE if flash_attn_import_error() is None else 16
 
@@ -216,7 +216,7 @@ def nvml_readings(visible: str | None) -> list | None:
 
 
 def _why_not_flash_attn(block_size: int | None, kv_cache_dtype: str | None) -> str | None:
-    from tengyun.layers.attention.flash_attn import CACHE_DTYPES, PAGE_BLOCK_MULTIPLE, flash_attn_import_error
+    from tengyun.platforms.cuda.kernels.attention import CACHE_DTYPES, PAGE_BLOCK_MULTIPLE, flash_attn_import_error
 
     if error := flash_attn_import_error():
         return error

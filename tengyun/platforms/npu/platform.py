@@ -56,16 +56,16 @@ class NpuPlatform(Platform):
         return "npu"
 
     def layer_ops(self):
-        from tengyun.platforms.npu_ops import NpuLayerOps
+        from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
 
         return NpuLayerOps()
 
     def quant_linear_kernel(self, scheme, dtype):
-        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (npu_gguf.py)
-            from tengyun.platforms.npu_gguf import npu_gguf_kernel
+        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (npu/kernels/gguf.py)
+            from tengyun.platforms.npu.kernels.gguf import npu_gguf_kernel
 
             return npu_gguf_kernel(scheme, dtype)
-        from tengyun.platforms.npu_quant import npu_quant_kernel
+        from tengyun.platforms.npu.kernels.quant import npu_quant_kernel
 
         return npu_quant_kernel(scheme)
 

@@ -11,7 +11,7 @@ references (which they fall back to for a layer they cannot run).
   W8A8 alike, activations quantised with its one input scale and offset, quant_bias added to the
   int32 sums.
 - 4-bit weight-only in bfloat16: where the compiled kernels load and the cores have AVX-512 BF16,
-  the weight repacked once into the compiled kernel's layout (cpu_quant_layout.py: nibbles in
+  the weight repacked once into the compiled kernel's layout (cpu/kernels/quant_layout.py: nibbles in
   blocks of 32 outputs, the checkpoint's scales and zero points; w = (n - zero) * scale exactly
   as the reference's float32 values), run by quant_gemv.cpp for a few rows and dequantized once
   per call for many. Elsewhere torch's int4 CPU matmul (_weight_int4pack_mm_for_cpu) on the
@@ -28,7 +28,7 @@ from tengyun.layers.quant_kernels import (
     QuantLinearKernel, ReferenceW8A8StaticKernel, ReferenceWNA16Kernel, Tensors, gather_inputs, in_group_order,
     quantize_per_tensor, quantize_per_token, unpacked_weight,
 )
-from tengyun.platforms import cpu_quant_layout
+from tengyun.platforms.cpu.kernels import quant_layout as cpu_quant_layout
 
 
 PACKED_MAX_INPUTS = 1 << 17  # the packed op's exactness bound: |x_q . w| <= 2^14 K < 2^31
@@ -37,9 +37,9 @@ PACKED_MAX_INPUTS = 1 << 17  # the packed op's exactness bound: |x_q . w| <= 2^1
 def w8a8_packed_fits() -> bool:
     """Whether the compiled kernels are loaded and this CPU runs the packed W8A8 kernel
     (AVX-512 F/BW/VL/DQ + VNNI)."""
-    from tengyun.layers.attention import cpu_kernels
+    from tengyun.platforms.cpu import native
 
-    return cpu_kernels.load_error() is None and bool(torch.ops.tengyun.w8a8_packed_supported())
+    return native.load_error() is None and bool(torch.ops.tengyun.w8a8_packed_supported())
 
 
 def _packed_op(compiled: bool):
@@ -89,7 +89,7 @@ class CpuW8A8Kernel(QuantLinearKernel):
     streams_quantised = True  # the int8 weight as held, packed or through torch._int_mm
 
     def __init__(self, scheme, compiled: bool = False, pack: bool = True):
-        """compiled: the kernel library is loaded (cpu_kernels.load_error() is None); where the CPU
+        """compiled: the kernel library is loaded (native.load_error() is None); where the CPU
         has VNNI (and ``pack``) the weight is repacked once and every call runs w8a8_packed_gemm,
         else the compiled quantize_per_token_int8 and rescale_int32 around torch._int_mm."""
         super().__init__(scheme)
@@ -181,7 +181,7 @@ class CpuInt4PackKernel(ReferenceWNA16Kernel):
 
 class CpuInt8WeightOnlyKernel(ReferenceWNA16Kernel):
     """8-bit weight-only (GPTQ 8-bit, compressed-tensors W8A16) in the compiled kernel's 8-bit
-    layout (cpu_quant_layout.py), act order as CpuInt4PackKernel. n = q (the stored value - 128,
+    layout (cpu/kernels/quant_layout.py), act order as CpuInt4PackKernel. n = q (the stored value - 128,
     int8), s the scale; a zero point becomes the offset o = -zero * s in float32 (scales widened to
     float32): fma(n, s, o) is then (q - zero) * s exactly, the reference's value, where -zero * s
     is exact in float32 (always for 16-bit scales); elsewhere the layer keeps the reference."""

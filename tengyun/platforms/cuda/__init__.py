@@ -1,0 +1,1 @@
+"""The CUDA platform (platform.py) and its kernels (kernels/)."""

@@ -1,0 +1,1 @@
+"""CUDA kernels: flash-attn attention."""

@@ -1,0 +1,1 @@
+"""torch_npu kernels: attention, quantised linear, GGUF, fused layer ops."""
