@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype, mtp_layers_for_speculation
+from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype
+from tengyun.sizing.resolve import DEFAULT_MAX_NUM_BATCHED_TOKENS, ResolvedSizing, resolve_sizing
 from tengyun.spec_decode.config import SpeculativeConfig
 from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
 
@@ -25,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 KVCACHE_SPACE_ENV = "TENGYUN_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 DEFAULT_CPU_KVCACHE_GIB = 4
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -165,6 +165,7 @@ class EngineConfig:
     model_spec: ModelSpec | None = field(default=None, init=False, repr=False)  # the one description of the model
     quant_config: QuantConfig | None = field(default=None, init=False, repr=False)  # None: not quantised
     device_type: str = field(default="", init=False)
+    sizing: ResolvedSizing | None = field(default=None, init=False, repr=False)  # what `tengyun plan` resolves too
     hccl_node: Any = field(default=None, init=False, repr=False)  # ops.ranktable.HcclNode of --rank-table
     _frozen: bool = field(default=False, init=False, repr=False)
 
@@ -300,66 +301,26 @@ class EngineConfig:
         platform = select_platform(self.device, device_init_timeout(self.device_init_timeout),
                                    check_versions=not self.skip_version_check)
         self.device_type = platform.device_type
-        if self.block_size is None:
-            self.block_size = platform.default_block_size
-        self._resolve_dtypes()
-        self._resolve_lengths()
-        self._check_parallel_fits_model()
+        self._resolve_sizing(platform.default_block_size)
         self._check_quantization()
-        self._check_speculative()
         if self.served_model_name is None:
             self.served_model_name = self.model or source.default_name
         self._frozen = True
         return self
 
-    def _resolve_dtypes(self) -> None:
+    def _resolve_sizing(self, block_size_default: int) -> None:
+        """Block size, dtypes, lengths, batched tokens, the TP / PP and MTP checks: sizing.resolve_sizing,
+        the resolve `tengyun plan` runs for the device it plans for, written back into the fields."""
+        sizing = resolve_sizing(self, self.model_spec, self.device_type, self.model_path, block_size_default)
         if self.dtype == "auto":
-            from tengyun.platforms import served_dtype
-
-            self.dtype = served_dtype("auto", self.device_type, self.model_spec.checkpoint_dtype)
             logger.info("--dtype auto: %s on %s for a checkpoint config.json calls %s (pass --dtype to choose; "
-                        "Platform.auto_dtype says why)", self.dtype, self.device_type,
+                        "Platform.auto_dtype says why)", sizing.dtype, self.device_type,
                         self.model_spec.checkpoint_dtype or "nothing")
-        if self.kv_cache_dtype == "auto":
-            self.kv_cache_dtype = self.dtype
-
-    def _resolve_lengths(self) -> None:
-        model_max = self.model_spec.max_position_embeddings
-        if self.max_model_len is None:
-            self.max_model_len = model_max
-        elif self.max_model_len > model_max:
-            raise ValueError(
-                f"--max-model-len {self.max_model_len} is longer than the model's "
-                f"max_position_embeddings {model_max}: lower --max-model-len to {model_max}."
-            )
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (
-                DEFAULT_MAX_NUM_BATCHED_TOKENS
-                if self.enable_chunked_prefill
-                else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than "
-                f"--max-model-len {self.max_model_len} with chunked prefill off, so a long prompt "
-                f"could never be scheduled: raise --max-num-batched-tokens to {self.max_model_len}, "
-                f"lower --max-model-len, or pass --enable-chunked-prefill."
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
-            raise ValueError(
-                f"--max-num-batched-tokens {self.max_num_batched_tokens} must be >= --max-num-seqs "
-                f"{self.max_num_seqs}: raise it to {self.max_num_seqs}."
-            )
-
-    def _check_parallel_fits_model(self) -> None:
-        spec, tp, pp = self.model_spec, self.tensor_parallel_size, self.pipeline_parallel_size
-        problem = spec.tp_problem(tp)
-        if problem:
-            works = [n for n in range(1, spec.num_attention_heads + 1) if spec.tp_problem(n) is None]
-            raise ValueError(f"--tensor-parallel-size {tp} {problem}: use one of {works}.")
-        if pp > spec.num_layers:
-            raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers {spec.num_layers}: "
-                             f"use at most {spec.num_layers}.")
+        self.block_size, self.dtype, self.kv_cache_dtype = sizing.block_size, sizing.dtype, sizing.kv_cache_dtype
+        self.max_model_len, self.max_num_batched_tokens = sizing.max_model_len, sizing.max_num_batched_tokens
+        if sizing.mtp_layers:
+            self.model_spec = dataclasses.replace(self.model_spec, mtp_num_layers=sizing.mtp_layers)
+        self.sizing = sizing
 
     def _check_quantization(self) -> None:
         """The checkpoint's quantisation (config.json quantization_config, or --quantization), read
@@ -393,14 +354,6 @@ class EngineConfig:
                else f"{self.device_type} has no FP8 matmul (Platform.fp8_matmul)")
         logger.info("FP8 block-quantized checkpoint (weight_block_size %s): weights dequantized to %s at load, "
                     "since %s", list(block), self.dtype, why)
-
-    def _check_speculative(self) -> None:
-        """--speculative-config against the model (docs/speculative_decoding.md)."""
-        spec = self.speculative_config
-        if spec is None or spec.method != "mtp":
-            return
-        layers = mtp_layers_for_speculation(self.model_spec, self.model_path, spec.num_speculative_tokens)
-        self.model_spec = dataclasses.replace(self.model_spec, mtp_num_layers=layers)
 
     # ----- derived values -------------------------------------------------------------
     @property

@@ -15,9 +15,8 @@ from tengyun.distributed.parallel_state import (
 )
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
-from tengyun.sizing.cache import (
-    KVCacheShape, activation_estimate, kv_cache_shape, split_budget, state_shape,
-)
+from tengyun.sizing.blocks import CacheBudget, activation_reserve, cache_capacity, check_holds_one_sequence
+from tengyun.sizing.cache import KVCacheShape, kv_cache_shape, state_shape
 from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.layers.quantized import apply_quant_config
 from tengyun.layers.weight_loading import deferred_weights, drop_weight_loaders
@@ -201,49 +200,29 @@ class Worker:
         return min(self.config.max_num_seqs, self.platform.graph_batch_limit(self.kernels))
 
     def _count_kv_blocks(self, shape: KVCacheShape, slot_bytes: int = 0) -> tuple[int, int, int]:
-        """(KV blocks, state slots, state snapshots) that fit here, then the fewest over all ranks:
-        every rank holds the same ids. ``slot_bytes``: one sequence's recurrent state (0: none)."""
+        """(KV blocks, state slots, state snapshots) that fit here (sizing.blocks.cache_capacity, as
+        `tengyun plan` counts them), then the fewest over all ranks: every rank holds the same ids.
+        ``slot_bytes``: one sequence's recurrent state (0: none)."""
         config = self.config
-        split = lambda budget: split_budget(max(budget, 0), config.block_size, shape, slot_bytes,  # noqa: E731
-                                            config.max_num_seqs, config.max_model_len, config.enable_prefix_caching)
-        hybrid, caching = config.model_spec.is_hybrid, config.enable_prefix_caching
-        if config.num_gpu_blocks_override is not None:
-            num_blocks, num_slots = config.num_gpu_blocks_override, config.max_num_seqs
-            num_snapshots = num_slots if caching else 0
-            source = "--num-gpu-blocks-override"
-        elif self.platform.kv_cache_in_host_memory:
-            num_blocks, num_slots, num_snapshots = split(config.kv_cache_budget_bytes())
-            source = "--kv-cache-memory / TENGYUN_CPU_KVCACHE_SPACE"
-        else:
-            num_blocks, num_slots, num_snapshots = split(self._device_kv_budget())
-            source = "--gpu-memory-utilization"
-        if not slot_bytes:  # no linear-attention layers on this stage: it never limits slots or snapshots
-            num_slots = config.max_num_seqs if hybrid else 0
-            num_snapshots = num_slots if caching else 0
-        num_blocks, num_slots, num_snapshots = (all_reduce_min(n) for n in (num_blocks, num_slots, num_snapshots))
-        capacity = num_blocks * config.block_size
-        if capacity < config.max_model_len:
-            need = -(-config.max_model_len // config.block_size) * shape.bytes_per_block(config.block_size)
-            raise ValueError(
-                f"The KV cache holds {capacity} tokens ({num_blocks} blocks) but --max-model-len is "
-                f"{config.max_model_len}: lower --max-model-len to {max(capacity, config.block_size)} "
-                f"or raise {source} (one sequence of {config.max_model_len} tokens needs "
-                f"{need / 2**20:.1f} MiB)."
-            )
-        return num_blocks, num_slots, num_snapshots
+        budget = None
+        if config.num_gpu_blocks_override is None:
+            budget = (CacheBudget(host_bytes=config.kv_cache_budget_bytes())
+                      if self.platform.kv_cache_in_host_memory else self._device_kv_budget())
+        capacity = cache_capacity(config.sizing, shape, slot_bytes, config.model_spec.is_hybrid, budget)
+        counts = tuple(all_reduce_min(n) for n in (capacity.blocks, capacity.slots, capacity.snapshots))
+        check_holds_one_sequence(config.sizing, counts[0], shape, capacity.source)
+        return counts
 
-    def _device_kv_budget(self) -> int:
-        """Bytes for KV and state on an accelerator: its memory x --gpu-memory-utilization, less what
-        is in use now (weights, runtime) and the activation reserve of one step, the same estimate
-        `tengyun plan` subtracts (kv_sizing.activation_estimate; no profiling run here)."""
+    def _device_kv_budget(self) -> CacheBudget:
+        """An accelerator's memory x --gpu-memory-utilization, less what is in use now (weights,
+        runtime) and the activation reserve of one step, the same estimate `tengyun plan` subtracts
+        (sizing.blocks.activation_reserve; no profiling run here)."""
         config = self.config
         free, total = self.platform.memory_info()
-        activation, formula = activation_estimate(config.model_spec, config.tensor_parallel_size,
-                                                  config.max_num_batched_tokens, config.max_num_seqs,
-                                                  DTYPE_BYTES[config.dtype])
+        activation, formula = activation_reserve(config.model_spec, config.sizing)
         logger.info("KV budget: %.2f GiB x %s - %.2f GiB in use - %.2f GiB activations (%s)", total / 2**30,
                     config.gpu_memory_utilization, (total - free) / 2**30, activation / 2**30, formula)
-        return int(total * config.gpu_memory_utilization) - (total - free) - activation
+        return CacheBudget(device_total=total, in_use=total - free, activation=activation)
 
     def execute_model(self, sched: SchedulerOutput,
                       sampled_elsewhere: dict[int, list[int]] | None = None) -> ModelRunnerOutput | None:
@@ -290,6 +269,6 @@ def _tensors_in(prepared) -> list:
         prepared = list(prepared.values())
     if isinstance(prepared, list):
         return [t for item in prepared for t in _tensors_in(item)]
-    if hasattr(prepared, "tensors"):  # a kernel's own holder (platforms/cpu/kernels/linear.py PackedLinearWeight)
+    if hasattr(prepared, "tensors"):  # a kernel's own holder (platforms/cpu_linear.py PackedLinearWeight)
         return prepared.tensors()
     return [] if prepared is None else [prepared]

@@ -108,15 +108,21 @@ def _loaded_tensors(folder):
 
 
 def test_plan_counts_the_decoder_as_loaded_and_fp8_as_held_and_as_served(layout_folders):
+    from tengyun.config import EngineConfig
+    from tengyun.model_spec import ModelSpec
+    from tengyun.sizing.checkpoint import read_model
     from tengyun.sizing.model_size import total_params
-    from tengyun.ops.plan import PlanRequest, make_plan, read_model
+    from tengyun.sizing.plan import make_plan
+    from tengyun.sizing.resolve import resolve_sizing
 
     name, folder, _ = layout_folders
     cfg, checkpoint_bytes, _ = read_model(folder)
     params, stored_bytes = _loaded_tensors(folder)
     assert total_params(cfg) == params  # config.json's text_config, as the checkpoint holds the decoder
     assert checkpoint_bytes == stored_bytes  # the vision tower and MTP layers left out
-    plan = make_plan(cfg, PlanRequest(device="cpu", kv_cache_memory=2**20, dtype="float32"), checkpoint_bytes)
+    sizing = resolve_sizing(EngineConfig(kv_cache_memory=2**20, dtype="float32", block_size=16),
+                            ModelSpec.from_hf_config(cfg), "cpu")
+    plan = make_plan(cfg, sizing, None, checkpoint_bytes)
     assert plan.weight_scale == 1.0 and plan.stages[0].weight_bytes == plan.stages[0].params.total * 4
     if LAYOUTS[name].fp8:
         assert stored_bytes < params * 4

@@ -1,4 +1,4 @@
-"""STYLE boundaries of ops/ and host/: no engine or torch imports; only host/probe.py touches the machine."""
+"""STYLE boundaries of ops/, host/ and sizing/: no engine or torch imports; only host/probe.py touches the machine."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "tengyun"
-MODULES = ("host.compat", "ops.doctor", "ops.grafana", "sizing.model_size", "ops.monitoring", "host.numa", "ops.plan",
-           "host.probe", "host.ranktable", "host.smi", "host.telemetry", "host.findings", "host.versions")
+MODULES = ("host.compat", "ops.doctor", "ops.grafana", "ops.monitoring", "host.numa", "ops.plan",
+           "host.probe", "host.ranktable", "host.smi", "host.telemetry", "host.findings", "host.versions",
+           "sizing.blocks", "sizing.cache", "sizing.checkpoint", "sizing.model_size", "sizing.plan",
+           "sizing.platform_facts", "sizing.resolve", "sizing.weights")
 
 
 def test_ops_modules_import_neither_torch_nor_the_engine():
@@ -32,12 +34,17 @@ def test_only_probe_shells_out_or_reads_sysfs():
 
 
 def test_the_model_spec_and_kv_sizing_are_torch_free():
-    """`tengyun plan` and the engine share these two modules, so a planning host needs no torch."""
+    """`tengyun plan` and the engine share these modules (and the one resolve of their settings, for
+    any device, none of them here), so a planning host needs no torch."""
     code = ("import sys, json\n"
             "import tengyun.model_spec, tengyun.sizing.cache, tengyun.ops.plan\n"
-            "from tengyun.ops.plan import PlanRequest, make_plan\n"
-            "cfg = json.load(open(sys.argv[1]))\n"
-            "make_plan(cfg, PlanRequest()); make_plan(cfg, PlanRequest(device='cpu', kv_cache_memory=2**30))\n"
+            "from tengyun.config import EngineConfig\n"
+            "from tengyun.model_spec import as_spec\n"
+            "from tengyun.sizing.plan import make_plan\n"
+            "from tengyun.sizing.resolve import resolve_sizing\n"
+            "cfg = json.load(open(sys.argv[1])); spec = as_spec(cfg)\n"
+            "for device in ('npu', 'cuda'): make_plan(cfg, resolve_sizing(EngineConfig(), spec, device))\n"
+            "make_plan(cfg, resolve_sizing(EngineConfig(kv_cache_memory=2**30), spec, 'cpu'))\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('tengyun.engine', "
             "'tengyun.worker', 'tengyun.models', 'tengyun.layers', 'tengyun.executor', 'tengyun.distributed'))))\n")
     config = Path(__file__).parents[1] / "fixtures" / "ops" / "qwen3_5_397b_a17b" / "config.json"

@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from tengyun.config import EngineConfig
+from tengyun.model_spec import as_spec
+from tengyun.ops.plan import smallest_fit
+from tengyun.sizing.checkpoint import read_model
 from tengyun.sizing.model_size import total_params
-from tengyun.ops.plan import PlanRequest, make_plan, read_model, smallest_fit
+from tengyun.sizing.plan import Cards, make_plan
+from tengyun.sizing.resolve import ResolvedSizing, resolve_sizing
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
 GiB = 2**30
@@ -24,8 +29,14 @@ def load(name: str) -> dict:
     return json.loads((FIXTURES / name / "config.json").read_text())
 
 
+def sizing(cfg: dict, device: str = "npu", **flags) -> ResolvedSizing:
+    """EngineConfig ``flags`` resolved for ``cfg`` on ``device`` as `tengyun plan` resolves them,
+    with 16-token blocks unless --block-size is among them."""
+    return resolve_sizing(EngineConfig(**{"block_size": 16, **flags}), as_spec(cfg), device)
+
+
 def test_qwen3_0_6b_on_one_64g_card_by_hand():
-    plan = make_plan(load("qwen3_0_6b"), PlanRequest())
+    plan = make_plan(load("qwen3_0_6b"), sizing(load("qwen3_0_6b")))
     [stage] = plan.stages
     # embedding 151936 x 1024 (tied: no separate LM head); per layer q 1024x2048, k and v 1024x1024 each,
     # o 2048x1024, q/k norm 128 each, MLP 3 x 1024 x 3072, two norms of 1024; final norm 1024.
@@ -42,11 +53,11 @@ def test_qwen3_0_6b_on_one_64g_card_by_hand():
     assert plan.max_model_len == 40_960  # max_position_embeddings
     assert plan.max_concurrency == 32_946 // (40_960 // 16) == 12
     assert plan.fits
-    assert smallest_fit(load("qwen3_0_6b"), PlanRequest()) == (1, 1)
+    assert smallest_fit(load("qwen3_0_6b"), sizing(load("qwen3_0_6b"))) == (1, 1)
 
 
 def test_qwen3_0_6b_context_that_does_not_fit_names_the_limit():
-    plan = make_plan(load("qwen3_0_6b"), PlanRequest(device_memory=2 * GiB, max_model_len=40_960))
+    plan = make_plan(load("qwen3_0_6b"), sizing(load("qwen3_0_6b"), max_model_len=40_960), Cards(memory=2 * GiB))
     # 2 GiB x 0.9 - 1,192,099,840 - 197,525,504 = 543,109,939 B -> 295 blocks = 4,720 tokens < 40,960
     assert plan.stages[0].budget_bytes == int(2 * GiB * 0.9) - 1_192_099_840 - 197_525_504 == 543_109_939
     assert plan.cache_tokens == 543_109_939 // 1_835_008 * 16 == 4_720
@@ -55,7 +66,8 @@ def test_qwen3_0_6b_context_that_does_not_fit_names_the_limit():
 
 def test_qwen3_5_397b_a17b_tp8_pp4_on_64g_cards_by_hand():
     cfg = load("qwen3_5_397b_a17b")
-    plan = make_plan(cfg, PlanRequest(tp=8, pp=4, max_model_len=32_768, enable_prefix_caching=False))
+    plan = make_plan(cfg, sizing(cfg, tensor_parallel_size=8, pipeline_parallel_size=4, max_model_len=32_768,
+                                  enable_prefix_caching=False))
     # 60 layers, 15 per stage; full attention at layers 3, 7, ..., 59: 3 on stage 0, 4 on stages 1-3.
     assert [s.layers for s in plan.stages] == [(0, 15), (15, 30), (30, 45), (45, 60)]
     assert [s.attention_layers for s in plan.stages] == [3, 4, 4, 4]
@@ -87,19 +99,20 @@ def test_qwen3_5_397b_a17b_tp8_pp4_on_64g_cards_by_hand():
     assert plan.blocks == 534_764 and plan.cache_tokens == 8_556_224
     assert plan.max_concurrency == 256 and plan.fits
     # Prefix caching (the default) keeps a snapshot row per slot: 512 sequences' state come first.
-    cached = make_plan(cfg, PlanRequest(tp=8, pp=4, max_model_len=32_768))
+    cached = make_plan(cfg, sizing(cfg, tensor_parallel_size=8, pipeline_parallel_size=4, max_model_len=32_768))
     assert (cached.stages[3].state_slots, cached.stages[3].state_snapshots) == (256, 256)
     assert cached.blocks == (budget3 - 512 * state) // (16 * 4096) == 511_840
     assert cached.max_concurrency == 511_840 // (32_768 // 16) == 249
     # The whole decoder in bf16 is 792.7 GB: 14 cards of 61.8 GB usable is the fewest that also hold KV.
-    assert smallest_fit(cfg, PlanRequest(max_model_len=32_768)) == (2, 7)
+    assert smallest_fit(cfg, sizing(cfg, max_model_len=32_768)) == (2, 7)
 
 
 def test_qwen3_5_397b_a17b_with_mtp_counts_the_heads_weights_and_kv_on_the_last_stage():
     """--speculative-config method mtp: stage 3 also holds the MTP head (fc, three norms, one
     full-attention MoE layer, and its own embedding copy: stage 3 has none) and its KV layer."""
     cfg = load("qwen3_5_397b_a17b")
-    request = PlanRequest(tp=8, pp=4, max_model_len=32_768, enable_prefix_caching=False)
+    request = sizing(cfg, tensor_parallel_size=8, pipeline_parallel_size=4, max_model_len=32_768,
+                     enable_prefix_caching=False)
     plain, mtp = make_plan(cfg, request), make_plan(cfg, dataclasses.replace(request, mtp_layers=1))
     h, attention, moe, vocab = 4096, 14_680_576, 808_980_480, 127_139_840  # per rank, as above
     head = 2 * h * h + 3 * h + (attention + moe + 2 * h) + vocab
@@ -110,8 +123,9 @@ def test_qwen3_5_397b_a17b_with_mtp_counts_the_heads_weights_and_kv_on_the_last_
     state = 11 * (12288 // 8 * 3 * 2 + 64 // 8 * 128 * 128 * 4)
     assert mtp.blocks == (plain.stages[3].budget_bytes - 2 * head - 256 * state) // (16 * 5120) == 403_778
     # One stage: the embedding is shared, not copied.
-    [one] = make_plan(cfg, PlanRequest(tp=8, pp=1, max_model_len=32_768, mtp_layers=1, device_memory=None,
-                                       kv_cache_memory=GiB)).stages
+    [one] = make_plan(cfg, sizing(cfg, tensor_parallel_size=8, max_model_len=32_768, kv_cache_memory=GiB,
+                                  speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+                      Cards(memory=None)).stages
     assert one.params.mtp == head - vocab
 
 
@@ -121,7 +135,7 @@ def test_qwen3_5_397b_a17b_fp8_is_planned_as_served_dequantized_in_bf16_on_910b(
     cfg = load("qwen3_5_397b_a17b")
     fp8 = dict(cfg, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [128, 128]})
-    request = PlanRequest(tp=8, pp=4, max_model_len=32_768)
+    request = sizing(cfg, tensor_parallel_size=8, pipeline_parallel_size=4, max_model_len=32_768)
     plan, bf16 = make_plan(fp8, request), make_plan(cfg, request)
     assert [s.weight_bytes for s in plan.stages] == [s.weight_bytes for s in bf16.stages]
     assert plan.blocks == bf16.blocks == 511_840  # prefix caching on (the default): snapshot rows as above
@@ -157,7 +171,8 @@ def test_plan_and_engine_agree_on_kv_blocks(tiny_checkpoints):
 
     folder = tiny_checkpoints["qwen3"]
     budget = 1_000_000
-    plan = make_plan(read_model(folder)[0], PlanRequest(kv_cache_memory=budget, dtype="float32", max_model_len=256))
+    plan = make_plan(cfg := read_model(folder)[0], sizing(cfg, kv_cache_memory=budget, dtype="float32",
+                                                               max_model_len=256))
     llm = LLM(str(folder), dtype="float32", kv_cache_memory=budget)
     engine_blocks = llm.llm_engine.scheduler.block_manager.num_blocks
     # 2 layers x 2 KV heads x 32 head dim x 2 (K, V) x 4 B = 1024 B per token; 16-token blocks.
@@ -256,11 +271,12 @@ def test_checkpoint_index_size_scales_weights_when_it_differs(tmp_path):
         {"metadata": {"total_size": 357_614_952}, "weight_map": {}}))
     hf_config, checkpoint_bytes, name = read_model(tmp_path)
     assert checkpoint_bytes == 357_614_952
-    plan = make_plan(hf_config, PlanRequest(), checkpoint_bytes, name)
+    plan = make_plan(hf_config, sizing(hf_config), Cards(), checkpoint_bytes, name)
     assert plan.weight_scale == 357_614_952 / (596_049_920 * 2)
     assert plan.stages[0].weight_bytes == int(596_049_920 * 2 * plan.weight_scale) == 357_614_952
     assert plan.notes[0].startswith("The checkpoint holds 0.33 GiB but config.json's decoder is 1.11 GiB")
-    same = make_plan(hf_config, PlanRequest(), 596_049_920 * 2 + 1000, name)  # within 2 %: counted, not scaled
+    # within 2 %: counted, not scaled
+    same = make_plan(hf_config, sizing(hf_config), Cards(), 596_049_920 * 2 + 1000, name)
     assert same.weight_scale == 1.0 and same.notes == []
 
 
@@ -284,7 +300,7 @@ def test_w4a16_qwen3_5_397b_a17b_counts_packed_weights_and_needs_fewer_cards():
     cfg = load("qwen3_5_397b_a17b")
     cfg["quantization_config"] = compressed_tensors.quantization_config("w4a16", 128, ("lm_head", "re:.*mlp.gate$"))
     quant = detect_quantization(cfg)
-    request = PlanRequest(tp=8, pp=4, max_model_len=32_768)
+    request = sizing(cfg, tensor_parallel_size=8, pipeline_parallel_size=4, max_model_len=32_768)
     dense, packed = make_plan(cfg, request), make_plan(cfg, request, quant=quant)
     h, tp = 4096, 8
     attention = h * 32 * 256 * 2 // tp + 2 * h * 1 * 256 + 32 * 256 * h // tp  # q (gated), k, v, o
@@ -294,4 +310,4 @@ def test_w4a16_qwen3_5_397b_a17b_counts_packed_weights_and_needs_fewer_cards():
     assert quantized * 95 % 64 == 0
     assert dense.stages[3].weight_bytes - packed.stages[3].weight_bytes == quantized * 95 // 64
     assert packed.quantization == "compressed-tensors W4A16 (int4, group 128, symmetric)"
-    assert smallest_fit(cfg, PlanRequest(max_model_len=32_768), quant=quant) == (4, 1)  # 14 cards in bf16
+    assert smallest_fit(cfg, sizing(cfg, max_model_len=32_768), quant=quant) == (4, 1)  # 14 cards in bf16

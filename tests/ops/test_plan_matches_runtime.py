@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from conftest import QWEN3_5_MOE, QWEN3_5_TEXT, randomize_norms_and_routers
 from tengyun.config import EngineConfig
-from tengyun.ops.plan import Plan, PlanRequest, make_plan, read_model
-from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.model_spec import ModelSpec
+from tengyun.sizing.checkpoint import read_model, read_quantization
+from tengyun.sizing.plan import Cards, Plan, make_plan
+from tengyun.sizing.resolve import resolve_sizing
+from tengyun.platforms.cpu import CpuPlatform
 from tengyun.worker.worker import Worker
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -46,23 +50,22 @@ def _qwen3_next_folder(folder, tokenizer_dir):
     return folder
 
 
-def _plan_for(folder, config: EngineConfig, **request) -> Plan:
-    """The plan `tengyun plan FOLDER` makes for the engine's settings."""
+def _plan_for(folder, device: str, cards: Cards | None = None, **flags) -> Plan:
+    """The plan `tengyun plan FOLDER --device DEVICE` makes for the engine's ``flags`` (EngineConfig
+    fields): resolved by the engine's own resolve, the checkpoint's quantisation read as it reads it."""
     hf_config, checkpoint_bytes, name = read_model(folder)
-    return make_plan(hf_config, PlanRequest(
-        device=config.device_type, dtype=request.pop("dtype", "auto"), block_size=config.block_size,
-        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=config.enable_prefix_caching,
-        **request), checkpoint_bytes, name)
+    sizing = resolve_sizing(EngineConfig(str(folder), **flags), ModelSpec.from_hf_config(hf_config), device,
+                            Path(folder))
+    return make_plan(hf_config, sizing, cards, checkpoint_bytes, name, read_quantization(folder, hf_config))
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_matches_the_engine_on_cpu(folders, family, dtype):
-    config = EngineConfig(str(folders[family]), dtype=dtype, kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN,
-                          max_num_seqs=4, block_size=16).finalize()
+    flags = dict(dtype=dtype, kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=4, block_size=16)
+    config = EngineConfig(str(folders[family]), **flags).finalize()
     worker = Worker(config)
-    plan = _plan_for(folders[family], config, dtype=dtype, kv_cache_memory=config.kv_cache_budget_bytes())
+    plan = _plan_for(folders[family], config.device_type, **flags)
     [stage] = plan.stages
     assert (plan.dtype, plan.kv_cache_dtype) == (config.dtype, config.kv_cache_dtype)
     assert stage.kv_bytes_per_token == worker.kv_shape.bytes_per_token
@@ -79,10 +82,11 @@ def test_plan_counts_hybrid_state_snapshots_only_with_prefix_caching(folders, fa
     budget, so fewer KV blocks fit than with it off; the plan follows both ways."""
     counts = {}
     for caching in (True, False):
-        config = EngineConfig(str(folders[family]), kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN,
-                              max_num_seqs=64, block_size=16, enable_prefix_caching=caching).finalize()
+        flags = dict(kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=64, block_size=16,
+                     enable_prefix_caching=caching)
+        config = EngineConfig(str(folders[family]), **flags).finalize()
         worker = Worker(config)
-        [stage] = _plan_for(folders[family], config, kv_cache_memory=config.kv_cache_budget_bytes()).stages
+        [stage] = _plan_for(folders[family], config.device_type, **flags).stages
         counts[caching] = (stage.blocks, stage.state_slots, stage.state_snapshots)
         assert counts[caching] == (worker.num_blocks, worker.num_state_slots, worker.num_state_snapshots)
     assert counts[True][2] == counts[True][1] > 0 and counts[False][2] == 0
@@ -117,10 +121,11 @@ def _with_mtp_head(folder, out):
 def test_plan_with_mtp_matches_the_engine(folders, family, tmp_path):
     """--speculative-config method mtp: the head's weights and its KV layer, as the worker holds them."""
     folder = _with_mtp_head(folders[family], tmp_path / family)
-    config = EngineConfig(str(folder), kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
-                          block_size=16, speculative_config={"method": "mtp", "num_speculative_tokens": 2}).finalize()
+    flags = dict(kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=4, block_size=16,
+                 speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    config = EngineConfig(str(folder), **flags).finalize()
     worker = Worker(config)
-    plan = _plan_for(folder, config, kv_cache_memory=config.kv_cache_budget_bytes(), mtp_layers=1)
+    plan = _plan_for(folder, config.device_type, **flags)
     [stage] = plan.stages
     assert stage.params.mtp > 0 and stage.weight_bytes == worker.weight_bytes
     assert stage.kv_bytes_per_token == worker.kv_shape.bytes_per_token * (stage.attention_layers) // (
@@ -150,7 +155,7 @@ def test_plan_matches_the_engine_on_a_simulated_device_budget(folders, family, m
     device = SimulatedAccelerator(total=64 * 2**20, used=weights)
     monkeypatch.setattr("tengyun.worker.worker.get_platform", lambda requested: device)
     worker = Worker(config)
-    plan = _plan_for(folders[family], config, device_memory=device.total, gpu_memory_utilization=0.5)
+    plan = _plan_for(folders[family], config.device_type, Cards(memory=device.total), **settings)
     [stage] = plan.stages
     assert stage.weight_bytes == worker.weight_bytes == weights
     assert stage.budget_bytes == int(device.total * 0.5) - weights - plan.activation_bytes
@@ -171,21 +176,51 @@ def quantized_folders(folders, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_plan_counts_quantized_weights_as_the_engine_holds_them(quantized_folders, family, scheme, dtype):
-    from tengyun.ops.plan import read_quantization
-
     folder = quantized_folders[family, scheme]
-    config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN,
-                          max_num_seqs=4, block_size=16).finalize()
+    flags = dict(dtype=dtype, kv_cache_memory="2MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=4, block_size=16)
+    config = EngineConfig(str(folder), **flags).finalize()
     worker = Worker(config)
-    hf_config, checkpoint_bytes, name = read_model(folder)
+    hf_config, _, _ = read_model(folder)
     quant = read_quantization(folder, hf_config)
-    plan = make_plan(hf_config, PlanRequest(
-        device="cpu", dtype=dtype, block_size=16, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
-        checkpoint_bytes, name, quant)
+    plan = _plan_for(folder, "cpu", **flags)
     [stage] = plan.stages
     assert quant is not None and plan.quantization == quant.describe()
     assert stage.weight_bytes == worker.weight_bytes
     assert plan.blocks == worker.num_blocks
-    dense = make_plan(hf_config, PlanRequest(device="cpu", dtype=dtype, kv_cache_memory=2**21))
+    dense = make_plan(hf_config, resolve_sizing(EngineConfig(dtype=dtype, kv_cache_memory=2**21, block_size=16),
+                                                ModelSpec.from_hf_config(hf_config), "cpu"))
     assert stage.weight_bytes < dense.stages[0].weight_bytes  # the quantised layers are smaller
+
+
+def _stored_wider_than_served(source, out, config_dtype: str | None):
+    """``source`` (float32 safetensors) with config.json saying ``config_dtype`` (None: no dtype, as
+    SmolLM2's GGUF conversion writes it), to be served in bfloat16."""
+    shutil.copytree(source, out)
+    cfg = {k: v for k, v in json.loads((out / "config.json").read_text()).items() if k not in ("dtype", "torch_dtype")}
+    (out / "config.json").write_text(json.dumps(cfg | ({"torch_dtype": config_dtype} if config_dtype else {})))
+    return out
+
+
+@pytest.mark.parametrize("case, config_dtype", [("llama", None), ("llama", "bfloat16"), ("qwen3_moe", None),
+                                                 ("llama_w8a8", None)])
+def test_plan_counts_weights_in_the_served_dtype_when_stored_wider(folders, quantized_folders, tmp_path, monkeypatch,
+                                                                   case, config_dtype):
+    """float32 on disk, served in bfloat16 (SmolLM2's folder on a CPU with avx512_bf16: `tengyun plan`
+    counted 513.1 MiB, 'scaled by 2.000', where the runtime loads 256.6 MiB): weights, and the KV
+    blocks a device budget leaves after them, as the engine holds them; dense, MoE and quantised."""
+    source = quantized_folders["llama", "w8a8"] if case == "llama_w8a8" else folders[case]
+    folder = _stored_wider_than_served(source, tmp_path / case, config_dtype)
+    flags = dict(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=4, block_size=16,
+                 gpu_memory_utilization=0.5)
+    config = EngineConfig(str(folder), **flags).finalize()
+    weights = Worker(config).weight_bytes
+    device = SimulatedAccelerator(total=64 * 2**20, used=weights)
+    monkeypatch.setattr("tengyun.worker.worker.get_platform", lambda requested: device)
+    worker = Worker(config)
+    plan = _plan_for(folder, config.device_type, Cards(memory=device.total), **flags)
+    [stage] = plan.stages
+    assert plan.sizing == config.sizing  # one resolve
+    assert plan.weight_scale == 1.0 and plan.notes == []
+    assert stage.weight_bytes == worker.weight_bytes == weights
+    assert (plan.blocks, stage.state_slots, stage.state_snapshots) == (
+        worker.num_blocks, worker.num_state_slots, worker.num_state_snapshots)

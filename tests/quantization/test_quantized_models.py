@@ -297,17 +297,17 @@ def test_plan_command_reads_the_quantization_and_counts_packed_bytes(quantized, 
 def planned_and_held_bytes(folder, dtype: str) -> tuple[int, int]:
     """(`tengyun plan`'s weight bytes for stage 0, what a Worker on ``folder`` holds), on CPU."""
     from tengyun.config import EngineConfig
-    from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
+    from tengyun.model_spec import ModelSpec
+    from tengyun.sizing.checkpoint import read_model, read_quantization
+    from tengyun.sizing.plan import make_plan
+    from tengyun.sizing.resolve import resolve_sizing
     from tengyun.worker.worker import Worker
 
-    config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4,
-                          block_size=16).finalize()
-    worker = Worker(config)
+    flags = dict(dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4, block_size=16)
+    worker = Worker(EngineConfig(str(folder), **flags).finalize())
     hf_config, checkpoint_bytes, name = read_model(folder)
-    plan = make_plan(hf_config, PlanRequest(
-        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
-        checkpoint_bytes, name, read_quantization(folder, hf_config))
+    sizing = resolve_sizing(EngineConfig(str(folder), **flags), ModelSpec.from_hf_config(hf_config), "cpu", folder)
+    plan = make_plan(hf_config, sizing, None, checkpoint_bytes, name, read_quantization(folder, hf_config))
     return plan.stages[0].weight_bytes, worker.weight_bytes
 
 

@@ -10,15 +10,16 @@ import json
 
 # EngineConfig fields `tengyun plan` takes, as `tengyun serve` spells them.
 ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
-                   "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
-                   "tensor_parallel_size", "pipeline_parallel_size", "enable_prefix_caching", "quantization",
-                   "speculative_config")
+                   "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory",
+                   "num_gpu_blocks_override", "tensor_parallel_size", "pipeline_parallel_size",
+                   "enable_prefix_caching", "quantization", "speculative_config")
 PLANNED_DEVICES = ("npu", "cuda", "cpu")
 
 
 def add_parser(subparsers) -> None:
     from tengyun.config import EngineConfig
     from tengyun.entrypoints.cli.engine_args import add_dataclass_flags
+    from tengyun.sizing.plan import Cards
 
     parser = subparsers.add_parser("plan", help="capacity plan: weights per card, KV cache tokens, max concurrency, "
                                                 "whether --max-model-len fits, the smallest TP x PP")
@@ -27,53 +28,32 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default=None, choices=PLANNED_DEVICES,
                         help="the platform planned for: what --dtype auto and --block-size default to there "
                              "(default: npu; cpu with --kv-cache-memory)")
-    parser.add_argument("--device-memory", default="64GiB", help="memory per card, e.g. 64GiB (Ascend 910B), 80GiB")
+    parser.add_argument("--device-memory", default=f"{Cards.memory // 2**30}GiB",
+                        help="memory per card, e.g. 64GiB (Ascend 910B), 80GiB")
     add_dataclass_flags(parser, EngineConfig, only=ENGINE_SETTINGS)
     parser.add_argument("--activation-reserve", default=None, help="override the activation estimate, e.g. 2GiB")
-    parser.add_argument("--devices-per-node", type=int, default=8, help="TP stays within a node in the search")
+    parser.add_argument("--devices-per-node", type=int, default=Cards.per_node,
+                        help="TP stays within a node in the search")
     parser.add_argument("--json", action="store_true")
 
 
-def plan_request(args: argparse.Namespace, hf_config: dict | None = None):
-    """The PlanRequest for parsed `tengyun plan` flags; engine settings checked as EngineConfig checks
-    them, block size and batched tokens defaulted as the engine on that device defaults them; with
-    --speculative-config method mtp, the MTP head's layers of the model (``hf_config``, read from
-    args.model) as the engine counts them."""
-    from tengyun.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, parse_size
+def plan_settings(args: argparse.Namespace, hf_config: dict, folder):
+    """(ResolvedSizing, Cards) for parsed `tengyun plan` flags: the engine's settings checked by
+    EngineConfig and resolved by the engine's own resolve (sizing.resolve_sizing) for --device,
+    without the device being here; ``folder``: the model's (None: a config.json alone)."""
+    from tengyun.config import EngineConfig, parse_size
     from tengyun.entrypoints.cli.engine_args import dataclass_kwargs
-    from tengyun.ops.plan import PlanRequest
-    from tengyun.platforms import platform_class
+    from tengyun.model_spec import ModelSpec
+    from tengyun.sizing.plan import Cards
+    from tengyun.sizing.resolve import resolve_sizing
 
     settings = EngineConfig(**dataclass_kwargs(EngineConfig, args, only=ENGINE_SETTINGS))  # validates the values
     device = args.device or ("cpu" if settings.kv_cache_memory is not None else "npu")
-    block_size = settings.block_size or platform_class(device).default_block_size
-    if not isinstance(block_size, int):  # CUDA's depends on flash-attn on the serving machine
-        block_size = 16
-    return PlanRequest(
-        tp=settings.tensor_parallel_size, pp=settings.pipeline_parallel_size,
-        device_memory=parse_size(args.device_memory, "--device-memory"),
-        gpu_memory_utilization=settings.gpu_memory_utilization, kv_cache_memory=settings.kv_cache_memory,
-        max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        block_size=block_size, dtype=settings.dtype, kv_cache_dtype=settings.kv_cache_dtype, device=device,
-        activation_reserve=parse_size(args.activation_reserve, "--activation-reserve") if args.activation_reserve
-        else None,
-        devices_per_node=args.devices_per_node, enable_prefix_caching=settings.enable_prefix_caching,
-        mtp_layers=_mtp_layers(settings.speculative_config, hf_config, args.model),
-    )
-
-
-def _mtp_layers(speculative, hf_config: dict | None, model: str) -> int:
-    """The MTP layers the engine would run for --speculative-config (0 unless method mtp)."""
-    from pathlib import Path
-
-    from tengyun.model_spec import ModelSpec, mtp_layers_for_speculation
-
-    if speculative is None or speculative.method != "mtp" or hf_config is None:
-        return 0
-    path = Path(model)
-    folder = path if path.is_dir() else None  # a config.json alone: its count only
-    return mtp_layers_for_speculation(ModelSpec.from_hf_config(hf_config), folder, speculative.num_speculative_tokens)
+    sizing = resolve_sizing(settings, ModelSpec.from_hf_config(hf_config), device, folder)
+    reserve = args.activation_reserve
+    cards = Cards(memory=parse_size(args.device_memory, "--device-memory"), per_node=args.devices_per_node,
+                  activation_reserve=parse_size(reserve, "--activation-reserve") if reserve else None)
+    return sizing, cards
 
 
 def _gguf_folder(gguf_file: str, quantization: str | None) -> str:
@@ -85,14 +65,18 @@ def _gguf_folder(gguf_file: str, quantization: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tengyun.ops.plan import make_plan, plan_json, read_model, read_quantization, report_lines, smallest_fit
+    from pathlib import Path
+
+    from tengyun.ops.plan import plan_json, report_lines, smallest_fit
+    from tengyun.sizing.checkpoint import read_model, read_quantization
+    from tengyun.sizing.plan import make_plan
 
     model = _gguf_folder(args.model, args.quantization) if args.model.endswith(".gguf") else args.model
     hf_config, checkpoint_bytes, name = read_model(model)
     quant = read_quantization(model, hf_config, args.quantization)
-    request = plan_request(args, hf_config)
-    plan = make_plan(hf_config, request, checkpoint_bytes, name, quant)
-    fit = smallest_fit(hf_config, request, checkpoint_bytes, quant)
+    sizing, cards = plan_settings(args, hf_config, Path(model) if Path(model).is_dir() else None)
+    plan = make_plan(hf_config, sizing, cards, checkpoint_bytes, name, quant)
+    fit = smallest_fit(hf_config, sizing, cards, checkpoint_bytes, quant)
     if args.json:
         print(json.dumps(plan_json(plan, fit), indent=2))
     else:

@@ -1,0 +1,95 @@
+"""The settings that size weights and caches, resolved once for a model on a device type:
+EngineConfig.finalize (the device it selected) and `tengyun plan` (the device planned for, never
+checked to be here) both call resolve_sizing, so the two cannot disagree on a default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tengyun.dtypes import canonical_dtype
+from tengyun.model_spec import ModelSpec, mtp_layers_for_speculation
+from tengyun.sizing import platform_facts
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class ResolvedSizing:
+    """EngineConfig's sizing settings with every default filled in for ``device``."""
+
+    device: str  # cpu, cuda or npu
+    dtype: str  # weights and activations: --dtype, auto resolved (platforms.served_dtype)
+    kv_cache_dtype: str
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tp: int
+    pp: int
+    gpu_memory_utilization: float
+    kv_cache_memory: int | None  # --kv-cache-memory in bytes as given; None: not given
+    num_gpu_blocks_override: int | None
+    enable_prefix_caching: bool
+    mtp_layers: int = 0  # --speculative-config method mtp: the MTP head's layers on the last stage
+
+
+def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | None = None,
+                   block_size_default: int | None = None) -> ResolvedSizing:
+    """``settings``: an EngineConfig as the user set it (its flags' values, checked by its
+    constructor); ``spec``: the model; ``device``: "cpu", "cuda" or "npu"; ``folder``: the model's
+    (a Qwen3-Next's MTP layers are counted there; None: config.json's count only);
+    ``block_size_default``: the selected platform's own (CUDA's depends on the serving machine),
+    else the platform class's (platform_facts). Raises ValueError naming the flag to change."""
+    dtype = platform_facts.served_dtype(settings.dtype, device, spec.checkpoint_dtype)
+    kv_dtype = dtype if settings.kv_cache_dtype == "auto" else canonical_dtype(settings.kv_cache_dtype)
+    max_model_len = _max_model_len(settings.max_model_len, spec)
+    _check_parallel_fits_model(spec, settings.tensor_parallel_size, settings.pipeline_parallel_size)
+    speculative = settings.speculative_config
+    mtp_layers = (mtp_layers_for_speculation(spec, folder, speculative.num_speculative_tokens)
+                  if speculative is not None and speculative.method == "mtp" else 0)
+    return ResolvedSizing(
+        device=device, dtype=dtype, kv_cache_dtype=kv_dtype,
+        block_size=settings.block_size or block_size_default or platform_facts.default_block_size(device),
+        max_model_len=max_model_len, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=_max_num_batched_tokens(settings, max_model_len),
+        tp=settings.tensor_parallel_size, pp=settings.pipeline_parallel_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        kv_cache_memory=None if settings.kv_cache_memory is None else int(settings.kv_cache_memory),
+        num_gpu_blocks_override=settings.num_gpu_blocks_override,
+        enable_prefix_caching=settings.enable_prefix_caching, mtp_layers=mtp_layers)
+
+
+def _max_model_len(requested: int | None, spec: ModelSpec) -> int:
+    model_max = spec.max_position_embeddings
+    if requested is not None and requested > model_max:
+        raise ValueError(f"--max-model-len {requested} is longer than the model's max_position_embeddings "
+                         f"{model_max}: lower --max-model-len to {model_max}.")
+    return requested or model_max
+
+
+def _max_num_batched_tokens(settings: Any, max_model_len: int) -> int:
+    """--max-num-batched-tokens, by default 2048 with chunked prefill, else at least one whole prompt."""
+    chunked, tokens = settings.enable_chunked_prefill, settings.max_num_batched_tokens
+    if tokens is None:
+        tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+    if not chunked and tokens < max_model_len:
+        raise ValueError(
+            f"--max-num-batched-tokens {tokens} is smaller than --max-model-len {max_model_len} with chunked "
+            f"prefill off, so a long prompt could never be scheduled: raise --max-num-batched-tokens to "
+            f"{max_model_len}, lower --max-model-len, or pass --enable-chunked-prefill.")
+    if not chunked and tokens < settings.max_num_seqs:
+        raise ValueError(f"--max-num-batched-tokens {tokens} must be >= --max-num-seqs {settings.max_num_seqs}: "
+                         f"raise it to {settings.max_num_seqs}.")
+    return tokens
+
+
+def _check_parallel_fits_model(spec: ModelSpec, tp: int, pp: int) -> None:
+    problem = spec.tp_problem(tp)
+    if problem:
+        works = [n for n in range(1, spec.num_attention_heads + 1) if spec.tp_problem(n) is None]
+        raise ValueError(f"--tensor-parallel-size {tp} {problem}: use one of {works}.")
+    if pp > spec.num_layers:
+        raise ValueError(f"--pipeline-parallel-size {pp} is more than num_hidden_layers {spec.num_layers}: "
+                         f"use at most {spec.num_layers}.")
