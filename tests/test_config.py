@@ -45,7 +45,7 @@ def test_kv_budget_env_var(monkeypatch):
 
 
 def test_auto_dtypes_resolve_as_this_cpu_serves_a_float32_checkpoint_and_freeze(tiny_checkpoints):
-    from tengyun.platforms.cpu import native_bf16
+    from tengyun.platforms.cpu.platform import native_bf16
 
     config = EngineConfig(str(tiny_checkpoints["qwen3"])).finalize()
     served = "bfloat16" if native_bf16() else "float32"  # the tiny checkpoints are float32

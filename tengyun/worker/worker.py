@@ -269,6 +269,6 @@ def _tensors_in(prepared) -> list:
         prepared = list(prepared.values())
     if isinstance(prepared, list):
         return [t for item in prepared for t in _tensors_in(item)]
-    if hasattr(prepared, "tensors"):  # a kernel's own holder (platforms/cpu_linear.py PackedLinearWeight)
+    if hasattr(prepared, "tensors"):  # a kernel's own holder (platforms/cpu/kernels/linear.py PackedLinearWeight)
         return prepared.tensors()
     return [] if prepared is None else [prepared]

@@ -250,7 +250,7 @@ def test_plan_command_defaults_are_the_engines_on_the_planned_device():
                               capture_output=True, text=True, timeout=120)
         return json.loads(proc.stdout) if proc.stdout else proc
 
-    from tengyun.platforms.cpu import native_bf16
+    from tengyun.platforms.cpu.platform import native_bf16
 
     npu, cpu = report(), report("--device", "cpu", "--kv-cache-memory", "4GiB")
     assert (npu["device"], npu["block_size"], npu["dtype"]) == ("npu", 128, "bfloat16")

@@ -19,7 +19,7 @@ from tengyun.model_spec import ModelSpec
 from tengyun.sizing.checkpoint import read_model, read_quantization
 from tengyun.sizing.plan import Cards, Plan, make_plan
 from tengyun.sizing.resolve import resolve_sizing
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu.platform import CpuPlatform
 from tengyun.worker.worker import Worker
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]

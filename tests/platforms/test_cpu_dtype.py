@@ -16,8 +16,8 @@ from tengyun.sizing.checkpoint import read_model
 from tengyun.sizing.plan import make_plan
 from tengyun.sizing.resolve import resolve_sizing
 from tengyun.host.probe import cpu_flags
-from tengyun.platforms import cpu
-from tengyun.platforms.cpu import CpuPlatform
+from tengyun.platforms.cpu import platform as cpu
+from tengyun.platforms.cpu.platform import CpuPlatform
 
 
 def test_cpu_flags_reads_the_first_processor(tmp_path):
