@@ -168,18 +168,18 @@ def plan_and_worker(folder, dtype: str):
     the engine's Worker on it (2 MiB of KV cache, 128 tokens, 4 sequences, blocks of 16): what tests
     comparing the plan with the runtime build. -> (plan, its QuantConfig, worker)."""
     from tengyun.config import EngineConfig
-    from tengyun.ops.plan import PlanRequest, make_plan, read_model, read_quantization
+    from tengyun.model_spec import ModelSpec
+    from tengyun.sizing.checkpoint import read_model, read_quantization
+    from tengyun.sizing.plan import make_plan
+    from tengyun.sizing.resolve import resolve_sizing
     from tengyun.worker.worker import Worker
 
-    config = EngineConfig(str(folder), dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4,
-                          block_size=16).finalize()
-    worker = Worker(config)
+    flags = dict(dtype=dtype, kv_cache_memory="2MiB", max_model_len=128, max_num_seqs=4, block_size=16)
+    worker = Worker(EngineConfig(str(folder), **flags).finalize())
     hf_config, checkpoint_bytes, name = read_model(folder)
     quant = read_quantization(folder, hf_config)
-    plan = make_plan(hf_config, PlanRequest(
-        device="cpu", dtype=dtype, block_size=16, max_model_len=128, max_num_seqs=4,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_budget_bytes()),
-        checkpoint_bytes, name, quant)
+    sizing = resolve_sizing(EngineConfig(str(folder), **flags), ModelSpec.from_hf_config(hf_config), "cpu", folder)
+    plan = make_plan(hf_config, sizing, None, checkpoint_bytes, name, quant)
     return plan, quant, worker
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from tengyun.dtypes import DTYPE_BYTES, dtype_name
+from tengyun.platforms.kernel_choice import Choice, KernelCandidate, KernelQuery, always, choose, log_choice
 
 if TYPE_CHECKING:
     import torch
@@ -147,57 +151,87 @@ class Platform:
         """Why decode graphs cannot run at this tensor-parallel size here (None: they can)."""
         return None
 
+    # ----- kernels: chosen from each platform's ordered candidates (kernel_choice.py) -------------
+    @classmethod
+    def kernel_candidates(cls, kind: str) -> list[KernelCandidate]:
+        """The candidates for op ``kind`` (kernel_choice.KINDS), best first, the last one always
+        able: here the plain-PyTorch kernels. A platform prepends its own."""
+        return list(_TORCH_CANDIDATES[kind])
+
+    @classmethod
+    def choose_kernel(cls, kind: str, query: KernelQuery) -> Choice:
+        """The first of ``kind``'s candidates that can run ``query``; what the worker builds and
+        what `tengyun plan` counts. The debug log says why each earlier candidate could not."""
+        choice = choose(kind, cls.kernel_candidates(kind), query)
+        log_choice(logging.getLogger(cls.__module__), choice, query)
+        return choice
+
     def kernels(self, dtype, block_size: int | None = None, kv_cache_dtype: str | None = None,
                 linear_attention: bool = False, quant_schemes=()):
         """Everything the model's layers compute through here, chosen once per worker and bound
         in one pass (``tengyun.layers.kernels.bind_kernels``): the attention backend for KV blocks
         of ``block_size`` tokens in ``kv_cache_dtype``, the linear kernel for weights of ``dtype``
         (torch.dtype), a kernel per quantised scheme in ``quant_schemes`` (LinearScheme), the
-        norm/rotary ops and, where the model has Gated DeltaNet layers (``linear_attention``), the
-        gated-delta-rule kernel. -> KernelBundle"""
-        from tengyun.platforms.attention_backends import get_attention_backend
+        norm/rotary ops, the sampler's fused draw and, where the model has Gated DeltaNet layers
+        (``linear_attention``), the gated-delta-rule kernel. -> KernelBundle"""
         from tengyun.layers.kernels import KernelBundle
+        from tengyun.platforms.attention_backends import get_attention_backend
 
-        return KernelBundle(
+        bundle = KernelBundle(
             attention=get_attention_backend(self.attention_backend(block_size, kv_cache_dtype)),
             linear=self.linear_kernel(dtype), layer_ops=self.layer_ops(),
             gated_delta_rule=self.gated_delta_rule_kernel() if linear_attention else None,
             quant_linear={scheme: self.quant_linear_kernel(scheme, dtype) for scheme in quant_schemes},
             sample_rows=self.sample_rows_kernel())
+        quantised = ", ".join(f"{scheme.description}: {type(kernel).__name__}"
+                              for scheme, kernel in bundle.quant_linear.items())
+        logging.getLogger(type(self).__module__).info(
+            "Kernels: linear %s, layer ops %s, sampler %s%s (the tengyun.platforms debug log says why each)",
+            type(bundle.linear).__name__, type(bundle.layer_ops).__name__,
+            "PyTorch" if bundle.sample_rows is None else "compiled", f", quantised {quantised}" if quantised else "")
+        return bundle
 
-    # The choices ``kernels`` bundles; a platform overrides the ones it does differently.
+    # Each kind's choice, built; ``kernels`` bundles them.
     def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
         """The attention backend's name (tengyun/platforms/attention_backends.py) for KV blocks of
-        ``block_size`` tokens in ``kv_cache_dtype`` ("bfloat16", ...)."""
-        return "torch_sdpa"
+        ``block_size`` tokens in ``kv_cache_dtype`` ("bfloat16", ...); one log line says which and why."""
+        query = KernelQuery(kv_cache_dtype or "", block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+        choice = self.choose_kernel("attention", query)
+        logging.getLogger(type(self).__module__).info("Attention backend: %s (%s)", choice.name, choice.detail(query))
+        return choice.name
 
     def gated_delta_rule_kernel(self):
         """The kernel Gated DeltaNet layers on this device run (tengyun/layers/gated_delta_rule.py)."""
-        from tengyun.layers.gated_delta_rule import TorchGatedDeltaRule
-
-        return TorchGatedDeltaRule()
+        return self._build("gated_delta_rule", KernelQuery(""))
 
     def linear_kernel(self, dtype):
         """The matmul kernel for linear layers of ``dtype`` (torch.dtype)."""
-        from tengyun.layers.linear_kernel import DenseLinearKernel
-
-        return DenseLinearKernel()
+        return self._build("linear", KernelQuery(dtype_name(dtype)))
 
     def quant_linear_kernel(self, scheme, dtype):
         """The kernel for linear layers quantised as ``scheme`` (tengyun/quantization/scheme.py
-        LinearScheme) with activations in ``dtype`` (torch.dtype): here the plain-PyTorch
-        reference (tengyun/layers/quant_kernels.py)."""
-        from tengyun.layers.quant_kernels import reference_kernel
+        LinearScheme) with activations in ``dtype`` (torch.dtype)."""
+        return self._build("quant_linear", KernelQuery(dtype_name(dtype), scheme=scheme))
 
-        return reference_kernel(scheme)
+    def sample_rows_kernel(self):
+        """The sampler's fused last stage (KernelBundle.sample_rows), or None: PyTorch's ops."""
+        return self._build("sampler", KernelQuery(""))
+
+    def layer_ops(self):
+        """How RMSNorm and rotary embedding compute (tengyun/layers/layer_ops.py)."""
+        return self._build("layer_ops", KernelQuery(""))
+
+    def _build(self, kind: str, query: KernelQuery):
+        return self.choose_kernel(kind, query).candidate.build(query)
 
     @classmethod
     def quantized_weight_bytes(cls, scheme, out: int, in_: int, dtype: str, in_total: int | None = None) -> int:
-        """Bytes one rank's quant_linear_kernel holds for an ``out`` x ``in_`` layer quantised as
-        ``scheme`` served in ``dtype`` ("bfloat16"): what `tengyun plan` counts. Torch-free."""
-        from tengyun.model_spec import DTYPE_BYTES
-
-        return scheme.nbytes(out, in_, DTYPE_BYTES[dtype], in_total)
+        """Bytes one rank's quant_linear kernel holds for an ``out`` x ``in_`` layer quantised as
+        ``scheme`` served in ``dtype`` ("bfloat16"): the chosen candidate's nbytes, what `tengyun
+        plan` counts. Torch-free where the candidates' checks are."""
+        query = KernelQuery(dtype, scheme=scheme)
+        return choose("quant_linear", cls.kernel_candidates("quant_linear"), query).candidate.nbytes(
+            query, out, in_, in_total)
 
     @classmethod
     def quantized_head(cls, scheme, dtype: str) -> str | None:
@@ -208,16 +242,6 @@ class Platform:
         Torch-free. Here: dense, except a W8A8 head, whose activations are quantised too: it keeps
         its kernel (the reference where the platform has none)."""
         return "kernel" if scheme.quantises_activations else None
-
-    def sample_rows_kernel(self):
-        """The sampler's fused last stage (KernelBundle.sample_rows), or None: PyTorch's ops."""
-        return None
-
-    def layer_ops(self):
-        """How RMSNorm and rotary embedding compute (tengyun/layers/layer_ops.py)."""
-        from tengyun.layers.layer_ops import TORCH_LAYER_OPS
-
-        return TORCH_LAYER_OPS
 
 
 def fullest_device(usage_mib: dict[int, tuple[int, int]], visible: str | None) -> tuple[int, int] | None:
@@ -246,3 +270,49 @@ def torch_memory_readings(device_type: str) -> list:
     index = runtime.current_device()
     free, total = runtime.mem_get_info(index)
     return [DeviceReading(f"{device_type}:{index}", total - free, total, None, source="torch")]
+
+
+def _torch_attention(query: KernelQuery):
+    return "torch_sdpa"  # a name: attention_backend returns names (attention_backends.py builds them)
+
+
+def _torch_gated_delta_rule(query: KernelQuery):
+    from tengyun.layers.gated_delta_rule import TorchGatedDeltaRule
+
+    return TorchGatedDeltaRule()
+
+
+def _dense_linear(query: KernelQuery):
+    from tengyun.layers.linear_kernel import DenseLinearKernel
+
+    return DenseLinearKernel()
+
+
+def _reference_quant_linear(query: KernelQuery):
+    from tengyun.layers.quant_kernels import reference_kernel
+
+    return reference_kernel(query.scheme)
+
+
+def reference_quant_bytes(query: KernelQuery, out: int, in_: int, in_total: int | None) -> int:
+    """The checkpoint's tensors as stored (LinearScheme.nbytes), scales in the served dtype."""
+    return query.scheme.nbytes(out, in_, DTYPE_BYTES[query.dtype], in_total)
+
+
+def _torch_layer_ops(query: KernelQuery):
+    from tengyun.layers.layer_ops import TORCH_LAYER_OPS
+
+    return TORCH_LAYER_OPS
+
+
+# The plain-PyTorch kernels: every platform's last candidate of each kind (they run anywhere).
+REFERENCE_QUANT_LINEAR = KernelCandidate("reference", always, _reference_quant_linear, nbytes=reference_quant_bytes,
+                                         describe=lambda q: "plain PyTorch, dequantizing per call")
+_TORCH_CANDIDATES: dict[str, tuple[KernelCandidate, ...]] = {
+    "attention": (KernelCandidate("torch_sdpa", always, _torch_attention, describe=lambda q: "plain PyTorch"),),
+    "linear": (KernelCandidate("dense", always, _dense_linear),),
+    "quant_linear": (REFERENCE_QUANT_LINEAR,),
+    "layer_ops": (KernelCandidate("torch", always, _torch_layer_ops),),
+    "sampler": (KernelCandidate("torch", always, lambda q: None),),
+    "gated_delta_rule": (KernelCandidate("torch", always, _torch_gated_delta_rule),),
+}

@@ -34,7 +34,7 @@ def test_npu_gguf_kernel_multiplies_by_the_blocks_through_torch_npu(type_name, m
     from tengyun.platforms.npu.platform import NpuPlatform
     from tengyun.platforms.npu.kernels.gguf import NpuGgufKernel
 
-    kernel = NpuPlatform.quant_linear_kernel(None, scheme_for_type(type_name), torch.bfloat16)
+    kernel = NpuPlatform().quant_linear_kernel(scheme_for_type(type_name), torch.bfloat16)
     assert isinstance(kernel, NpuGgufKernel)
     qweight = _random_blocks(type_name, 64, 512)
     prepared = kernel.prepare({"qweight": qweight})
@@ -44,7 +44,7 @@ def test_npu_gguf_kernel_multiplies_by_the_blocks_through_torch_npu(type_name, m
     y = kernel.apply(x, prepared, None).float()
     assert fake.calls["npu_weight_quant_batchmatmul"] == 1
     assert ((y - expected).norm() / expected.norm()) < 1e-2
-    float32 = NpuPlatform.quant_linear_kernel(None, scheme_for_type(type_name), torch.float32)
+    float32 = NpuPlatform().quant_linear_kernel(scheme_for_type(type_name), torch.float32)
     assert type(float32) is GgufReferenceKernel
 
 
@@ -53,4 +53,4 @@ def test_q6_k_runs_the_reference_on_npu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu.module())
     from tengyun.platforms.npu.platform import NpuPlatform
 
-    assert type(NpuPlatform.quant_linear_kernel(None, scheme_for_type("Q6_K"), torch.bfloat16)) is GgufReferenceKernel
+    assert type(NpuPlatform().quant_linear_kernel(scheme_for_type("Q6_K"), torch.bfloat16)) is GgufReferenceKernel

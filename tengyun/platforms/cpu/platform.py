@@ -9,6 +9,7 @@ from tengyun.host import probe
 from tengyun.host.probe import cpu_flags, process_tree_rss
 from tengyun.host.telemetry import CpuUse, cpu_reading, parse_meminfo
 from tengyun.platforms.base import Platform
+from tengyun.platforms.kernel_choice import KernelQuery, choose
 from tengyun.platforms.cpu.runtime import allocator
 
 if TYPE_CHECKING:
@@ -95,38 +96,6 @@ class CpuPlatform(Platform):
         if CpuPlatform._loaded_workers == 0:
             allocator.restore_defaults()
 
-    def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
-        """cpu_paged (the compiled decode kernel) when its library is built and loads, else
-        torch_sdpa; one log line says which and why."""
-        from tengyun.platforms.cpu import native
-
-        reason = native.load_error()
-        if reason:
-            logger.info("Attention backend: torch_sdpa (%s)", reason)
-            return "torch_sdpa"
-        logger.info("Attention backend: cpu_paged (compiled decode kernel, %s)", native.isa())
-        return "cpu_paged"
-
-    def layer_ops(self):
-        """The compiled fused ops (cpu/kernels/layer_ops.py) when the kernel library loads, else PyTorch's."""
-        from tengyun.platforms.cpu import native
-        from tengyun.layers.layer_ops import TORCH_LAYER_OPS
-
-        if native.load_error():
-            return TORCH_LAYER_OPS  # attention_backend logs why the library is not there
-        from tengyun.platforms.cpu.kernels.layer_ops import CpuFusedLayerOps
-
-        return CpuFusedLayerOps()
-
-    def sample_rows_kernel(self):
-        """The compiled draw (csrc/sampling.cpp: argmax or inverse CDF straight from bf16 logits,
-        64 x 49152 rows 14.1 ms -> 1.3 ms on a 2-core EPYC) when the kernel library loads."""
-        import torch
-
-        from tengyun.platforms.cpu import native
-
-        return None if native.load_error() else torch.ops.tengyun.sample_rows.default
-
     def step_threads(self, world_size: int):
         """Also frees the building thread's OpenMP pool, so that the thread that runs the steps
         (serve's engine thread, or this one again) owns the only one (cpu/runtime/threads.py)."""
@@ -153,51 +122,6 @@ class CpuPlatform(Platform):
     def graph_blocker(self, tp_size: int) -> str | None:
         return "tensor parallelism (gloo collectives are not traced)" if tp_size > 1 else None
 
-    def linear_kernel(self, dtype):
-        """oneDNN with prepacked weights, and the compiled small-batch kernel on those same weights
-        for a few rows where the kernels are built and the CPU has AVX-512 (cpu/kernels/linear.py)."""
-        from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
-        from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, small_batch_kernel_fits
-
-        if not onednn_available(dtype):
-            return DenseLinearKernel()
-        return CpuPackedLinearKernel(dtype) if small_batch_kernel_fits(dtype) else OneDNNPackedLinearKernel()
-
-    def quant_linear_kernel(self, scheme, dtype):
-        """W8A8: where the compiled kernels load and the CPU has VNNI, the weight repacked once and
-        every call one compiled op (cpu_quant.pack_w8a8_weight); else torch._int_mm (oneDNN),
-        activations quantised and sums rescaled by the compiled kernels where they load. 4- and
-        8-bit weight-only and GGUF served in bfloat16: the
-        compiled quant kernel's layout where it runs (cpu/kernels/quant_layout.py), else (4-bit, GGUF)
-        torch's int4 CPU matmul.
-        Anything else (float32 activations included, which
-        torch's int4 matmul runs ~50x slower): the reference, dequantizing per call. Measured in
-        benchmarks/README.md."""
-        import torch
-
-        from tengyun.platforms.cpu.kernels import quant as cpu_quant
-
-        if scheme.kernel in ("w8a8_int8", "w8a8_static_int8"):
-            from tengyun.platforms.cpu import native
-
-            kernel = cpu_quant.CpuW8A8Kernel if scheme.kernel == "w8a8_int8" else cpu_quant.CpuW8A8StaticKernel
-            return kernel(scheme, compiled=native.load_error() is None)
-        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (cpu/kernels/gguf.py)
-            from tengyun.platforms.cpu.kernels.gguf import gguf_kernel
-
-            return gguf_kernel(scheme, dtype, compiled=self._compiled_quant_layout())
-        dtype_name = str(dtype).removeprefix("torch.")
-        if int8_layout_fits(scheme, dtype_name) and self._compiled_quant_layout():
-            return cpu_quant.CpuInt8WeightOnlyKernel(scheme)
-        if int4pack_fits(scheme, dtype_name, 16) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-            # the compiled kernel's layout where it runs; else torch's, and layers whose outputs
-            # torch cannot pack stay on the reference
-            return cpu_quant.CpuInt4PackKernel(scheme, compiled=self._compiled_quant_layout())
-        if scheme.weight_bits == 4 and dtype_name != "bfloat16" and native_bf16():
-            logger.info("%s in %s runs the dequantizing reference on CPU; --dtype bfloat16 runs torch's int4 "
-                        "matmul (docs/quantization.md)", scheme.description, dtype_name)
-        return super().quant_linear_kernel(scheme, dtype)
-
     @classmethod
     def quantized_head(cls, scheme, dtype: str) -> str | None:
         """GGUF in bfloat16 (blocks of 32): the compiled layout ("rows") or torch's int4 layout.
@@ -205,10 +129,9 @@ class CpuPlatform(Platform):
         bfloat16 the compiled layout, or (4 bits) torch's int4 layout."""
         from tengyun.platforms.cpu.kernels import gguf as cpu_gguf
 
-        if scheme.kernel == "wna16_int":
-            compiled = cls._compiled_quant_layout()
-            fits = (int8_layout_fits(scheme, dtype) and compiled) or int4pack_fits(scheme, dtype, 16)
-            return "kernel" if fits else None
+        if scheme.kernel == "wna16_int":  # the kernel the layers get (kernel_candidates), if it streams
+            chosen = choose("quant_linear", cls.kernel_candidates("quant_linear"), KernelQuery(dtype, scheme=scheme))
+            return "kernel" if chosen.name in ("cpu_int8_layout", "cpu_int4pack") else None
         if not scheme.kernel.startswith("gguf_"):
             return super().quantized_head(scheme, dtype)
         if not cpu_gguf.int4pack_fits(scheme, dtype, 16):
@@ -216,54 +139,11 @@ class CpuPlatform(Platform):
         return "rows" if cls._compiled_quant_layout() else "kernel"
 
     @classmethod
-    def quantized_weight_bytes(cls, scheme, out: int, in_: int, dtype: str, in_total: int | None = None) -> int:
-        """4-bit in bfloat16: the compiled kernel's layout (where it runs) keeps the packed bytes
-        (outputs padded to 32) with a scale in ``dtype`` and, unless symmetric, a uint8 zero point
-        per group and output; torch's int4 layout keeps in x out / 2 bytes and a zero term beside
-        every scale ([in / group, out, 2] in ``dtype``), a zero point folded into it.
-        GPTQ act order adds its input permutation (int64 [in]); a row-parallel slice of it
-        (``in_`` < ``in_total``) is padded to every group: the whole layer's inputs."""
-        from tengyun.model_spec import DTYPE_BYTES
+    def kernel_candidates(cls, kind: str):
+        """The CPU's candidates (cpu/kernels/choice.py), then the plain-PyTorch ones."""
+        from tengyun.platforms.cpu.kernels.choice import cpu_candidates
 
-        if scheme.kernel in ("w8a8_int8", "w8a8_static_int8") and cls._packs_w8a8():
-            from tengyun.platforms.cpu.kernels.quant import packed_weight_bytes  # outputs padded to 16, inputs to 4
-
-            if scheme.kernel == "w8a8_int8":  # + weight_scale (a ModelSlim weight_offset is dropped)
-                return packed_weight_bytes(out, in_) + out * DTYPE_BYTES[dtype]
-            # + quant_bias int32, deq_scale float32, the input scale's reciprocal and offset
-            return packed_weight_bytes(out, in_) + 8 * out + 8
-        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised: its int4 repack, or its blocks
-            from tengyun.platforms.cpu.kernels.gguf import weight_bytes
-
-            repacked = weight_bytes(scheme, out, in_, dtype, compiled=cls._compiled_quant_layout())
-            return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total) if repacked is None else repacked
-        eight_bit = int8_layout_fits(scheme, dtype) and cls._compiled_quant_layout()
-        if not (eight_bit or int4pack_fits(scheme, dtype, 16)):
-            return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
-        if scheme.act_order:
-            in_ = in_total or in_
-        permutation = 8 * in_ if scheme.act_order else 0
-        if eight_bit:  # int8 values; a scale in dtype, or a float32 scale and offset with zero points
-            from tengyun.platforms.cpu.kernels.quant_layout import layout_bytes
-
-            groups = in_ // (scheme.group_size or in_)
-            scale_bytes = DTYPE_BYTES[dtype] if scheme.symmetric else 4
-            return layout_bytes(out, in_, groups, 8, scale_bytes, False, not scheme.symmetric) + permutation
-        groups = in_ // scheme.group_size
-        if cls._compiled_quant_layout():  # cpu/kernels/quant_layout.py: outputs padded to 32, uint8 zero points
-            from tengyun.platforms.cpu.kernels.quant_layout import layout_bytes
-
-            return layout_bytes(out, in_, groups, 4, DTYPE_BYTES[dtype], not scheme.symmetric, False) + permutation
-        if out % 16:
-            return super().quantized_weight_bytes(scheme, out, in_, dtype, in_total)
-        return out * in_ // 2 + 2 * out * groups * DTYPE_BYTES[dtype] + permutation
-
-    @staticmethod
-    def _packs_w8a8() -> bool:
-        """Do W8A8 layers take the packed layout here (cpu_quant.w8a8_packed_fits)?"""
-        from tengyun.platforms.cpu.kernels.quant import w8a8_packed_fits
-
-        return w8a8_packed_fits()
+        return cpu_candidates(kind, lambda: cls._compiled_quant_layout()) + super().kernel_candidates(kind)
 
     @staticmethod
     def _compiled_quant_layout() -> bool:
@@ -288,22 +168,6 @@ class CpuPlatform(Platform):
         cpu_s = probe.process_tree_cpu_s(pid)
         use = None if cpu_s is None else self._cpu_use.ratio(cpu_s, time.monotonic(), len(probe.allowed_cpus()))
         return [cpu_reading(process_tree_rss(pid), parse_meminfo(probe.meminfo()), use)]
-
-
-INT4PACK_GROUP_SIZES = (32, 64, 128, 256)  # what torch's _weight_int4pack_mm_for_cpu takes
-
-
-def int8_layout_fits(scheme, dtype: str) -> bool:
-    """8-bit weight-only served in bfloat16: the compiled kernel's 8-bit layout where it runs
-    (CpuInt8WeightOnlyKernel). Torch-free."""
-    return scheme.kernel == "wna16_int" and scheme.weight_bits == 8 and dtype == "bfloat16"
-
-
-def int4pack_fits(scheme, dtype: str, out: int) -> bool:
-    """Does torch's int4 CPU matmul run this layer: 4-bit weight-only in groups it takes, served in
-    bfloat16, ``out`` (this rank's outputs) a multiple of 16? Torch-free: the planner asks too."""
-    return (scheme.kernel == "wna16_int" and scheme.weight_bits == 4 and dtype == "bfloat16"
-            and scheme.group_size in INT4PACK_GROUP_SIZES and out % 16 == 0)
 
 
 def native_bf16() -> bool:

@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+from tengyun.platforms.kernel_choice import KernelCandidate, KernelQuery
 from tengyun.platforms.base import Platform, fullest_device, torch_memory_readings
 from tengyun.platforms.startup import DeviceStartupError, RuntimeProblem
 
@@ -117,23 +118,11 @@ class CudaPlatform(Platform):
 
         return PAGE_BLOCK_MULTIPLE if flash_attn_import_error() is None else 16
 
-    def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
-        """flash_attn when it imports and takes this cache, else torch_sdpa; one log line says
-        which and why."""
-        reason = _why_not_flash_attn(block_size, kv_cache_dtype)
-        if reason:
-            logger.info("Attention backend: torch_sdpa (%s)", reason)
-            return "torch_sdpa"
-        logger.info("Attention backend: flash_attn (block size %d, %s KV cache)", block_size, kv_cache_dtype)
-        return "flash_attn"
-
-    def gated_delta_rule_kernel(self):
-        """flash-linear-attention's Triton kernels when fla imports, else the PyTorch kernel."""
-        if _fla_import_error() is not None:
-            return super().gated_delta_rule_kernel()
-        from tengyun.layers.gated_delta_rule_fla import FlaGatedDeltaRule
-
-        return FlaGatedDeltaRule()
+    @classmethod
+    def kernel_candidates(cls, kind: str):
+        """flash_attn (where it imports and takes the cache) and flash-linear-attention's Triton
+        gated delta rule (where fla imports), then the plain-PyTorch ones."""
+        return list(_CUDA_CANDIDATES.get(kind, ())) + super().kernel_candidates(kind)
 
     def memory_info(self) -> tuple[int, int]:
         import torch
@@ -241,3 +230,25 @@ def _fla_import_error() -> str | None:
     else:
         logger.info("Gated delta rule: flash-linear-attention's Triton kernels")
     return error
+
+
+def _flash_attn_why_not(query: KernelQuery) -> str | None:
+    return _why_not_flash_attn(query.block_size, query.kv_cache_dtype)
+
+
+def _fla_why_not(query: KernelQuery) -> str | None:
+    error = _fla_import_error()
+    return None if error is None else f"{error}; pip install fla-core for the Triton kernels"
+
+
+def _fla_kernel(query: KernelQuery):
+    from tengyun.layers.gated_delta_rule_fla import FlaGatedDeltaRule
+
+    return FlaGatedDeltaRule()
+
+
+_CUDA_CANDIDATES = {
+    "attention": (KernelCandidate("flash_attn", _flash_attn_why_not, lambda q: "flash_attn",
+                                  describe=lambda q: f"block size {q.block_size}, {q.kv_cache_dtype} KV cache"),),
+    "gated_delta_rule": (KernelCandidate("fla", _fla_why_not, _fla_kernel),),
+}

@@ -5,7 +5,9 @@ import os
 import sys
 
 from tengyun.host.versions import SET_ENV
-from tengyun.platforms.base import Platform, fullest_device, torch_memory_readings
+from tengyun.dtypes import torch_dtype
+from tengyun.platforms.base import Platform, reference_quant_bytes, fullest_device, torch_memory_readings
+from tengyun.platforms.kernel_choice import KernelCandidate, KernelQuery, always
 from tengyun.platforms.startup import (
     DEVICE_INIT_TIMEOUT_ENV, SKIP_HINT, DeviceStartupError, RuntimeProblem, run_child_probe,
 )
@@ -52,22 +54,11 @@ class NpuPlatform(Platform):
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     default_block_size = 128  # what the fused paged-attention kernels are tuned for
 
-    def attention_backend(self, block_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
-        return "npu"
-
-    def layer_ops(self):
-        from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
-
-        return NpuLayerOps()
-
-    def quant_linear_kernel(self, scheme, dtype):
-        if scheme.kernel.startswith("gguf_"):  # GGUF kept quantised (npu/kernels/gguf.py)
-            from tengyun.platforms.npu.kernels.gguf import npu_gguf_kernel
-
-            return npu_gguf_kernel(scheme, dtype)
-        from tengyun.platforms.npu.kernels.quant import npu_quant_kernel
-
-        return npu_quant_kernel(scheme)
+    @classmethod
+    def kernel_candidates(cls, kind: str):
+        """torch_npu's kernels (npu/kernels/): attention, fused layer ops, quantised linears (GGUF
+        kept quantised), then the plain-PyTorch ones."""
+        return list(_NPU_CANDIDATES.get(kind, ())) + super().kernel_candidates(kind)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -202,3 +193,34 @@ class NpuPlatform(Platform):
                 return None
             status[f"npu:{device}"] = (smi.parse_hccn_link(out.stdout) if out.returncode == 0 else None) or "unknown"
         return status
+
+
+def _npu_layer_ops(query: KernelQuery):
+    from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
+
+    return NpuLayerOps()
+
+
+def _npu_gguf(query: KernelQuery):
+    from tengyun.platforms.npu.kernels.gguf import npu_gguf_kernel
+
+    return npu_gguf_kernel(query.scheme, torch_dtype(query.dtype))
+
+
+def _npu_quant(query: KernelQuery):
+    from tengyun.platforms.npu.kernels.quant import npu_quant_kernel
+
+    return npu_quant_kernel(query.scheme)
+
+
+def _is_gguf(query: KernelQuery) -> str | None:
+    return None if query.scheme.kernel.startswith("gguf_") else "not a GGUF block type"
+
+
+_NPU_CANDIDATES = {
+    "attention": (KernelCandidate("npu", always, lambda q: "npu",
+                                  describe=lambda q: "torch_npu's fused infer attention over the paged cache"),),
+    "layer_ops": (KernelCandidate("npu_fused", always, _npu_layer_ops),),
+    "quant_linear": (KernelCandidate("npu_gguf", _is_gguf, _npu_gguf, nbytes=reference_quant_bytes),
+                     KernelCandidate("npu_quant", always, _npu_quant, nbytes=reference_quant_bytes)),
+}
