@@ -45,13 +45,13 @@ def test_npu_attention_backend_matches_torch_sdpa(tiny_checkpoints, monkeypatch)
     assert get_attention_backend("npu").name == "npu"  # importable without torch_npu
     prompts = [[5, 6, 7], list(range(1, 60)), list(range(1, 40)) + [9, 9]]  # 59 tokens: chunked over 3 steps
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    args = dict(block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=24)
-    reference = [o.outputs[0].token_ids for o in LLM(str(tiny_checkpoints["qwen3"]), dtype="float32",
-                                                     **args).generate(prompts, params)]
+    # bfloat16 and blocks of 128: the op takes 16-bit queries, and a multi-token query needs 128-512
+    args = dict(dtype="bfloat16", block_size=128, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=24)
+    reference = [o.outputs[0].token_ids for o in LLM(str(tiny_checkpoints["qwen3"]), **args).generate(prompts, params)]
 
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu.module())
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self, *args: "npu")
-    llm = LLM(str(tiny_checkpoints["qwen3"]), dtype="float32", **args)
+    llm = LLM(str(tiny_checkpoints["qwen3"]), **args)
     layers = [m for m in llm.llm_engine.executor.model.modules() if isinstance(m, Attention)]
     assert {layer.backend.name for layer in layers} == {"npu"}
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
@@ -66,7 +66,8 @@ def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
     folder = str(checkpoints[arch])
     prompts = [[5, 6, 7], list(range(1, 60)), list(range(1, 40)) + [9, 9]]  # 59 tokens: chunked over 3 steps
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    args = dict(block_size=8, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=24)
+    args = dict(dtype="bfloat16", block_size=128, max_model_len=128, kv_cache_memory="1MiB",
+                max_num_batched_tokens=24)
 
     def layers(llm, cls):
         return [m for m in llm.llm_engine.executor.model.modules() if isinstance(m, cls)]
@@ -74,13 +75,13 @@ def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
     fake = fake_torch_npu.module()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)  # importable, but the CPU platform does not select it
     monkeypatch.setattr(CpuPlatform, "layer_ops", lambda self: TORCH_LAYER_OPS)  # the reference: PyTorch's ops
-    plain = LLM(folder, dtype="float32", **args)
+    plain = LLM(folder, **args)
     assert {id(m.ops) for m in layers(plain, RMSNorm) + layers(plain, RotaryEmbedding)} == {id(TORCH_LAYER_OPS)}
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert fake.calls == {}
 
     monkeypatch.setattr(CpuPlatform, "layer_ops", lambda self: NpuLayerOps())
-    llm = LLM(folder, dtype="float32", **args)
+    llm = LLM(folder, **args)
     assert all(isinstance(m.ops, NpuLayerOps) for m in layers(llm, RMSNorm) + layers(llm, RotaryEmbedding))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
     assert set(fake.calls) == {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul"}
@@ -95,11 +96,11 @@ def test_npu_w8a8_kernels_give_the_cpu_engines_tokens(tiny_checkpoints, tmp_path
     folder = str(quantize_folder(tiny_checkpoints["qwen2"], tmp_path / "w8a8", "w8a8").out_dir)
     prompts = [[5, 6, 7], list(range(1, 60))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    args = dict(block_size=8, max_model_len=128, kv_cache_memory="1MiB")
-    reference = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32", **args).generate(prompts, params)]
+    args = dict(dtype="bfloat16", block_size=128, max_model_len=128, kv_cache_memory="1MiB")
+    reference = [o.outputs[0].token_ids for o in LLM(folder, **args).generate(prompts, params)]
 
     fake = fake_torch_npu.module()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(CpuPlatform, "quant_linear_kernel", lambda self, scheme, dtype: npu_quant_kernel(scheme))
-    assert [o.outputs[0].token_ids for o in LLM(folder, dtype="float32", **args).generate(prompts, params)] == reference
+    assert [o.outputs[0].token_ids for o in LLM(folder, **args).generate(prompts, params)] == reference
     assert fake.calls["npu_quant_matmul"] > 0 and fake.calls["npu_dynamic_quant"] == fake.calls["npu_quant_matmul"]

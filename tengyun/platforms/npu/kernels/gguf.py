@@ -11,7 +11,9 @@ w = q * scale + offset_gguf per 32 weights (gguf_kernels.q_scale_offset), so wit
 the offset torch_npu adds before scaling is (offset_gguf + 8 * scale) / scale: none for Q4_0 and
 Q8_0 (exact), m / d + 8 for Q4_1. A block of scale 0 with an offset (constant: Q4_K sub-blocks
 with a 6-bit scale of 0) takes scale |offset| / 2^16 instead, so (q - 8) adds at most 2^-13 of
-it, under bf16's rounding. Q6_K (a scale per 16 weights) and float32 activations run the reference.
+it, under bf16's rounding. Q6_K (a scale per 16 weights) and float32 activations run the reference;
+so does a layer past the op's shape limits (matmul_limits.py: more than 65535 inputs, an int4 N
+off 8), and one of more than 65535 outputs (a vocabulary-wide LM head) is split by columns.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch
 
 from tengyun.layers.gguf_kernels import GgufReferenceKernel, q_scale_offset
 from tengyun.layers.quant_kernels import Tensors
+from tengyun.platforms.npu.kernels.matmul_limits import (
+    ON_REFERENCE, by_columns, log_fallback, on_reference, single_group, split_columns, weight_problem,
+)
 from tengyun.quantization.scheme import LinearScheme
 
 GROUP = 32
@@ -36,6 +41,11 @@ class NpuGgufKernel(GgufReferenceKernel):
         self.dtype = dtype
 
     def prepare(self, tensors: Tensors) -> Tensors:
+        out, blocks = tensors["qweight"].shape[:2]  # uint8 [out, in / 32, block bytes]
+        problem = weight_problem(blocks * GROUP, out, single_group(GROUP, blocks * GROUP), self.scheme.weight_bits)
+        if problem:
+            log_fallback(f"GGUF {self.type_name} layer [{out} x {blocks * GROUP}]", problem)
+            return on_reference(tensors)
         q, scale, offset = q_scale_offset(tensors["qweight"], self.type_name)  # q [out, in], scale [out, in / 32]
         if self.scheme.weight_bits == 4:
             q = q.to(torch.int32) - 8
@@ -51,13 +61,15 @@ class NpuGgufKernel(GgufReferenceKernel):
         if offset is not None:
             ratio = torch.where(scale == 0, torch.zeros_like(offset), offset / scale)
             prepared["offset"] = ratio.t().to(self.dtype).contiguous()
-        return prepared
+        return split_columns(prepared, out, ("weight", "scale", "offset"))
 
     def apply(self, x, prepared, bias):
+        if ON_REFERENCE in prepared:
+            return super().apply(x, prepared, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        y = self.npu.npu_weight_quant_batchmatmul(x2, prepared["weight"], antiquant_scale=prepared["scale"],
-                                                  antiquant_offset=prepared.get("offset"),
-                                                  antiquant_group_size=GROUP)
+        group = GROUP if x2.shape[1] > GROUP else 0  # one block of 32 inputs: per-channel scales [1, out]
+        y = by_columns(lambda p: self.npu.npu_weight_quant_batchmatmul(
+            x2, p["weight"], p["scale"], antiquant_offset=p.get("offset"), antiquant_group_size=group), prepared)
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 

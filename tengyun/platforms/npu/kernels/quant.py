@@ -1,20 +1,26 @@
 """Quantised linear layers through torch_npu, as vLLM-Ascend runs them.
 
 NOT YET RUN ON HARDWARE: written against the documented torch_npu APIs and tested on CPU
-against a reference of those documented semantics (tests/platforms/fake_torch_npu.py).
+against a stand-in that enforces their documented contracts (tests/platforms/fake_torch_npu.py).
 
 - W8A8: ``npu_dynamic_quant(x) -> (x_q int8 [M, K], s_x float32 [M])`` per token, then
-  ``npu_quant_matmul(x_q, w [K, N] int8, scale [N], pertoken_scale=s_x, output_dtype=x.dtype)``
-  = (x_q @ w) * s_x * scale.
+  ``npu_quant_matmul(x_q, w [K, N] int8, scale float32 [N], pertoken_scale=s_x, output_dtype=x.dtype)``
+  = (x_q @ w) * s_x * scale. With pertoken_scale and a float16 output the op takes only a
+  float32 scale (its dtype table), so the weight scale is held in float32 whatever the model dtype.
 - W4A16 / W8A16: ``npu_weight_quant_batchmatmul(x, w, antiquant_scale [G, N] (or [N] per
   channel), antiquant_offset (same shape, asymmetric only), antiquant_group_size=group)`` =
   x @ ((w + offset) * scale), with w int8 [K, N], or for 4 bits
   ``npu_convert_weight_to_int4pack(w int32 [K, N]) -> int32 [K, N / 8]``; offset = -zero point.
+  One group of all K inputs is per-channel scaling (group 0).
 - msModelSlim static W8A8, as vLLM-Ascend: ``npu_quantize(x, 1 / input_scale [K], input_offset
   [K], torch.qint8, -1, div_mode=False)`` = round(x * (1 / input_scale) + input_offset), then
   ``npu_quant_matmul(x_q, w [K, N], deq_scale [N], bias=quant_bias int32 [N], output_dtype)`` =
-  (x_q @ w + quant_bias) * deq_scale; deq_scale float32 for bfloat16 outputs, its bits in int64
-  for float16 ones.
+  (x_q @ w + quant_bias) * deq_scale. deq_scale is float32 for bfloat16 outputs; for float16 ones
+  the int64 that ``npu_trans_quant_param(deq_scale float32)`` builds (its documented encoding:
+  the float's top 19 bits, bit 46 set), never the float's raw bits re-encoded by hand.
+
+Shapes past the ops' limits (matmul_limits.py): more than 65535 outputs are split by columns; a
+K above 65535, a group size the op refuses, or an int4 N off 8 runs the reference kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +33,15 @@ from tengyun.layers.quant_kernels import (
     QuantLinearKernel, Tensors, deq_scale_float32, gather_inputs, in_group_order, reference_kernel,
     refuse_tensor_parallel_static_w8a8, unpacked_weight,
 )
+from tengyun.platforms.npu.kernels.matmul_limits import (
+    ON_REFERENCE, by_columns, log_fallback, on_reference, single_group, split_columns, weight_problem,
+)
+
+
+def _group_of(prepared: Tensors) -> int:
+    """antiquant_group_size from the shapes: weight [K, ...], antiquant_scale [K / group, N] or [N] (0)."""
+    scale = prepared["antiquant_scale"]
+    return prepared["weight"].shape[0] // scale.shape[0] if scale.dim() == 2 else 0
 
 
 class NpuW8A8Kernel(QuantLinearKernel):
@@ -35,15 +50,25 @@ class NpuW8A8Kernel(QuantLinearKernel):
     def __init__(self, scheme):
         super().__init__(scheme)
         self.npu = importlib.import_module("torch_npu")
+        self.reference = reference_kernel(scheme)
 
     def prepare(self, tensors: Tensors) -> Tensors:
-        return {"weight": tensors["weight"].t().contiguous(), "weight_scale": tensors["weight_scale"].flatten()}
+        n, k = tensors["weight"].shape  # [N, K] int8
+        problem = weight_problem(k, n)
+        if problem:
+            log_fallback(f"W8A8 layer [{n} x {k}]", problem)
+            return on_reference(self.reference.prepare(tensors))
+        prepared = {"weight": tensors["weight"].t().contiguous(),  # [K, N]
+                    "weight_scale": tensors["weight_scale"].flatten().float()}  # [N] float32
+        return split_columns(prepared, n, ("weight", "weight_scale"))
 
     def apply(self, x, prepared, bias):
+        if ON_REFERENCE in prepared:
+            return self.reference.apply(x, prepared, bias)
         x2 = x.reshape(-1, x.shape[-1])
         x_q, s_x = self.npu.npu_dynamic_quant(x2)
-        y = self.npu.npu_quant_matmul(x_q, prepared["weight"], prepared["weight_scale"], pertoken_scale=s_x,
-                                      output_dtype=x.dtype)
+        y = by_columns(lambda p: self.npu.npu_quant_matmul(x_q, p["weight"], p["weight_scale"], pertoken_scale=s_x,
+                                                           output_dtype=x.dtype), prepared)
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
@@ -63,27 +88,35 @@ class NpuWNA16Kernel(QuantLinearKernel):
     def prepare(self, tensors: Tensors) -> Tensors:
         ordered = in_group_order(unpacked_weight(tensors, self.scheme), self.scheme.group_size)
         if ordered is None:
-            return tensors
+            return on_reference(tensors)
         (q, scale, zero, _), perm = ordered
+        n, k = q.shape
+        group = single_group(self.scheme.group_size, k)
+        problem = weight_problem(k, n, group, self.scheme.weight_bits)
+        if problem:
+            log_fallback(f"{self.scheme.description} layer [{n} x {k}]", problem)
+            return on_reference(tensors)
         weight = q.t().contiguous()  # [in, out] int8
         if self.scheme.weight_bits == 4:
             weight = self.npu.npu_convert_weight_to_int4pack(weight.to(torch.int32))  # [in, out / 8]
         # [groups, out], or [out] per channel; the offset in the scale's dtype
-        as_npu = (lambda t: t.t().contiguous()) if self.scheme.group_size else (lambda t: t.flatten())
+        as_npu = (lambda t: t.t().contiguous()) if group else (lambda t: t.flatten())
         prepared = {"weight": weight, "antiquant_scale": as_npu(scale)}
         if zero is not None:
             prepared["antiquant_offset"] = as_npu((-zero.float()).to(scale.dtype))
-        return prepared if perm is None else {**prepared, "perm": perm}
+        if perm is not None:
+            prepared["perm"] = perm
+        return split_columns(prepared, n, ("weight", "antiquant_scale", "antiquant_offset"))
 
     def apply(self, x, prepared, bias):
-        if "antiquant_scale" not in prepared:
+        if ON_REFERENCE in prepared:
             return self.reference.apply(x, prepared, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if "perm" in prepared:
             x2 = gather_inputs(x2, prepared["perm"])
-        y = self.npu.npu_weight_quant_batchmatmul(x2, prepared["weight"], antiquant_scale=prepared["antiquant_scale"],
-                                                  antiquant_offset=prepared.get("antiquant_offset"),
-                                                  antiquant_group_size=self.scheme.group_size or 0)
+        y = by_columns(lambda p: self.npu.npu_weight_quant_batchmatmul(
+            x2, p["weight"], p["antiquant_scale"], antiquant_offset=p.get("antiquant_offset"),
+            antiquant_group_size=_group_of(p)), prepared)
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
@@ -94,23 +127,32 @@ class NpuW8A8StaticKernel(QuantLinearKernel):
     def __init__(self, scheme):
         super().__init__(scheme)
         self.npu = importlib.import_module("torch_npu")
+        self.reference = reference_kernel(scheme)
 
     def prepare(self, tensors: Tensors) -> Tensors:
         refuse_tensor_parallel_static_w8a8()
         weight = tensors["weight"]  # [N, K] int8
-        k = weight.shape[1]
-        deq = deq_scale_float32(tensors["deq_scale"])  # [N]
-        return {"weight": weight.t().contiguous(), "quant_bias": tensors["quant_bias"], "deq_scale": deq,
-                "deq_scale_int64": deq.view(torch.int32).to(torch.int64),
-                "scale_reciprocal": (1.0 / tensors["input_scale"]).repeat(k),  # [K] in the activations' dtype
-                "offset": tensors["input_offset"].repeat(k)}
+        n, k = weight.shape
+        problem = weight_problem(k, n)
+        if problem:
+            log_fallback(f"static W8A8 layer [{n} x {k}]", problem)
+            return on_reference(self.reference.prepare(tensors))
+        deq = deq_scale_float32(tensors["deq_scale"])  # [N] float32, from either stored form
+        prepared = {"weight": weight.t().contiguous(), "quant_bias": tensors["quant_bias"], "deq_scale": deq,
+                    "deq_scale_int64": self.npu.npu_trans_quant_param(deq),  # float16 outputs' form
+                    "scale_reciprocal": (1.0 / tensors["input_scale"]).repeat(k),  # [K] in the activations' dtype
+                    "offset": tensors["input_offset"].repeat(k)}
+        return split_columns(prepared, n, ("weight", "quant_bias", "deq_scale", "deq_scale_int64"))
 
     def apply(self, x, prepared, bias):
+        if ON_REFERENCE in prepared:
+            return self.reference.apply(x, prepared, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        x_q = self.npu.npu_quantize(x2, prepared["scale_reciprocal"], prepared["offset"], torch.qint8, -1, False)
-        scale = prepared["deq_scale_int64" if x.dtype == torch.float16 else "deq_scale"]
-        y = self.npu.npu_quant_matmul(x_q, prepared["weight"], scale, bias=prepared["quant_bias"],
-                                      output_dtype=x.dtype)
+        offset = prepared["offset"].to(x.dtype)
+        x_q = self.npu.npu_quantize(x2, prepared["scale_reciprocal"].to(x.dtype), offset, torch.qint8, -1, False)
+        scale = "deq_scale_int64" if x.dtype == torch.float16 else "deq_scale"
+        y = by_columns(lambda p: self.npu.npu_quant_matmul(x_q, p["weight"], p[scale], bias=p["quant_bias"],
+                                                           output_dtype=x.dtype), prepared)
         return y.reshape(*x.shape[:-1], -1)
 
 
