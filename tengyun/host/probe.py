@@ -20,6 +20,8 @@ from pathlib import Path
 SYSFS_NODES = Path("/sys/devices/system/node")
 SYSFS_PCI = Path("/sys/bus/pci/devices")
 ASCEND_ROOT = Path("/usr/local/Ascend")
+# NNAL's set_env.sh: puts the ATB library (libatb.so, torch_npu's _npu_* ATB ops) on LD_LIBRARY_PATH
+NNAL_SET_ENV = str(ASCEND_ROOT / "nnal" / "atb" / "set_env.sh")
 # PCI vendor id and class-code prefix of each accelerator kind.
 PCI_ACCELERATORS = {"npu": ("0x19e5", "0x12"), "cuda": ("0x10de", "0x03")}
 ENV_KEYS = ("LD_LIBRARY_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_OPP_PATH",
@@ -52,12 +54,20 @@ if importlib.util.find_spec("torch_npu") is not None:
     try:
         import torch_npu
         out["torch_npu"] = torch_npu.__version__
+        out["npu_scatter_pa_kv_cache"] = hasattr(torch_npu, "npu_scatter_pa_kv_cache")
         out["npu_available"] = bool(torch.npu.is_available())
         for i in range(torch.npu.device_count() if out["npu_available"] else 0):
             p = torch.npu.get_device_properties(i)
             devices.append({"type": "npu", "index": i, "name": p.name, "total_memory": int(p.total_memory)})
     except Exception as e:
         out["torch_npu_error"] = repr(e)
+if importlib.util.find_spec("torch_npu") is not None:  # NNAL's ATB library, as torch_npu loads it
+    import ctypes
+    try:
+        ctypes.CDLL("libatb.so")
+        out["atb"] = "loaded"
+    except OSError as e:
+        out["atb_error"] = str(e)
 try:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):

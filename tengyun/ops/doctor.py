@@ -14,7 +14,7 @@ from tengyun.host.findings import Finding, Status, fail, ok, warn
 from tengyun.host.versions import (
     SET_ENV, command_stdout, cann_version, check_driver, check_torch_npu, npu_smi,
 )
-from tengyun.host.probe import HostFacts
+from tengyun.host.probe import NNAL_SET_ENV, HostFacts
 from tengyun.host.smi import (
     Topology, parse_gcc_version, parse_npu_processes,
     parse_nvidia_query, parse_topology, slowest_link,
@@ -249,11 +249,28 @@ def check_npu_memory(facts: HostFacts) -> list[Finding]:
                  f"--gpu-memory-utilization is a fraction of the whole card")]
 
 
+def check_nnal(facts: HostFacts) -> list[Finding]:
+    """NNAL's ATB library (libatb.so), which torch_npu loads for its ATB ops on first call: the
+    KV-cache write needs it (_npu_reshape_and_cache) where torch_npu has no npu_scatter_pa_kv_cache."""
+    probe = facts.torch_probe
+    if "torch_npu" not in probe or ("atb" not in probe and "atb_error" not in probe):
+        return []  # torch_npu does not import (its finding says why), or a probe without the fact
+    if "atb_error" not in probe:
+        return [ok("NNAL", "the ATB library (libatb.so) loads")]
+    what = f"NNAL's ATB library does not load ({probe['atb_error'].strip()})"
+    fix = f"install the NNAL package matching your CANN, then `source {NNAL_SET_ENV}` (after the CANN set_env.sh)"
+    if probe.get("npu_scatter_pa_kv_cache"):
+        return [warn("NNAL", f"{what}; the KV-cache write uses npu_scatter_pa_kv_cache, which does not need it", fix)]
+    return [fail("NNAL", f"{what}, and this torch_npu has no npu_scatter_pa_kv_cache: the KV-cache write needs "
+                         f"ATB's _npu_reshape_and_cache", fix)]
+
+
 def run_checks(facts: HostFacts, tp_size: int | None = None) -> list[Finding]:
     findings: list[Finding] = []
     checks: list[Callable[[HostFacts], list[Finding]]] = [check_python, check_torch, check_platform]
     if is_ascend_host(facts):
-        checks += [check_cann, check_set_env, check_torch_npu, check_driver, check_npu_devices, check_npu_memory]
+        checks += [check_cann, check_set_env, check_nnal, check_torch_npu, check_driver, check_npu_devices,
+                   check_npu_memory]
     for check in checks:
         findings += check(facts)
     if not is_ascend_host(facts):

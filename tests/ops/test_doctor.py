@@ -39,7 +39,7 @@ def ascend_host(**changes) -> HostFacts:
         python_version="3.10.14", machine="aarch64", cpu_count=192, memory_bytes=1536 * GiB,
         packages={"torch": "2.6.0", "torch_npu": "2.6.0.post5", "transformers": "4.51.0", "tengyun": "0.1.0"},
         torch_probe={"torch": "2.6.0", "torch_npu": "2.6.0.post5", "npu_available": True, "devices": devices,
-                     "platform": "npu"},
+                     "platform": "npu", "npu_scatter_pa_kv_cache": True, "atb": "loaded"},
         env={"ASCEND_TOOLKIT_HOME": "/usr/local/Ascend/ascend-toolkit/latest",
              "ASCEND_OPP_PATH": "/usr/local/Ascend/ascend-toolkit/latest/opp",
              "LD_LIBRARY_PATH": "/usr/local/Ascend/ascend-toolkit/latest/lib64:/usr/local/Ascend/driver/lib64"},
@@ -76,11 +76,33 @@ def only(findings, check):
     return found[0]
 
 
+def _without_nnal(scatter: bool) -> HostFacts:
+    """The healthy host with NNAL missing (the ATB library's recorded load error), its torch_npu
+    with or without npu_scatter_pa_kv_cache."""
+    probe = {k: v for k, v in ascend_host().torch_probe.items() if k != "atb"}
+    return ascend_host(torch_probe={**probe, "atb_error": fixture("atb_load_error_nnal_missing.txt"),
+                                    "npu_scatter_pa_kv_cache": scatter})
+
+
+def test_nnal_missing_fails_when_the_cache_write_needs_atb_and_names_its_set_env():
+    finding = only(run_checks(_without_nnal(scatter=False)), "NNAL")
+    assert finding.status == Status.FAIL
+    assert "libatb.so: cannot open shared object file" in finding.detail
+    assert "no npu_scatter_pa_kv_cache" in finding.detail
+    assert "`source /usr/local/Ascend/nnal/atb/set_env.sh`" in finding.fix
+
+
+def test_nnal_missing_only_warns_where_npu_scatter_pa_kv_cache_writes_the_cache():
+    finding = only(run_checks(_without_nnal(scatter=True)), "NNAL")
+    assert finding.status == Status.WARN and "/usr/local/Ascend/nnal/atb/set_env.sh" in finding.fix
+
+
 def test_healthy_ascend_host_is_all_ok():
     findings = run_checks(ascend_host())
     assert {f.status for f in findings} == {Status.OK}, [f for f in findings if f.status != Status.OK]
     assert exit_code(findings) == 0
     assert only(findings, "platform").detail.startswith("npu: 8 device(s)")
+    assert only(findings, "NNAL").detail == "the ATB library (libatb.so) loads"
     assert only(findings, "torch_npu").detail == "torch_npu 2.6.0.post5 with CANN 8.5.0 (documented pair)"
     assert only(findings, "driver").detail == "NPU driver 25.5.0 (CANN 8.5.0 is documented with >= 25.5.0)"
     assert only(findings, "NPUs").detail.startswith("8 NPU(s) healthy: NPU0 910B3 65536 MB")

@@ -1,12 +1,17 @@
 """Paged attention on Ascend NPUs through torch_npu's fused kernels.
 
 NOT YET RUN ON HARDWARE: written against the documented torch_npu APIs and tested on CPU
-against a reference of those documented semantics (tests/platforms/test_npu_platform.py).
+against a stand-in that enforces their documented contracts (tests/platforms/fake_torch_npu.py).
 
-- K/V into the paged cache: ``torch_npu._npu_reshape_and_cache`` (slot i of token t:
-  ``cache[slot // block_size, slot % block_size] = k[t]``).
+- K/V into the paged cache (slot i of token t: ``cache[slot // block_size, slot % block_size] =
+  k[t]``): ``torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`` (ND caches) where this
+  torch_npu has it, as vLLM-Ascend writes on A2/A3; else the ATB op ``_npu_reshape_and_cache``
+  (vLLM-Ascend's 310P path), which torch_npu loads from the separate NNAL package on first call
+  and which fails with OSError when NNAL is missing or its set_env.sh was not sourced.
 - Attention: ``torch_npu.npu_fused_infer_attention_score`` over the cache with a block
-  table, layout "BSH" (the cache viewed as [num_blocks, block_size, Hkv * D]):
+  table, layout "BSH" (the cache viewed as [num_blocks, block_size, Hkv * D]), float16 / bfloat16
+  only; its paged cache needs a block size of 128-512 in multiples of 128 for a multi-token query
+  (16-aligned up to 512 for decode), which NpuPlatform.settings_problem asks of --block-size:
   decodes as one batch of Q_S = 1 (its IncreFlashAttention branch), each prefill chunk as
   one batch of Q_S = chunk length with sparse_mode 3 (causal aligned to the end of the
   context, so a later chunk sees the cached tokens before it).
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from tengyun.host.probe import NNAL_SET_ENV
 from tengyun.layers.attention.backend import AttentionBackend
 from tengyun.layers.attention.metadata import AttentionMetadata
 
@@ -39,10 +45,21 @@ class NpuAttentionBackend(AttentionBackend):
         return torch_npu
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self._ops()._npu_reshape_and_cache(
-            key=k.to(k_cache.dtype), value=v.to(v_cache.dtype), key_cache=k_cache, value_cache=v_cache,
-            slot_indices=meta.slot_mapping.to(torch.int32),
-        )
+        npu = self._ops()
+        key, value = k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype).contiguous()
+        slots = meta.slot_mapping.to(torch.int32).contiguous()
+        if hasattr(npu, "npu_scatter_pa_kv_cache"):
+            npu.npu_scatter_pa_kv_cache(key=key, value=value, key_cache=k_cache, value_cache=v_cache,
+                                        slot_mapping=slots, cache_mode="Norm")
+            return
+        try:
+            npu._npu_reshape_and_cache(key=key, value=value, key_cache=k_cache, value_cache=v_cache,
+                                       slot_indices=slots)
+        except OSError as e:  # the ATB library (NNAL) did not load
+            raise RuntimeError(f"this torch_npu has no npu_scatter_pa_kv_cache, and its ATB cache write "
+                               f"(_npu_reshape_and_cache) did not load: {e}. Install the NNAL package matching "
+                               f"your CANN and run `source {NNAL_SET_ENV}`, or upgrade torch_npu "
+                               f"(`tengyun doctor` checks both)") from e
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
