@@ -243,6 +243,13 @@ class Platform:
         its kernel (the reference where the platform has none)."""
         return "kernel" if scheme.quantises_activations else None
 
+    @classmethod
+    def settings_problem(cls, block_size: int, dtype: str, kv_cache_dtype: str) -> str | None:
+        """Why this platform's kernels cannot run the resolved --block-size, --dtype and
+        --kv-cache-dtype (canonical names, "auto" resolved), naming the flag and a value to use;
+        None when they can. Torch-free: `tengyun plan` asks it for a device it is not on."""
+        return None
+
 
 def fullest_device(usage_mib: dict[int, tuple[int, int]], visible: str | None) -> tuple[int, int] | None:
     """{device: (used MiB, total MiB)} limited to ``visible`` ("2,3"; all when unset) -> the

@@ -41,6 +41,22 @@ def test_block_size_defaults_to_the_platforms(tiny_checkpoints, monkeypatch):
     assert EngineConfig(model=str(tiny_checkpoints["llama"]), block_size=32).finalize().block_size == 32
 
 
+def test_npu_settings_problem_names_the_flag_and_the_value_to_use():
+    assert NpuPlatform.settings_problem(128, "bfloat16", "bfloat16") is None
+    assert NpuPlatform.settings_problem(512, "float16", "auto") is None
+    assert NpuPlatform.settings_problem(16, "bfloat16", "bfloat16") == (
+        "--block-size 16: torch_npu's paged attention takes blocks of 128-512 tokens in multiples of 128 for a "
+        "prompt's tokens: use --block-size 128 (the NPU default)")
+    for size in (8, 64, 192, 640):
+        assert NpuPlatform.settings_problem(size, "bfloat16", "bfloat16").startswith(f"--block-size {size}:")
+    assert NpuPlatform.settings_problem(256, "float32", "float32") == (
+        "--dtype float32: torch_npu's attention, KV-cache write and W8A8 ops take float16 or bfloat16 only: "
+        "use --dtype bfloat16")
+    assert NpuPlatform.settings_problem(128, "bfloat16", "float32").startswith("--kv-cache-dtype float32:")
+    assert NpuPlatform.settings_problem(128, "bfloat16", "float32").endswith("use --kv-cache-dtype bfloat16")
+    assert CpuPlatform.settings_problem(16, "float32", "float32") is None  # the base: no limits
+
+
 def test_npu_attention_backend_matches_torch_sdpa(tiny_checkpoints, monkeypatch):
     assert get_attention_backend("npu").name == "npu"  # importable without torch_npu
     prompts = [[5, 6, 7], list(range(1, 60)), list(range(1, 40)) + [9, 9]]  # 59 tokens: chunked over 3 steps

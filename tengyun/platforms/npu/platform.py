@@ -194,6 +194,20 @@ class NpuPlatform(Platform):
             status[f"npu:{device}"] = (smi.parse_hccn_link(out.stdout) if out.returncode == 0 else None) or "unknown"
         return status
 
+    @classmethod
+    def settings_problem(cls, block_size: int, dtype: str, kv_cache_dtype: str) -> str | None:
+        """npu_fused_infer_attention_score (torch_npu docs, PageAttention约束) pages a multi-token
+        query only in blocks of 128-512 tokens in multiples of 128; it, the cache write,
+        npu_dynamic_quant and npu_quant_matmul take float16 / bfloat16 only."""
+        if not (128 <= block_size <= 512 and block_size % 128 == 0):
+            return (f"--block-size {block_size}: torch_npu's paged attention takes blocks of 128-512 tokens in "
+                    f"multiples of 128 for a prompt's tokens: use --block-size 128 (the NPU default)")
+        for flag, value in (("--dtype", dtype), ("--kv-cache-dtype", kv_cache_dtype)):
+            if value not in ("float16", "bfloat16") and (flag, value) != ("--kv-cache-dtype", "auto"):
+                return (f"{flag} {value}: torch_npu's attention, KV-cache write and W8A8 ops take float16 or "
+                        f"bfloat16 only: use {flag} bfloat16")
+        return None
+
 
 def _npu_layer_ops(query: KernelQuery):
     from tengyun.platforms.npu.kernels.layer_ops import NpuLayerOps
