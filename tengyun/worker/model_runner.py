@@ -15,6 +15,7 @@ from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.block_manager import blocks_to_keep
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
+from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.layers.sampler import Sampler, SamplerOutput
 from tengyun.layers.sampling.logprobs import gather_logprobs
 from tengyun.layers.sampling.metadata import SamplingMetadata
@@ -56,8 +57,13 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device,
-                 grammar_compiler_factory: Callable[[], Any] | None = None,
-                 stage: PipelineStage | None = None):
+                 kernels: KernelBundle | None = None, grammar_compiler_factory: Callable[[], Any] | None = None,
+                 stage: PipelineStage | None = None, decode_graphs: DecodeGraphs | None = None,
+                 snapshot_rows: StateSnapshotRows | None = None, mtp: Any = None):
+        """Complete once constructed: ``kernels`` (the worker's bundle, bound to the sampler as to
+        every layer; None: PyTorch's ops), ``decode_graphs`` (None: eager), ``snapshot_rows``
+        (hybrid prefix caching; None: none kept), ``mtp`` (MtpProposer with --speculative-config
+        method mtp; None: none)."""
         self.model = model
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -65,19 +71,21 @@ class ModelRunner:
         # Pipeline parallel: activations in from the previous stage, out to the next.
         self.stage = stage or PipelineStage(0, torch.float32, device)
         self.sampler = Sampler()
+        if kernels is not None:
+            bind_kernels(self.sampler, kernels)
         self.sampling_inputs = SamplingInputs(vocab_size, device)  # kept across steps
         self.states: dict[int, SeqState] = {}
         # Structured output: per-sequence grammar matchers; the compiler is built on first use.
         self.grammar = GrammarState(grammar_compiler_factory or _no_grammar_compiler, vocab_size)
         # Decode-only steps replayed from captured graphs (worker/decode_graphs.py); None: eager.
-        self.decode_graphs: DecodeGraphs | None = None
+        self.decode_graphs = decode_graphs
         self.spec_drafts: dict[int, list[int]] = {}  # this step's drafts per sequence (speculative decoding)
         self.spec_backups: dict[int, int] = {}  # hybrid models: the spare state slot of each (spec_state.py)
         self.state_snapshots = RecurrentStateSnapshots(model)  # hybrid models: undo rejected drafts
-        self.mtp = None  # MtpProposer with --speculative-config method mtp (worker/mtp_proposer.py)
+        self.mtp = mtp  # worker/mtp_proposer.py
         self.step_tables: dict[int, list[int]] = {}  # block tables held this step, before rollbacks
         # Hybrid models with prefix caching: recurrent-state snapshot copies; None: none kept.
-        self.snapshot_rows: StateSnapshotRows | None = None
+        self.snapshot_rows = snapshot_rows
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,

@@ -63,9 +63,6 @@ class Worker:
         graphs = self._use_decode_graphs()
         self.state_cache, self.kv_cache = self._allocate_caches(extra=int(graphs))
         self.runner = self._build_runner(graphs)
-        if self.mtp_head is not None:
-            self.runner.mtp = MtpProposer.build(config, self.mtp_head, self.model, self.num_blocks + int(graphs),
-                                                TORCH_DTYPES[config.kv_cache_dtype], self.device)
         self.platform.after_load([t for module in (self.model, self.mtp_head) if module is not None
                                   for t in weight_tensors(module)])
         self._release_platform = weakref.finalize(self, self.platform.release)  # shutdown(), or collected
@@ -162,17 +159,18 @@ class Worker:
     def _build_runner(self, graphs: bool) -> ModelRunner:
         config = self.config
         stage = PipelineStage(config.model_spec.hidden_size, TORCH_DTYPES[config.dtype], self.device)
-        runner = ModelRunner(self.model, config.block_size, config.model_spec.vocab_size, self.device,
-                             grammar_compiler_factory=lambda: grammar_compiler_for_config(config), stage=stage)
-        runner.sampler.bind_kernels(self.kernels)
-        if graphs:
-            runner.decode_graphs = DecodeGraphs(
-                self.model, self.platform.capture_graph, self._graph_batch_limit(),
-                -(-config.max_model_len // config.block_size), config.block_size, pad_block=self.num_blocks,
-                pad_slot=self.num_state_slots, device=self.device)
-        if self.num_state_snapshots:  # a stage without linear-attention layers copies nothing
-            runner.snapshot_rows = StateSnapshotRows(self.state_cache, self.num_state_slots + int(graphs))
-        return runner
+        decode_graphs = DecodeGraphs(
+            self.model, self.platform.capture_graph, self._graph_batch_limit(),
+            -(-config.max_model_len // config.block_size), config.block_size, pad_block=self.num_blocks,
+            pad_slot=self.num_state_slots, device=self.device) if graphs else None
+        # a stage without linear-attention layers copies no snapshots
+        snapshot_rows = StateSnapshotRows(self.state_cache, self.num_state_slots + int(graphs)) \
+            if self.num_state_snapshots else None
+        mtp = MtpProposer.build(config, self.mtp_head, self.model, self.num_blocks + int(graphs),
+                                TORCH_DTYPES[config.kv_cache_dtype], self.device) if self.mtp_head is not None else None
+        return ModelRunner(self.model, config.block_size, config.model_spec.vocab_size, self.device, self.kernels,
+                           grammar_compiler_factory=lambda: grammar_compiler_for_config(config), stage=stage,
+                           decode_graphs=decode_graphs, snapshot_rows=snapshot_rows, mtp=mtp)
 
     def _use_decode_graphs(self) -> bool:
         """Graphs where the platform captures them, unless --enforce-eager or something in the
