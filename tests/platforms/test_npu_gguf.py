@@ -54,3 +54,24 @@ def test_q6_k_runs_the_reference_on_npu(monkeypatch):
     from tengyun.platforms.npu.platform import NpuPlatform
 
     assert type(NpuPlatform().quant_linear_kernel(scheme_for_type("Q6_K"), torch.bfloat16)) is GgufReferenceKernel
+
+
+def test_a_vocabulary_wide_gguf_head_is_split_by_columns(monkeypatch):
+    """npu_weight_quant_batchmatmul takes N up to 65535: a Q8_0 LM head of 65600 outputs runs as two
+    column chunks (the stand-in refuses one call of all 65600)."""
+    fake = fake_torch_npu.module()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    from tengyun.platforms.npu.kernels.gguf import npu_gguf_kernel
+
+    kernel = npu_gguf_kernel(scheme_for_type("Q8_0"), torch.bfloat16)
+    qweight = _random_blocks("Q8_0", 65600, 64)
+    prepared = kernel.prepare({"qweight": qweight})
+    assert [part["weight"].shape for part in prepared["parts"]] == [(64, 32832), (64, 32768)]
+    x = torch.randn(2, 64).bfloat16()
+    expected = x.float() @ dequantize_blocks(qweight, "Q8_0").t()
+    y = kernel.apply(x, prepared, None).float()
+    assert fake.calls["npu_weight_quant_batchmatmul"] == 2
+    assert ((y - expected).norm() / expected.norm()) < 1e-2
+    with pytest.raises(RuntimeError, match=r"N \(65600\) must lie in \[1, 65535\]"):
+        fake_torch_npu.npu_weight_quant_batchmatmul(x, torch.zeros(64, 65600, dtype=torch.int8),
+                                                    torch.ones(2, 65600).bfloat16(), antiquant_group_size=32)
