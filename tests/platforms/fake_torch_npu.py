@@ -92,7 +92,7 @@ def _check_paged(query, key, block_table, actual_seq_lengths_kv, block_size, seq
     else:
         _require(0 < block_size <= 512 and block_size % 16 == 0,
                  f"block_size {block_size}: decode needs a multiple of 16 up to 512 (float16 / bfloat16)")
-    _require(len(actual_seq_lengths_kv) in (1, query.shape[0]) or len(actual_seq_lengths_kv) >= query.shape[0],
+    _require(len(actual_seq_lengths_kv) == 1 or len(actual_seq_lengths_kv) >= query.shape[0],
              "actual_seq_lengths_kv: one length, or one per batch")
     for length in actual_seq_lengths_kv[:query.shape[0]]:
         _require(-(-length // block_size) <= block_table.shape[1], "block_table is shorter than the context")

@@ -8,6 +8,7 @@ the default NZ cache mode) and show the stand-in refuses each."""
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,16 @@ def test_cache_write_falls_back_to_the_atb_op(qwen3, monkeypatch):
     _npu_attention(monkeypatch, fake)
     assert _tokens(qwen3) == reference
     assert fake.calls["_npu_reshape_and_cache"] > 0
+
+
+def test_310p_keeps_the_atb_cache_write(qwen3, monkeypatch):
+    """npu_scatter_pa_kv_cache is documented for Atlas A2 / A3 only."""
+    reference = _tokens(qwen3)
+    fake = fake_torch_npu.module()
+    _npu_attention(monkeypatch, fake)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(get_device_name=lambda *a: "Ascend310P3"), raising=False)
+    assert _tokens(qwen3) == reference
+    assert fake.calls["_npu_reshape_and_cache"] > 0 and fake.calls["npu_scatter_pa_kv_cache"] == 0
 
 
 def test_atb_op_without_nnal_names_its_set_env(qwen3, monkeypatch):

@@ -5,9 +5,10 @@ against a stand-in that enforces their documented contracts (tests/platforms/fak
 
 - K/V into the paged cache (slot i of token t: ``cache[slot // block_size, slot % block_size] =
   k[t]``): ``torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`` (ND caches) where this
-  torch_npu has it, as vLLM-Ascend writes on A2/A3; else the ATB op ``_npu_reshape_and_cache``
-  (vLLM-Ascend's 310P path), which torch_npu loads from the separate NNAL package on first call
-  and which fails with OSError when NNAL is missing or its set_env.sh was not sourced.
+  torch_npu has it and the chip is an A2/A3 (the op's documented products), as vLLM-Ascend writes
+  there; else the ATB op ``_npu_reshape_and_cache`` (vLLM-Ascend's 310P path), which torch_npu
+  loads from the separate NNAL package on first call and which fails with OSError when NNAL is
+  missing or its set_env.sh was not sourced.
 - Attention: ``torch_npu.npu_fused_infer_attention_score`` over the cache with a block
   table, layout "BSH" (the cache viewed as [num_blocks, block_size, Hkv * D]), float16 / bfloat16
   only; its paged cache needs a block size of 128-512 in multiples of 128 for a multi-token query
@@ -37,6 +38,7 @@ class NpuAttentionBackend(AttentionBackend):
 
     def __init__(self):
         self._causal_mask: torch.Tensor | None = None
+        self._scatter: bool | None = None  # npu_scatter_pa_kv_cache writes the cache (_scatter_writes)
 
     @staticmethod
     def _ops():
@@ -48,7 +50,9 @@ class NpuAttentionBackend(AttentionBackend):
         npu = self._ops()
         key, value = k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype).contiguous()
         slots = meta.slot_mapping.to(torch.int32).contiguous()
-        if hasattr(npu, "npu_scatter_pa_kv_cache"):
+        if self._scatter is None:
+            self._scatter = _scatter_writes(npu)
+        if self._scatter:
             npu.npu_scatter_pa_kv_cache(key=key, value=value, key_cache=k_cache, value_cache=v_cache,
                                         slot_mapping=slots, cache_mode="Norm")
             return
@@ -97,3 +101,12 @@ class NpuAttentionBackend(AttentionBackend):
             size = _COMPRESSED_MASK_SIZE
             self._causal_mask = torch.triu(torch.ones(size, size, dtype=torch.bool, device=device), diagonal=1)
         return self._causal_mask
+
+
+def _scatter_writes(npu) -> bool:
+    """npu_scatter_pa_kv_cache is in this torch_npu and documented for this chip (Atlas A2 / A3, not
+    the 310P inference cards)."""
+    if not hasattr(npu, "npu_scatter_pa_kv_cache"):
+        return False
+    device = getattr(torch, "npu", None)  # absent on the CPU stand-in
+    return device is None or "310" not in device.get_device_name()
