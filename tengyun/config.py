@@ -148,6 +148,9 @@ class EngineConfig:
     master_port: int | None = setting(  # None: a free port (single node only)
         None, group=PARALLELISM, help="rendezvous port on node 0 (default: a free one)")
     headless: bool = setting(False, group=PARALLELISM, help="run this node's workers only (nodes 1..N-1)")
+    disable_pipeline_overlap: bool = setting(
+        False, group=PARALLELISM, help="with --pipeline-parallel-size P > 1, keep one batch in flight instead of P "
+                                       "(stages then run one after another; docs/parallelism.md)")
     distributed_timeout: float = setting(
         300.0, group=PARALLELISM, help="seconds the engine waits for a step's result before it fails (a dead local "
                                        "rank is named at once)")

@@ -28,6 +28,8 @@ class _State:
     rank: int = 0
     tp_group: object = None
     cpu_group: object = None  # gloo over every rank: pickled messages, whatever the device backend
+    stage_group: object = None  # gloo over this pipeline stage's ranks: the step message's fan-out
+    result_group: object = None  # gloo, rank 0 and the sampler rank: results, apart from the step's traffic
 
 
 _STATE = _State()
@@ -47,7 +49,17 @@ def init_distributed(info: RankInfo, backend: str) -> None:
             tp_group = group
     # Its own group even under gloo, so pickled messages never interleave with PP tensors.
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    _STATE = _State(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.rank, tp_group, cpu_group)
+    stage_group = None
+    for pp_rank in range(info.pp_size):
+        group = dist.new_group(list(range(pp_rank * info.tp_size, (pp_rank + 1) * info.tp_size)),
+                               backend="gloo", timeout=timeout)
+        if pp_rank == info.pp_rank:
+            stage_group = group
+    # Rank 0's result thread receives on this group while its main thread sends on the others.
+    result_group = dist.new_group(sorted({0, sampler_rank(info.tp_size, info.pp_size)}), backend="gloo",
+                                  timeout=timeout)
+    _STATE = _State(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.rank, tp_group, cpu_group,
+                    stage_group, result_group)
 
 
 def destroy_distributed() -> None:
@@ -142,33 +154,47 @@ def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.dev
 
 
 # ----- pickled messages between ranks (CPU group) ----------------------------------------
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Rank ``src`` sends obj to every rank (length, then bytes); returns it everywhere."""
+def broadcast_object(obj: object, src: int = 0, *, within_stage: bool = False) -> object:
+    """Rank ``src`` sends obj to every rank, or with ``within_stage`` to its pipeline stage's
+    ranks (length, then bytes); returns it everywhere."""
+    group = _STATE.stage_group if within_stage else _STATE.cpu_group
     if src == _STATE.rank:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        dist.broadcast(size, src, group=_STATE.cpu_group)
-        dist.broadcast(payload, src, group=_STATE.cpu_group)
+        size, payload = _pickled(obj)
+        dist.broadcast(size, src, group=group)
+        dist.broadcast(payload, src, group=group)
         return obj
     size = torch.empty(1, dtype=torch.int64)
-    dist.broadcast(size, src, group=_STATE.cpu_group)
+    dist.broadcast(size, src, group=group)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(payload, src, group=_STATE.cpu_group)
+    dist.broadcast(payload, src, group=group)
     return pickle.loads(payload.numpy().tobytes())
 
 
-def send_object(obj: object, dst: int) -> None:
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group=_STATE.cpu_group)
-    dist.send(payload, dst, group=_STATE.cpu_group)
+def send_object(obj: object, dst: int, *, result: bool = False) -> None:
+    """obj to rank ``dst``; ``result``: over the results' own group (rank 0 <-> the sampler rank)."""
+    group = _STATE.result_group if result else _STATE.cpu_group
+    for t in _pickled(obj):
+        dist.send(t, dst, group=group)
 
 
-def recv_object(src: int) -> object:
+def isend_object(obj: object, dst: int) -> list:
+    """send_object without waiting for ``dst`` to receive: the works to wait on (each holds its tensor)."""
+    return [dist.isend(t, dst, group=_STATE.cpu_group) for t in _pickled(obj)]
+
+
+def recv_object(src: int, *, result: bool = False) -> object:
+    group = _STATE.result_group if result else _STATE.cpu_group
     size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src, group=_STATE.cpu_group)
+    dist.recv(size, src, group=group)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(payload, src, group=_STATE.cpu_group)
+    dist.recv(payload, src, group=group)
     return pickle.loads(payload.numpy().tobytes())
+
+
+def _pickled(obj: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """(size [1] int64, payload [size] uint8) of obj pickled."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    return torch.tensor([payload.numel()], dtype=torch.int64), payload
 
 
 def all_reduce_min(value: int) -> int:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -23,13 +25,15 @@ from tengyun.sampling_params import SamplingParams
 from tengyun.spec_decode.drafter import Drafter
 from tengyun.spec_decode.stats import SpecDecodeStats
 
+logger = logging.getLogger(__name__)
 
 class Executor(Protocol):
     num_blocks: int  # KV blocks every rank holds
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    # Optional: check_health() raises if a worker died; shutdown() stops worker processes.
+    # Optional: check_health() raises if a worker died; shutdown() stops worker processes;
+    # submit(sched) and next_result() run steps in a pipeline (results in submission order).
 
 
 @dataclass
@@ -56,9 +60,11 @@ class LLMEngine:
         self.executor = executor
         self.eos_token_ids = eos_token_ids
         self.vocab_size = config.model_spec.vocab_size
+        self.batches_in_flight = _batches_in_flight(config, executor)
         self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots,
                                    num_state_snapshots=executor.num_state_snapshots,
-                                   drafter=Drafter.from_config(config))
+                                   drafter=Drafter.from_config(config), batches_in_flight=self.batches_in_flight)
+        self._in_flight: deque[SchedulerOutput] = deque()  # submitted, oldest first
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -121,7 +127,7 @@ class LLMEngine:
             self._report(request, self._pending_outputs, self._pending_progress)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_progress)
+        return bool(self.requests) or bool(self._pending_progress) or bool(self._in_flight)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -165,24 +171,54 @@ class LLMEngine:
 
     def step_with_progress(self) -> tuple[list[RequestOutput], list[RequestProgress]]:
         """step(), and the progress of every request that changed (aborted ones included),
-        whatever its output kind: what metrics read."""
+        whatever its output kind: what metrics read.
+
+        Pipeline parallel (batches_in_flight P > 1): submit scheduled batches until P are in
+        flight (or nothing more can be scheduled), then take the oldest one's result. Stage 1
+        runs batch k + 1 while stage 2 runs batch k; a sequence's tokens are appended when its
+        batch comes back, and the scheduler leaves it out of batches until then."""
         outputs, self._pending_outputs = self._pending_outputs, []
         progress, self._pending_progress = self._pending_progress, []
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return outputs, progress
+        if self.batches_in_flight == 1:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return outputs, progress
+            self._note_scheduled(sched)
+            result = self.executor.execute_model(sched)
+        else:
+            while len(self._in_flight) < self.batches_in_flight:
+                sched = self.scheduler.schedule()
+                if sched.is_empty:
+                    break
+                self._note_scheduled(sched)
+                self.executor.submit(sched)
+                self._in_flight.append(sched)
+            if not self._in_flight:
+                return outputs, progress
+            sched, result = self._in_flight.popleft(), self.executor.next_result()
+        self._apply(sched, result, outputs, progress)
+        return outputs, progress
+
+    def _note_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.time()
         for new in sched.new_seqs:
             metrics = self.requests[self.seqs[new.seq_id].request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        result = self.executor.execute_model(sched)
+
+    def _apply(self, sched: SchedulerOutput, result: ModelRunnerOutput, outputs: list[RequestOutput],
+               progress: list[RequestProgress]) -> None:
+        """A batch's result: tokens appended, stops checked, changed requests reported. Sequences
+        aborted while it ran are gone from self.seqs (or finished) and skipped."""
         self.scheduler.advance(sched, self.seqs, result.sampled_token_ids)
         for seq_id, chunk in result.prompt_logprobs.items():
-            self._record_prompt_logprobs(self.requests[self.seqs[seq_id].request_id], chunk)
+            if seq_id in self.seqs:
+                self._record_prompt_logprobs(self.requests[self.seqs[seq_id].request_id], chunk)
         now = time.time()
         changed: dict[str, Request] = {}
         for seq_id, token_ids in result.sampled_token_ids.items():
-            seq = self.seqs[seq_id]
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.is_finished:
+                continue
             request = self.requests[seq.request_id]
             for index, token_id in enumerate(token_ids):  # > 1 token: accepted speculative drafts
                 if seq.is_finished:
@@ -192,7 +228,6 @@ class LLMEngine:
             changed[request.request_id] = request
         for request in changed.values():
             self._report(request, outputs, progress)
-        return outputs, progress
 
     def _report(self, request: Request, outputs: list[RequestOutput], progress: list[RequestProgress]) -> None:
         """Add a changed request's output (if its kind has one now) and progress; retire it if finished."""
@@ -291,3 +326,27 @@ class LLMEngine:
             num_kv_blocks=bm.num_blocks,
             spec_decode=self.scheduler.spec_stats.snapshot() if self.scheduler.spec_stats else None,
         )
+
+
+def _batches_in_flight(config: EngineConfig, executor: Executor) -> int:
+    """How many batches the engine keeps in flight: --pipeline-parallel-size, or 1 where
+    overlapping is off or not yet safe (logged with the reason)."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return 1
+    reason = None
+    if config.disable_pipeline_overlap:
+        reason = "--disable-pipeline-overlap"
+    elif not hasattr(executor, "submit"):
+        reason = f"the {type(executor).__name__} executor runs one step at a time"
+    elif config.speculative_config is not None:
+        # The non-sampling ranks roll back rejected drafts by the previous step's drafts.
+        reason = "speculative decoding (draft rollback assumes the previous step is the sequence's last)"
+    elif executor.num_state_slots and config.enable_prefix_caching:
+        # StateSnapshots commits a step's snapshot rows when the next step is scheduled.
+        reason = "prefix caching on a hybrid model (state snapshots assume one step in flight)"
+    if reason is not None:
+        logger.info("Pipeline stages run one after another (one batch in flight): %s.", reason)
+        return 1
+    logger.info("Pipeline overlap: up to %d batches in flight.", pp)
+    return pp

@@ -16,7 +16,7 @@ from tengyun.spec_decode.drafter import Drafter
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int = 0, num_state_snapshots: int = 0,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, batches_in_flight: int = 1):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
@@ -34,6 +34,10 @@ class Scheduler:
         self._seqs_on_worker: set[int] = set()
         self._freed_seq_ids: list[int] = []
         self.num_preemptions = 0
+        # Pipeline parallel (llm_engine.py): up to this many scheduled batches run at once; a
+        # sequence in one of them (in _in_flight from schedule to advance) is in no other.
+        self.batches_in_flight = batches_in_flight
+        self._in_flight: set[int] = set()
         # Speculative decoding (ngram): drafts proposed here, verified by the worker in one step.
         self.drafter = drafter
         self.spec_stats = drafter.stats if drafter else None
@@ -74,28 +78,40 @@ class Scheduler:
         Each gets min(its uncomputed tokens, remaining budget): a decode is 1 token, a prompt
         may be split into chunks over several steps. When blocks run out the latest-arrived
         running sequence is preempted (blocks freed, recomputed later).
+
+        With batches in flight, sequences in one are left out (and never preempted), and a batch
+        takes at most its share of the unfinished sequences, so the batches stay about equal:
+        64 sequences, 2 in flight -> 32 each. An empty output keeps the freed ids for the next.
         """
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        preempted = self._schedule_running(out, budget)
+        max_seqs = -(-(len(self.running) + len(self.waiting)) // self.batches_in_flight)
+        preempted = self._schedule_running(out, budget, max_seqs)
         budget -= out.total_num_scheduled_tokens
         if not preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, max_seqs)
+        if out.is_empty:
+            return out
+        self._in_flight.update(out.num_scheduled_tokens)
         out.freed_seq_ids, self._freed_seq_ids = self._freed_seq_ids, []
         if self.snapshots is not None:
             out.state_restores, out.state_saves = self.snapshots.take_copies()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, max_seqs: int) -> bool:
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < max_seqs:
             seq = self.running[i]
+            if seq.seq_id in self._in_flight:
+                i += 1
+                continue
             num_new = self._align(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             drafts = self._drafts_for(seq, num_new, budget)
             num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = self.running[-1]
+                # The latest-arrived not in flight: seq itself at the latest, so at index >= i.
+                victim = next(s for s in reversed(self.running) if s.seq_id not in self._in_flight)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -134,8 +150,9 @@ class Scheduler:
             return []
         return drafts
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, max_seqs: int) -> None:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.num_scheduled_tokens) < max_seqs):
             seq = self.waiting[0]
             cached_blocks = self.block_manager.find_cached_blocks(seq)
             kv_hit_tokens = len(cached_blocks) * self.block_manager.block_size
@@ -215,9 +232,13 @@ class Scheduler:
         verified K drafts and got back ``sampled`` [d1, ..., da, x] keeps KV for its last token
         and d1..da, and frees the blocks past them. On hybrid models (a state pool) a rejection
         counts none of the step's tokens: the worker restored the recurrent state of before the
-        step, so they are recomputed, accepted drafts included, with the next step's."""
+        step, so they are recomputed, accepted drafts included, with the next step's. A
+        sequence aborted while its batch ran is gone (or finished) and skipped."""
         for seq_id, num_new in out.num_scheduled_tokens.items():
-            seq = seqs[seq_id]
+            self._in_flight.discard(seq_id)
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
             computed_before = seq.num_computed_tokens
             seq.num_computed_tokens += num_new
             if seq.spec_token_ids:

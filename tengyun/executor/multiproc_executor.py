@@ -101,7 +101,16 @@ class MultiprocExecutor:
 
     # ----- the Executor interface -----------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.next_result()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Start a step without waiting for it: with pipeline parallel, stage 0 takes the next
+        batch while later stages still run earlier ones (worker_process.py)."""
         self._send(self._driver, (EXECUTE, sched))
+
+    def next_result(self) -> ModelRunnerOutput:
+        """The result of the oldest submitted step not yet returned (steps come back in order)."""
         return self._receive(self._driver, timeout=self.timeout, expect="result")
 
     def check_health(self) -> None:
