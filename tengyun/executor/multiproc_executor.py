@@ -30,7 +30,7 @@ from tengyun.config import EngineConfig
 from tengyun.distributed.rank_info import RankInfo, node_ranks
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.executor.node_link import (
-    NodeLinkClient, NodeLinkServer, NodeLost, RankExit, describe_ranks, link_port,
+    NodeLinkClient, NodeLinkServer, NodeLost, NodeObserver, RankExit, describe_ranks, link_port,
 )
 from tengyun.executor.rank_process import SpawnedRank, start_method, start_rank
 from tengyun.executor.worker_process import EXECUTE, SHUTDOWN
@@ -253,36 +253,69 @@ class MultiprocExecutor:
         )
 
 
-def run_headless(config: EngineConfig) -> int:
+def run_headless(config: EngineConfig, observer: NodeObserver | None = None) -> int:
     """--headless: join node 0's engine over the node link, start this node's ranks, report
-    each one's exit; exit non-zero as soon as one fails."""
+    each one's joining and exit (to node 0 and to ``observer``, this node's /health); exit
+    non-zero as soon as one fails or node 0's engine closes the link, 0 when every rank ended
+    cleanly or ``observer.stop_handle`` turned readable (SIGTERM: the ranks are terminated)."""
+    observer = observer or NodeObserver()
+    stop = [observer.stop_handle] if observer.stop_handle is not None else []
     ours = list(node_ranks(config.world_size, config.nnodes, config.node_rank))
     try:
         link = NodeLinkClient.connect(config.master_addr, config.master_port, config.node_rank, ours,
-                                      within_s=config.distributed_timeout)
+                                      within_s=config.distributed_timeout, stop=lambda: bool(wait(stop, 0)))
     except ConnectionError as e:
         logger.error("%s", e)
         return 1
     except ValueError as e:  # node 0 expects other ranks from this node: the flags differ
         logger.error("%s", e)
         return 2
+    if link is None:
+        return 0
+    observer.linked()
     ranks = launch_node(config, config.master_port)
     logger.info("Headless node %d: ranks %s (pids %s) joining %s:%d", config.node_rank, [r.rank for r in ranks],
                 [r.process.pid for r in ranks], config.master_addr, config.master_port)
-    code = 0
+    for r in ranks:
+        observer.rank_started(r.rank, r.process.pid)
+    code, joined, grace_until = 0, set(), None
     pending = {r.process.sentinel: r for r in ranks}
+    pipes = {r.pipe: r for r in ranks}  # ("ready", ...) once a rank joined the world; EOF when it exits
     while pending:
-        exited = [pending.pop(sentinel) for sentinel in wait(list(pending))]
+        timeout = None if grace_until is None else max(0.0, grace_until - time.monotonic())
+        ready = wait([*pending, *pipes, *([link.sock] if grace_until is None else []), *stop], timeout)
+        for handle in [h for h in ready if h in pipes]:
+            try:
+                message = handle.recv()
+            except (EOFError, OSError):
+                pipes.pop(handle)
+                continue
+            if message[0] == "ready":
+                joined.add(pipes[handle].rank)
+                observer.rank_joined(pipes[handle].rank)
+                if len(joined) == len(ranks):
+                    link.report_joined(sorted(joined))
+        exited = [pending.pop(h) for h in ready if h in pending]
         for r in exited:
             r.process.join()
         for r in sorted(exited, key=lambda r: r.process.exitcode >= 0):  # killed by a signal first
             link.report_exit(r.rank, r.process.pid, r.process.exitcode)
+            observer.rank_exited(r.rank, r.process.pid, r.process.exitcode)
             if r.process.exitcode != 0:
                 logger.error("worker rank %d (pid %d) exited with code %s", r.rank, r.process.pid, r.process.exitcode)
                 code = 1
-        if code:
+        if link.sock in ready and link.engine_gone():  # a clean shutdown ends the ranks too: give them 5 s
+            logger.warning("node 0's engine at %s closed the node link: stopping this node's ranks within 5 s",
+                           config.master_addr)
+            grace_until = time.monotonic() + 5.0
+        stopping = any(h in stop for h in ready)
+        if code or stopping or (grace_until is not None and time.monotonic() >= grace_until and pending):
+            code = code or (0 if stopping else 1)
             for r in pending.values():
                 r.process.terminate()
+            for r in pending.values():
+                r.process.join(10.0)
+                observer.rank_exited(r.rank, r.process.pid, r.process.exitcode)
             break
     link.close()
     return code

@@ -6,10 +6,21 @@ before it starts its ranks, then only reports:
 
     headless -> engine   {"hello": 1, "ranks": [2, 3]}
     engine -> headless   {"welcome": true}  or  {"welcome": false, "error": "..."}
+    headless -> engine   {"joined": [2, 3]}                       (all its ranks reported ready)
     headless -> engine   {"exit": 3, "pid": 4242, "code": -9}     (each rank that exits)
 
 The engine reads a report as RankExit, and a welcomed connection that closes while the
 engine runs as NodeLost (the launcher or its whole host is gone, or the network broke).
+A headless launcher that sees the link close knows node 0's engine is gone.
+
+Node 0's API server asks the engine how the nodes stand (GET /health/detail), on a connection
+of its own that never says hello:
+
+    server -> engine     {"status": 1}
+    engine -> server     {"nodes": [{"node": 1, "ranks": [2, 3], "state": "joined", "address": "10.0.0.2"}]}
+
+A node's state, as the link saw it: "waiting" (never connected) -> "connected" (welcomed, its
+ranks starting) -> "joined" -> "rank_exited" (with rank, pid, code) or "lost" (link closed).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from tengyun.distributed.rank_info import node_ranks
 
@@ -56,6 +68,23 @@ def describe_ranks(ranks) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+@dataclass
+class NodeObserver:
+    """What a headless launcher (run_headless) tells its own node's server, beside the link
+    reports; this base ignores everything. ``stop_handle``: a Connection or fd that turns
+    readable when the node should stop (SIGTERM), watched with the ranks."""
+
+    stop_handle: object = None
+
+    def linked(self) -> None: ...
+
+    def rank_started(self, rank: int, pid: int) -> None: ...
+
+    def rank_joined(self, rank: int) -> None: ...
+
+    def rank_exited(self, rank: int, pid: int, code: int) -> None: ...
+
+
 class _Peer:
     def __init__(self, sock: socket.socket, address: str):
         self.sock, self.address = sock, address
@@ -80,6 +109,7 @@ class NodeLinkServer:
                              f"choose a --master-port whose next port is free too, e.g. 29500.") from None
         self._listener.setblocking(False)
         self._peers: dict[socket.socket, _Peer] = {}
+        self.nodes = {n: {"node": n, "ranks": r, "state": "waiting", "address": None} for n, r in self.expected.items()}
 
     def handles(self) -> list[socket.socket]:
         return [self._listener, *self._peers]
@@ -128,8 +158,14 @@ class NodeLinkServer:
                 return events + self._drop(peer, quietly=True)  # not a Tengyun node: nothing to name
             if "hello" in message:
                 self._welcome(peer, message)
+            elif "status" in message:
+                self._send(peer, {"nodes": list(self.nodes.values())})
+            elif "joined" in message and peer.node is not None:
+                self.nodes[peer.node]["state"] = "joined"
             elif "exit" in message and peer.node is not None:
-                events.append(RankExit(peer.node, message["exit"], message["pid"], message["code"]))
+                event = RankExit(peer.node, message["exit"], message["pid"], message["code"])
+                self.nodes[peer.node].update(state="rank_exited", rank=event.rank, pid=event.pid, code=event.code)
+                events.append(event)
         return events
 
     def close(self) -> None:
@@ -149,20 +185,27 @@ class NodeLinkServer:
         elif node in taken:
             error = (f"node {node} connected twice (again from {peer.address}): give each --headless node "
                      f"its own --node-rank.")
-        try:
-            peer.sock.sendall((json.dumps({"welcome": error is None, "error": error}) + "\n").encode())
-        except OSError:
-            pass
+        self._send(peer, {"welcome": error is None, "error": error})
         if error is not None:
             raise ValueError(error)
         peer.node = node
+        self.nodes[node].update(state="connected", address=peer.address)
         logger.info("node link: node %d (%s) connected from %s", node, describe_ranks(ranks), peer.address)
+
+    @staticmethod
+    def _send(peer: _Peer, message: dict) -> None:
+        try:
+            peer.sock.sendall((json.dumps(message) + "\n").encode())
+        except OSError:
+            pass
 
     def _drop(self, peer: _Peer, quietly: bool = False) -> list[NodeLost]:
         self._peers.pop(peer.sock, None)
         peer.sock.close()
         if peer.node is None or quietly:
-            return []  # never said hello (a port probe): not a node
+            return []  # never said hello (a port probe, a status query): not a node
+        if self.nodes[peer.node]["state"] != "rank_exited":
+            self.nodes[peer.node]["state"] = "lost"
         return [NodeLost(peer.node, tuple(self.expected[peer.node]))]
 
 
@@ -173,9 +216,11 @@ class NodeLinkClient:
         self.sock = sock
 
     @classmethod
-    def connect(cls, addr: str, master_port: int, node: int, ranks: list[int], within_s: float) -> NodeLinkClient:
+    def connect(cls, addr: str, master_port: int, node: int, ranks: list[int], within_s: float,
+                stop: Callable[[], bool] = lambda: False) -> NodeLinkClient | None:
         """Raise ConnectionError once ``within_s`` seconds pass without a welcome; ValueError
-        when the engine refuses this node (its message says which flag differs)."""
+        when the engine refuses this node (its message says which flag differs); None once
+        ``stop()`` turns true between attempts."""
         port = link_port(master_port)
         deadline = time.monotonic() + within_s
         hello = (json.dumps({"hello": node, "ranks": ranks}) + "\n").encode()
@@ -193,6 +238,8 @@ class NodeLinkClient:
                     return cls(sock.dup())
             except OSError as e:
                 last = e
+            if stop():
+                return None
             if time.monotonic() + RETRY_INTERVAL_S > deadline:
                 raise ConnectionError(
                     f"node {node} could not reach node 0's engine at {addr}:{port} (--master-addr, and "
@@ -202,10 +249,24 @@ class NodeLinkClient:
                 )
             time.sleep(RETRY_INTERVAL_S)
 
+    def report_joined(self, ranks: list[int]) -> None:
+        self._report({"joined": ranks})
+
     def report_exit(self, rank: int, pid: int | None, code: int | None) -> None:
+        self._report({"exit": rank, "pid": pid, "code": code})
+
+    def engine_gone(self) -> bool:
+        """Call when the socket is readable: True when node 0's engine closed the link (it never
+        writes after its welcome)."""
+        try:
+            return not self.sock.recv(4096)
+        except OSError:
+            return True
+
+    def _report(self, message: dict) -> None:
         """Best effort: once node 0's engine has gone (normal shutdown) nobody listens."""
         try:
-            self.sock.sendall((json.dumps({"exit": rank, "pid": pid, "code": code}) + "\n").encode())
+            self.sock.sendall((json.dumps(message) + "\n").encode())
         except OSError:
             pass
 
@@ -213,13 +274,25 @@ class NodeLinkClient:
         self.sock.close()
 
 
+def query_nodes(addr: str, master_port: int, timeout_s: float) -> list[dict] | None:
+    """The engine's view of every headless node (the "nodes" list above), or None when it does
+    not answer within ``timeout_s`` (not listening yet, or gone)."""
+    try:
+        with socket.create_connection((addr, link_port(master_port)), timeout=timeout_s) as sock:
+            sock.sendall(b'{"status": 1}\n')
+            reply = _parse(_read_line(sock))
+    except (OSError, ValueError):
+        return None
+    return reply["nodes"] if reply is not None and "nodes" in reply else None
+
+
 def _parse(line: bytes) -> dict | None:
-    """One message, or None for anything that is not one of the three kinds above."""
+    """One message, or None for anything that is not one of the kinds above."""
     try:
         message = json.loads(line)
     except ValueError:
         return None
-    kinds = ({"hello", "ranks"}, {"welcome", "error"}, {"exit", "pid", "code"})
+    kinds = ({"hello", "ranks"}, {"welcome", "error"}, {"exit", "pid", "code"}, {"joined"}, {"status"}, {"nodes"})
     if not isinstance(message, dict) or not any(k <= message.keys() for k in kinds):
         return None
     if "hello" in message and not (isinstance(message["hello"], int) and isinstance(message["ranks"], list)):

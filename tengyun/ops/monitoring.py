@@ -5,7 +5,9 @@ scrape config that loads them, as text. Pure functions over plain values; both o
 Every rule is scoped to the scrape job (``job``), so other jobs in the same Prometheus are left
 alone. The "/health not 200" rule reads tengyun:server_ready, which the server computes from the
 same condition /health answers with (Prometheus scrapes /metrics, which stays 200 while the
-server starts, drains or has a dead engine); a process that is gone shows as up == 0.
+server starts, drains or has a dead engine); a process that is gone shows as up == 0. A
+--headless node exports the same tengyun:server_ready and device gauges, so list every node of
+a multi-node launch in --targets: a node that stops answering fires TengyunDown like node 0.
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ def alert_rules_list(t: AlertThresholds) -> list[Rule]:
     per_instance = "sum by (job, instance)"
     return [
         Rule("TengyunDown", f"up{{{job}}} == 0", "1m", "critical", "Tengyun instance {{ $labels.instance }} is down",
-             "Prometheus cannot scrape /metrics: the server process is gone or the port is unreachable."),
+             "Prometheus cannot scrape /metrics: the server process (node 0, or a --headless node of a multi-node "
+             "launch) is gone, hangs, or its port is unreachable."),
+        Rule("TengyunRankDown", f"tengyun:rank_alive{{{job}}} == 0", "1m", "critical",
+             "Tengyun {{ $labels.instance }}: rank {{ $labels.rank }} of node {{ $labels.node_rank }} exited",
+             "A worker process of this --headless node has exited: the whole cluster stops serving until the "
+             "node and node 0 restart (GET /health/detail on both says why)."),
         Rule("TengyunNotReady", f"tengyun:server_ready{{{job}}} == 0", t.not_ready_for, "critical",
              "Tengyun {{ $labels.instance }}: /health is not 200",
              "The server answers 503 on /health (loading, warming up, draining, or its engine died); "

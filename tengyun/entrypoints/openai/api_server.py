@@ -49,11 +49,11 @@ def run_server(args: argparse.Namespace) -> int:
 
     server = server_config_from_args(args)
     config = config_from_args(args).finalize()  # fast checks first: bad flags never bind a port
-    if config.headless:  # nodes 1..N-1 of a multi-node launch: this node's ranks, no engine, no port
-        from tengyun.executor.multiproc_executor import run_headless
-
-        return run_headless(config)
     server.finalize()  # reads --api-key-file and --chat-template: before the engine starts loading
+    if config.headless:  # nodes 1..N-1 of a multi-node launch: this node's ranks and /health, /metrics
+        from tengyun.entrypoints.openai.headless_server import run_headless_node
+
+        return run_headless_node(config, server)
     engine_process = launch_for_server(config, platform_class(config.device_type).fork_safe,
                                        server.disable_frontend_multiprocessing)  # first: one thread here
     try:

@@ -1,10 +1,12 @@
 """DrainingServer: uvicorn, with SIGTERM / SIGINT starting a drain instead of an immediate stop,
 and the lifecycle's exit code: 0 after a drain, 1 if the engine died, 2 if it could not start
-(configuration). A second signal stops at once."""
+(configuration). A second signal stops at once. A dead engine keeps /health 503, naming why (a rank
+on another node, say), for DEAD_LINGER_S before the exit, so probes and scrapers see the cause."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import uvicorn
@@ -12,6 +14,7 @@ import uvicorn
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
 
 logger = logging.getLogger("tengyun.server")
+DEAD_LINGER_S = 3.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -19,6 +22,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.lifecycle = lifecycle
         self.exit_code = 0
+        self._dead_since: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.lifecycle.draining or self.should_exit:  # a second signal: stop now
@@ -31,6 +35,11 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         should_exit = await super().on_tick(counter)
         code = self.lifecycle.exit_code()
+        if code is not None and self.lifecycle.engine is not None and self.lifecycle.engine.errored \
+                and not self.force_exit:
+            self._dead_since = self._dead_since or time.monotonic()
+            if time.monotonic() - self._dead_since < DEAD_LINGER_S:
+                return should_exit
         if code is not None:
             self.exit_code = code
             return True

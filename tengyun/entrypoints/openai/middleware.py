@@ -80,11 +80,15 @@ class GateMiddleware:
             lifecycle.generating -= generating
 
     def _authorized(self, scope) -> bool:
-        value = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        # Bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
-        key = self.host.server.required_api_key.encode()
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key)
+        return bearer_matches(scope, self.host.server.required_api_key)
+
+
+def bearer_matches(scope, key: str) -> bool:
+    """Whether the request carries 'Authorization: Bearer <key>' (node 0 and --headless nodes)."""
+    value = dict(scope.get("headers") or []).get(b"authorization", b"")
+    scheme, _, token = value.partition(b" ")
+    # Bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
+    return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key.encode())
 
 
 def route_path(scope) -> str:

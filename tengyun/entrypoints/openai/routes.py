@@ -13,6 +13,7 @@ body 400 naming the field, never FastAPI's 422; an unexpected exception 500 with
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import FastAPI, Request
@@ -36,6 +37,7 @@ from tengyun.entrypoints.openai.serving_engine import error_status, public_messa
 from tengyun.entrypoints.openai.vllm_routes import add_vllm_routes
 
 logger = logging.getLogger("tengyun.server")
+NODE_QUERY_TIMEOUT_S = 2.0  # the engine reads the node link at least every 0.5 s while idle
 
 
 def build_app(host: EngineHost) -> FastAPI:
@@ -61,9 +63,10 @@ def build_app(host: EngineHost) -> FastAPI:
     return app
 
 
-def health_json(host: EngineHost) -> dict:
-    """GET /health/detail: what /health decides from, plus the engine's load and the devices'
-    latest sample (the sampler's, never read here)."""
+def health_json(host: EngineHost, nodes: list[dict] | None = None) -> dict:
+    """GET /health/detail: what /health decides from, plus the engine's load, the devices'
+    latest sample (the sampler's, never read here) and, in a multi-node launch, each headless
+    node's state as the engine's node link reports it (``nodes``; None when it did not answer)."""
     lifecycle = host.lifecycle
     reason = lifecycle.unavailable_reason()
     stats = host.engine.latest_stats if host.engine is not None else None
@@ -78,7 +81,19 @@ def health_json(host: EngineHost) -> dict:
         "device_type": host.config.device_type,
         "node": host.device_sampler.node if host.device_sampler else None,
         **(sample.as_json() if sample is not None else {"devices": None, "links": None}),
+        **({"nodes": nodes} if host.config.nnodes > 1 else {}),
     }
+
+
+async def node_states(host: EngineHost) -> list[dict] | None:
+    """The engine's view of the headless nodes (executor/node_link.py), None on one node or when the
+    engine does not answer within NODE_QUERY_TIMEOUT_S (still starting, or dead)."""
+    config = host.config
+    if config.nnodes <= 1 or host.lifecycle.engine is None or host.lifecycle.engine.errored:
+        return None
+    from tengyun.executor.node_link import query_nodes
+
+    return await asyncio.to_thread(query_nodes, config.master_addr, config.master_port, NODE_QUERY_TIMEOUT_S)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -135,7 +150,7 @@ def _add_health_routes(app: FastAPI, host: EngineHost) -> None:
     @app.get("/health/detail")
     async def health_detail() -> JSONResponse:
         """Open like /health; the same status code, with what it is made of."""
-        body = health_json(host)
+        body = health_json(host, await node_states(host))
         return JSONResponse(body, status_code=200 if body["reason"] is None else 503)
 
     @app.get("/metrics")
