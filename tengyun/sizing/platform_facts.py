@@ -24,6 +24,11 @@ def default_block_size(device: str) -> int:
     return block_size if isinstance(block_size, int) else 16
 
 
+def settings_problem(device: str, block_size: int, dtype: str, kv_cache_dtype: str) -> str | None:
+    """Why the platform's kernels cannot run these settings, naming the flag (None: they can)."""
+    return _platform(device).settings_problem(block_size, dtype, kv_cache_dtype)
+
+
 def kv_cache_in_host_memory(device: str) -> bool:
     return _platform(device).kv_cache_in_host_memory
 

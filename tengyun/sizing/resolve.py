@@ -44,6 +44,9 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
     else the platform class's (platform_facts). Raises ValueError naming the flag to change."""
     dtype = platform_facts.served_dtype(settings.dtype, device, spec.checkpoint_dtype)
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else canonical_dtype(settings.kv_cache_dtype)
+    block_size = settings.block_size or block_size_default or platform_facts.default_block_size(device)
+    if problem := platform_facts.settings_problem(device, block_size, dtype, kv_dtype):
+        raise ValueError(problem)  # the device's kernels cannot run these settings (NPU: docs/ascend.md)
     max_model_len = _max_model_len(settings.max_model_len, spec)
     _check_parallel_fits_model(spec, settings.tensor_parallel_size, settings.pipeline_parallel_size)
     speculative = settings.speculative_config
@@ -51,7 +54,7 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
                   if speculative is not None and speculative.method == "mtp" else 0)
     return ResolvedSizing(
         device=device, dtype=dtype, kv_cache_dtype=kv_dtype,
-        block_size=settings.block_size or block_size_default or platform_facts.default_block_size(device),
+        block_size=block_size,
         max_model_len=max_model_len, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=_max_num_batched_tokens(settings, max_model_len),
         tp=settings.tensor_parallel_size, pp=settings.pipeline_parallel_size,

@@ -30,9 +30,10 @@ def load(name: str) -> dict:
 
 
 def sizing(cfg: dict, device: str = "npu", **flags) -> ResolvedSizing:
-    """EngineConfig ``flags`` resolved for ``cfg`` on ``device`` as `tengyun plan` resolves them,
-    with 16-token blocks unless --block-size is among them."""
-    return resolve_sizing(EngineConfig(**{"block_size": 16, **flags}), as_spec(cfg), device)
+    """EngineConfig ``flags`` resolved for ``cfg`` on ``device`` as `tengyun plan` resolves them
+    (the device's block size unless --block-size is among them: 128 tokens on npu, the smallest
+    torch_npu's paged attention takes, docs/ascend.md)."""
+    return resolve_sizing(EngineConfig(**flags), as_spec(cfg), device)
 
 
 def test_qwen3_0_6b_on_one_64g_card_by_hand():
@@ -48,19 +49,19 @@ def test_qwen3_0_6b_on_one_64g_card_by_hand():
     assert plan.activation_bytes == activation == 197_525_504
     assert stage.budget_bytes == BUDGET_64G - 2 * params - activation == 60_457_903_718
     assert stage.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2 == 114_688
-    assert plan.blocks == stage.budget_bytes // (16 * 114_688) == 32_946
-    assert plan.cache_tokens == 527_136
+    assert plan.blocks == stage.budget_bytes // (128 * 114_688) == 4_118
+    assert plan.cache_tokens == 527_104
     assert plan.max_model_len == 40_960  # max_position_embeddings
-    assert plan.max_concurrency == 32_946 // (40_960 // 16) == 12
+    assert plan.max_concurrency == 4_118 // (40_960 // 128) == 12
     assert plan.fits
     assert smallest_fit(load("qwen3_0_6b"), sizing(load("qwen3_0_6b"))) == (1, 1)
 
 
 def test_qwen3_0_6b_context_that_does_not_fit_names_the_limit():
     plan = make_plan(load("qwen3_0_6b"), sizing(load("qwen3_0_6b"), max_model_len=40_960), Cards(memory=2 * GiB))
-    # 2 GiB x 0.9 - 1,192,099,840 - 197,525,504 = 543,109,939 B -> 295 blocks = 4,720 tokens < 40,960
+    # 2 GiB x 0.9 - 1,192,099,840 - 197,525,504 = 543,109,939 B -> 36 blocks = 4,608 tokens < 40,960
     assert plan.stages[0].budget_bytes == int(2 * GiB * 0.9) - 1_192_099_840 - 197_525_504 == 543_109_939
-    assert plan.cache_tokens == 543_109_939 // 1_835_008 * 16 == 4_720
+    assert plan.cache_tokens == 543_109_939 // (128 * 114_688) * 128 == 4_608
     assert not plan.fits and plan.max_concurrency == 0
 
 
@@ -92,17 +93,17 @@ def test_qwen3_5_397b_a17b_tp8_pp4_on_64g_cards_by_hand():
     assert plan.stages[3].kv_bytes_per_token == 2 * 4 * 1 * 256 * 2 == 4096
     state = 11 * (12288 // tp * 3 * 2 + 64 // tp * 128 * 128 * 4)
     assert plan.stages[3].state_bytes_per_seq == state == 5_868_544
-    assert plan.stages[3].blocks == (budget3 - 256 * state) // (16 * 4096) == 534_764
+    assert plan.stages[3].blocks == (budget3 - 256 * state) // (128 * 4096) == 66_845
     state0 = 12 * (12288 // tp * 3 * 2 + 64 // tp * 128 * 128 * 4)
     assert plan.stages[0].kv_bytes_per_token == 3072
-    assert plan.stages[0].blocks == (BUDGET_64G - 2 * stage0 - activation - 256 * state0) // (16 * 3072) == 710_237
-    assert plan.blocks == 534_764 and plan.cache_tokens == 8_556_224
+    assert plan.stages[0].blocks == (BUDGET_64G - 2 * stage0 - activation - 256 * state0) // (128 * 3072) == 88_779
+    assert plan.blocks == 66_845 and plan.cache_tokens == 8_556_160
     assert plan.max_concurrency == 256 and plan.fits
     # Prefix caching (the default) keeps a snapshot row per slot: 512 sequences' state come first.
     cached = make_plan(cfg, sizing(cfg, tensor_parallel_size=8, pipeline_parallel_size=4, max_model_len=32_768))
     assert (cached.stages[3].state_slots, cached.stages[3].state_snapshots) == (256, 256)
-    assert cached.blocks == (budget3 - 512 * state) // (16 * 4096) == 511_840
-    assert cached.max_concurrency == 511_840 // (32_768 // 16) == 249
+    assert cached.blocks == (budget3 - 512 * state) // (128 * 4096) == 63_980
+    assert cached.max_concurrency == 63_980 // (32_768 // 128) == 249
     # The whole decoder in bf16 is 792.7 GB: 14 cards of 61.8 GB usable is the fewest that also hold KV.
     assert smallest_fit(cfg, sizing(cfg, max_model_len=32_768)) == (2, 7)
 
@@ -121,7 +122,7 @@ def test_qwen3_5_397b_a17b_with_mtp_counts_the_heads_weights_and_kv_on_the_last_
     assert [s.attention_layers for s in mtp.stages] == [3, 4, 4, 5]
     assert mtp.stages[3].kv_bytes_per_token == 2 * 5 * 1 * 256 * 2
     state = 11 * (12288 // 8 * 3 * 2 + 64 // 8 * 128 * 128 * 4)
-    assert mtp.blocks == (plain.stages[3].budget_bytes - 2 * head - 256 * state) // (16 * 5120) == 403_778
+    assert mtp.blocks == (plain.stages[3].budget_bytes - 2 * head - 256 * state) // (128 * 5120) == 50_472
     # One stage: the embedding is shared, not copied.
     [one] = make_plan(cfg, sizing(cfg, tensor_parallel_size=8, max_model_len=32_768, kv_cache_memory=GiB,
                                   speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
@@ -138,7 +139,7 @@ def test_qwen3_5_397b_a17b_fp8_is_planned_as_served_dequantized_in_bf16_on_910b(
     request = sizing(cfg, tensor_parallel_size=8, pipeline_parallel_size=4, max_model_len=32_768)
     plan, bf16 = make_plan(fp8, request), make_plan(cfg, request)
     assert [s.weight_bytes for s in plan.stages] == [s.weight_bytes for s in bf16.stages]
-    assert plan.blocks == bf16.blocks == 511_840  # prefix caching on (the default): snapshot rows as above
+    assert plan.blocks == bf16.blocks == 63_980  # prefix caching on (the default): snapshot rows as above
     assert plan.notes == ["FP8 block-quantized checkpoint (weight_block_size [128, 128]): npu has no FP8 matmul, so "
                           "the engine dequantizes it at load and its weights count in bfloat16: 738.25 GiB."]
     assert 396_346_350_336 * 2 / 2**30 == pytest.approx(738.25, abs=0.005)
@@ -171,7 +172,7 @@ def test_plan_and_engine_agree_on_kv_blocks(tiny_checkpoints):
 
     folder = tiny_checkpoints["qwen3"]
     budget = 1_000_000
-    plan = make_plan(cfg := read_model(folder)[0], sizing(cfg, kv_cache_memory=budget, dtype="float32",
+    plan = make_plan(cfg := read_model(folder)[0], sizing(cfg, "cpu", kv_cache_memory=budget, dtype="float32",
                                                                max_model_len=256))
     llm = LLM(str(folder), dtype="float32", kv_cache_memory=budget)
     engine_blocks = llm.llm_engine.scheduler.block_manager.num_blocks
@@ -190,17 +191,17 @@ def test_plan_command_prints_the_arithmetic_and_json():
                               capture_output=True, text=True, timeout=120)
 
     config = str(FIXTURES / "qwen3_0_6b" / "config.json")
-    proc = tengyun(config, "--block-size", "16")
+    proc = tengyun(config)  # npu: 128-token blocks
     assert proc.returncode == 0, proc.stderr
     assert ("KV bytes per token per card: 2 (K, V) x 28 attention layers x 8 KV heads x 128 head dim x 2 B "
             "= 114,688 B") in proc.stdout
-    assert "Max concurrent sequences at 40,960 tokens: min(--max-num-seqs 256, 32,946 // 2,560 blocks) = 12" \
+    assert "Max concurrent sequences at 40,960 tokens: min(--max-num-seqs 256, 4,118 // 320 blocks) = 12" \
         in proc.stdout
-    report = json.loads(tengyun(config, "-tp", "2", "--json", "--block-size", "16").stdout)
+    report = json.loads(tengyun(config, "-tp", "2", "--json").stdout)
     assert (report["tensor_parallel_size"], report["fits"], report["smallest_fit"]) == (2, True, [1, 1])
-    too_long = tengyun(config, "--device-memory", "2GiB", "--block-size", "16")
+    too_long = tengyun(config, "--device-memory", "2GiB")
     assert too_long.returncode == 1
-    assert "--max-model-len 40,960 does NOT fit: the cache holds 4,720 tokens; lower --max-model-len to 4,720" \
+    assert "--max-model-len 40,960 does NOT fit: the cache holds 4,608 tokens; lower --max-model-len to 4,608" \
         in too_long.stdout
     missing = tengyun(str(FIXTURES / "nowhere"))
     assert missing.returncode == 2
