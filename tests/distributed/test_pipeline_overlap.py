@@ -124,3 +124,41 @@ def test_overlap_off_or_hybrid_prefix_caching_runs_one_batch_at_a_time(tiny_chec
         assert hybrid.llm_engine.batches_in_flight == 1  # state snapshots: one step in flight
     finally:
         hybrid.llm_engine.shutdown()
+
+
+def test_server_loop_overlaps_and_streams_pp1s_tokens(tiny_checkpoints):
+    """The server's engine loop (AsyncLLMEngine) over PP 2 with overlap: concurrent streamed
+    requests get PP 1's tokens; one cancelled mid-stream is aborted, the rest unaffected."""
+    import asyncio
+
+    from tengyun.engine.async_engine import AsyncLLMEngine
+
+    folder = tiny_checkpoints["llama"]
+    reference = _single_process(folder)
+    llm = _llm(folder, pipeline_parallel_size=2)
+    engine = AsyncLLMEngine(llm.llm_engine)
+
+    async def collect(i: int, cancel_after: int | None) -> list[int]:
+        tokens = []
+        async for out in engine.generate(f"s{i}", _prompts()[i], _greedy()[i]):
+            tokens = out.outputs[0].token_ids
+            if cancel_after is not None and len(tokens) >= cancel_after:
+                break  # the stream closes: the engine aborts the request
+        return tokens
+
+    async def main():
+        engine.start()
+        try:
+            return await asyncio.gather(*(collect(i, 3 if i == 2 else None) for i in range(len(_prompts()))))
+        finally:
+            engine.shutdown()
+
+    try:
+        results = asyncio.run(main())
+        stats = llm.llm_engine.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(results[2]) < MAX_TOKENS
+    assert {str(i): r for i, r in enumerate(results) if i != 2} == \
+        {k: tokens for k, (tokens, _) in reference.items() if k != "2"}
+    assert llm.llm_engine.batches_in_flight == 2 and stats.kv_cache_usage == 0.0
