@@ -70,6 +70,10 @@ def add_parser(subparsers) -> None:
                       help="run the whole service under numactl --cpunodebind=N --membind=N (default: each worker "
                            "binds to its own device's node, written into the unit as TENGYUN_NUMA_NODES)")
     unit.add_argument("--supervise", action="store_true", help="run the server under `tengyun supervise`")
+    unit.add_argument("--nnodes", type=int, default=None,
+                      help="a unit for one node of a multi-node launch: adds --nnodes N and --node-rank R to the "
+                           "serve flags (and --headless for R > 0), so every node's unit comes from one command")
+    unit.add_argument("--node-rank", type=int, default=None, help="with --nnodes: this unit's node (0: the engine)")
     unit.add_argument("--memory-threshold", type=float, default=None, help="with --supervise")
     unit.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- serve [MODEL] [flags]")
 
@@ -158,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 def run_systemd(args: argparse.Namespace) -> int:
     from tengyun.entrypoints.openai.cli_args import check_server_args
 
-    serve_args = serve_command(args.serve_args)
+    serve_args = node_serve_args(serve_command(args.serve_args), args.nnodes, args.node_rank)
     serve = parse_serve_args(serve_args)
     check_server_args(serve)  # a unit that cannot start is refused here, not at every restart
     serve_args, api_key = pop_api_key(serve_args)
@@ -177,7 +181,8 @@ def run_systemd(args: argparse.Namespace) -> int:
     env = {} if args.no_capture_env else captured_env(dict(os.environ))
     env.update(dict(args.env))
     placement = worker_placement(serve, env, args.numa_node)
-    description = args.description or f"Tengyun LLM server: {shlex.join(serve_args)}"[:200]
+    node = f" node {serve.node_rank} of {serve.nnodes}" if serve.nnodes > 1 else ""
+    description = args.description or f"Tengyun LLM server{node}: {shlex.join(serve_args)}"[:200]
     text = systemd_unit(SystemdUnit(argv, description, serve.shutdown_timeout, env, args.env_file, args.user,
                                     args.working_directory, args.numa_node,
                                     secrets_file=secrets[0] if secrets else None,
@@ -187,6 +192,38 @@ def run_systemd(args: argparse.Namespace) -> int:
         write_secrets(*secrets)
     print(text, end="")
     return 0
+
+
+def node_serve_args(serve_args: list[str], nnodes: int | None, node_rank: int | None) -> list[str]:
+    """The serve flags of node ``node_rank`` of ``nnodes``: ['M', '-tp', '8'], 2, 1 ->
+    ['M', '-tp', '8', '--nnodes', '2', '--node-rank', '1', '--headless']; a serve flag that
+    says otherwise is refused."""
+    if nnodes is None and node_rank is None:
+        return serve_args
+    if nnodes is None or node_rank is None or not 0 <= node_rank < nnodes:
+        raise ValueError(f"--nnodes {nnodes} --node-rank {node_rank}: give both, with 0 <= --node-rank < --nnodes "
+                         f"(e.g. --nnodes 4 --node-rank 1).")
+    given = parse_serve_args(serve_args)
+    for flag, value, default in (("--nnodes", nnodes, 1), ("--node-rank", node_rank, 0)):
+        if getattr(given, flag[2:].replace("-", "_")) not in (value, default):
+            raise ValueError(f"{flag} {value} of `deploy systemd` differs from the serve flag {flag}: keep one.")
+    if given.headless and node_rank == 0:
+        raise ValueError("--node-rank 0 runs the engine: drop --headless from the serve flags.")
+    rest = [a for a in _without_flags(serve_args, ("--nnodes", "--node-rank")) if a != "--headless"]
+    return [*rest, "--nnodes", str(nnodes), "--node-rank", str(node_rank), *(["--headless"] if node_rank else [])]
+
+
+def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv without ``flags`` and their values ('--nnodes 2' and '--nnodes=2' alike)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
+            out.append(arg)
+    return out
 
 
 def worker_placement(serve: argparse.Namespace, env: dict[str, str], numa_node: int | None):
