@@ -9,14 +9,21 @@ A process that never calls init_distributed() is rank 0 of 1 and every collectiv
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
+import os
 import pickle
+import socket
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from tengyun.distributed.rank_info import RankInfo
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,12 +42,24 @@ class _State:
 _STATE = _State()
 
 
-def init_distributed(info: RankInfo, backend: str) -> None:
-    """Join the world over ``backend`` (gloo / nccl / hccl) and build the TP groups."""
+def init_distributed(info: RankInfo, backend: str, setup_timeout_s: float | None = None) -> None:
+    """Join the world over ``backend`` (gloo / nccl / hccl) and build the TP groups. Once every
+    rank has joined (the rendezvous waits up to info.timeout_s), the communicators are set up
+    and proven by a barrier within ``setup_timeout_s`` (--distributed-timeout; default
+    info.timeout_s): a hang there is logged naming this rank, its host, the master and the likely
+    causes, and the process exits 1 (a hung HCCL init cannot be interrupted), which the engine
+    reports as this rank's death."""
     global _STATE
     timeout = datetime.timedelta(seconds=info.timeout_s)
     dist.init_process_group(backend, init_method=info.init_method, world_size=info.world_size,
                             rank=info.rank, timeout=timeout)
+    with communicator_setup(info, backend, setup_timeout_s or info.timeout_s):
+        _build_groups(info, timeout)
+        dist.barrier()  # device backends create their world communicator here (HCCL: hccl_init)
+
+
+def _build_groups(info: RankInfo, timeout: datetime.timedelta) -> None:
+    global _STATE
     tp_group = None
     for pp_rank in range(info.pp_size):  # every rank creates every group, in the same order
         ranks = list(range(pp_rank * info.tp_size, (pp_rank + 1) * info.tp_size))
@@ -60,6 +79,40 @@ def init_distributed(info: RankInfo, backend: str) -> None:
                                   timeout=timeout)
     _STATE = _State(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.rank, tp_group, cpu_group,
                     stage_group, result_group)
+    if tp_group is not None and info.tp_size > 1:
+        dist.barrier(group=tp_group)  # and the TP group's, used by every layer
+
+
+def setup_failure(info: RankInfo, backend: str, what: str) -> str:
+    """The error for a communicator set-up that hung or failed: who, where, and what to check."""
+    master = info.init_method.removeprefix("tcp://")
+    return (f"rank {info.rank} on {socket.gethostname()} {what} setting up its {backend} communicators with the "
+            f"other {info.world_size - 1} rank(s) (master {master}). Likely causes: the device network "
+            f"addresses (RoCE: `hccn_tool -i N -ip -g` on each node, reachable from the others; HCCL_IF_IP / "
+            f"HCCL_SOCKET_IFNAME naming the right interface), a firewall between the nodes (the master port "
+            f"and HCCL's ports, HCCL_IF_BASE_PORT onwards), or different software versions on the nodes "
+            f"(CANN, torch_npu, driver: run `tengyun doctor` on each). Raise --distributed-timeout if the "
+            f"set-up is only slow.")
+
+
+@contextlib.contextmanager
+def communicator_setup(info: RankInfo, backend: str, timeout_s: float):
+    """Run the body within ``timeout_s``: past it, log setup_failure and exit 1; an error in it
+    is raised again as RuntimeError with setup_failure's message."""
+    def hung() -> None:
+        logger.error("%s", setup_failure(info, backend, f"hung for {timeout_s:g} s"))
+        logging.shutdown()
+        os._exit(1)
+
+    watchdog = threading.Timer(timeout_s, hung)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    except Exception as e:
+        raise RuntimeError(setup_failure(info, backend, f"failed ({type(e).__name__}: {e})")) from e
+    finally:
+        watchdog.cancel()
 
 
 def destroy_distributed() -> None:

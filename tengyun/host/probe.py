@@ -196,16 +196,21 @@ def memory_bytes() -> int:
 
 
 def collect(torch_timeout: float = TORCH_PROBE_TIMEOUT_S) -> HostFacts:
-    env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    env = {k: v for k, v in os.environ.items() if k in ENV_KEYS or k.startswith("HCCL_")}
     machine = platform.machine()
     pci: dict[str, int] = {}
     for kind in PCI_ACCELERATORS:
         pci.update(accelerator_pci_numa(kind))
+    commands = {name: run_command(argv) for name, argv in COMMANDS.items()}
+    npus = commands["npu-smi info"]
+    if npus is not None and npus.returncode == 0:  # each card's RoCE port, for multi-node HCCL
+        from tengyun.host.smi import parse_npu_smi_info
+
+        commands.update(hccn_commands(sorted({d.npu_id for d in parse_npu_smi_info(npus.stdout).devices})))
     return HostFacts(
         python_version=platform.python_version(), machine=machine, cpu_count=os.cpu_count() or 0,
         memory_bytes=memory_bytes(), packages=package_versions(), torch_probe=probe_torch(torch_timeout),
-        env=env, files=ascend_files(env, machine),
-        commands={name: run_command(argv) for name, argv in COMMANDS.items()},
+        env=env, files=ascend_files(env, machine), commands=commands,
         numa_nodes=read_numa_nodes(), pci_numa=pci,
     )
 
@@ -294,6 +299,16 @@ def hccn_link(device: int) -> CommandOutput | None:
     """`hccn_tool -i DEVICE -link -g` ('link status: UP'); None when hccn_tool is not installed."""
     tool = hccn_tool()
     return run_command([tool, "-i", str(device), "-link", "-g"], timeout=10) if tool else None
+
+
+def hccn_commands(devices: list[int]) -> dict[str, CommandOutput | None]:
+    """`hccn_tool -i N -link -g` and `-ip -g` for each device, keyed as `tengyun doctor` reads them
+    ("hccn_tool -i 0 -link -g"); {"hccn_tool": None} when hccn_tool is not installed."""
+    tool = hccn_tool()
+    if tool is None:
+        return {"hccn_tool": None}
+    return {f"hccn_tool -i {d} -{what} -g": run_command([tool, "-i", str(d), f"-{what}", "-g"], timeout=10)
+            for d in devices for what in ("link", "ip")}
 
 
 def meminfo(path: str = "/proc/meminfo") -> str:

@@ -272,6 +272,14 @@ def parse_hccn_link(text: str) -> str | None:
     return match.group(1).upper() if match else None
 
 
+def parse_hccn_ip(text: str) -> tuple[str, str | None] | None:
+    """`hccn_tool -i N -ip -g`: 'ipaddr:192.168.100.101\\nnetmask:255.255.255.0' ->
+    ('192.168.100.101', '255.255.255.0'); None when no address is configured."""
+    address = re.search(r"ipaddr\s*:\s*(\d+\.\d+\.\d+\.\d+)", text, re.IGNORECASE)
+    netmask = re.search(r"netmask\s*:\s*(\d+\.\d+\.\d+\.\d+)", text, re.IGNORECASE)
+    return (address.group(1), netmask.group(1) if netmask else None) if address else None
+
+
 @dataclass(frozen=True)
 class NpuProcess:
     npu_id: int

@@ -7,8 +7,10 @@ outputs in tests). Ascend checks run when the host shows any sign of Ascend soft
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
+from tengyun.host import hccl
 from tengyun.host.compat import base_version, load_table, version_key
 from tengyun.host.findings import Finding, Status, fail, ok, warn
 from tengyun.host.versions import (
@@ -16,7 +18,7 @@ from tengyun.host.versions import (
 )
 from tengyun.host.probe import NNAL_SET_ENV, HostFacts
 from tengyun.host.smi import (
-    Topology, parse_gcc_version, parse_npu_processes,
+    Topology, parse_gcc_version, parse_hccn_ip, parse_hccn_link, parse_npu_processes,
     parse_nvidia_query, parse_topology, slowest_link,
 )
 
@@ -265,12 +267,58 @@ def check_nnal(facts: HostFacts) -> list[Finding]:
                          f"ATB's _npu_reshape_and_cache", fix)]
 
 
+def check_hccl_env(facts: HostFacts) -> list[Finding]:
+    """The HCCL variables Tengyun relies on (host/hccl.py): values outside CANN's documented range
+    fail; unset ones are reported with the default each rank will set."""
+    problems = [p for name, value in facts.env.items() if (p := hccl.value_problem(name, value))]
+    if problems:
+        return [fail("HCCL env", "; ".join(problems), "fix or unset them (unset: Tengyun sets " + ", ".join(
+            f"{d.name}={d.value}" for d in hccl.HCCL_DEFAULTS) + ")")]
+    described = ", ".join(f"{name}={value} ({source})" for name, value, source in hccl.describe(facts.env))
+    return [ok("HCCL env", described)]
+
+
+def check_roce(facts: HostFacts) -> list[Finding]:
+    """Each card's RoCE port (`hccn_tool -i N -link -g`, `-ip -g`): multi-node HCCL traffic goes
+    over it, so a port DOWN, without an address, or sharing one with another card, fails."""
+    commands = facts.commands
+    if "hccn_tool" in commands:
+        return [warn("RoCE", "hccn_tool not found (PATH, /usr/local/Ascend/driver/tools): the cards' RoCE links "
+                             "and addresses are unchecked",
+                     "install the Ascend driver's tools (or mount /usr/local/Ascend/driver in the container) "
+                     "before a multi-node launch; a single node does not use RoCE")]
+    ports = sorted({int(m.group(1)) for key in commands if (m := re.match(r"hccn_tool -i (\d+) -link -g$", key))})
+    if not ports:
+        return []
+    down, no_ip, seen, listed = [], [], {}, []
+    for n in ports:
+        link_out, ip_out = commands.get(f"hccn_tool -i {n} -link -g"), commands.get(f"hccn_tool -i {n} -ip -g")
+        link = parse_hccn_link(link_out.stdout) if link_out and link_out.returncode == 0 else None
+        address = parse_hccn_ip(ip_out.stdout) if ip_out and ip_out.returncode == 0 else None
+        if link != "UP":
+            down.append(f"NPU{n} link {link or 'unknown'}")
+        if address is None:
+            no_ip.append(f"NPU{n}")
+        else:
+            seen.setdefault(address[0], []).append(n)
+            listed.append(f"NPU{n} {address[0]}" + (f"/{address[1]}" if address[1] else ""))
+    shared = [f"{ip} on NPU{', NPU'.join(map(str, cards))}" for ip, cards in seen.items() if len(cards) > 1]
+    problems = down + [f"{', '.join(no_ip)} without an IP address"] * bool(no_ip) + \
+        [f"the same address {s}" for s in shared]
+    if problems:
+        return [fail("RoCE", "; ".join(problems) + (f" (addresses: {', '.join(listed)})" if listed else ""),
+                     "multi-node HCCL over these ports fails or hangs: check the optical module, cable and switch "
+                     "port (`hccn_tool -i N -link -g`, `-optical -g`), and give each card its own address on the "
+                     "RoCE network (`hccn_tool -i N -ip -s address A netmask M`, or /etc/hccn.conf)")]
+    return [ok("RoCE", f"{len(ports)} RoCE port(s) UP: {', '.join(listed)}")]
+
+
 def run_checks(facts: HostFacts, tp_size: int | None = None) -> list[Finding]:
     findings: list[Finding] = []
     checks: list[Callable[[HostFacts], list[Finding]]] = [check_python, check_torch, check_platform]
     if is_ascend_host(facts):
         checks += [check_cann, check_set_env, check_nnal, check_torch_npu, check_driver, check_npu_devices,
-                   check_npu_memory]
+                   check_npu_memory, check_hccl_env, check_roce]
     for check in checks:
         findings += check(facts)
     if not is_ascend_host(facts):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 
@@ -143,6 +144,19 @@ class NpuPlatform(Platform):
         import torch
 
         return torch.npu.mem_get_info()
+
+    def init_process(self) -> None:
+        """In each rank, before its HCCL communicators exist: set the HCCL variables Tengyun relies on
+        that the environment leaves unset (tengyun/host/hccl.py: values, reasons, CANN sources), and
+        log them with their values."""
+        from tengyun.host import hccl
+
+        added = hccl.missing_defaults(dict(os.environ))
+        os.environ.update(added)
+        if added:
+            logging.getLogger(__name__).info(
+                "HCCL defaults (not set in the environment): %s; set them to override (`tengyun doctor` checks them)",
+                " ".join(f"{k}={v}" for k, v in added.items()))
 
     def smi_device_ids(self) -> list[int]:
         from tengyun.host import probe, smi
