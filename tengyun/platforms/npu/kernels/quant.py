@@ -44,7 +44,10 @@ def _group_of(prepared: Tensors) -> int:
     return prepared["weight"].shape[0] // scale.shape[0] if scale.dim() == 2 else 0
 
 
-class NpuW8A8Kernel(QuantLinearKernel):
+class NpuQuantKernel(QuantLinearKernel):
+    """torch_npu's op for a scheme, with the plain-PyTorch reference kept for the layers whose
+    shapes the op does not take (matmul_limits.py: each such layer logs why)."""
+
     frees_original = True
 
     def __init__(self, scheme):
@@ -52,6 +55,8 @@ class NpuW8A8Kernel(QuantLinearKernel):
         self.npu = importlib.import_module("torch_npu")
         self.reference = reference_kernel(scheme)
 
+
+class NpuW8A8Kernel(NpuQuantKernel):
     def prepare(self, tensors: Tensors) -> Tensors:
         n, k = tensors["weight"].shape  # [N, K] int8
         problem = weight_problem(k, n)
@@ -73,17 +78,10 @@ class NpuW8A8Kernel(QuantLinearKernel):
         return y if bias is None else y + bias
 
 
-class NpuWNA16Kernel(QuantLinearKernel):
+class NpuWNA16Kernel(NpuQuantKernel):
     """Any packing (compressed-tensors, AWQ, GPTQ) read into Unpacked; a zero point becomes
     antiquant_offset = -zero; GPTQ act order sorts the inputs by group once (a row-parallel slice
     padded to every group), the activations per call."""
-
-    frees_original = True
-
-    def __init__(self, scheme):
-        super().__init__(scheme)
-        self.npu = importlib.import_module("torch_npu")
-        self.reference = reference_kernel(scheme)
 
     def prepare(self, tensors: Tensors) -> Tensors:
         ordered = in_group_order(unpacked_weight(tensors, self.scheme), self.scheme.group_size)
@@ -121,14 +119,7 @@ class NpuWNA16Kernel(QuantLinearKernel):
         return y if bias is None else y + bias
 
 
-class NpuW8A8StaticKernel(QuantLinearKernel):
-    frees_original = True
-
-    def __init__(self, scheme):
-        super().__init__(scheme)
-        self.npu = importlib.import_module("torch_npu")
-        self.reference = reference_kernel(scheme)
-
+class NpuW8A8StaticKernel(NpuQuantKernel):
     def prepare(self, tensors: Tensors) -> Tensors:
         refuse_tensor_parallel_static_w8a8()
         weight = tensors["weight"]  # [N, K] int8
