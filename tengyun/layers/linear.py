@@ -98,7 +98,8 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(in_axis[0], start // in_axis[1], count // in_axis[1])
         out_axis = layout.axis(OUT)
         if out_axis is None:  # GPTQ's g_idx: one for all the modules fused into this layer
-            if shard_id is not None and layout.name in self._shared_loaded and not torch.equal(param.data, loaded):
+            if shard_id is not None and layout.name in self._shared_loaded \
+                    and not torch.equal(param.data, loaded.to(param.dtype)):  # as held: param may be cast
                 raise WeightFormatError(f"differs from the {layout.name} of another module fused into this layer: "
                                         f"Tengyun (as vLLM) runs them as one layer holding one {layout.name}; "
                                         f"quantize them with one act order (GPTQ does, from their shared input)")
