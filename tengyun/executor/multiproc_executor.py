@@ -305,7 +305,8 @@ def run_headless(config: EngineConfig, observer: NodeObserver | None = None) -> 
                 logger.error("worker rank %d (pid %d) exited with code %s", r.rank, r.process.pid, r.process.exitcode)
                 code = 1
         if link.sock in ready and link.engine_gone():  # a clean shutdown ends the ranks too: give them 5 s
-            logger.warning("node 0's engine at %s closed the node link: stopping this node's ranks within 5 s",
+            logger.warning("node 0's engine at %s closed the node link or stopped answering on it (node 0 stopped, or "
+                           "the network between the nodes broke): stopping this node's ranks within 5 s",
                            config.master_addr)
             grace_until = time.monotonic() + 5.0
         stopping = any(h in stop for h in ready)
