@@ -84,7 +84,7 @@ class Worker:
         bind_to_device_numa(device.index or 0, config.numa_bind, platform.device_type)
         platform.init_process()
         if rank is not None and rank.world_size > 1:
-            init_distributed(rank, platform.dist_backend)
+            init_distributed(rank, platform.dist_backend, setup_timeout_s=config.distributed_timeout)
         torch.manual_seed(config.seed)
         return platform, device
 

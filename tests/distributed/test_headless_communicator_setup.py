@@ -65,3 +65,28 @@ def test_both_ranks_set_up_within_the_deadline():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_worker_sets_up_its_communicators_within_distributed_timeout(tiny_checkpoints, monkeypatch):
+    """The deadline a rank's communicator set-up runs under is --distributed-timeout, as the docs say."""
+    import pytest
+
+    from tengyun.config import EngineConfig
+    from tengyun.distributed.rank_info import RankInfo
+    from tengyun.worker.worker import Worker
+
+    asked = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(info, backend, setup_timeout_s=None):
+        asked.update(backend=backend, setup_timeout_s=setup_timeout_s)
+        raise Stop
+
+    monkeypatch.setattr("tengyun.worker.worker.init_distributed", record)
+    config = EngineConfig(str(tiny_checkpoints["llama"]), distributed_timeout=42, kv_cache_memory="1MiB").finalize()
+    with pytest.raises(Stop):
+        Worker(config, RankInfo(rank=0, local_rank=0, world_size=2, tp_size=2, pp_size=1,
+                                init_method="tcp://127.0.0.1:1", timeout_s=1800))
+    assert asked == {"backend": "gloo", "setup_timeout_s": 42}
