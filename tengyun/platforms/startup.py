@@ -85,8 +85,9 @@ def select_platform(requested: str, init_timeout_s: float, check_versions: bool 
 
 @dataclass(frozen=True)
 class ChildProbe:
-    """What a runtime probe child printed: 'STEP <what>' before each step, then 'OK ...' or
-    'UNAVAILABLE <why>'; an exception leaves its traceback on stderr."""
+    """What a runtime probe child printed: 'STEP <what>' before each step, then a result line: 'OK ...',
+    'UNAVAILABLE <why>' or another word the caller names (run_child_probe's ``results``); an exception
+    leaves its traceback on stderr."""
 
     steps: list[str]  # steps started, in order; the last one is where it stopped
     result: str | None  # the 'OK' / 'UNAVAILABLE' line's text, None when it never got there
@@ -98,7 +99,7 @@ class ChildProbe:
         return self.steps[-1] if self.steps else "starting Python"
 
 
-def run_child_probe(code: str, timeout_s: float) -> ChildProbe:
+def run_child_probe(code: str, timeout_s: float, results: tuple[str, ...] = ("OK", "UNAVAILABLE")) -> ChildProbe:
     """Run ``code`` in a child Python for at most ``timeout_s``. Output goes to files, not pipes,
     so a child stuck in the driver (unkillable until its ioctl returns) cannot block the read."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -117,5 +118,5 @@ def run_child_probe(code: str, timeout_s: float) -> ChildProbe:
         err.seek(0)
         lines, errors = out.read().splitlines(), err.read().strip().splitlines()
     steps = [line[5:] for line in lines if line.startswith("STEP ")]
-    result = next((line for line in reversed(lines) if line.startswith(("OK", "UNAVAILABLE"))), None)
+    result = next((line for line in reversed(lines) if line.startswith(results)), None)
     return ChildProbe(steps, result, errors[-1] if errors else "", timed_out)

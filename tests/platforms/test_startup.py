@@ -111,3 +111,31 @@ def test_device_init_timeout_comes_from_the_flag_then_the_environment(monkeypatc
     monkeypatch.setenv("TENGYUN_DEVICE_INIT_TIMEOUT", "soon")
     with pytest.raises(ValueError, match=r"\$TENGYUN_DEVICE_INIT_TIMEOUT must be seconds"):
         device_init_timeout(None)
+
+
+# A torch_npu that imports and reports one healthy 910B (its device steps stood in for on the CPU).
+HEALTHY_NPU = ("import types, torch\n"
+               "_zeros = torch.zeros\n"
+               "torch.zeros = lambda *a, device=None, **k: _zeros(*a, **k)\n"
+               "torch.npu = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1,\n"
+               "    set_device=lambda i: None, synchronize=lambda: None, get_device_name=lambda i=0: 'Ascend910B3')\n")
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["atb-cache-write", "scatter-cache-write"])
+def test_npu_start_up_needs_nnal_only_where_the_cache_write_is_atbs(tmp_path, monkeypatch, scatter):
+    """No libatb.so here: a torch_npu without npu_scatter_pa_kv_cache (its cache write is ATB's
+    _npu_reshape_and_cache) is refused at start-up naming NNAL's set_env.sh; one with it starts."""
+    from tengyun.platforms.npu.platform import NpuPlatform
+
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text(
+        HEALTHY_NPU + ("npu_scatter_pa_kv_cache = lambda **kwargs: None\n" if scatter else ""))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    problem = NpuPlatform.runtime_problem(timeout_s=300)
+    if scatter:
+        assert problem is None
+    else:
+        assert problem.what.startswith("NNAL's ATB library, which its KV-cache write (_npu_reshape_and_cache) needs, "
+                                       "does not load (libatb.so")
+        assert "source /usr/local/Ascend/nnal/atb/set_env.sh" in problem.fix and problem.installed

@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 
+from tengyun.host.probe import NNAL_SET_ENV
 from tengyun.host.versions import SET_ENV
 from tengyun.dtypes import torch_dtype
 from tengyun.platforms.base import Platform, reference_quant_bytes, fullest_device, torch_memory_readings
@@ -15,6 +16,8 @@ from tengyun.platforms.startup import (
 
 INSTALL_FIX = (f"install the torch_npu build matching your torch and CANN (`tengyun doctor` names it), "
                f"then `source {SET_ENV}`")
+NNAL_FIX = (f"install the NNAL package matching your CANN, then `source {NNAL_SET_ENV}` after the CANN "
+            f"set_env.sh (`tengyun doctor` checks it)")
 NO_NPU_FIX = (f"run `source {SET_ENV}`, check `npu-smi info` lists the cards, and check ASCEND_RT_VISIBLE_DEVICES "
               f"(in a container: pass the /dev/davinci* devices)")
 # Run in a child Python by runtime_problem: each step is announced before it starts, so a hang names it.
@@ -30,6 +33,13 @@ if not torch.npu.is_available():
 step("torch.npu.device_count()"); count = torch.npu.device_count()
 step("torch.npu.set_device(0)"); torch.npu.set_device(0)
 step("the first tensor on npu:0"); torch.zeros(1, device="npu:0"); torch.npu.synchronize()
+step("NNAL's ATB library")  # the KV-cache write's, where npu_scatter_pa_kv_cache does not serve (kernels/attention.py)
+if not hasattr(torch_npu, "npu_scatter_pa_kv_cache") or "310" in torch.npu.get_device_name(0):
+    import ctypes
+    try:
+        ctypes.CDLL("libatb.so")
+    except OSError as e:
+        print("NNAL " + str(e), flush=True); sys.exit(0)
 print(f"OK {count} NPU(s)", flush=True)
 """
 # The step that hung -> what to check.
@@ -44,6 +54,8 @@ _HANG_HINTS = {
     "torch.npu.set_device(0)": "opening NPU 0 hung: another process may hold it (the process table of `npu-smi "
                                "info`), or it is unhealthy (`npu-smi info -t health -i 0`); choose free cards with "
                                "ASCEND_RT_VISIBLE_DEVICES",
+    "NNAL's ATB library": f"loading NNAL's libatb.so hung: check `source {NNAL_SET_ENV}` selects the NNAL of this "
+                          f"CANN",
     "the first tensor on npu:0": "the first allocation on NPU 0 hung: check its HBM is free (`npu-smi info`) and "
                                  "its health (`npu-smi info -t health -i 0`)",
 }
@@ -84,7 +96,7 @@ class NpuPlatform(Platform):
             return RuntimeProblem("torch_npu is not installed", INSTALL_FIX, installed=False)
         if "torch_npu" in sys.modules:
             return cls._in_process_problem()
-        probe = run_child_probe(_PROBE, timeout_s)
+        probe = run_child_probe(_PROBE, timeout_s, results=("OK", "UNAVAILABLE", "NNAL"))
         if probe.timed_out:
             return RuntimeProblem(
                 f"the NPU runtime hung: `{probe.last_step}` did not finish within {timeout_s:g} s "
@@ -94,6 +106,9 @@ class NpuPlatform(Platform):
                 installed=True)
         if probe.result and probe.result.startswith("OK"):
             return None
+        if probe.result and probe.result.startswith("NNAL "):
+            return RuntimeProblem(f"NNAL's ATB library, which its KV-cache write (_npu_reshape_and_cache) needs, does "
+                                  f"not load ({probe.result[5:]})", NNAL_FIX, installed=True)
         if probe.result:
             return RuntimeProblem(f"torch_npu finds no NPU ({probe.result.split(' ', 1)[1]})", NO_NPU_FIX, True)
         if probe.last_step == "import torch_npu":
