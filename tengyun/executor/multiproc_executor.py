@@ -278,23 +278,22 @@ def run_headless(config: EngineConfig, observer: NodeObserver | None = None) -> 
                 [r.process.pid for r in ranks], config.master_addr, config.master_port)
     for r in ranks:
         observer.rank_started(r.rank, r.process.pid)
+    code = _watch_ranks(config, link, ranks, observer, stop)
+    link.close()
+    return code
+
+
+def _watch_ranks(config: EngineConfig, link: NodeLinkClient, ranks: list, observer: NodeObserver, stop: list) -> int:
+    """Until this node's ranks have all ended: report each one's joining and exit (to node 0 and
+    ``observer``); on a failed rank, a readable ``stop`` handle (SIGTERM) or node 0's engine gone
+    for 5 s, terminate the rest. -> the node's exit code (1: a rank failed or node 0 went; 0 else)."""
     code, joined, grace_until = 0, set(), None
     pending = {r.process.sentinel: r for r in ranks}
     pipes = {r.pipe: r for r in ranks}  # ("ready", ...) once a rank joined the world; EOF when it exits
     while pending:
         timeout = None if grace_until is None else max(0.0, grace_until - time.monotonic())
         ready = wait([*pending, *pipes, *([link.sock] if grace_until is None else []), *stop], timeout)
-        for handle in [h for h in ready if h in pipes]:
-            try:
-                message = handle.recv()
-            except (EOFError, OSError):
-                pipes.pop(handle)
-                continue
-            if message[0] == "ready":
-                joined.add(pipes[handle].rank)
-                observer.rank_joined(pipes[handle].rank)
-                if len(joined) == len(ranks):
-                    link.report_joined(sorted(joined))
+        _read_joins([h for h in ready if h in pipes], pipes, joined, len(ranks), link, observer)
         exited = [pending.pop(h) for h in ready if h in pending]
         for r in exited:
             r.process.join()
@@ -318,8 +317,24 @@ def run_headless(config: EngineConfig, observer: NodeObserver | None = None) -> 
                 r.process.join(10.0)
                 observer.rank_exited(r.rank, r.process.pid, r.process.exitcode)
             break
-    link.close()
     return code
+
+
+def _read_joins(handles: list, pipes: dict, joined: set, num_ranks: int, link: NodeLinkClient,
+                observer: NodeObserver) -> None:
+    """Each rank's pipe says ("ready", ...) once it joined the world, then EOF when it exits; the
+    last one to join is reported to node 0 with them all."""
+    for handle in handles:
+        try:
+            message = handle.recv()
+        except (EOFError, OSError):
+            pipes.pop(handle)
+            continue
+        if message[0] == "ready":
+            joined.add(pipes[handle].rank)
+            observer.rank_joined(pipes[handle].rank)
+            if len(joined) == num_ranks:
+                link.report_joined(sorted(joined))
 
 
 def _threads_per_rank(platform: type[Platform], local_ranks: int) -> int:
