@@ -27,6 +27,7 @@ from tengyun.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
+
 class Executor(Protocol):
     num_blocks: int  # KV blocks every rank holds
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tengyun.dtypes import DTYPE_BYTES, dtype_name
-from tengyun.platforms.kernel_choice import Choice, KernelCandidate, KernelQuery, always, choose, log_choice
+from tengyun.platforms.kernel_choice import Choice, KernelCandidate, KernelQuery, always, choose
 
 if TYPE_CHECKING:
     import torch
@@ -163,7 +163,7 @@ class Platform:
         """The first of ``kind``'s candidates that can run ``query``; what the worker builds and
         what `tengyun plan` counts. The debug log says why each earlier candidate could not."""
         choice = choose(kind, cls.kernel_candidates(kind), query)
-        log_choice(logging.getLogger(cls.__module__), choice, query)
+        logging.getLogger(cls.__module__).debug("Kernel choice %s: %s", kind, choice.explain())
         return choice
 
     def kernels(self, dtype, block_size: int | None = None, kv_cache_dtype: str | None = None,

@@ -17,7 +17,6 @@ compiled library loads; only ``build`` constructs the kernel (and imports its mo
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -83,7 +82,3 @@ def choose(kind: str, candidates: list[KernelCandidate], query: KernelQuery) -> 
         passed_over.append((candidate.name, reason))
     raise LookupError(f"no {kind} kernel can run {query}: " + "; ".join(f"{n}: {r}" for n, r in passed_over))
 
-
-def log_choice(logger: logging.Logger, choice: Choice, query: KernelQuery) -> None:
-    """Debug: the choice and every candidate it won over (the info lines are the platform's)."""
-    logger.debug("Kernel choice %s: %s", choice.kind, choice.explain())
