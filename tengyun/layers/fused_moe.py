@@ -1,12 +1,17 @@
-"""Sparse mixture-of-experts: top-k softmax routing, experts computed grouped by expert.
+"""Sparse mixture-of-experts: top-k softmax routing, the experts run as grouped matmuls.
 
 Experts are split across tensor-parallel ranks by expert id (rank r holds experts
 [r * E / tp, (r + 1) * E / tp)); each rank computes the tokens routed to its experts and the
 partial outputs are all-reduced, so every rank ends with the full result.
 
+Dense experts run through the platform's "moe" kernel (layers/moe/grouped.py: routing, tokens
+sorted by expert, grouped matmuls, un-permute), with no host synchronisation.
+
 Quantised experts (``use_quant_scheme``) stack each of the scheme's tensors per expert:
 ``w13_weight_packed`` [E_local, *layout of a 2I x H layer], ``w2_weight_scale`` [E_local, *layout
-of an H x I layer], ...; a quantised linear kernel runs each expert (tengyun/layers/quant_kernels.py).
+of an H x I layer], ...; a quantised linear kernel runs each expert (tengyun/layers/quant_kernels.py)
+in a loop over the local experts (grouped.loop_experts), which reads the per-expert counts on the
+host once per layer: no grouped quantised kernel yet, so such a layer is not graph-capturable.
 w13 and w2 may hold different schemes (a GGUF Q4_K_M stores gate/up as Q4_K and down as Q6_K), or
 one of them none (dense).
 """
@@ -21,6 +26,7 @@ from torch import nn
 
 from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from tengyun.layers.kernels import KernelBundle
+from tengyun.layers.moe.grouped import LoopMoe, TorchGroupedMoe, loop_experts
 from tengyun.layers.quant_kernels import reference_kernel
 from tengyun.layers.weight_loading import (
     check_dropped, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
@@ -31,22 +37,11 @@ from tengyun.quantization.scheme import OUT, LinearScheme, TensorLayout
 _SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k]).
-
-    Softmax in float32 over all experts, then the top k; renormalize makes the k sum to 1.
-    """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
-
-
 class FusedMoE(nn.Module):
     """Experts stacked per rank: w13 [E_local, 2 * I, H] (gate rows, then up), w2 [E_local, H, I]."""
 
-    supports_graph_capture = False  # per-expert token counts go to the host every step
+    # Until bound: PyTorch's grouped matmul (the loop where this torch has none).
+    moe_kernel = TorchGroupedMoe() if hasattr(torch, "_grouped_mm") else LoopMoe()
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype):
@@ -169,9 +164,19 @@ class FusedMoE(nn.Module):
         return {t.name: getattr(self, f"{prefix}_{t.name}").data[local] for t in self.schemes[prefix].tensors
                 if t.kept}
 
+    @property
+    def supports_graph_capture(self) -> bool:
+        """False where a step reads per-expert counts on the host (quantised experts, the loop)."""
+        return not self.schemes and not self.moe_kernel.host_sync
+
     def bind_kernels(self, kernels: KernelBundle) -> None:
-        """Quantised experts: the platform's kernel prepares each expert once."""
+        """Dense experts: the platform's MoE kernel, which may re-lay the weights out once.
+        Quantised experts: the platform's quantised linear kernel prepares each expert once."""
+        if kernels.moe is not None:
+            self.moe_kernel = kernels.moe
         if not self.schemes:
+            self.w13_weight.data, self.w2_weight.data = self.moe_kernel.prepare(self.w13_weight.data,
+                                                                                self.w2_weight.data)
             return
         self.kernel_weight = {}
         for prefix, scheme in self.schemes.items():
@@ -193,21 +198,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
-        flat_ids = ids.flatten()  # [T * k]; assignment j belongs to token j // k
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k
-        sorted_x = x[tokens]  # [T * k, H], grouped by expert
-        out = torch.zeros_like(sorted_x)
-        start = sum(counts[: self.first_expert])
-        for local in range(self.num_local):  # one batched matmul pair per expert, never per token
-            count = counts[self.first_expert + local]
-            if count:
-                rows = slice(start, start + count)
-                gate, up = self._expert("w13", local, sorted_x[rows]).chunk(2, dim=-1)
-                out[rows] = self._expert("w2", local, F.silu(gate) * up)
-                start += count
-        out *= weights.flatten()[order].unsqueeze(1)
-        y = torch.zeros_like(x).index_add_(0, tokens, out)
+        weights, ids = self.moe_kernel.route(router_logits, self.top_k, self.renormalize)
+        if self.schemes:
+            y = loop_experts(x, weights, ids, self.first_expert, self.num_local, self._expert)
+        else:
+            y = self.moe_kernel.experts(x, weights, ids, self.first_expert, self.w13_weight, self.w2_weight)
         return tensor_model_parallel_all_reduce(y) if self.tp_size > 1 else y

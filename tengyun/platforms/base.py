@@ -182,13 +182,14 @@ class Platform:
             linear=self.linear_kernel(dtype), layer_ops=self.layer_ops(),
             gated_delta_rule=self.gated_delta_rule_kernel() if linear_attention else None,
             quant_linear={scheme: self.quant_linear_kernel(scheme, dtype) for scheme in quant_schemes},
-            sample_rows=self.sample_rows_kernel())
+            sample_rows=self.sample_rows_kernel(), moe=self.moe_kernel(dtype))
         quantised = ", ".join(f"{scheme.description}: {type(kernel).__name__}"
                               for scheme, kernel in bundle.quant_linear.items())
         logging.getLogger(type(self).__module__).info(
-            "Kernels: linear %s, layer ops %s, sampler %s%s (the tengyun.platforms debug log says why each)",
+            "Kernels: linear %s, layer ops %s, sampler %s, MoE %s%s (the tengyun.platforms debug log says why each)",
             type(bundle.linear).__name__, type(bundle.layer_ops).__name__,
-            "PyTorch" if bundle.sample_rows is None else "compiled", f", quantised {quantised}" if quantised else "")
+            "PyTorch" if bundle.sample_rows is None else "compiled", bundle.moe.name,
+            f", quantised {quantised}" if quantised else "")
         return bundle
 
     # Each kind's choice, built; ``kernels`` bundles them.
@@ -216,6 +217,10 @@ class Platform:
     def sample_rows_kernel(self):
         """The sampler's fused last stage (KernelBundle.sample_rows), or None: PyTorch's ops."""
         return self._build("sampler", KernelQuery(""))
+
+    def moe_kernel(self, dtype):
+        """How MoE layers' dense experts compute (tengyun/layers/moe/grouped.py), weights of ``dtype``."""
+        return self._build("moe", KernelQuery(dtype_name(dtype)))
 
     def layer_ops(self):
         """How RMSNorm and rotary embedding compute (tengyun/layers/layer_ops.py)."""
@@ -306,6 +311,24 @@ def reference_quant_bytes(query: KernelQuery, out: int, in_: int, in_total: int 
     return query.scheme.nbytes(out, in_, DTYPE_BYTES[query.dtype], in_total)
 
 
+def _why_not_grouped_mm(query: KernelQuery) -> str | None:
+    import torch
+
+    return None if hasattr(torch, "_grouped_mm") else "this torch has no torch._grouped_mm (2.8 or later)"
+
+
+def _torch_grouped_moe(query: KernelQuery):
+    from tengyun.layers.moe.grouped import TorchGroupedMoe
+
+    return TorchGroupedMoe()
+
+
+def _torch_loop_moe(query: KernelQuery):
+    from tengyun.layers.moe.grouped import LoopMoe
+
+    return LoopMoe()
+
+
 def _torch_layer_ops(query: KernelQuery):
     from tengyun.layers.layer_ops import TORCH_LAYER_OPS
 
@@ -322,4 +345,7 @@ _TORCH_CANDIDATES: dict[str, tuple[KernelCandidate, ...]] = {
     "layer_ops": (KernelCandidate("torch", always, _torch_layer_ops),),
     "sampler": (KernelCandidate("torch", always, lambda q: None),),
     "gated_delta_rule": (KernelCandidate("torch", always, _torch_gated_delta_rule),),
+    # torch._grouped_mm: no host sync; the per-expert loop reads the counts on the host.
+    "moe": (KernelCandidate("torch_grouped_mm", _why_not_grouped_mm, _torch_grouped_moe),
+            KernelCandidate("torch_loop", always, _torch_loop_moe)),
 }

@@ -256,6 +256,12 @@ def _npu_quant(query: KernelQuery):
     return npu_quant_kernel(query.scheme)
 
 
+def _npu_moe(query: KernelQuery):
+    from tengyun.platforms.npu.kernels.moe import NpuMoe
+
+    return NpuMoe()
+
+
 def _is_gguf(query: KernelQuery) -> str | None:
     return None if query.scheme.kernel.startswith("gguf_") else "not a GGUF block type"
 
@@ -264,6 +270,8 @@ _NPU_CANDIDATES = {
     "attention": (KernelCandidate("npu", always, lambda q: "npu",
                                   describe=lambda q: "torch_npu's fused infer attention over the paged cache"),),
     "layer_ops": (KernelCandidate("npu_fused", always, _npu_layer_ops),),
+    "moe": (KernelCandidate("npu_moe", always, _npu_moe,
+                            describe=lambda q: "torch_npu's MoE routing and grouped matmul ops"),),
     "quant_linear": (KernelCandidate("npu_gguf", _is_gguf, _npu_gguf, nbytes=reference_quant_bytes),
                      KernelCandidate("npu_quant", always, _npu_quant, nbytes=reference_quant_bytes)),
 }
