@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tengyun.model_spec import DTYPE_ALIASES, ModelSpec, canonical_dtype
+from tengyun.pooling_config import (
+    CONVERTS, RUNNERS, PoolerConfig, PoolingModel, apply_hf_overrides, parse_hf_overrides, resolve_pooling_model,
+    resolve_runner,
+)
 from tengyun.sizing.resolve import DEFAULT_MAX_NUM_BATCHED_TOKENS, ResolvedSizing, resolve_sizing
 from tengyun.spec_decode.config import SpeculativeConfig
 from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
@@ -134,6 +138,19 @@ class EngineConfig:
                    '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (prompt lookup, any model) or '
                    '\'{"method": "mtp", "num_speculative_tokens": 1}\' (the model\'s multi-token-prediction '
                    'layers); docs/speculative_decoding.md')
+    # Pooling models (docs/pooling.md)
+    runner: str = setting("auto", choices=RUNNERS, help="generate (a *ForCausalLM) or pooling (embeddings, "
+                          "classification, scores: /v1/embeddings, /classify, /score, /rerank); auto: from "
+                          "config.json's architecture (Qwen3Model, *ForSequenceClassification pool); draft is refused")
+    convert: str = setting("auto", choices=CONVERTS, help="with --runner pooling: embed, classify or reward (auto: "
+                           "*ForSequenceClassification classifies, anything else embeds)")
+    pooler_config: PoolerConfig | dict | str | None = setting(  # a JSON object; parsed by __post_init__
+        None, help='the pooler as vLLM\'s JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' (pooling_type '
+                   'LAST / MEAN / CLS / ALL, normalize, dimensions, activation)')
+    hf_overrides: dict | str | None = setting(  # a JSON object; parsed by __post_init__
+        None, help='JSON merged into config.json, e.g. the Qwen3-Reranker recipe \'{"architectures": '
+                   '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+                   '"is_original_qwen3_reranker": true}\'')
     # Parallelism (docs/parallelism.md). World size = tp * pp, split evenly over --nnodes.
     tensor_parallel_size: int = setting(
         1, aliases=("-tp",), group=PARALLELISM, help="tensor-parallel ranks: each layer's weights split over them")
@@ -170,6 +187,7 @@ class EngineConfig:
     device_type: str = field(default="", init=False)
     sizing: ResolvedSizing | None = field(default=None, init=False, repr=False)  # what `tengyun plan` resolves too
     hccl_node: Any = field(default=None, init=False, repr=False)  # ops.ranktable.HcclNode of --rank-table
+    pooling: PoolingModel | None = field(default=None, init=False, repr=False)  # --runner pooling's; None: generate
     _frozen: bool = field(default=False, init=False, repr=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -218,6 +236,8 @@ class EngineConfig:
             raise ValueError(f"--max-logprobs must be an integer >= 0, or -1 for the whole vocabulary (try 20); "
                              f"got {self.max_logprobs!r}.")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        self.hf_overrides = parse_hf_overrides(self.hf_overrides)
         self._validate_generation_config()
         self._validate_parallel_values()
 
@@ -297,7 +317,9 @@ class EngineConfig:
         if self.load_format in ("auto", "gguf"):
             self.load_format = source.load_format
         self.tokenizer_path = source.tokenizer_folder
-        self.model_spec = ModelSpec.from_hf_config(json.loads((source.folder / "config.json").read_text()))
+        hf_config = apply_hf_overrides(json.loads((source.folder / "config.json").read_text()), self.hf_overrides)
+        self.model_spec = ModelSpec.from_hf_config(hf_config)
+        self._resolve_runner(hf_config)
         if self.hccl_node is not None:  # before the NPU runtime starts: it reads ASCEND_RT_VISIBLE_DEVICES
             os.environ.update(self.hccl_node.env)
             logger.info("--rank-table %s: %s", self.rank_table, self.hccl_node.describe())
@@ -310,6 +332,18 @@ class EngineConfig:
             self.served_model_name = self.model or source.default_name
         self._frozen = True
         return self
+
+    def _resolve_runner(self, hf_config: dict) -> None:
+        """--runner / --convert from the architecture; a pooling model's pooler (docs/pooling.md)."""
+        self.runner, self.convert = resolve_runner(self.model_spec.architecture, self.runner, self.convert)
+        if self.runner == "pooling":
+            if self.speculative_config is not None:
+                raise ValueError("--speculative-config drafts tokens to generate; a --runner pooling model generates "
+                                 "none: drop --speculative-config.")
+            self.pooling = resolve_pooling_model(self.convert, hf_config, self.pooler_config, self.model_path)
+            logger.info("--runner pooling: %s", self.pooling.describe())
+        elif self.pooler_config is not None:
+            raise ValueError("--pooler-config sets a pooling model's pooler: add --runner pooling, or drop it.")
 
     def _resolve_sizing(self, block_size_default: int) -> None:
         """Block size, dtypes, lengths, batched tokens, the TP / PP and MTP checks: sizing.resolve_sizing,

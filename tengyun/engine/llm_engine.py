@@ -21,7 +21,8 @@ from tengyun.engine.request import Request
 from tengyun.engine.scheduler import Scheduler
 from tengyun.engine.sequence import Sequence
 from tengyun.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput, RequestProgress
-from tengyun.sampling_params import SamplingParams
+from tengyun.pooling_params import PoolingParams
+from tengyun.sampling_params import RequestOutputKind, SamplingParams
 from tengyun.spec_decode.drafter import Drafter
 from tengyun.spec_decode.stats import SpecDecodeStats
 
@@ -88,14 +89,20 @@ class LLMEngine:
                    check_structured_outputs=lambda spec: grammar_compiler_for_config(config).compile(spec))
 
     # ----- requests -----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, first_turn: int = 0) -> Request:
         """Validate and queue a request. Raises ValueError naming the bad field; then nothing
         has been queued and other requests are untouched. `first_turn`: where this request's
         sequences start in the round-robin between API requests (prompt i of a request with n
-        copies starts at i * n; see Scheduler.add)."""
+        copies starts at i * n; see Scheduler.add). PoolingParams: a pooling request (prefill
+        only; its one output is a PoolingRequestOutput)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, arrival_time, first_turn)
+        if self.config.pooling is not None:
+            raise ValueError("This server runs a pooling model (--runner pooling): it answers /v1/embeddings, "
+                             "/pooling, /classify, /score and /rerank, not text generation.")
         text, token_ids = self._tokenize(prompt)
         params = self._resolve_params(params, len(token_ids))
         if params.structured_outputs is not None and self.check_structured_outputs is not None:
@@ -116,6 +123,31 @@ class LLMEngine:
         self.prompt_tokens += len(token_ids)
         return request
 
+    def _add_pooling_request(self, request_id: str, prompt: str | list[int], params: PoolingParams,
+                             arrival_time: float | None, first_turn: int) -> Request:
+        """One prefill-only sequence; its pooled output finishes it (_finish_pooled)."""
+        model = self.config.pooling
+        if model is None:
+            raise ValueError("This model generates text (--runner generate): embeddings, classification and scores "
+                             "need a model served with --runner pooling.")
+        params = params.resolved(model, self.config.served_model_name)
+        hidden = self.config.model_spec.hidden_size
+        if params.task in ("embed", "encode") and params.dimensions is not None and params.dimensions > hidden:
+            raise ValueError(f"dimensions {params.dimensions} is more than the model's hidden size {hidden}.")
+        text, token_ids = self._tokenize(prompt, pooling=params)
+        placeholder = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)  # never sampled
+        request = Request(request_id, text, token_ids, placeholder, RequestMetrics(arrival_time or time.time()),
+                          pooling_params=params)
+        seq = Sequence(next(self._seq_ids), request_id, 0, token_ids, placeholder, arrival_order=0, turn=first_turn,
+                       pooling_params=params)
+        seq.arrival_order = seq.seq_id
+        request.seqs.append(seq)
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        self.requests[request_id] = request
+        self.prompt_tokens += len(token_ids)
+        return request
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             request = self.requests.get(request_id)
@@ -130,7 +162,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_progress) or bool(self._in_flight)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int], pooling: PoolingParams | None = None) -> tuple[str | None, list[int]]:
+        """(text, token ids), checked against the vocabulary and --max-model-len; a pooling
+        request's truncated to its truncate_prompt_tokens first (the last k tokens, as vLLM)."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
@@ -145,6 +179,8 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt must not be empty.")
         max_len = self.config.max_model_len
+        if pooling is not None:
+            return text, self._pooling_prompt(token_ids, pooling)
         if len(token_ids) >= max_len:
             raise ValueError(
                 f"The prompt has {len(token_ids)} tokens but --max-model-len is {max_len}, which "
@@ -152,6 +188,21 @@ class LLMEngine:
                 f"--max-model-len to at least {len(token_ids) + 1}."
             )
         return text, token_ids
+
+    def _pooling_prompt(self, token_ids: list[int], params: PoolingParams) -> list[int]:
+        """truncate_prompt_tokens applied, then the prompt checked against --max-model-len (vLLM's wording)."""
+        max_len, keep = self.config.max_model_len, params.truncate_prompt_tokens
+        if keep is not None:
+            if keep > max_len:
+                raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_len}). "
+                                 f"Please, select a smaller truncation size.")
+            token_ids = token_ids[-(max_len if keep == -1 else keep):]
+        if len(token_ids) > max_len:
+            operation = {"classify": "classification", "score": "score"}.get(params.task, "embedding generation")
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                             f"{len(token_ids)} tokens in the input for {operation}. Please reduce the length of "
+                             f"the input.")
+        return token_ids
 
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Checked against --max-logprobs and the vocabulary; logprobs -1 becomes the vocabulary
@@ -216,6 +267,7 @@ class LLMEngine:
                 self._record_prompt_logprobs(self.requests[self.seqs[seq_id].request_id], chunk)
         now = time.time()
         changed: dict[str, Request] = {}
+        self._finish_pooled(result, now, changed)
         for seq_id, token_ids in result.sampled_token_ids.items():
             seq = self.seqs.get(seq_id)
             if seq is None or seq.is_finished:
@@ -229,6 +281,20 @@ class LLMEngine:
             changed[request.request_id] = request
         for request in changed.values():
             self._report(request, outputs, progress)
+
+    def _finish_pooled(self, result: ModelRunnerOutput, now: float, changed: dict[str, Request]) -> None:
+        """Pooling requests whose prompt is computed: output kept, sequence finished (its blocks
+        freed; with prefix caching its full blocks stay cached for later prompts)."""
+        for seq_id, data in result.pooled.items():
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.is_finished:
+                continue
+            request = self.requests[seq.request_id]
+            request.pooled = data
+            request.metrics.first_token_time = request.metrics.last_token_time = now
+            seq.finish_reason = FinishReason.STOP
+            self.scheduler.finish(seq)
+            changed[request.request_id] = request
 
     def _report(self, request: Request, outputs: list[RequestOutput], progress: list[RequestProgress]) -> None:
         """Add a changed request's output (if its kind has one now) and progress; retire it if finished."""

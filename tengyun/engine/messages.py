@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tengyun.sampling_params import SamplingParams
 
@@ -18,6 +19,7 @@ class NewSeqData:
     num_computed_tokens: int  # > 0 when the prefix cache served the first tokens
     sampling_params: SamplingParams
     state_slot: int = -1  # hybrid models: the StatePool slot of its recurrent state (-1: none)
+    pooling_params: Any = None  # a pooling request's PoolingParams (resolved); None: it samples
 
 
 @dataclass
@@ -84,3 +86,6 @@ class ModelRunnerOutput:
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Sequences with SamplingParams.prompt_logprobs whose prompt was (partly) computed this step.
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
+    # Pooling requests whose last prompt token was computed this step: the pooled output, plain
+    # lists ([D], or [T, D] for ALL pooling); the sequence is done.
+    pooled: dict[int, list] = field(default_factory=dict)

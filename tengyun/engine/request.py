@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from tengyun.engine.detokenizer import IncrementalDetokenizer
 from tengyun.engine.sequence import Sequence
 from tengyun.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, RequestProgress
+from tengyun.pooling_outputs import PoolingOutput, PoolingRequestOutput
+from tengyun.pooling_params import PoolingParams
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -26,6 +28,8 @@ class Request:
     # DELTA only: per sequence (by index), its output tokens that earlier outputs carried.
     num_returned_tokens: list[int] = field(default_factory=list)
     prompt_logprobs_returned: bool = False  # DELTA only: the first output carried them
+    pooling_params: PoolingParams | None = None  # a pooling request (one sequence, prefill only)
+    pooled: list | None = None  # its output once computed; None while it runs, or when aborted
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -41,6 +45,8 @@ class Request:
         FINAL_ONLY request runs. Every sequence appears, in index order, in every output: under
         DELTA one with nothing new since the last output has empty token_ids and text."""
         finished = self.finished
+        if self.pooling_params is not None:
+            return self._pooling_output() if finished else None
         kind = self.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
@@ -59,6 +65,10 @@ class Request:
             num_cached_tokens=self.seqs[0].num_cached_tokens,
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
         )
+
+    def _pooling_output(self) -> PoolingRequestOutput:
+        return PoolingRequestOutput(self.request_id, PoolingOutput(self.pooled), self.prompt_token_ids, True,
+                                    self.seqs[0].num_cached_tokens)
 
     def _completion(self, seq: Sequence, detok: IncrementalDetokenizer, delta: bool) -> CompletionOutput:
         """Sequence seq's output tokens [start, now): all of them, or (delta) those not yet returned."""

@@ -187,7 +187,7 @@ class Scheduler:
             self._save_state(seq, num_new)
             out.new_seqs.append(
                 NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
-                           list(seq.block_table), num_cached, seq.sampling_params, slot)
+                           list(seq.block_table), num_cached, seq.sampling_params, slot, seq.pooling_params)
             )
             self._seqs_on_worker.add(seq.seq_id)
             out.num_scheduled_tokens[seq.seq_id] = num_new

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tengyun.outputs import FinishReason, SampleLogprobs
+from tengyun.pooling_params import PoolingParams
 from tengyun.sampling_params import SamplingParams
 
 
@@ -49,6 +50,8 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # Drafts the worker's draft model (mtp) proposed after the last step, for the next one.
     proposed_token_ids: list[int] = field(default_factory=list)
+    # A pooling request's (resolved): prefill only, finished by the step that computes its last token.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -76,7 +79,10 @@ class Sequence:
 
     @property
     def uses_prefix_cache(self) -> bool:
-        """False for prompt logprobs (as vLLM): a cached block's positions produce no logits."""
+        """False for prompt logprobs (as vLLM): a cached block's positions produce no logits; nor
+        for a pooling request that pools every row (MEAN, CLS, ALL)."""
+        if self.pooling_params is not None and not self.pooling_params.uses_prefix_cache:
+            return False
         return self.sampling_params.prompt_logprobs is None
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 _MODELS = {
     "LlamaForCausalLM": ("tengyun.models.llama", "LlamaForCausalLM"),
@@ -29,3 +30,18 @@ def get_model_class(architecture: str):
         )
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)
+
+
+def model_class_for(config: Any) -> type:
+    """The model class an EngineConfig runs: its architecture's, or (--runner pooling) that family's
+    *ForCausalLM turned into a pooling model (tengyun/models/pooling_adapters.py)."""
+    if config.pooling is None:
+        return get_model_class(config.architecture)
+    from tengyun.models.pooling_adapters import classifier_token_ids, pooling_model_class
+    from tengyun.pooling_config import base_architecture
+    from tengyun.tokenizer import get_tokenizer
+
+    base = get_model_class(base_architecture(config.architecture))
+    tokens = config.pooling.classifier_from_token
+    token_ids = classifier_token_ids(get_tokenizer(config), tokens) if tokens else None
+    return pooling_model_class(base, config.pooling, token_ids)

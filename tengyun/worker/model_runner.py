@@ -16,6 +16,7 @@ from tengyun.engine.block_manager import blocks_to_keep
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
 from tengyun.layers.kernels import KernelBundle, bind_kernels
+from tengyun.layers.pooler import PooledRows
 from tengyun.layers.sampler import Sampler, SamplerOutput
 from tengyun.layers.sampling.logprobs import gather_logprobs
 from tengyun.layers.sampling.metadata import SamplingMetadata
@@ -36,6 +37,7 @@ class SeqState:
     num_computed_tokens: int
     params: SamplingParams
     state_slot: int = -1  # hybrid models: row of the recurrent-state pool
+    pooling: Any = None  # a pooling request's PoolingParams: pooled at its last prompt token, never sampled
 
 
 @dataclass
@@ -86,6 +88,11 @@ class ModelRunner:
         self.step_tables: dict[int, list[int]] = {}  # block tables held this step, before rollbacks
         # Hybrid models with prefix caching: recurrent-state snapshot copies; None: none kept.
         self.snapshot_rows = snapshot_rows
+        # --runner pooling: the model's pooler (layers/pooler.py) and the pooled rows of prompts in progress.
+        # A pooling model samples nothing (a sequence without PoolingParams, as the memory profile's, only runs).
+        self.samples = not hasattr(model, "pooler")
+        self.pooler = getattr(model, "pooler", None)  # None on an earlier pipeline stage
+        self.pooled_rows = PooledRows()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -122,6 +129,8 @@ class ModelRunner:
             self.stage.send(hidden)  # [hidden, residual]
             return None
         result = self._outputs(batch, hidden)  # None off TP rank 0
+        if self.pooler is not None and get_tp_rank() == 0:
+            self._pool(batch, hidden, result)
         if self.mtp is not None:
             self._propose_drafts(batch, hidden, result)
         return result
@@ -143,6 +152,18 @@ class ModelRunner:
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, logits[num_sampled:], result)
         return result
+
+    def _pool(self, batch: BatchInputs, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """Pooling sequences' rows of hidden [T, H] into their pooled state; those whose prompt
+        ends in this step get their output (the whole hidden state is on every TP rank: rank 0 pools)."""
+        for seq_id, offset, n, start in batch.chunks:
+            state = self.states[seq_id]
+            if state.pooling is None:
+                continue
+            pooled = self.pooled_rows.add(seq_id, state.pooling, hidden[offset:offset + n], start,
+                                          state.num_prompt_tokens)
+            if pooled is not None:
+                result.pooled[seq_id] = self.pooler(pooled, state.pooling).tolist()
 
     def _propose_drafts(self, batch: BatchInputs, hidden: torch.Tensor, result: ModelRunnerOutput | None) -> None:
         """The MTP head over this step's hidden [T, H] (every step: its KV follows the target's);
@@ -167,10 +188,11 @@ class ModelRunner:
         for seq_id in sched.freed_seq_ids:
             self.states.pop(seq_id, None)
             self.grammar.discard(seq_id)
+            self.pooled_rows.discard(seq_id)
         for new in sched.new_seqs:
             self.states[new.seq_id] = SeqState(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
-                new.num_computed_tokens, new.sampling_params, new.state_slot,
+                new.num_computed_tokens, new.sampling_params, new.state_slot, new.pooling_params,
             )
             self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
         self.spec_drafts, self.spec_backups, self.step_tables = {}, {}, {}
@@ -213,7 +235,7 @@ class ModelRunner:
                 num_blocks = -(-end // bs)
                 prefills.append(PrefillChunk(offset, n, start, torch.from_numpy(table[:num_blocks]).to(self.device),
                                              state.state_slot))
-            if end - len(drafts) == len(state.token_ids):
+            if end - len(drafts) == len(state.token_ids) and self.samples:
                 sample_seq_ids.append(seq_id)
                 logits_indices.extend(range(offset + n - 1 - len(drafts), offset + n))
             if state.params.prompt_logprobs is not None:

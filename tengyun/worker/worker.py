@@ -22,7 +22,7 @@ from tengyun.layers.quantized import apply_quant_config
 from tengyun.layers.weight_loading import deferred_weights, drop_weight_loaders
 from tengyun.model_spec import DTYPE_BYTES
 from tengyun.models.loader import load_weights
-from tengyun.models.registry import get_model_class
+from tengyun.models.registry import model_class_for
 from tengyun.host.numa import bind_to_device_numa
 from tengyun.platforms import Platform, get_platform
 from tengyun.structured_output import grammar_compiler_for_config
@@ -90,7 +90,7 @@ class Worker:
 
     def _load_model(self) -> torch.nn.Module:
         config = self.config
-        model_cls = get_model_class(config.architecture)
+        model_cls = model_class_for(config)
         # Linear and MoE weights wait on the meta device until the checkpoint's quantisation says
         # what they hold: a quantised layer never allocates its dense weight.
         with torch.device(self.device), deferred_weights():

@@ -22,7 +22,7 @@ from tengyun.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from tengyun.entrypoints.openai.request_limits import RequestLimits, default_max_request_bytes
 from tengyun.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tengyun.entrypoints.openai.vllm_args import (
-    FRONTEND_HELP, LORA, MULTIMODAL, NO_EFFECT, RUNNERS, FrontendOptions, text_only,
+    FRONTEND_HELP, LORA, MULTIMODAL, NO_EFFECT, FrontendOptions, text_only,
 )
 from tengyun.entrypoints.openai.vllm_metrics import minor_version
 
@@ -121,8 +121,6 @@ class ServerConfig:
         "without it")
     uds: Annotated[str | None, Flag(metavar="PATH")] = setting(
         None, group=VLLM, help="listen on this Unix socket instead of --host/--port")
-    runner: str = setting("auto", group=VLLM, choices=RUNNERS,
-                          help="auto / generate (what Tengyun runs); pooling and draft are refused")
     disable_frontend_multiprocessing: bool = setting(
         False, group=VLLM, help="run the engine loop in a thread of the server process instead of a process of "
         "its own (the two then share one GIL: slower under load)")
@@ -182,9 +180,6 @@ class ServerConfig:
 
     def _check_vllm(self) -> None:
         """Refused vLLM flags raise ValueError naming them (exit 2)."""
-        if self.runner in ("pooling", "draft"):
-            raise ValueError(f"--runner {self.runner}: Tengyun runs generative models only; use --runner generate "
-                             f"(or auto).")
         for flag in LORA:
             if self.given(flag):
                 raise ValueError(f"{flag}: LoRA adapters are not supported by Tengyun; serve a checkpoint with the "

@@ -19,7 +19,6 @@ LORA = ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--
         "--fully-sharded-loras", "--lora-dtype"]
 MULTIMODAL = ["--limit-mm-per-prompt", "--mm-processor-kwargs", "--mm-processor-cache-gb",
               "--allowed-local-media-path", "--media-io-kwargs"]
-RUNNERS = ("auto", "generate", "pooling", "draft")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ OLD_SERVER_FLAGS = {
     "--max-seqs-per-request": (None, int), "--chat-template-timeout": (10.0, float),
     "--trust-request-chat-template": (False, "switch"),
     "--root-path": (None, str), "--uds": (None, {"metavar": "PATH"}),
-    "--runner": ("auto", {"choices": ["auto", "generate", "pooling", "draft"]}),
     "--disable-frontend-multiprocessing": (False, "switch"), "--enable-request-id-headers": (False, "switch"),
     "--enable-server-load-tracking": (False, "switch"), "--enable-tokenizer-info-endpoint": (False, "switch"),
     "--enable-prompt-tokens-details": (False, "switch"), "--return-tokens-as-token-ids": (False, "switch"),
@@ -106,7 +105,6 @@ def test_parsed_flags_build_the_config_the_constructor_builds():
     (dict(api_key="k", api_key_file="/k"), "--api-key and --api-key-file"),
     (dict(enable_auto_tool_choice=True), "--enable-auto-tool-choice needs --tool-call-parser"),
     (dict(allow_credentials=True), "--allow-credentials with --allowed-origins '\\*'"),
-    (dict(runner="pooling"), "--runner pooling"),
     (dict(max_loras=("2",)), "--max-loras: LoRA"),
     (dict(limit_mm_per_prompt=('{"image": 1}',)), "--limit-mm-per-prompt: multimodal"),
     (dict(max_n=0), "--max-n must be positive, got 0"),
@@ -121,7 +119,7 @@ def test_a_bad_value_is_refused_naming_its_flag(values, flag):
 def test_a_value_argparse_cannot_read_names_the_flag(capsys):
     parser = make_arg_parser(argparse.ArgumentParser())
     for argv, flag in ((["--port", "http"], "--port"), (["--allowed-origins", "[1]"], "--allowed-origins"),
-                       (["--runner", "fast"], "--runner")):
+                       (["--runner", "fast"], "--runner"), (["--convert", "pool"], "--convert")):
         with pytest.raises(SystemExit):
             parser.parse_args(["model", *argv])
         assert f"argument {flag}" in capsys.readouterr().err

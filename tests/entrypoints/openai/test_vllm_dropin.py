@@ -125,7 +125,7 @@ def test_disable_frontend_multiprocessing_keeps_the_engine_in_the_server_process
     (["--enable-lora"], ["--enable-lora", "LoRA adapters are not supported"]),
     (["--lora-modules", "sql=/adapters/sql"], ["--lora-modules", "LoRA"]),
     (["--limit-mm-per-prompt", '{"image": 2}'], ["--limit-mm-per-prompt", "multimodal inputs are not supported"]),
-    (["--runner", "pooling"], ["--runner pooling", "generative models only"]),
+    (["--runner", "draft"], ["--runner draft", "--speculative-config"]),
 ])
 def test_unsupported_vllm_features_stop_start_up_naming_the_flag(start_server, flags, words):  # noqa: F811
     server = start_server(*flags)
