@@ -381,3 +381,21 @@ def _vm_rss_bytes(status: str) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def own_resident_bytes(proc: str = "/proc") -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes: resident now, and the most resident since start
+    or since reset_own_resident_peak()."""
+    with open(f"{proc}/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def reset_own_resident_peak(proc: str = "/proc") -> bool:
+    """VmHWM back to VmRSS (Linux's clear_refs "5"); False where the kernel or sandbox refuses."""
+    try:
+        with open(f"{proc}/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

@@ -113,6 +113,12 @@ class Platform:
         """(free bytes, total bytes) of the device."""
         raise NotImplementedError
 
+    def memory_meter(self):
+        """-> MemoryMeter (platforms/memory_meter.py): the peak the worker's profile step takes."""
+        from tengyun.platforms.memory_meter import TorchAllocatorMeter
+
+        return TorchAllocatorMeter(self.device_type)
+
     def smi_device_ids(self) -> list[int]:
         """Ids of every device this host's smi tool lists (nvidia-smi, npu-smi), for `tengyun
         launch`; [] when there is none or it fails. Never initialises a device."""

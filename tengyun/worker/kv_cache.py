@@ -19,3 +19,10 @@ def allocate_kv_cache(model: nn.Module, shape: KVCacheShape, num_blocks: int, bl
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
     return cache
+
+
+def release_kv_cache(model: nn.Module) -> None:
+    """Every attention layer unbound from its cache (as built), so that the cache can be freed."""
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            layer.k_cache, layer.v_cache = torch.empty(0), torch.empty(0)

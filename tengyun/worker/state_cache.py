@@ -24,6 +24,13 @@ def allocate_state_cache(model: nn.Module, shape: StateShape, num_slots: int, dt
     return tensors
 
 
+def release_state_cache(model: nn.Module) -> None:
+    """Every Gated DeltaNet layer unbound from its state rows (as built), so that they can be freed."""
+    for layer in model.modules():
+        if isinstance(layer, GatedDeltaNet):
+            layer.conv_state, layer.ssm_state = torch.empty(0), torch.empty(0)
+
+
 class StateSnapshotRows:
     """Hybrid prefix caching (engine/state_snapshots.py): copies every Gated DeltaNet layer's conv
     and SSM state between running slots and snapshot rows. Snapshot row r is row

@@ -29,6 +29,7 @@ from tengyun.structured_output import grammar_compiler_for_config
 from tengyun.worker.kv_cache import allocate_kv_cache
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.model_runner import ModelRunner
+from tengyun.worker.memory_profile import CacheLayout, MemoryReport, ProfileResult, run_profile_step
 from tengyun.worker.mtp_proposer import MtpProposer
 from tengyun.worker.state_cache import StateSnapshotRows, allocate_state_cache
 
@@ -58,7 +59,10 @@ class Worker:
         logger.info("Loaded %s (%s, %s) in %.1f s: %.1f MiB of weights on rank %d", config.architecture,
                     config.dtype, config.load_format, time.perf_counter() - started,
                     self.weight_bytes / 2**20, get_rank())
-        self._size_caches()
+        self._cache_shapes()
+        self.profile = self._profile_step()
+        self.num_blocks, self.num_state_slots, self.num_state_snapshots = self._count_kv_blocks(
+            self._budgeted_kv_shape(), self.state_shape.bytes_per_slot)
         # Decode graphs pad batches into one extra KV block and state slot that no sequence gets.
         graphs = self._use_decode_graphs()
         self.state_cache, self.kv_cache = self._allocate_caches(extra=int(graphs))
@@ -67,6 +71,8 @@ class Worker:
                                   for t in weight_tensors(module)])
         self._release_platform = weakref.finalize(self, self.platform.release)  # shutdown(), or collected
         self.step_threads = self.platform.step_threads(rank.world_size if rank else 1)
+        self.memory_report = self._memory_report()
+        logger.info("%s", self.memory_report.summary())
 
     def shutdown(self) -> None:
         """The in-process engine's end (``llm.llm_engine.shutdown()``): its weights, caches and
@@ -108,16 +114,48 @@ class Worker:
         bind_kernels(self.model, kernels)
         return kernels
 
-    def _size_caches(self) -> None:
-        """kv_shape, state_shape, and how many KV blocks and state slots fit (num_blocks, num_state_slots)."""
+    def _cache_shapes(self) -> None:
+        """kv_shape and state_shape of this rank's layers."""
         config = self.config
         tp = config.tensor_parallel_size
         start, end = config.model_spec.stage_layers(get_pp_rank(), get_pp_size())
         self.kv_shape = kv_cache_shape(config.model_spec, DTYPE_BYTES[config.kv_cache_dtype], tp, start, end)
         # Hybrid models: Gated DeltaNet layers keep per-sequence state in slots (docs/hybrid_cache.md).
         self.state_shape = state_shape(config.model_spec, DTYPE_BYTES[config.dtype], start, end, tp)
-        self.num_blocks, self.num_state_slots, self.num_state_snapshots = self._count_kv_blocks(
-            self._budgeted_kv_shape(), self.state_shape.bytes_per_slot)
+
+    def _profile_step(self) -> ProfileResult:
+        """The largest step this rank can be sent, run once on a temporary cache (memory_profile.py)."""
+        config, spec = self.config, self.config.model_spec
+        layout = CacheLayout(self.kv_shape, self.state_shape, config.block_size,
+                             TORCH_DTYPES[config.kv_cache_dtype], TORCH_DTYPES[config.dtype])
+        started = time.perf_counter()
+        result = run_profile_step(self.model, self.kernels, self.platform, self.device, layout, config.sizing,
+                                  spec.vocab_size, spec.hidden_size)
+        logger.info("Profile step (%d tokens over %d sequences) in %.2f s: %s", result.shape.tokens,
+                    result.shape.seqs, time.perf_counter() - started,
+                    "n/a" if result.peak is None else f"{result.peak / 2**20:.1f} MiB above the weights")
+        return result
+
+    def _activation_bytes(self) -> tuple[int, str]:
+        """(bytes one step takes, where the figure comes from): the profile step's peak, or the
+        estimate `tengyun plan` uses where the platform cannot measure it."""
+        if self.profile.peak is not None:
+            return self.profile.peak, f"measured: {self.profile.meter}"
+        return activation_reserve(self.config.model_spec, self.config.sizing)
+
+    def _memory_report(self) -> MemoryReport:
+        config = self.config
+        activation, _ = self._activation_bytes()
+        free, total = self.platform.memory_info()
+        available = free if self.platform.kv_cache_in_host_memory else (
+            int(total * config.gpu_memory_utilization) - (total - free))
+        state = sum(t.numel() * t.element_size() for t in self.state_cache)
+        return MemoryReport(
+            rank=get_rank(), weights=self.weight_bytes, activation_peak=self.profile.peak,
+            activation_estimate=activation_reserve(config.model_spec, config.sizing)[0],
+            activation_used=activation, measured_by=self.profile.meter, profile_tokens=self.profile.shape.tokens,
+            profile_seqs=self.profile.shape.seqs, kv_cache=self.kv_cache.numel() * self.kv_cache.element_size(),
+            state_cache=state, memory_total=total, headroom=available - activation)
 
     def _budgeted_kv_shape(self) -> KVCacheShape:
         """The KV shape the budget is split by: with --speculative-config method mtp, on the last
@@ -213,11 +251,11 @@ class Worker:
 
     def _device_kv_budget(self) -> CacheBudget:
         """An accelerator's memory x --gpu-memory-utilization, less what is in use now (weights,
-        runtime) and the activation reserve of one step, the same estimate `tengyun plan` subtracts
-        (sizing.blocks.activation_reserve; no profiling run here)."""
+        runtime) and what one step takes: the profile step's measured peak (memory_profile.py), or
+        where the platform cannot measure it the estimate `tengyun plan` subtracts."""
         config = self.config
         free, total = self.platform.memory_info()
-        activation, formula = activation_reserve(config.model_spec, config.sizing)
+        activation, formula = self._activation_bytes()
         logger.info("KV budget: %.2f GiB x %s - %.2f GiB in use - %.2f GiB activations (%s)", total / 2**30,
                     config.gpu_memory_utilization, (total - free) / 2**30, activation / 2**30, formula)
         return CacheBudget(device_total=total, in_use=total - free, activation=activation)

@@ -155,10 +155,13 @@ def test_plan_matches_the_engine_on_a_simulated_device_budget(folders, family, m
     device = SimulatedAccelerator(total=64 * 2**20, used=weights)
     monkeypatch.setattr("tengyun.worker.worker.get_platform", lambda requested: device)
     worker = Worker(config)
-    plan = _plan_for(folders[family], config.device_type, Cards(memory=device.total), **settings)
+    # The plan given the engine's measured step (--activation-reserve) counts the engine's blocks.
+    measured = worker.memory_report.activation_used
+    plan = _plan_for(folders[family], config.device_type, Cards(memory=device.total, activation_reserve=measured),
+                     **settings)
     [stage] = plan.stages
     assert stage.weight_bytes == worker.weight_bytes == weights
-    assert stage.budget_bytes == int(device.total * 0.5) - weights - plan.activation_bytes
+    assert stage.budget_bytes == int(device.total * 0.5) - weights - measured
     assert (plan.blocks, stage.state_slots, stage.state_snapshots) == (
         worker.num_blocks, worker.num_state_slots, worker.num_state_snapshots)
 
@@ -217,7 +220,8 @@ def test_plan_counts_weights_in_the_served_dtype_when_stored_wider(folders, quan
     device = SimulatedAccelerator(total=64 * 2**20, used=weights)
     monkeypatch.setattr("tengyun.worker.worker.get_platform", lambda requested: device)
     worker = Worker(config)
-    plan = _plan_for(folder, config.device_type, Cards(memory=device.total), **flags)
+    cards = Cards(memory=device.total, activation_reserve=worker.memory_report.activation_used)  # the measured step
+    plan = _plan_for(folder, config.device_type, cards, **flags)
     [stage] = plan.stages
     assert plan.sizing == config.sizing  # one resolve
     assert plan.weight_scale == 1.0 and plan.notes == []

@@ -15,7 +15,6 @@ from tengyun.entrypoints.cli.launch import device_ids
 from tengyun.entrypoints.openai.metrics import cache_config_labels
 from tengyun.executor.multiproc_executor import _threads_per_rank
 from tengyun.host import probe
-from tengyun.sizing.cache import activation_estimate
 from tengyun.platforms.cpu.platform import CpuPlatform
 from tengyun.platforms.cuda.platform import CudaPlatform
 from tengyun.platforms.npu.platform import NpuPlatform
@@ -33,18 +32,19 @@ def test_only_the_cpu_keeps_its_kv_cache_in_host_memory_on_host_cores():
 def test_kv_cache_takes_a_fraction_of_device_memory_where_it_is_not_in_host_memory(tiny_checkpoints, monkeypatch):
     folder = str(tiny_checkpoints["llama"])
     args = dict(block_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
-    spec = EngineConfig(model=folder, **args).finalize().model_spec
-    activation, _ = activation_estimate(spec, 1, 64, 4, 4)  # the step's reserve, as `tengyun plan` takes it
-    expected = LLM(folder, dtype="float32", kv_cache_memory=2 * MIB - activation, **args).llm_engine.executor.num_blocks
     monkeypatch.setattr(CpuPlatform, "kv_cache_in_host_memory", False)
-    # 16 MiB device, 6 MiB in use: 0.5 x 16 - 6 = 2 MiB less activations for the KV cache;
-    # --kv-cache-memory is ignored.
-    monkeypatch.setattr(CpuPlatform, "memory_info", lambda self: (10 * MIB, 16 * MIB))
+    # 64 MiB device, 6 MiB in use: 0.5 x 64 - 6 = 26 MiB less the profile step's peak for the KV
+    # cache; --kv-cache-memory is ignored.
+    monkeypatch.setattr(CpuPlatform, "memory_info", lambda self: (58 * MIB, 64 * MIB))
     device = LLM(folder, dtype="float32", kv_cache_memory="1MiB", gpu_memory_utilization=0.5,
                  **args).llm_engine.executor
-    assert device.num_blocks == expected
+    activation = device.memory_report.activation_used
+    with monkeypatch.context() as host:
+        host.setattr(CpuPlatform, "kv_cache_in_host_memory", True)
+        expected = LLM(folder, dtype="float32", kv_cache_memory=26 * MIB - activation, **args).llm_engine.executor
+    assert device.num_blocks == expected.num_blocks
     with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
-        LLM(folder, dtype="float32", gpu_memory_utilization=0.3, **args)  # 4.8 MiB is less than the 6 MiB in use
+        LLM(folder, dtype="float32", gpu_memory_utilization=0.05, **args)  # 3.2 MiB is less than the 6 MiB in use
 
 
 def test_metrics_report_cpu_kv_space_only_where_the_kv_cache_is_in_host_memory(tiny_checkpoints, monkeypatch):

@@ -157,6 +157,11 @@ class CpuPlatform(Platform):
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return free, pages
 
+    def memory_meter(self):
+        from tengyun.platforms.cpu.runtime.memory_meter import ResidentPeakMeter
+
+        return ResidentPeakMeter()
+
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         rss = process_tree_rss(pid)
         return None if rss is None else (rss, self.memory_info()[1])

@@ -56,7 +56,7 @@ def _mallopt(*settings: tuple[int, int]) -> bool:
     return ok
 
 
-def _malloc_trim() -> None:
+def give_back_free_pages() -> None:
     """glibc's malloc_trim(0): free pages anywhere in the heap go back to the system."""
     try:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
@@ -78,4 +78,4 @@ def restore_defaults() -> None:
     """glibc's defaults again, and the heap's free pages given back (malloc_trim)."""
     _mallopt((_M_MMAP_MAX, _GLIBC_MMAP_MAX), (_M_MMAP_THRESHOLD, _GLIBC_THRESHOLD),
              (_M_TRIM_THRESHOLD, _GLIBC_THRESHOLD))
-    _malloc_trim()
+    give_back_free_pages()
