@@ -16,6 +16,7 @@ from tengyun.pooling_config import (
     CONVERTS, RUNNERS, PoolerConfig, PoolingModel, apply_hf_overrides, parse_hf_overrides, resolve_pooling_model,
     resolve_runner,
 )
+from tengyun.lora.settings import LORA_DTYPES, check_lora_model, check_lora_values
 from tengyun.sizing.resolve import DEFAULT_MAX_NUM_BATCHED_TOKENS, ResolvedSizing, resolve_sizing
 from tengyun.spec_decode.config import SpeculativeConfig
 from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
@@ -151,6 +152,16 @@ class EngineConfig:
         None, help='JSON merged into config.json, e.g. the Qwen3-Reranker recipe \'{"architectures": '
                    '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
                    '"is_original_qwen3_reranker": true}\'')
+    # LoRA adapters (docs/lora.md)
+    enable_lora: bool = setting(False, help="serve LoRA adapters (PEFT folders) on the base model: --lora-modules, "
+                                "or a request's lora_request / model name")
+    max_loras: int = setting(1, help="most adapters one step runs (device slots; other adapters' requests wait)")
+    max_lora_rank: int = setting(16, help="the highest adapter rank the slots hold (an adapter above it is refused)")
+    max_cpu_loras: int | None = setting(None, help="adapters kept read in host memory (default: --max-loras)")
+    lora_dtype: str = setting("auto", choices=LORA_DTYPES, help="dtype of the adapter slots (auto: --dtype)")
+    fully_sharded_loras: bool = setting(
+        False, help="vLLM's extra split of LoRA's unsplit half over TP ranks: accepted at --tensor-parallel-size 1 "
+                    "(nothing to split), refused above it")
     # Parallelism (docs/parallelism.md). World size = tp * pp, split evenly over --nnodes.
     tensor_parallel_size: int = setting(
         1, aliases=("-tp",), group=PARALLELISM, help="tensor-parallel ranks: each layer's weights split over them")
@@ -240,6 +251,7 @@ class EngineConfig:
         self.hf_overrides = parse_hf_overrides(self.hf_overrides)
         self._validate_generation_config()
         self._validate_parallel_values()
+        check_lora_values(self)
 
     def _validate_generation_config(self) -> None:
         """auto, vllm, or a folder holding generation_config.json."""
@@ -328,6 +340,7 @@ class EngineConfig:
         self.device_type = platform.device_type
         self._resolve_sizing(platform.default_block_size)
         self._check_quantization()
+        check_lora_model(self)
         if self.served_model_name is None:
             self.served_model_name = self.model or source.default_name
         self._frozen = True

@@ -40,6 +40,7 @@ class AddRequest:
     params: SamplingParams
     arrival_time: float
     first_turn: int = 0
+    lora_request: Any = None  # tengyun.lora.request.LoRARequest; None: the base model
 
 
 @dataclass
@@ -85,7 +86,8 @@ def run_engine_loop(engine: Any, receive: Callable[[bool], list], emit: Callable
                 else:
                     try:
                         engine.add_request(message.request_id, message.prompt, message.params,
-                                           message.arrival_time, message.first_turn)
+                                           message.arrival_time, message.first_turn,
+                                           lora_request=message.lora_request)
                     except Exception as e:  # bad input: that caller's error, nobody else's
                         rejected[message.request_id] = e
             outputs, progress = engine.step_with_progress() if engine.has_unfinished_requests() else ([], [])
@@ -147,7 +149,8 @@ class AsyncEngineBase:
 
     # ----- requests -----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       arrival_time: float | None = None, first_turn: int = 0) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, first_turn: int = 0,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutputs in params.output_kind (CUMULATIVE and DELTA: after
         every step that changed it), the last one finished. Raises add_request's ValueError for
         bad input, EngineDeadError if the loop died. Closing or cancelling the iterator early
@@ -158,7 +161,7 @@ class AsyncEngineBase:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(AddRequest(request_id, prompt, params, arrival_time or time.time(), first_turn))
+        self._send(AddRequest(request_id, prompt, params, arrival_time or time.time(), first_turn, lora_request))
         finished = False
         try:
             while not finished:

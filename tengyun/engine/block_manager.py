@@ -2,7 +2,9 @@
 
 A block holds ``block_size`` consecutive tokens of one sequence. A full block is identified
 by hash(parent block's hash, its token ids); identical prefixes therefore map to the same
-chain of hashes and share blocks. Blocks whose reference count drops to zero keep their
+chain of hashes and share blocks. A sequence's first block hangs off its LoRA adapter's root
+(``root_hash``): the same tokens under another adapter (or the base model) have other KV, so
+chains of different adapters never meet. Blocks whose reference count drops to zero keep their
 hash and stay reusable until they are evicted, least recently freed first.
 """
 
@@ -15,6 +17,7 @@ from typing import Callable
 from tengyun.engine.sequence import Sequence
 
 _NO_PARENT = 0
+_LORA_ROOT = -1  # root_hash's tag
 
 
 def blocks_to_keep(num_computed_tokens: int, block_size: int) -> int:
@@ -26,6 +29,13 @@ def blocks_to_keep(num_computed_tokens: int, block_size: int) -> int:
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     # Python's tuple-of-int hash is deterministic (no PYTHONHASHSEED salt for ints).
     return hash((parent_hash, token_ids))
+
+
+def root_hash(seq: Sequence) -> int:
+    """The parent hash of a sequence's first block: 0 for the base model, else its adapter's id
+    hashed with a tag no token tuple produces."""
+    lora = seq.lora_request
+    return _NO_PARENT if lora is None else hash((_LORA_ROOT, lora.lora_int_id))
 
 
 @dataclass
@@ -167,7 +177,7 @@ class BlockManager:
 
     def _holds(self, block_id: int, seq: Sequence, index: int) -> bool:
         block = self.blocks[block_id]
-        parent = seq.block_hashes[index - 1] if index else _NO_PARENT
+        parent = seq.block_hashes[index - 1] if index else root_hash(seq)
         return block.parent_hash == parent and block.token_ids == self._block_tokens(seq, index)
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
@@ -176,7 +186,7 @@ class BlockManager:
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         while len(seq.block_hashes) < num_blocks:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else _NO_PARENT
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
             seq.block_hashes.append(hash_block(parent, self._block_tokens(seq, i)))
 
     def _register_full_blocks(self, seq: Sequence, num_full: int) -> None:
@@ -187,6 +197,6 @@ class BlockManager:
                 continue
             block.block_hash = seq.block_hashes[i]
             block.token_ids = self._block_tokens(seq, i)
-            block.parent_hash = seq.block_hashes[i - 1] if i else _NO_PARENT
+            block.parent_hash = seq.block_hashes[i - 1] if i else root_hash(seq)
             # First writer wins; a duplicate block with the same content simply stays private.
             self.hash_to_block.setdefault(block.block_hash, block.block_id)

@@ -20,6 +20,8 @@ from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, Sche
 from tengyun.engine.request import Request
 from tengyun.engine.scheduler import Scheduler
 from tengyun.engine.sequence import Sequence
+from tengyun.lora.peft_adapter import read_peft_adapter
+from tengyun.lora.request import LoRARequest
 from tengyun.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput, RequestProgress
 from tengyun.pooling_params import PoolingParams
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
@@ -50,6 +52,9 @@ class EngineStats:
     generation_tokens: int
     num_kv_blocks: int = 0  # blocks the KV cache holds (fixed once the engine is built)
     spec_decode: SpecDecodeStats | None = None  # totals so far; None without --speculative-config
+    # LoRA adapters (names) of the running and the waiting sequences, for vllm:lora_requests_info
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -75,6 +80,7 @@ class LLMEngine:
         self._pending_progress: list[RequestProgress] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self._checked_loras: dict[int, LoRARequest] = {}  # lora_int_id -> the request whose folder was checked
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -90,7 +96,8 @@ class LLMEngine:
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                    arrival_time: float | None = None, first_turn: int = 0) -> Request:
+                    arrival_time: float | None = None, first_turn: int = 0,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue a request. Raises ValueError naming the bad field; then nothing
         has been queued and other requests are untouched. `first_turn`: where this request's
         sequences start in the round-robin between API requests (prompt i of a request with n
@@ -105,6 +112,7 @@ class LLMEngine:
                              "/pooling, /classify, /score and /rerank, not text generation.")
         text, token_ids = self._tokenize(prompt)
         params = self._resolve_params(params, len(token_ids))
+        self._check_lora(lora_request)
         if params.structured_outputs is not None and self.check_structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         metrics = RequestMetrics(arrival_time or time.time(), max_tokens=params.max_tokens)
@@ -113,7 +121,7 @@ class LLMEngine:
             child = (params if params.n == 1 or params.seed is None
                      else dataclasses.replace(params, seed=params.seed + index))
             seq = Sequence(next(self._seq_ids), request_id, index, token_ids, child, arrival_order=0,
-                           turn=first_turn + index)
+                           turn=first_turn + index, lora_request=lora_request)
             seq.arrival_order = seq.seq_id
             request.seqs.append(seq)
             request.detokenizers.append(IncrementalDetokenizer(self.tokenizer, token_ids, child))
@@ -203,6 +211,18 @@ class LLMEngine:
                              f"{len(token_ids)} tokens in the input for {operation}. Please reduce the length of "
                              f"the input.")
         return token_ids
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """An adapter this engine can serve: its folder read and checked against the model, once per
+        lora_int_id (tengyun/lora/peft_adapter.py); raises ValueError naming the adapter if not."""
+        if lora_request is None:
+            return
+        if not self.config.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} was requested but LoRA is not enabled: "
+                             f"start the engine with --enable-lora (LLM(enable_lora=True)).")
+        if self._checked_loras.get(lora_request.lora_int_id) != lora_request:
+            read_peft_adapter(lora_request, self.config.model_spec, self.config.max_lora_rank)
+            self._checked_loras[lora_request.lora_int_id] = lora_request
 
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Checked against --max-logprobs and the vocabulary; logprobs -1 becomes the vocabulary
@@ -392,7 +412,14 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             num_kv_blocks=bm.num_blocks,
             spec_decode=self.scheduler.spec_stats.snapshot() if self.scheduler.spec_stats else None,
+            running_loras=_lora_names(self.scheduler.running),
+            waiting_loras=_lora_names(self.scheduler.waiting),
         )
+
+
+def _lora_names(seqs) -> tuple[str, ...]:
+    """The adapters' names among ``seqs``, each once, sorted."""
+    return tuple(sorted({seq.lora_request.lora_name for seq in seqs if seq.lora_request is not None}))
 
 
 def _batches_in_flight(config: EngineConfig, executor: Executor) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tengyun.lora.request import LoRARequest
 from tengyun.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class NewSeqData:
     num_computed_tokens: int  # > 0 when the prefix cache served the first tokens
     sampling_params: SamplingParams
     state_slot: int = -1  # hybrid models: the StatePool slot of its recurrent state (-1: none)
+    lora_request: LoRARequest | None = field(default=None, kw_only=True)  # its adapter; None: the base model
     pooling_params: Any = None  # a pooling request's PoolingParams (resolved); None: it samples
 
 

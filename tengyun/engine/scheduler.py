@@ -19,6 +19,9 @@ class Scheduler:
                  drafter: Drafter | None = None, batches_in_flight: int = 1):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # LoRA: at most this many adapters in one step (the worker's --max-loras slots).
+        self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
+        self._step_loras: set[int] = set()  # lora_int_id of the adapters this step runs so far
         self.chunked_prefill = config.enable_chunked_prefill
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Hybrid models: a sequence runs only while it holds a recurrent-state slot too.
@@ -85,6 +88,7 @@ class Scheduler:
         """
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._step_loras = set()
         max_seqs = -(-(len(self.running) + len(self.waiting)) // self.batches_in_flight)
         preempted = self._schedule_running(out, budget, max_seqs)
         budget -= out.total_num_scheduled_tokens
@@ -104,6 +108,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < max_seqs:
             seq = self.running[i]
             if seq.seq_id in self._in_flight:
+                i += 1
+                continue
+            if not self._lora_fits(seq):  # --max-loras other adapters run this step: it waits a step
                 i += 1
                 continue
             num_new = self._align(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
@@ -131,6 +138,7 @@ class Scheduler:
             )
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
+            self._note_lora(seq)
             i += 1
         return preempted
 
@@ -151,9 +159,13 @@ class Scheduler:
         return drafts
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, max_seqs: int) -> None:
+        skipped: list[Sequence] = []  # waiting for an adapter slot: back in front, in order, at the end
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.num_scheduled_tokens) < max_seqs):
             seq = self.waiting[0]
+            if not self._lora_fits(seq):  # its adapter would be one too many this step: later ones pass
+                skipped.append(self.waiting.popleft())
+                continue
             cached_blocks = self.block_manager.find_cached_blocks(seq)
             kv_hit_tokens = len(cached_blocks) * self.block_manager.block_size
             if self.snapshots is not None:  # a hybrid hit needs the recurrent state at its end too
@@ -187,11 +199,24 @@ class Scheduler:
             self._save_state(seq, num_new)
             out.new_seqs.append(
                 NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
-                           list(seq.block_table), num_cached, seq.sampling_params, slot, seq.pooling_params)
+                           list(seq.block_table), num_cached, seq.sampling_params, slot, seq.pooling_params,
+                           lora_request=seq.lora_request)
             )
             self._seqs_on_worker.add(seq.seq_id)
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
+            self._note_lora(seq)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may run this step: base-model sequences always, an adapter's while this
+        step runs it already or fewer than --max-loras adapters."""
+        lora = seq.lora_request
+        return lora is None or lora.lora_int_id in self._step_loras or len(self._step_loras) < self.max_loras
+
+    def _note_lora(self, seq: Sequence) -> None:
+        if seq.lora_request is not None:
+            self._step_loras.add(seq.lora_request.lora_int_id)
 
     def _align(self, seq: Sequence, start: int, num_new: int, kv_hit_tokens: int = 0) -> int:
         """Hybrid prefix caching: end prefill chunks where a state snapshot can be kept."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tengyun.lora.request import LoRARequest
 from tengyun.outputs import FinishReason, SampleLogprobs
 from tengyun.pooling_params import PoolingParams
 from tengyun.sampling_params import SamplingParams
@@ -50,6 +51,8 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # Drafts the worker's draft model (mtp) proposed after the last step, for the next one.
     proposed_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with (tengyun/lora/request.py LoRARequest); None: the base model.
+    lora_request: LoRARequest | None = None
     # A pooling request's (resolved): prefill only, finished by the step that computes its last token.
     pooling_params: PoolingParams | None = None
 

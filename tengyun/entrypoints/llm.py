@@ -17,6 +17,7 @@ from tengyun.config import EngineConfig
 from tengyun.engine.llm_engine import LLMEngine
 from tengyun.entrypoints.llm_pooling import LLMPoolingMixin
 from tengyun.generation_config import sampling_defaults
+from tengyun.lora.request import LoRARequest
 from tengyun.outputs import RequestOutput
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
 
@@ -49,12 +50,14 @@ class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward():
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]},
         or a list of those. sampling_params: one for all, one per prompt, or None for
-        get_default_sampling_params().
+        get_default_sampling_params(). lora_request: the adapter for all, one per prompt (None: the
+        base model), or None; needs LLM(enable_lora=True) (docs/lora.md).
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -62,9 +65,9 @@ class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward():
         params_list = _as_params_list(sampling_params, len(prompt_list))
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, lora in zip(prompt_list, params_list, _as_lora_list(lora_request, len(prompt_list))):
                 request_id = str(next(self._request_ids))
-                self.llm_engine.add_request(request_id, _prompt_value(prompt), params)
+                self.llm_engine.add_request(request_id, _prompt_value(prompt), params, lora_request=lora)
                 request_ids.append(request_id)
         except ValueError:
             self.llm_engine.abort_request(request_ids)
@@ -76,7 +79,8 @@ class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward():
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
@@ -88,7 +92,7 @@ class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward():
             )
             # The template already holds BOS and friends: do not add special tokens twice.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt["prompt"]
         return outputs
@@ -152,6 +156,16 @@ def _as_params_list(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"sampling_params has {len(params)} entries but there are {count} prompts.")
     return [_final_only(p) for p in params]
+
+
+def _as_lora_list(lora_request, count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"lora_request has {len(loras)} entries but there are {count} prompts.")
+    return loras
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

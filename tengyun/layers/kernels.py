@@ -36,6 +36,8 @@ class KernelBundle:
     # [B, V], temperature [B] | None, u [B] float64 | None, greedy [B] bool | None) -> [B] int64;
     # None: the PyTorch ops.
     sample_rows: Callable | None = None
+    # LoRA adapters' batched products (layers/lora/kernels.py), handed to LoRAManager's layers.
+    lora: object | None = None
     # The experts of MoE layers (layers/moe/grouped.py: route, experts, prepare); None: PyTorch's
     # grouped matmul.
     moe: object | None = None

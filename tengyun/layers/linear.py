@@ -58,6 +58,7 @@ class LinearBase(nn.Module):
         self.kernel = DenseLinearKernel()  # the platform's once bound (bind_kernels)
         self.kernel_weight = None  # the kernel's form of the weight (a dict when quantised), once bound
         self.shards: nn.ModuleList | None = None  # LinearShard per checkpoint module (use_shard_schemes)
+        self.lora = None  # LinearLoRA (layers/lora/layer.py) once the worker gives this layer adapter slots
 
     def _add_tensor(self, layout: TensorLayout, device: torch.device | None = None) -> None:
         shape = layout.shape(self.out_features, self.in_features if layout.split_in else self.in_total)
@@ -177,8 +178,10 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shards is not None:  # [..., in] -> each shard's [..., rows], in the fused order
             y = torch.cat([shard(x) for shard in self.shards], dim=-1)
-            return y if self.bias is None else y + self.bias
-        return self.kernel.apply(x, self._weight(), self.bias)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = self.kernel.apply(x, self._weight(), self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class LinearShard(LinearBase):
@@ -283,6 +286,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.apply(x, self._weight(), None)
+        if self.lora is not None:  # each rank's partial B A x, summed by the all-reduce with the rest
+            y = self.lora.add(x, y)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -188,7 +188,8 @@ class Platform:
             linear=self.linear_kernel(dtype), layer_ops=self.layer_ops(),
             gated_delta_rule=self.gated_delta_rule_kernel() if linear_attention else None,
             quant_linear={scheme: self.quant_linear_kernel(scheme, dtype) for scheme in quant_schemes},
-            sample_rows=self.sample_rows_kernel(), moe=self.moe_kernel(dtype))
+            sample_rows=self.sample_rows_kernel(),
+            lora=self._build("lora", KernelQuery(dtype_name(dtype))), moe=self.moe_kernel(dtype))
         quantised = ", ".join(f"{scheme.description}: {type(kernel).__name__}"
                               for scheme, kernel in bundle.quant_linear.items())
         logging.getLogger(type(self).__module__).info(
@@ -300,6 +301,15 @@ def _torch_gated_delta_rule(query: KernelQuery):
     return TorchGatedDeltaRule()
 
 
+def _torch_lora(name: str):
+    def build(query: KernelQuery):
+        from tengyun.layers.lora.kernels import TORCH_LORA_KERNELS
+
+        return TORCH_LORA_KERNELS[name]()
+
+    return build
+
+
 def _dense_linear(query: KernelQuery):
     from tengyun.layers.linear_kernel import DenseLinearKernel
 
@@ -351,6 +361,8 @@ _TORCH_CANDIDATES: dict[str, tuple[KernelCandidate, ...]] = {
     "layer_ops": (KernelCandidate("torch", always, _torch_layer_ops),),
     "sampler": (KernelCandidate("torch", always, lambda q: None),),
     "gated_delta_rule": (KernelCandidate("torch", always, _torch_gated_delta_rule),),
+    # LoRA's batched products (layers/lora/kernels.py): two GEMMs whatever the adapters' mix
+    "lora": (KernelCandidate("masked_dense", always, _torch_lora("masked_dense")),),
     # torch._grouped_mm: no host sync; the per-expert loop reads the counts on the host.
     "moe": (KernelCandidate("torch_grouped_mm", _why_not_grouped_mm, _torch_grouped_moe),
             KernelCandidate("torch_loop", always, _torch_loop_moe)),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-KINDS = ("attention", "linear", "quant_linear", "layer_ops", "sampler", "gated_delta_rule", "moe")
+KINDS = ("attention", "linear", "quant_linear", "layer_ops", "sampler", "gated_delta_rule", "lora", "moe")
 
 
 @dataclass(frozen=True)

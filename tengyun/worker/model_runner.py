@@ -16,10 +16,13 @@ from tengyun.engine.block_manager import blocks_to_keep
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk, attention_metadata
 from tengyun.layers.kernels import KernelBundle, bind_kernels
+from tengyun.layers.lora.batch import LoRABatch, lora_batch
+from tengyun.layers.lora.manager import LoRAManager
 from tengyun.layers.pooler import PooledRows
 from tengyun.layers.sampler import Sampler, SamplerOutput
 from tengyun.layers.sampling.logprobs import gather_logprobs
 from tengyun.layers.sampling.metadata import SamplingMetadata
+from tengyun.lora.request import LoRARequest
 from tengyun.sampling_params import SamplingParams
 from tengyun.spec_decode.verify import accepted_tokens
 from tengyun.worker.decode_graphs import DecodeGraphs
@@ -37,6 +40,7 @@ class SeqState:
     num_computed_tokens: int
     params: SamplingParams
     state_slot: int = -1  # hybrid models: row of the recurrent-state pool
+    lora: LoRARequest | None = field(default=None, kw_only=True)  # its adapter; None: the base model
     pooling: Any = None  # a pooling request's PoolingParams: pooled at its last prompt token, never sampled
 
 
@@ -61,7 +65,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device,
                  kernels: KernelBundle | None = None, grammar_compiler_factory: Callable[[], Any] | None = None,
                  stage: PipelineStage | None = None, decode_graphs: DecodeGraphs | None = None,
-                 snapshot_rows: StateSnapshotRows | None = None, mtp: Any = None):
+                 snapshot_rows: StateSnapshotRows | None = None, mtp: Any = None, lora: LoRAManager | None = None):
         """Complete once constructed: ``kernels`` (the worker's bundle, bound to the sampler as to
         every layer; None: PyTorch's ops), ``decode_graphs`` (None: eager), ``snapshot_rows``
         (hybrid prefix caching; None: none kept), ``mtp`` (MtpProposer with --speculative-config
@@ -88,6 +92,7 @@ class ModelRunner:
         self.step_tables: dict[int, list[int]] = {}  # block tables held this step, before rollbacks
         # Hybrid models with prefix caching: recurrent-state snapshot copies; None: none kept.
         self.snapshot_rows = snapshot_rows
+        self.lora = lora  # --enable-lora: the adapters' slots and each step's token -> slot map
         # --runner pooling: the model's pooler (layers/pooler.py) and the pooled rows of prompts in progress.
         # A pooling model samples nothing (a sequence without PoolingParams, as the memory profile's, only runs).
         self.samples = not hasattr(model, "pooler")
@@ -121,7 +126,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.fits(batch.meta):
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
-            with attention_metadata(batch.meta):
+            with attention_metadata(batch.meta), lora_batch(self._lora_batch(batch)):
                 hidden = self.model(batch.input_ids, batch.positions, self.stage.receive(len(batch.input_ids)))
         if sched.state_saves:
             self.snapshot_rows.save(sched.state_saves)
@@ -134,6 +139,13 @@ class ModelRunner:
         if self.mtp is not None:
             self._propose_drafts(batch, hidden, result)
         return result
+
+    def _lora_batch(self, batch: BatchInputs) -> LoRABatch | None:
+        """Which adapter slot each token runs with (adapters not in a slot are loaded now); None
+        without --enable-lora or when every token runs the base model."""
+        if self.lora is None:
+            return None
+        return self.lora.step_batch([(self.states[seq_id].lora, n) for seq_id, _, n, _ in batch.chunks])
 
     def _outputs(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
         """The last stage's tokens and prompt logprobs from hidden [T, H]; None off TP rank 0."""
@@ -194,6 +206,7 @@ class ModelRunner:
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
                 new.num_computed_tokens, new.sampling_params, new.state_slot, new.pooling_params,
             )
+            self.states[new.seq_id].lora = new.lora_request
             self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
         self.spec_drafts, self.spec_backups, self.step_tables = {}, {}, {}
         for cached in sched.cached_seqs:

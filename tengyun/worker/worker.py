@@ -18,6 +18,7 @@ from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.sizing.blocks import CacheBudget, activation_reserve, cache_capacity, check_holds_one_sequence
 from tengyun.sizing.cache import KVCacheShape, kv_cache_shape, state_shape
 from tengyun.layers.kernels import KernelBundle, bind_kernels
+from tengyun.layers.lora.manager import LoRAManager
 from tengyun.layers.quantized import apply_quant_config
 from tengyun.layers.weight_loading import deferred_weights, drop_weight_loaders
 from tengyun.model_spec import DTYPE_BYTES
@@ -48,6 +49,7 @@ class Worker:
         started = time.perf_counter()
         self.model = self._load_model()
         self.kernels = self._bind_kernels()
+        self.lora = self._lora_manager()  # before the caches are sized: its slots take memory too
         dtype = TORCH_DTYPES[config.dtype]
         self.mtp_head = (MtpProposer.load_head(config, self.model, self.kernels, dtype, self.device)
                          if self._runs_mtp_head() else None)
@@ -78,6 +80,7 @@ class Worker:
         """The in-process engine's end (``llm.llm_engine.shutdown()``): its weights, caches and
         graphs go now rather than with the LLM object, and the platform's process tuning is undone."""
         self.model = self.mtp_head = self.runner = self.kv_cache = self.state_cache = None
+        self.lora = None
         gc.collect()
         self._release_platform()
 
@@ -208,7 +211,17 @@ class Worker:
                                 TORCH_DTYPES[config.kv_cache_dtype], self.device) if self.mtp_head is not None else None
         return ModelRunner(self.model, config.block_size, config.model_spec.vocab_size, self.device, self.kernels,
                            grammar_compiler_factory=lambda: grammar_compiler_for_config(config), stage=stage,
-                           decode_graphs=decode_graphs, snapshot_rows=snapshot_rows, mtp=mtp)
+                           decode_graphs=decode_graphs, snapshot_rows=snapshot_rows, mtp=mtp, lora=self.lora)
+
+    def _lora_manager(self) -> LoRAManager | None:
+        """--enable-lora: --max-loras slots of rank --max-lora-rank in every targeted linear of this
+        rank, in --lora-dtype (tengyun/layers/lora/manager.py); None without it."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        dtype = TORCH_DTYPES[config.dtype if config.lora_dtype == "auto" else config.lora_dtype]
+        return LoRAManager(self.model, config.model_spec, config.max_loras, config.max_lora_rank,
+                           config.max_cpu_loras or config.max_loras, dtype, self.device, self.kernels.lora)
 
     def _use_decode_graphs(self) -> bool:
         """Graphs where the platform captures them, unless --enforce-eager or something in the
@@ -216,7 +229,9 @@ class Worker:
         if not self.platform.supports_graphs or self.config.enforce_eager:
             return False
         reason, backend = None, self.kernels.attention
-        if get_pp_size() > 1:
+        if self.lora is not None:
+            reason = "--enable-lora (each step's token -> adapter slot map)"
+        elif get_pp_size() > 1:
             reason = "pipeline parallelism (activations cross ranks between stages)"
         elif blocker := self.platform.graph_blocker(get_tp_size()):
             reason = blocker

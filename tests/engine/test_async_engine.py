@@ -41,7 +41,7 @@ class FakeLLMEngine:
     def shutdown(self):
         self.shut_down = True
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, first_turn=0):
+    def add_request(self, request_id, prompt, params, arrival_time=None, first_turn=0, lora_request=None):
         if not prompt:
             raise ValueError("prompt must not be empty.")
         self.requests[request_id] = (list(prompt), params, 0)

@@ -10,6 +10,7 @@ test can turn it off.
     quant_linear: cpu_w8a8 > cpu_gguf > cpu_int8_layout > cpu_int4pack > reference
     layer_ops:    cpu_fused (library loads) > torch
     sampler:      cpu_compiled (library loads) > torch
+    lora:         cpu_grouped > masked_dense
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 
 from tengyun.dtypes import DTYPE_BYTES, torch_dtype
 from tengyun.platforms.base import reference_quant_bytes
-from tengyun.platforms.kernel_choice import KernelCandidate, KernelQuery
+from tengyun.platforms.kernel_choice import KernelCandidate, KernelQuery, always
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,12 @@ def _compiled_sample_rows(query: KernelQuery):
     import torch
 
     return torch.ops.tengyun.sample_rows.default
+
+
+def _grouped_lora(query: KernelQuery):
+    from tengyun.layers.lora.kernels import GroupedLoRA
+
+    return GroupedLoRA()
 
 
 # ----- dense linear -------------------------------------------------------------------------
@@ -219,5 +226,7 @@ def cpu_candidates(kind: str, compiled_layout: Callable[[], bool]) -> list[Kerne
         return [KernelCandidate("cpu_fused", _library_error, _fused_layer_ops)]
     if kind == "sampler":
         return [KernelCandidate("cpu_compiled", _library_error, _compiled_sample_rows)]
+    if kind == "lora":  # grouped by slot: measured faster than masked_dense here (layers/lora/kernels.py)
+        return [KernelCandidate("cpu_grouped", always, _grouped_lora)]
     return []
 
