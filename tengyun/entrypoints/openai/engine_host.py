@@ -32,9 +32,11 @@ from tengyun.entrypoints.openai.server_config import ServerConfig
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
 from tengyun.entrypoints.openai.serving_chat import OpenAIServingChat
 from tengyun.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tengyun.entrypoints.openai.serving_score import OpenAIServingScore
 from tengyun.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from tengyun.generation_config import sampling_defaults
 from tengyun.platforms import platform_class
+from tengyun.pooling_params import PoolingParams
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
 from tengyun.tokenizer import get_tokenizer
 
@@ -55,6 +57,7 @@ class EngineHost:
         self.worker: TokenizerWorker | None = None
         self.completion: OpenAIServingCompletion | None = None
         self.chat: OpenAIServingChat | None = None
+        self.pooling: OpenAIServingScore | None = None  # /v1/embeddings, /pooling, /classify, /score, /rerank
         self.stat_logger = None if server.disable_log_stats or not server.log_stats_interval \
             else StatLogger(server.log_stats_interval)
         # --device-metrics-interval: device gauges sampled off the request path; 0: none
@@ -115,6 +118,8 @@ class EngineHost:
                                                   self.limits, self.frontend)
         self.chat = OpenAIServingChat(engine, self.worker, name, template, self.sampling_defaults, self.limits,
                                       self.frontend, **self.server.chat_options())
+        self.pooling = OpenAIServingScore(engine, self.worker, name, template, self.sampling_defaults, self.limits,
+                                          self.frontend)
 
     async def _loaded_engine(self) -> AsyncEngineBase:
         """The started engine once its model is loaded: the engine process launched before the
@@ -131,9 +136,12 @@ class EngineHost:
 
     @staticmethod
     async def _warm_up(engine: AsyncEngineBase, tokenizer: Any) -> None:
-        """One short generation through the whole path, so the first user request is not slow."""
+        """One short generation (a pooling model: one pooling request) through the whole path, so the
+        first user request is not slow."""
         prompt = tokenizer.encode("Hello, warm-up.", add_special_tokens=False) or [0]
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        if engine.config.pooling is not None:
+            params = PoolingParams()
         async for _ in engine.generate("warmup", prompt, params):
             pass
 

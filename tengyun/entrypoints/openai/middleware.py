@@ -3,7 +3,9 @@ bearer auth (401), body size (413), readiness / draining (503), then in-flight c
 
 Route classes:
     /v1/*, /tokenize, /detokenize,    all of it
-    /invocations, /tokenizer_info
+    /invocations, /tokenizer_info,
+    /pooling, /classify, /score,
+    /rerank, /v2/rerank
     /docs, /redoc, /openapi.json      the key, when --api-key is set (they describe the API)
     /health, /health/detail,          open: probes and scrapers carry no key
     /metrics, /version, /load
@@ -21,7 +23,8 @@ from starlette._utils import get_route_path
 
 from tengyun.entrypoints.openai.protocol import error_body
 
-API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info")
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info",
+                "/pooling", "/classify", "/score", "/rerank", "/v2/rerank")  # the last five: pooling_routes.py
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 BODY_METHODS = ("POST", "PUT", "PATCH")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")  # what GET /load counts

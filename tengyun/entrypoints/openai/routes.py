@@ -28,12 +28,14 @@ from tengyun.engine.async_engine import EngineDeadError
 from tengyun.entrypoints.openai.engine_host import EngineHost
 from tengyun.entrypoints.openai.middleware import GateMiddleware, RequestTooLarge, ResponseCounter, error_response
 from tengyun.entrypoints.openai.openapi_doc import install_openapi
+from tengyun.entrypoints.openai.pooling_routes import add_pooling_routes
 from tengyun.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     RequestError, TokenizeRequest, TokenizeResponse,
 )
 from tengyun.entrypoints.openai.responses import respond, until_disconnect
 from tengyun.entrypoints.openai.serving_engine import error_status, public_message
+from tengyun.entrypoints.openai.serving_pooling import require_runner
 from tengyun.entrypoints.openai.vllm_routes import add_vllm_routes
 
 logger = logging.getLogger("tengyun.server")
@@ -59,6 +61,7 @@ def build_app(host: EngineHost) -> FastAPI:
     _add_health_routes(app, host)
     _add_api_routes(app, host)
     add_vllm_routes(app, host)
+    add_pooling_routes(app, host)
     install_openapi(app, with_api_key=bool(server.required_api_key))
     return app
 
@@ -172,10 +175,12 @@ def _add_api_routes(app: FastAPI, host: EngineHost) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        require_runner(host.config, "generate")
         return respond(await until_disconnect(raw_request, host.completion.create_completion(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        require_runner(host.config, "generate")
         return respond(await until_disconnect(raw_request, host.chat.create_chat_completion(request)))
 
     @app.post("/tokenize")

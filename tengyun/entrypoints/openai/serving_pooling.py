@@ -1,0 +1,104 @@
+"""POST /v1/embeddings, /pooling and /classify on a --runner pooling server: one engine request per
+input, run together (the scheduler batches them under the token budget), answered in input order.
+
+A generative server answers these 400 naming --runner pooling, and a pooling server answers the
+generative routes the same way (require_runner)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+
+from tengyun.entrypoints.openai.pooling_protocol import (
+    ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingRequest, EmbeddingResponse,
+    EmbeddingResponseData, PoolingRequest, PoolingResponse, PoolingResponseData, prompt_list,
+)
+from tengyun.entrypoints.openai.protocol import UsageInfo
+from tengyun.entrypoints.openai.request_model import RequestError
+from tengyun.entrypoints.openai.serving_engine import OpenAIServing
+from tengyun.pooling_outputs import PoolingRequestOutput
+from tengyun.pooling_params import PoolingParams
+
+API_NAMES = {"generate": "Completions and Chat Completions APIs", "pooling": "pooling APIs (embeddings, "
+             "pooling, classify, score, rerank)"}
+
+
+def require_runner(config: Any, runner: str) -> None:
+    """RequestError (400) when the served model runs the other runner than ``runner`` needs."""
+    pooling = config.pooling is not None
+    if pooling == (runner == "pooling"):
+        return
+    if pooling:
+        raise RequestError(f"The model does not support the {API_NAMES['generate']}: it is served with --runner "
+                           f"pooling ({config.pooling.describe()}); serve a generative model with --runner "
+                           f"generate for text.")
+    raise RequestError(f"The model does not support the {API_NAMES['pooling']}: it generates text (--runner "
+                       f"generate); serve an embedding or reranking model with --runner pooling.")
+
+
+class OpenAIServingPooling(OpenAIServing):
+    async def pool(self, request_id: str, prompts: list[str | list[int]], params: list[PoolingParams],
+                   add_special_tokens: bool, field: str) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output, in prompt order; bad input raises before anything runs."""
+        require_runner(self.engine.config, "pooling")
+        if len(prompts) > self.limits.max_prompts_per_request:
+            raise RequestError(f"The request lists {len(prompts)} inputs but this server allows at most "
+                               f"{self.limits.max_prompts_per_request} (--max-prompts-per-request): send them in "
+                               f"several requests.", field)
+        token_lists = [p if isinstance(p, list) else await self.tokenize_prompt(p, add_special_tokens) for p in prompts]
+        for ids in token_lists:
+            self.check_token_ids(ids, field)
+        streams = [self.engine.generate(f"{request_id}-{i}", ids, p, first_turn=i)
+                   for i, (ids, p) in enumerate(zip(token_lists, params))]
+        finals: dict[int, PoolingRequestOutput] = {}
+        async for i, output in self.merged(streams):
+            finals[i] = output
+        return [finals[i] for i in range(len(prompts))]
+
+    def pooling_usage(self, outputs: list[PoolingRequestOutput]) -> UsageInfo:
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+
+    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        self.check_model(request.model)
+        prompts = prompt_list(request.input, "input")
+        outputs = await self.pool(self.response_id("embd", request), prompts,
+                                  [request.to_pooling_params()] * len(prompts), request.add_special_tokens, "input")
+        data = [EmbeddingResponseData(index=i, embedding=encode(o.outputs.data, request.encoding_format))
+                for i, o in enumerate(outputs)]
+        return EmbeddingResponse(id=self.response_id("embd", request), model=self.served_model_name, data=data,
+                                 usage=self.pooling_usage(outputs))
+
+    async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
+        self.check_model(request.model)
+        prompts = prompt_list(request.input, "input")
+        outputs = await self.pool(self.response_id("pool", request), prompts,
+                                  [request.to_pooling_params()] * len(prompts), request.add_special_tokens, "input")
+        data = [PoolingResponseData(index=i, data=encode(o.outputs.data, request.encoding_format))
+                for i, o in enumerate(outputs)]
+        return PoolingResponse(id=self.response_id("pool", request), model=self.served_model_name, data=data,
+                               usage=self.pooling_usage(outputs))
+
+    async def create_classify(self, request: ClassificationRequest) -> ClassificationResponse:
+        self.check_model(request.model)
+        prompts = prompt_list(request.input, "input")
+        outputs = await self.pool(self.response_id("classify", request), prompts,
+                                  [request.to_pooling_params()] * len(prompts), request.add_special_tokens, "input")
+        labels = self.engine.config.pooling.id2label
+        data = []
+        for i, output in enumerate(outputs):
+            probs = list(output.outputs.data)
+            best = int(np.argmax(probs))
+            data.append(ClassificationData(index=i, label=labels[best] if best < len(labels) else None, probs=probs,
+                                           num_classes=len(probs)))
+        return ClassificationResponse(id=self.response_id("classify", request), model=self.served_model_name,
+                                      data=data, usage=self.pooling_usage(outputs))
+
+
+def encode(data: list, encoding_format: str) -> list | str:
+    """float: the list as it is; base64: its little-endian float32 bytes (what the OpenAI SDK decodes)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(data, dtype="<f4").tobytes()).decode("ascii")
+    return data
