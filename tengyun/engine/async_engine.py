@@ -130,6 +130,8 @@ class AsyncEngineBase:
         # "module:class" of the tokenizer the engine loaded, where it runs in another process
         # (tokenizer.get_tokenizer loads that class without importing torch); None: load as it does
         self.tokenizer_class: str | None = None
+        # Each rank's memory once loaded (worker/memory_profile.py MemoryReport.as_json), this node's ranks
+        self.memory_reports: list[dict] = []
 
     def _send(self, message: AddRequest | AbortRequest | Shutdown) -> None:
         raise NotImplementedError
@@ -211,6 +213,7 @@ class AsyncLLMEngine(AsyncEngineBase):
 
     def __init__(self, engine: Any):
         super().__init__(engine.config, engine.get_stats())
+        self.memory_reports = engine.memory_reports
         self.engine = engine  # touched only by the engine thread once start() ran
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None

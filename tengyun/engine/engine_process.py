@@ -32,7 +32,7 @@ import pickle
 import queue
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import Pipe, get_context
 from multiprocessing.connection import Connection
 from typing import Any, Callable
@@ -54,6 +54,7 @@ class EngineReady:
     stats: Any  # EngineStats of the loaded, idle engine
     pid: int
     tokenizer_class: str | None = None  # tokenizer.class_path of the engine's tokenizer
+    memory_reports: list = field(default_factory=list)  # LLMEngine.memory_reports
 
 
 @dataclass
@@ -195,6 +196,7 @@ class EngineProcessClient(AsyncEngineBase):
         if isinstance(message, EngineReady):
             self.latest_stats, self._loaded = message.stats, True
             self.tokenizer_class = message.tokenizer_class
+            self.memory_reports = message.memory_reports
             self._ready.done() or self._ready.set_result(None)
         elif isinstance(message, EngineStartFailed):
             self.start_error = message.error
@@ -250,7 +252,8 @@ def _engine_process_main(build: Callable[[Any], Any], config: Any, requests: Con
             logger.exception("Loading the engine failed")
         _send_result(results, EngineStartFailed(portable_error(e)))
         return
-    _send_result(results, EngineReady(engine.get_stats(), os.getpid(), class_path(getattr(engine, "tokenizer", None))))
+    _send_result(results, EngineReady(engine.get_stats(), os.getpid(), class_path(getattr(engine, "tokenizer", None)),
+                                      engine.memory_reports))
     run_engine_loop(engine, lambda block: _receive(engine, requests, block),
                     lambda message: _send_result(results, message))
 

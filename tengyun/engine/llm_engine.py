@@ -65,6 +65,8 @@ class LLMEngine:
         self.check_structured_outputs = check_structured_outputs
         self.tokenizer = tokenizer
         self.executor = executor
+        # Each local rank's memory once loaded (weights, measured step peak, KV, headroom), as JSON
+        self.memory_reports: list[dict] = list(getattr(executor, "memory_reports", []))
         self.eos_token_ids = eos_token_ids
         self.vocab_size = config.model_spec.vocab_size
         self.batches_in_flight = _batches_in_flight(config, executor)

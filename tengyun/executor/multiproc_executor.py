@@ -95,6 +95,7 @@ class MultiprocExecutor:
         self.num_state_slots = infos[0]["num_state_slots"]  # likewise (0: no linear-attention layers)
         self.num_state_snapshots = infos[0]["num_state_snapshots"]  # likewise (0 also: prefix caching off)
         self.weight_bytes = {r.rank: info["weight_bytes"] for r, info in zip(self.ranks, infos)}
+        self.memory_reports = [info["memory"] for info in infos]  # this node's ranks
         for r, info in zip(self.ranks, infos):
             logger.info("rank %d (pid %d) holds %.2f MiB of weights", r.rank, info["pid"],
                         info["weight_bytes"] / 2**20)
@@ -332,7 +333,7 @@ def _read_joins(handles: list, pipes: dict, joined: set, num_ranks: int, link: N
             continue
         if message[0] == "ready":
             joined.add(pipes[handle].rank)
-            observer.rank_joined(pipes[handle].rank)
+            observer.rank_joined(pipes[handle].rank, message[2].get("memory"))
             if len(joined) == num_ranks:
                 link.report_joined(sorted(joined))
 

@@ -47,6 +47,7 @@ def worker_main(config, rank: RankInfo, pipe: Connection | None, threads: int) -
         _reply(pipe, ("ready", rank.rank, {"num_blocks": worker.num_blocks, "num_state_slots": worker.num_state_slots,
                                            "num_state_snapshots": worker.num_state_snapshots,
                                            "weight_bytes": worker.weight_bytes,
+                                           "memory": worker.memory_report.as_json(),
                                            "pid": os.getpid()}))
         _serve(worker, rank, pipe)
     except BaseException as e:  # noqa: BLE001 - report, then exit non-zero

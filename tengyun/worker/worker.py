@@ -146,6 +146,11 @@ class Worker:
             return self.profile.peak, f"measured: {self.profile.meter}"
         return activation_reserve(self.config.model_spec, self.config.sizing)
 
+    @property
+    def memory_reports(self) -> list[dict]:
+        """As the multi-process executor lists its ranks' (the single-process engine is its own executor)."""
+        return [self.memory_report.as_json()]
+
     def _memory_report(self) -> MemoryReport:
         config = self.config
         activation, _ = self._activation_bytes()

@@ -55,11 +55,12 @@ class RankState:
     pid: int | None = None
     joined: bool = False
     exit_code: int | None = None  # None while running (or not started)
+    memory: dict | None = None  # its MemoryReport once joined (worker/memory_profile.py)
 
     def as_json(self) -> dict:
         state = "exited" if self.exit_code is not None else "joined" if self.joined else \
             "starting" if self.pid else "not_started"
-        return {"rank": self.rank, "pid": self.pid, "state": state, "exit_code": self.exit_code}
+        return {"rank": self.rank, "pid": self.pid, "state": state, "exit_code": self.exit_code, "memory": self.memory}
 
 
 class HeadlessNode(NodeObserver):
@@ -84,13 +85,13 @@ class HeadlessNode(NodeObserver):
     def rank_started(self, rank: int, pid: int) -> None:
         self.ranks[rank] = RankState(rank, pid)
 
-    def rank_joined(self, rank: int) -> None:
-        self.ranks[rank] = RankState(rank, self.ranks[rank].pid, joined=True)
+    def rank_joined(self, rank: int, memory: dict | None = None) -> None:
+        self.ranks[rank] = RankState(rank, self.ranks[rank].pid, joined=True, memory=memory)
 
     def rank_exited(self, rank: int, pid: int, code: int) -> None:
         old = self.ranks[rank]
         if old.exit_code is None:
-            self.ranks[rank] = RankState(rank, pid, old.joined, code if code is not None else -1)
+            self.ranks[rank] = RankState(rank, pid, old.joined, code if code is not None else -1, old.memory)
 
     def unavailable_reason(self) -> str | None:
         """Why /health answers 503; None while every rank is alive and joined."""

@@ -82,6 +82,8 @@ def health_json(host: EngineHost, nodes: list[dict] | None = None) -> dict:
                        "kv_cache_usage": stats.kv_cache_usage, "kv_cache_blocks": stats.num_kv_blocks}
                       if stats is not None else {})},
         "device_type": host.config.device_type,
+        # each of this node's ranks: weights, the profile step's measured peak, KV, headroom (bytes)
+        "memory": host.engine.memory_reports if host.engine is not None else None,
         "node": host.device_sampler.node if host.device_sampler else None,
         **(sample.as_json() if sample is not None else {"devices": None, "links": None}),
         **({"nodes": nodes} if host.config.nnodes > 1 else {}),

@@ -81,7 +81,9 @@ def test_headless_node_is_observable_and_a_killed_rank_turns_both_nodes_503(star
     assert refused.status_code == 404 and "send API requests to node 0" in refused.text
     detail = httpx.get(node1.url + "/health/detail", timeout=10).json()
     pid = detail["ranks"][0]["pid"]
-    assert detail["ranks"] == [{"rank": 1, "pid": pid, "state": "joined", "exit_code": None}]
+    memory = detail["ranks"][0]["memory"]  # its MemoryReport: measured by its profile step
+    assert detail["ranks"] == [{"rank": 1, "pid": pid, "state": "joined", "exit_code": None, "memory": memory}]
+    assert memory["rank"] == 1 and memory["weights"] > 0 and memory["activation_peak"] > 0 and memory["kv_cache"] > 0
     assert detail["node_rank"] == 1 and detail["devices"]
     metrics = _wait_status(node1.url + "/metrics", 200, contains="tengyun:device_memory_used_bytes").text
     assert re.search(r'tengyun:rank_alive\{node="[^"]+",node_rank="1",rank="1"\} 1\.0', metrics), metrics

@@ -50,6 +50,10 @@ def test_health_detail_is_open_and_shows_engine_kv_and_devices(server):
     assert cpu["device"] == "cpu" and cpu["source"] == "/proc"
     assert 0 < cpu["memory_used_bytes"] < cpu["memory_total_bytes"] == detail["host_memory_total_bytes"]
     assert detail["links"] is None  # no hccn_tool on a CPU host
+    rank, = detail["memory"]  # the engine's one rank: weights, the profile step's measured peak, KV, headroom
+    assert rank["rank"] == 0 and rank["weights"] > 0 and rank["kv_cache"] > 0
+    assert rank["activation_peak"] > 0 and rank["activation_used"] == rank["activation_peak"]
+    assert rank["measured_by"] == "process resident peak (VmHWM)" and 0 < rank["headroom"] < rank["memory_total"]
 
 
 def _detail_with_devices(server):
