@@ -30,18 +30,19 @@ from tengyun.entrypoints.openai.metrics import EngineMetrics
 from tengyun.entrypoints.openai.routes import build_app
 from tengyun.entrypoints.openai.server_config import ServerConfig
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
+from tengyun.entrypoints.openai.serving_models import ServingModels
 from tengyun.platforms import platform_class
 from tengyun.platforms.startup import DeviceStartupError
 
 logger = logging.getLogger("tengyun.server")
 
 
-def build_host(config: EngineConfig, server: ServerConfig,
-               engine_process: EngineProcessClient | None = None) -> EngineHost:
+def build_host(config: EngineConfig, server: ServerConfig, engine_process: EngineProcessClient | None = None,
+               models: ServingModels | None = None) -> EngineHost:
     """The server's parts for a finalized EngineConfig; build_app(host) puts routes in front."""
     metrics = EngineMetrics(config, vllm_aliases=not server.disable_vllm_metric_aliases,
                             show_hidden_for=server.show_hidden_metrics_for_version)
-    return EngineHost(config, server, ServerLifecycle(server, metrics.registry), metrics, engine_process)
+    return EngineHost(config, server, ServerLifecycle(server, metrics.registry), metrics, engine_process, models)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -50,6 +51,7 @@ def run_server(args: argparse.Namespace) -> int:
     server = server_config_from_args(args)
     config = config_from_args(args).finalize()  # fast checks first: bad flags never bind a port
     server.finalize()  # reads --api-key-file and --chat-template: before the engine starts loading
+    models = ServingModels.from_flags(config, server.lora_modules)  # --lora-modules' adapters checked
     if config.headless:  # nodes 1..N-1 of a multi-node launch: this node's ranks and /health, /metrics
         from tengyun.entrypoints.openai.headless_server import run_headless_node
 
@@ -57,14 +59,15 @@ def run_server(args: argparse.Namespace) -> int:
     engine_process = launch_for_server(config, platform_class(config.device_type).fork_safe,
                                        server.disable_frontend_multiprocessing)  # first: one thread here
     try:
-        return _serve(config, server, engine_process)
+        return _serve(config, server, engine_process, models)
     finally:
         if engine_process is not None:
             engine_process.shutdown()
 
 
-def _serve(config: EngineConfig, server: ServerConfig, engine_process: EngineProcessClient | None) -> int:
-    host = build_host(config, server, engine_process)
+def _serve(config: EngineConfig, server: ServerConfig, engine_process: EngineProcessClient | None,
+           models: ServingModels) -> int:
+    host = build_host(config, server, engine_process, models)
     uvicorn_config = uvicorn.Config(
         build_app(host), host=server.host, port=server.port, uds=server.uds, log_level=server.uvicorn_log_level,
         access_log=not server.disable_uvicorn_access_log, timeout_graceful_shutdown=5, lifespan="on",

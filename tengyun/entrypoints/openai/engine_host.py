@@ -32,6 +32,7 @@ from tengyun.entrypoints.openai.server_config import ServerConfig
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
 from tengyun.entrypoints.openai.serving_chat import OpenAIServingChat
 from tengyun.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tengyun.entrypoints.openai.serving_models import ServingModels
 from tengyun.entrypoints.openai.serving_score import OpenAIServingScore
 from tengyun.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from tengyun.generation_config import sampling_defaults
@@ -45,13 +46,16 @@ logger = logging.getLogger("tengyun.server")
 
 class EngineHost:
     def __init__(self, config: EngineConfig, server: ServerConfig, lifecycle: ServerLifecycle,
-                 metrics: EngineMetrics, engine_process: EngineProcessClient | None = None):
+                 metrics: EngineMetrics, engine_process: EngineProcessClient | None = None,
+                 models: ServingModels | None = None):
         self.config = config  # finalized: served_model_name and max_model_len are known
         self.server = server  # finalized: required_api_key and chat_template_text are read
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.engine_process = engine_process  # launched before the server started; else a thread here
         self.limits = server.request_limits(config.max_model_len, config.max_num_seqs)
+        # the base model and the LoRA adapters a request may name (--lora-modules checked by now)
+        self.models = models or ServingModels.from_flags(config, server.lora_modules)
         self.frontend = server.frontend()
         self.sampling_defaults = sampling_defaults(config)  # --generation-config; logged once when any
         self.worker: TokenizerWorker | None = None
@@ -115,9 +119,9 @@ class EngineHost:
         name, template = self.config.served_model_name, self.server.chat_template_text
         self.worker = TokenizerWorker(tokenizer, self.limits.chat_template_timeout_s)
         self.completion = OpenAIServingCompletion(engine, self.worker, name, template, self.sampling_defaults,
-                                                  self.limits, self.frontend)
+                                                  self.limits, self.frontend, models=self.models)
         self.chat = OpenAIServingChat(engine, self.worker, name, template, self.sampling_defaults, self.limits,
-                                      self.frontend, **self.server.chat_options())
+                                      self.frontend, models=self.models, **self.server.chat_options())
         self.pooling = OpenAIServingScore(engine, self.worker, name, template, self.sampling_defaults, self.limits,
                                           self.frontend)
 

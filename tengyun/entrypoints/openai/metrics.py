@@ -54,6 +54,9 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
+LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")  # vLLM's, in its order
+
+
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
     """Token-count buckets up to max_model_len: 100 -> (1, 2, 5, 10, 20, 50, 100)."""
     buckets, scale = [], 1
@@ -101,6 +104,9 @@ class EngineMetrics:
         self._add_scheduler_metrics()
         self._add_request_metrics(buckets_1_2_5(config.max_model_len))
         self._add_spec_decode_metrics()
+        self.lora_info = self._family(Gauge, "lora_requests_info", "LoRA adapters of the running and waiting "
+                                      "requests as labels; the value is when they were last updated (unix time).",
+                                      labels=LORA_INFO_LABELS) if config.enable_lora else None
         if vllm_aliases:
             self.registry.register(VllmMetrics(self.families, show_hidden_for))
         elif show_hidden_for is not None:
@@ -213,8 +219,17 @@ class EngineMetrics:
             increases[name] = max(getattr(stats, name) - (getattr(last, name) if last else 0), 0)
             counter.inc(increases[name])
         self._record_spec_decode(stats, last)
+        self._record_lora(stats)
         self._last_stats = stats
         return increases["generation_tokens"]
+
+    def _record_lora(self, stats) -> None:
+        """vllm:lora_requests_info's one series: the adapters now, comma-joined, set to the current time."""
+        if self.lora_info is None:
+            return
+        self.lora_info.clear()
+        self.lora_info.labels(max_lora=str(self.config.max_loras), waiting_lora_adapters=",".join(stats.waiting_loras),
+                              running_lora_adapters=",".join(stats.running_loras)).set_to_current_time()
 
     def _record_progress(self, request: RequestProgress) -> int:
         """Latencies of this step's tokens; returns the prompt's length if its first token came now."""

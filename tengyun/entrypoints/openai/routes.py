@@ -5,7 +5,8 @@
         GateMiddleware (auth 401, body size 413, lifecycle 503, in-flight counting)
           routes: /health, /health/detail, /metrics, /version (open);
                   /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize;
-                  vLLM's /load, /tokenizer_info, /invocations (vllm_routes.py)
+                  vLLM's /load, /tokenizer_info, /invocations (vllm_routes.py);
+                  /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_routes.py)
 
 Every error leaves in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): a bad
 body 400 naming the field, never FastAPI's 422; an unexpected exception 500 without its text.
@@ -26,11 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tengyun import __version__
 from tengyun.engine.async_engine import EngineDeadError
 from tengyun.entrypoints.openai.engine_host import EngineHost
+from tengyun.entrypoints.openai.lora_routes import add_lora_routes
 from tengyun.entrypoints.openai.middleware import GateMiddleware, RequestTooLarge, ResponseCounter, error_response
 from tengyun.entrypoints.openai.openapi_doc import install_openapi
 from tengyun.entrypoints.openai.pooling_routes import add_pooling_routes
 from tengyun.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelList,
     RequestError, TokenizeRequest, TokenizeResponse,
 )
 from tengyun.entrypoints.openai.responses import respond, until_disconnect
@@ -62,6 +64,7 @@ def build_app(host: EngineHost) -> FastAPI:
     _add_api_routes(app, host)
     add_vllm_routes(app, host)
     add_pooling_routes(app, host)
+    add_lora_routes(app, host)
     install_openapi(app, with_api_key=bool(server.required_api_key))
     return app
 
@@ -170,10 +173,9 @@ def _add_health_routes(app: FastAPI, host: EngineHost) -> None:
 def _add_api_routes(app: FastAPI, host: EngineHost) -> None:
     @app.get("/v1/models")
     async def models() -> dict:
-        # root: the name the model is served under, never the folder it was loaded or converted into
-        card = ModelCard(id=host.config.served_model_name, root=host.config.served_model_name,
-                         max_model_len=host.config.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        # root: the name the model is served under, never the folder it was loaded or converted into;
+        # then each LoRA adapter, its parent the base model (serving_models.py)
+        return ModelList(data=host.models.cards()).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:

@@ -22,15 +22,16 @@ from tengyun.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from tengyun.entrypoints.openai.request_limits import RequestLimits, default_max_request_bytes
 from tengyun.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tengyun.entrypoints.openai.vllm_args import (
-    FRONTEND_HELP, LORA, MULTIMODAL, NO_EFFECT, FrontendOptions, text_only,
+    FRONTEND_HELP, MULTIMODAL, NO_EFFECT, FrontendOptions, text_only,
 )
 from tengyun.entrypoints.openai.vllm_metrics import minor_version
+from tengyun.lora.modules import parse_lora_modules
 
 API_KEY_ENV = "TENGYUN_API_KEY"
 # Where the key comes from, first set wins: --api-key or --api-key-file (never both), then these.
 API_KEY_ENVS = (API_KEY_ENV, "VLLM_API_KEY")  # VLLM_API_KEY: vLLM's documented variable
 SERVER, METRICS, LIMITS, VLLM = "server", "metrics", "request limits", "vLLM compatibility"  # --help groups
-LORA_HELP, MULTIMODAL_HELP = "refused: LoRA is not supported", "refused: multimodal input is not supported"
+MULTIMODAL_HELP = "refused: multimodal input is not supported"
 logger = logging.getLogger("tengyun.server")
 
 
@@ -137,13 +138,9 @@ class ServerConfig:
     max_log_len: str | None = setting(None, group=VLLM, help=_no_effect("--max-log-len"))
     swap_space: str | None = setting(None, group=VLLM, help=_no_effect("--swap-space"))
     disable_custom_all_reduce: bool = setting(False, group=VLLM, help=_no_effect("--disable-custom-all-reduce"))
-    enable_lora: bool = setting(False, group=VLLM, help=LORA_HELP)
-    lora_modules: Refused = setting(None, group=VLLM, help=LORA_HELP)
-    max_loras: Refused = setting(None, group=VLLM, help=LORA_HELP)
-    max_lora_rank: Refused = setting(None, group=VLLM, help=LORA_HELP)
-    max_cpu_loras: Refused = setting(None, group=VLLM, help=LORA_HELP)
-    fully_sharded_loras: bool = setting(False, group=VLLM, help=LORA_HELP)
-    lora_dtype: Refused = setting(None, group=VLLM, help=LORA_HELP)
+    lora_modules: Annotated[tuple[str, ...] | None, Flag(nargs="+", metavar="NAME=PATH")] = setting(
+        None, group=VLLM, help='LoRA adapters served from start-up (with --enable-lora): name=path, or JSON '
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request picks one by its "model" (docs/lora.md)')
     limit_mm_per_prompt: Refused = setting(None, group=VLLM, help=MULTIMODAL_HELP)
     mm_processor_kwargs: Refused = setting(None, group=VLLM, help=MULTIMODAL_HELP)
     mm_processor_cache_gb: Refused = setting(None, group=VLLM, help=MULTIMODAL_HELP)
@@ -180,10 +177,7 @@ class ServerConfig:
 
     def _check_vllm(self) -> None:
         """Refused vLLM flags raise ValueError naming them (exit 2)."""
-        for flag in LORA:
-            if self.given(flag):
-                raise ValueError(f"{flag}: LoRA adapters are not supported by Tengyun; serve a checkpoint with the "
-                                 f"adapter merged into its weights, and drop {flag}.")
+        parse_lora_modules(self.lora_modules)  # a malformed entry stops start-up here
         for flag in MULTIMODAL:
             if self.given(flag) and not (flag == "--limit-mm-per-prompt" and text_only(self.limit_mm_per_prompt)):
                 raise ValueError(f"{flag}: multimodal inputs are not supported by Tengyun (text only); drop {flag}.")

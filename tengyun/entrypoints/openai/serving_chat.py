@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         """Validates everything before the first engine call: bad input raises RequestError."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         check_sequence_counts(self.limits, request.n, 1)
         text = await self.render_chat(request.messages, request.add_generation_prompt,
@@ -68,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_against_model(params, "top_logprobs")
         parsers = [ChoiceOutputParser(reasoning, tool_parser, in_reasoning) for _ in range(request.n)]
         request_id = self.response_id("chatcmpl", request)
-        stream = self.engine.generate(request_id, token_ids, params)
+        stream = self.engine.generate(request_id, token_ids, params, lora_request=lora)
         if request.stream:
             return self._stream(request, request_id, stream, parsers)
         return await self._full(request, request_id, stream, parsers)
@@ -126,7 +126,8 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=list(c.token_ids) if request.return_token_ids else None))
         usage = self.usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
                            final.num_cached_tokens)
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage,
+        return ChatCompletionResponse(id=request_id, model=self.response_name(request.model), choices=choices,
+                                      usage=usage,
                                       prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
                                       prompt_token_ids=(list(final.prompt_token_ids) if request.return_token_ids
                                                         else None))
@@ -146,7 +147,8 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(choice: ChatCompletionResponseStreamChoice | None, prompt_ids: list[int] | None = None) -> str:
             on_chunk = choice is None or request.usage_on_every_chunk
             response = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.served_model_name, choices=[choice] if choice else [],
+                id=request_id, created=created, model=self.response_name(request.model),
+                choices=[choice] if choice else [],
                 usage=usage if on_chunk else None, prompt_token_ids=prompt_ids)
             return sse(response.model_dump(exclude=exclude))
 

@@ -24,7 +24,7 @@ from tengyun.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOu
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """Validates everything before the first engine call: bad input raises RequestError."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         prompts = request.prompts()
         check_sequence_counts(self.limits, request.n, len(prompts))
         token_lists = [self.truncate_prompt(await self.tokenize_prompt(p, request.add_special_tokens),
@@ -41,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       for p in prompts]
         request_id = self.response_id("cmpl", request)
         # Prompt i's n sequences take turns i * n ... i * n + n - 1 in the round-robin between requests.
-        streams = [self.engine.generate(f"{request_id}-{i}", ids, p, first_turn=i * request.n)
+        streams = [self.engine.generate(f"{request_id}-{i}", ids, p, first_turn=i * request.n, lora_request=lora)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
         if request.stream:
             return self._stream(request, request_id, streams, echo_texts)
@@ -74,7 +74,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     token_ids=list(c.token_ids) if ids else None,
                     prompt_token_ids=list(output.prompt_token_ids) if ids else None))
         usage = self.usage(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in finals.values()))
-        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, model=self.response_name(request.model), choices=choices,
+                                  usage=usage)
 
     async def _stream(self, request: CompletionRequest, request_id: str, streams,
                       echo_texts: list[str]) -> AsyncIterator[str]:
@@ -92,7 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
             usage = None
             if choice is None or request.usage_on_every_chunk:
                 usage = self.usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
-            response = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+            response = CompletionStreamResponse(id=request_id, created=created, model=self.response_name(request.model),
                                                 choices=[choice] if choice else [], usage=usage)
             return sse(response.model_dump(exclude=exclude))
 

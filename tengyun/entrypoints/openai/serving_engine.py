@@ -14,8 +14,10 @@ from tengyun.entrypoints.openai.protocol import (
 )
 from tengyun.entrypoints.openai.request_model import random_id
 from tengyun.entrypoints.openai.request_limits import RequestLimits
+from tengyun.entrypoints.openai.serving_models import ServingModels
 from tengyun.entrypoints.openai.tokenizer_worker import RenderTimeout, TokenizerWorker
 from tengyun.entrypoints.openai.vllm_args import FrontendOptions
+from tengyun.lora.request import LoRARequest
 from tengyun.outputs import CompletionOutput, RequestOutput
 from tengyun.sampling_params import SamplingParams, StructuredOutputsParams, check_logit_bias, check_num_logprobs
 
@@ -27,7 +29,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, worker: TokenizerWorker | None, served_model_name: str,
                  chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None,
-                 limits: RequestLimits | None = None, frontend: FrontendOptions | None = None):
+                 limits: RequestLimits | None = None, frontend: FrontendOptions | None = None,
+                 models: ServingModels | None = None):
         self.engine = engine
         self.worker = worker  # the front end's tokenizer, off the event loop (the engine thread has another)
         self.tokenizer = worker.tokenizer if worker is not None else None  # for short decodes on the loop
@@ -40,6 +43,7 @@ class OpenAIServing:
         self.sampling_defaults = sampling_defaults or {}
         self.limits = limits or RequestLimits()
         self.frontend = frontend or FrontendOptions()
+        self.models = models  # the LoRA adapters a request's "model" may name; None: the base model only
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
         """Token counts of an answer; prompt_tokens_details with --enable-prompt-tokens-details when
@@ -68,10 +72,17 @@ class OpenAIServing:
         """"cmpl-<request_id>" when the request names itself (vLLM's request_id field), else random."""
         return f"{prefix}-{request.request_id}" if request.request_id else random_id(prefix)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a name not served."""
+        if self.models is not None:
+            return self.models.lora_for(model)
         if model is not None and model != self.served_model_name:
             raise RequestError(f"The model `{model}` does not exist; this server serves "
                                f"`{self.served_model_name}`.", "model", status=404)  # as vLLM answers
+
+    def response_name(self, model: str | None) -> str:
+        """The "model" an answer carries: the adapter the request named, else the served model."""
+        return self.served_model_name if self.models is None else self.models.response_name(model)
 
     # ----- prompts ----------------------------------------------------------------------
     async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

@@ -1,6 +1,6 @@
 """vLLM's server flags that a command line copied from a vLLM deployment carries. Each one works
 (FrontendOptions), or is accepted with one log line where it means nothing here, or stops
-start-up (exit 2) where it asks for something Tengyun does not do (LoRA, multimodal inputs).
+start-up (exit 2) where it asks for something Tengyun does not do (multimodal inputs).
 The flags themselves are ServerConfig's fields (server_config.py); these are their tables."""
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ NO_EFFECT = {
     "--swap-space": "a preempted sequence is recomputed, never swapped to host memory",
     "--disable-custom-all-reduce": "tensor parallelism uses torch.distributed's all-reduce",
 }
-LORA = ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
-        "--fully-sharded-loras", "--lora-dtype"]
 MULTIMODAL = ["--limit-mm-per-prompt", "--mm-processor-kwargs", "--mm-processor-cache-gb",
               "--allowed-local-media-path", "--media-io-kwargs"]
 
