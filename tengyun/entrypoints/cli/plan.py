@@ -34,6 +34,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--activation-reserve", default=None, help="override the activation estimate, e.g. 2GiB")
     parser.add_argument("--devices-per-node", type=int, default=Cards.per_node,
                         help="TP stays within a node in the search")
+    parser.add_argument("--profile-json", default=None, metavar="FILE",
+                        help="a running server's GET /health/detail saved to a file: the plan says how its "
+                             "activation estimate and weights compare with what that engine measured")
     parser.add_argument("--json", action="store_true")
 
 
@@ -77,8 +80,18 @@ def run(args: argparse.Namespace) -> int:
     sizing, cards = plan_settings(args, hf_config, Path(model) if Path(model).is_dir() else None)
     plan = make_plan(hf_config, sizing, cards, checkpoint_bytes, name, quant)
     fit = smallest_fit(hf_config, sizing, cards, checkpoint_bytes, quant)
+    profile = None
+    if args.profile_json:
+        from dataclasses import replace
+
+        from tengyun.ops.plan_profile import compare, read_profile
+
+        profile = compare(plan, read_profile(args.profile_json), lambda activation: make_plan(
+            hf_config, sizing, replace(cards, activation_reserve=activation), checkpoint_bytes, name, quant))
     if args.json:
-        print(json.dumps(plan_json(plan, fit), indent=2))
+        print(json.dumps(plan_json(plan, fit) | ({"profile": profile} if profile else {}), indent=2))
     else:
-        print("\n".join(report_lines(plan, fit)))
+        from tengyun.ops.plan_profile import profile_lines
+
+        print("\n".join(report_lines(plan, fit) + (profile_lines(profile) if profile else [])))
     return 0 if plan.fits else 1
