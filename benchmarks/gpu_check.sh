@@ -6,7 +6,9 @@
 #     stays on the CPU; fp32 tiny models, so attention is torch_sdpa and decode graphs are off);
 #  3. SmolLM2 in bfloat16, decode graphs on vs --enforce-eager (flash_attn and 256-token blocks
 #     when flash_attn imports): greedy tokens compared, output tok/s of each;
-#  4. the offline throughput benchmark.
+#  4. the offline throughput benchmark;
+#  5. (with 3) each engine's memory report: the profile step's peak through torch.cuda's allocator
+#     statistics (worker/memory_profile.py), beside the estimate.
 #   bash benchmarks/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +34,7 @@ results = {}
 for eager in (True, False):
     llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="bfloat16", enforce_eager=eager, max_model_len=512, gpu_memory_utilization=0.5)
     llm.generate(prompts[:2], params)  # warm-up
+    print("memory:", llm.llm_engine.memory_reports)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
