@@ -58,7 +58,8 @@ def adapters(tiny_checkpoints, tmp_path_factory):
         if i == 0:
             with model.disable_adapter():
                 base_reference = _reference(model, tokenizer, PROMPTS)
-    return base, made, base_reference
+            merged_reference = _reference(model.merge_and_unload(), tokenizer, PROMPTS)  # B A folded into W
+    return base, made, base_reference, merged_reference
 
 
 def _llm(base, **overrides):
@@ -71,19 +72,21 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 
 
 def test_each_adapter_and_the_base_match_peft(adapters):
-    base, made, base_reference = adapters
+    base, made, base_reference, merged_reference = adapters
     llm = _llm(base)
     for lora, reference in made:
         for output, ref in zip(llm.generate(PROMPTS, PARAMS, lora_request=lora), reference):
             _assert_matches(output, ref)
     for output, ref in zip(llm.generate(PROMPTS, PARAMS), base_reference):
         _assert_matches(output, ref)
+    for output, ref in zip(llm.generate(PROMPTS, PARAMS, lora_request=made[0][0]), merged_reference):
+        _assert_matches(output, ref)  # PEFT's merged model too
 
 
 def test_one_batch_mixing_three_adapters_and_the_base_matches_peft(adapters):
     """16 requests in one generate: every prompt on each adapter and on the base, with two slots:
     the scheduler keeps a step to two adapters and the slots turn over."""
-    base, made, base_reference = adapters
+    base, made, base_reference, _ = adapters
     llm = _llm(base)
     prompts, loras, references = [], [], []
     for lora, reference in [*made, (None, base_reference)]:
@@ -93,3 +96,39 @@ def test_one_batch_mixing_three_adapters_and_the_base_matches_peft(adapters):
     for output, ref in zip(llm.generate(prompts, PARAMS, lora_request=loras), references):
         _assert_matches(output, ref)
     assert llm.llm_engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_under_preemption_and_prefix_caching_each_sequence_keeps_its_adapter(adapters):
+    """Every prompt twice on each adapter and the base in 13 blocks of 8 tokens: sequences are
+    preempted and recomputed, and prompts shared across adapters never share KV blocks."""
+    base, made, base_reference, _ = adapters
+    llm = _llm(base, kv_cache_memory=None, num_gpu_blocks_override=13, max_num_batched_tokens=16, max_loras=3)
+    prompts, loras, references = [], [], []
+    for lora, reference in [*made, (None, base_reference)] * 2:
+        prompts += PROMPTS
+        loras += [lora] * len(PROMPTS)
+        references += reference
+    for output, ref in zip(llm.generate(prompts, PARAMS, lora_request=loras), references):
+        _assert_matches(output, ref)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.kv_cache_usage == 0.0
+
+
+def test_tensor_parallel_2_equals_1(adapters):
+    """Real gloo ranks: A and B split as their layers are; the mixed batch gives TP 1's tokens."""
+    base, made, base_reference, _ = adapters
+    loras = [made[0][0], made[1][0], None, made[2][0]]
+    tp1 = [o.outputs[0].token_ids for o in _llm(base, max_loras=3).generate(PROMPTS, PARAMS, lora_request=loras)]
+    tp2 = _llm(base, max_loras=3, tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, PARAMS, lora_request=loras)] == tp1
+    tp2.llm_engine.shutdown()
+
+
+def test_requests_naming_an_adapter_are_refused_without_enable_lora_or_with_a_bad_folder(adapters, tmp_path):
+    base, made, _, _ = adapters
+    with pytest.raises(ValueError, match="LoRA is not enabled: start the engine with --enable-lora"):
+        _llm(base, enable_lora=False).generate(PROMPTS[:1], PARAMS, lora_request=made[0][0])
+    llm = _llm(base)
+    with pytest.raises(ValueError, match="LoRA adapter 'missing'.*no adapter_config.json"):
+        llm.generate(PROMPTS[:1], PARAMS, lora_request=LoRARequest("missing", 9, str(tmp_path)))
+    assert llm.generate(PROMPTS[:1], PARAMS)[0].outputs[0].token_ids == adapters[2][0][0]  # still serving
