@@ -159,3 +159,12 @@ def test_classify_and_bad_score_bodies(rerank_server):
         assert answer.status_code == 400, answer.text
     empty = httpx.post(rerank_server.url + "/rerank", json={"query": "a", "documents": []}, timeout=60)
     assert empty.status_code == 400 and "documents must not be empty" in empty.json()["error"]["message"]
+
+
+def test_bad_embedding_bodies_get_a_400_naming_the_field(embed_server):
+    for body, words in (({"input": "a", "priority": 1}, "priority is not supported"),
+                        ({"input": []}, "input must not be empty"),
+                        ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+                        ({"input": [[1, 2], []]}, "input must not be empty")):
+        answer = httpx.post(embed_server.url + "/v1/embeddings", headers=auth(), json=body, timeout=60)
+        assert answer.status_code == 400 and words in answer.json()["error"]["message"], answer.text

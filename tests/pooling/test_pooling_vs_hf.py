@@ -171,3 +171,18 @@ def test_qwen3_reranker_conversion_scores_as_the_yes_no_rule(reranker_checkpoint
             logits = hf(torch.tensor([ids])).logits[0, -1]
         assert output.outputs.score == pytest.approx(logits[[no, yes]].softmax(-1)[1].item(), abs=1e-5)
     assert batched == pytest.approx(single, abs=1e-6)
+
+
+def test_reward_conversion_scores_every_token_without_activation(classify_checkpoint):  # noqa: F811
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    hf = AutoModelForSequenceClassification.from_pretrained(classify_checkpoint, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(classify_checkpoint)(PROMPTS[1])["input_ids"]
+    llm = LLM(str(classify_checkpoint), **ENGINE, convert="reward")
+    try:
+        data = llm.reward(PROMPTS[1])[0].outputs.data
+    finally:
+        llm.llm_engine.shutdown()
+    with torch.no_grad():
+        expected = hf.score(hf.model(torch.tensor([ids])).last_hidden_state[0])  # [T, 3]
+    assert torch.allclose(torch.tensor(data), expected, atol=1e-4)

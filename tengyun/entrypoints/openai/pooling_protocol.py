@@ -23,8 +23,14 @@ class PoolingFields(RequestBody):
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k tokens; -1: --max-model-len
     add_special_tokens: bool = True
-    priority: int = 0  # accepted; requests run in arrival order
+    priority: int = 0  # only 0: requests run in arrival order (as on the generative routes)
     request_id: str | None = None  # the response id is "<prefix>-<request_id>" when given
+
+    @model_validator(mode="after")
+    def _no_priority(self):
+        if self.priority:
+            raise ValueError("priority is not supported by this server (requests run in arrival order); remove it.")
+        return self
 
     def pooling_params(self, task: str, **fields) -> PoolingParams:
         return PoolingParams(task=task, truncate_prompt_tokens=self.truncate_prompt_tokens, **fields)
