@@ -56,9 +56,20 @@ def classify_checkpoint(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def reranker_checkpoint(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """The tiny Qwen3 causal LM with "no" and "yes" added to its tokenizer (ids below TINY_VOCAB)."""
+    return make_reranker(tmp_path_factory.mktemp("tiny_qwen3_reranker"), tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tied_reranker_checkpoint(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """As reranker_checkpoint, with the LM head tied to the embedding (as Qwen3-Reranker-0.6B's)."""
+    return make_reranker(tmp_path_factory.mktemp("tiny_qwen3_reranker_tied"), tiny_tokenizer_dir,
+                         tie_word_embeddings=True)
+
+
+def make_reranker(folder: Path, tiny_tokenizer_dir: Path, **overrides) -> Path:
     from transformers import AutoTokenizer
 
-    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_reranker"), tiny_tokenizer_dir, "qwen3")
+    folder = make_tiny_checkpoint(folder, tiny_tokenizer_dir, "qwen3", **overrides)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.add_tokens(["no", "yes"])
     assert len(tokenizer) <= TINY_VOCAB

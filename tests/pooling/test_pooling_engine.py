@@ -108,16 +108,18 @@ def test_a_tiny_kv_cache_queues_pooling_requests_and_leaks_no_blocks(embed_check
         assert torch.allclose(torch.tensor(output.outputs.embedding), torch.tensor(vector), atol=1e-5)
 
 
-def test_tensor_parallel_2_embeds_and_classifies_as_tp_1(embed_checkpoint):  # noqa: F811
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_two_ranks_embed_as_one(embed_checkpoint, parallel):  # noqa: F811
     single = LLM(str(embed_checkpoint), **ENGINE)
     try:
         expected = [o.outputs.embedding for o in single.embed(PROMPTS)]
     finally:
         single.llm_engine.shutdown()
-    tp2 = LLM(str(embed_checkpoint), **ENGINE, tensor_parallel_size=2)
+    two = LLM(str(embed_checkpoint), **ENGINE, **parallel)
     try:
-        got = [o.outputs.embedding for o in tp2.embed(PROMPTS)]
+        got = [o.outputs.embedding for o in two.embed(PROMPTS)]
     finally:
-        tp2.llm_engine.shutdown()
+        two.llm_engine.shutdown()
     for a, b in zip(got, expected):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pooling_checkpoints import (  # noqa: F401  (fixtures)
-    ENGINE, RERANKER_OVERRIDES, classify_checkpoint, embed_checkpoint, reranker_checkpoint,
+    ENGINE, RERANKER_OVERRIDES, classify_checkpoint, embed_checkpoint, reranker_checkpoint, tied_reranker_checkpoint,
 )
 from tengyun import LLM
 from tengyun.pooling_params import PoolingParams
@@ -150,13 +150,15 @@ def test_classifier_probs_match_hf_softmax(classify_checkpoint):  # noqa: F811
             assert torch.allclose(torch.tensor(raw), logits, atol=1e-4)
 
 
-def test_qwen3_reranker_conversion_scores_as_the_yes_no_rule(reranker_checkpoint):  # noqa: F811
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_qwen3_reranker_conversion_scores_as_the_yes_no_rule(tied, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(reranker_checkpoint)
+    folder = request.getfixturevalue("tied_reranker_checkpoint" if tied else "reranker_checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
-    hf = AutoModelForCausalLM.from_pretrained(reranker_checkpoint, dtype=torch.float32).eval()
-    llm = LLM(str(reranker_checkpoint), **ENGINE, runner="pooling", hf_overrides=RERANKER_OVERRIDES)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), **ENGINE, runner="pooling", hf_overrides=RERANKER_OVERRIDES)
     try:
         assert (llm.llm_engine.config.convert, llm.llm_engine.config.pooling.num_labels) == ("classify", 1)
         scores = llm.score("Which city is the capital of France?", PROMPTS)
