@@ -52,14 +52,16 @@ def pooling_model_class(base: type, pooling: PoolingModel, from_token_ids: tuple
 
         def checkpoint_rename(self, name: str) -> str | None:
             """A bare decoder checkpoint (Qwen3Model) names its tensors without "model."."""
-            renamed = super_rename(self, name)
+            parent = getattr(base, "checkpoint_rename", None)
+            renamed = parent(self, name) if parent else name
             if renamed is None or renamed.startswith(_PREFIXES):
                 return renamed
             return "model." + renamed
 
         def checkpoint_transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
             """The LM head's tensor (the embedding's, when tied) -> also the score rows of the tokens."""
-            parts = super_transform(self, name, tensor)
+            parent = getattr(base, "checkpoint_transform", None)
+            parts = parent(self, name, tensor) if parent else None
             if from_token_ids is None or name != _head_source(self.head_tied):
                 return parts
             ids = torch.tensor(from_token_ids, device=tensor.device)
@@ -71,16 +73,6 @@ def pooling_model_class(base: type, pooling: PoolingModel, from_token_ids: tuple
 
     PoolingAdapter.__name__ = PoolingAdapter.__qualname__ = f"{base.__name__}As{pooling.convert.capitalize()}"
     return PoolingAdapter
-
-
-def super_rename(model: Any, name: str) -> str | None:
-    parent = getattr(super(type(model), model), "checkpoint_rename", None)
-    return parent(name) if parent else name
-
-
-def super_transform(model: Any, name: str, tensor: torch.Tensor) -> list | None:
-    parent = getattr(super(type(model), model), "checkpoint_transform", None)
-    return parent(name, tensor) if parent else None
 
 
 def _head_source(tied: bool) -> str:

@@ -55,6 +55,9 @@ class OpenAIServingPooling(OpenAIServing):
         finals: dict[int, PoolingRequestOutput] = {}
         async for i, output in self.merged(streams):
             finals[i] = output
+        if any(output.outputs.data is None for output in finals.values()):  # aborted: the server is stopping
+            raise RequestError("The request was aborted before its inputs were computed (the server is shutting "
+                               "down); send it again.", status=503)
         return [finals[i] for i in range(len(prompts))]
 
     def pooling_usage(self, outputs: list[PoolingRequestOutput]) -> UsageInfo:
