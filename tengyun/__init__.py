@@ -1,6 +1,7 @@
 """Tengyun: LLM inference and serving for Qwen-family models."""
 
 from tengyun.config import EngineConfig
+from tengyun.lora.request import LoRARequest
 from tengyun.outputs import CompletionOutput, RequestOutput
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
 
@@ -17,4 +18,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "__version__"]
+           "LoRARequest", "__version__"]

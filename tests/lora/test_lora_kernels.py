@@ -49,3 +49,17 @@ def test_the_host_cache_keeps_max_cpu_loras_adapters():
         cache.get(key, lambda key=key: made.append(key) or key)
     assert made == [1, 2, 3, 2]  # 3 pushed out 2 (1 had been used since), then 2 pushed out 1
     assert 1 not in cache and 3 in cache and 2 in cache and len(cache) == 2
+
+
+def test_slot_bytes_without_torch_are_what_the_manager_allocates(tiny_checkpoints):
+    from conftest import read_config
+    from tengyun.layers.lora.kernels import GroupedLoRA
+    from tengyun.layers.lora.manager import LoRAManager
+    from tengyun.lora.sizing import lora_slot_bytes
+    from tengyun.model_spec import ModelSpec
+    from tengyun.models.registry import get_model_class
+
+    spec = ModelSpec.from_hf_config(read_config(tiny_checkpoints["qwen3"]))
+    model = get_model_class(spec.architecture)(spec, 64, torch.float32)
+    manager = LoRAManager(model, spec, 3, 8, 3, torch.bfloat16, torch.device("cpu"), GroupedLoRA())
+    assert manager.nbytes() == lora_slot_bytes(spec, 1, spec.num_layers, 3, 8, 2) > 0
