@@ -370,6 +370,10 @@ class EngineConfig:
         self.max_model_len, self.max_num_batched_tokens = sizing.max_model_len, sizing.max_num_batched_tokens
         if sizing.mtp_layers:
             self.model_spec = dataclasses.replace(self.model_spec, mtp_num_layers=sizing.mtp_layers)
+        if sizing.pp_layers:
+            self.model_spec = dataclasses.replace(self.model_spec, pp_layers=sizing.pp_layers)
+            logger.info("Pipeline stages hold %s decoder layers (balanced by each layer's and the LM head's work per "
+                        "token; VLLM_PP_LAYER_PARTITION sets them)", "/".join(map(str, sizing.pp_layers)))
         self.sizing = sizing
 
     def _check_quantization(self) -> None:

@@ -226,6 +226,9 @@ class ModelSpec:
     # The text config (layer_types filled in) for fields only one model reads (rope, mlp_bias, ...);
     # read, never written. A plain dict: specs travel to rank processes pickled.
     hf: Mapping[str, Any] = field(repr=False, compare=False)
+    # Layers per pipeline stage, first to last (sizing/pp_layers.py, set by EngineConfig.finalize and
+    # `tengyun plan`); None: the even split of stage_layer_range.
+    pp_layers: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "ModelSpec":
@@ -275,6 +278,9 @@ class ModelSpec:
 
     def stage_layers(self, stage: int, pp: int) -> tuple[int, int]:
         """[start, end) of the layers pipeline stage ``stage`` of ``pp`` holds."""
+        if self.pp_layers is not None and len(self.pp_layers) == pp:
+            start = sum(self.pp_layers[:stage])
+            return start, start + self.pp_layers[stage]
         return stage_layer_range(self.num_layers, stage, pp)
 
     # ----- tensor parallelism -----------------------------------------------------------------

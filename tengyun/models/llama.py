@@ -108,7 +108,7 @@ class LlamaModel(nn.Module):
         hidden = spec.hidden_size
         self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, hidden, dtype)
                              if is_first_pp_rank() else PPMissingLayer())
-        self.start_layer, self.end_layer, self.layers = make_layers(spec.num_layers, make_layer)
+        self.start_layer, self.end_layer, self.layers = make_layers(spec, make_layer)
         self.norm = norm_cls(hidden, spec.rms_norm_eps, dtype) if is_last_pp_rank() else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

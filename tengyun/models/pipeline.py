@@ -13,17 +13,18 @@ import torch
 from torch import nn
 
 from tengyun.distributed.parallel_state import get_pp_rank, get_pp_size
-from tengyun.model_spec import stage_layer_range
+from tengyun.model_spec import ModelSpec
 
 
 class PPMissingLayer(nn.Identity):
     """A module another pipeline stage holds."""
 
 
-def make_layers(num_layers: int, factory: Callable[[int], nn.Module]) -> tuple[int, int, nn.ModuleList]:
-    """(start, end, layers): layers[start:end] built by ``factory(index)``, the rest placeholders."""
-    start, end = stage_layer_range(num_layers, get_pp_rank(), get_pp_size())
-    layers = nn.ModuleList(factory(i) if start <= i < end else PPMissingLayer() for i in range(num_layers))
+def make_layers(spec: ModelSpec, factory: Callable[[int], nn.Module]) -> tuple[int, int, nn.ModuleList]:
+    """(start, end, layers): this stage's layers[start:end] (spec.stage_layers) built by
+    ``factory(index)``, the rest placeholders."""
+    start, end = spec.stage_layers(get_pp_rank(), get_pp_size())
+    layers = nn.ModuleList(factory(i) if start <= i < end else PPMissingLayer() for i in range(spec.num_layers))
     return start, end, layers
 
 

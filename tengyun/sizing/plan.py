@@ -13,6 +13,7 @@ EngineConfig.finalize resolves them (resolve.resolve_sizing).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,8 @@ def make_plan(config: ModelSpec | dict[str, Any], sizing: ResolvedSizing, cards:
     ``quant``: the checkpoint's quantisation (checkpoint.read_quantization): its layers count as the
     platform's kernels hold them (packed weights, scales, zeros), not scaled from the files."""
     spec, cards = as_spec(config), cards or Cards()
+    if sizing.pp_layers:  # the stages' layers as the engine splits them (pp_layers.py)
+        spec = dataclasses.replace(spec, pp_layers=sizing.pp_layers)
     total = total_params(spec)
     scale, notes = (1.0, []) if quant else weight_scale(spec, total, sizing.dtype, checkpoint_bytes, sizing.device)
     if sizing.kv_cache_memory is not None:

@@ -11,6 +11,7 @@ from typing import Any
 from tengyun.dtypes import canonical_dtype
 from tengyun.model_spec import ModelSpec, mtp_layers_for_speculation
 from tengyun.sizing import platform_facts
+from tengyun.sizing.pp_layers import pp_layer_partition
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -33,6 +34,7 @@ class ResolvedSizing:
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
     mtp_layers: int = 0  # --speculative-config method mtp: the MTP head's layers on the last stage
+    pp_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage (pp_layers.py); None: pp 1
 
 
 def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | None = None,
@@ -61,7 +63,8 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_memory=None if settings.kv_cache_memory is None else int(settings.kv_cache_memory),
         num_gpu_blocks_override=settings.num_gpu_blocks_override,
-        enable_prefix_caching=settings.enable_prefix_caching, mtp_layers=mtp_layers)
+        enable_prefix_caching=settings.enable_prefix_caching, mtp_layers=mtp_layers,
+        pp_layers=pp_layer_partition(spec, settings.pipeline_parallel_size))
 
 
 def _max_model_len(requested: int | None, spec: ModelSpec) -> int:
