@@ -50,7 +50,12 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
     cfg_line = (f"Model {plan.model} ({plan.architecture}): {plan.total_params:,} decoder parameters, "
                 f"weights {plan.dtype}, KV cache {plan.kv_cache_dtype}, on {r.device}")
     lines = [cfg_line, f"Plan: TP {r.tp} x PP {r.pp} = {r.tp * r.pp} card(s); showing stage {s.stage} "
-                       f"(layers {s.layers[0]}-{s.layers[1] - 1}), the one that holds the fewest KV blocks", ""]
+                       f"(layers {s.layers[0]}-{s.layers[1] - 1}), the one that holds the fewest KV blocks"]
+    if r.pp > 1:
+        lines.append("Layers per stage: " + " / ".join(str(st.layers[1] - st.layers[0]) for st in plan.stages)
+                     + " (balanced by the weights a decode step reads, the LM head on the last stage; "
+                       "VLLM_PP_LAYER_PARTITION sets them)")
+    lines.append("")
     p = s.params
     lines.append(f"Weights per card: {p.total:,} params x {DTYPE_BYTES[plan.dtype]} B"
                  + (f" x {plan.weight_scale:.3f}" if plan.weight_scale != 1.0 else "")

@@ -10,6 +10,7 @@ import pytest
 from tengyun.config import EngineConfig
 from tengyun.entrypoints.llm import LLM
 from tengyun.model_spec import ModelSpec
+from tengyun.ops.plan import report_lines
 from tengyun.sampling_params import SamplingParams
 from tengyun.sizing.pp_layers import balanced_partition, layer_cost, pp_layer_partition
 from tengyun.sizing.plan import make_plan
@@ -51,6 +52,8 @@ def test_plan_shows_the_stages_the_engine_builds():
     settings = EngineConfig(pipeline_parallel_size=2, kv_cache_memory=2**30)
     plan = make_plan(hf, resolve_sizing(settings, ModelSpec.from_hf_config(hf), "cpu"))
     assert [s.layers for s in plan.stages] == [(0, 19), (19, 28)]
+    text = "\n".join(report_lines(plan, None))
+    assert "Layers per stage: 19 / 9 (balanced by the weights a decode step reads" in text
 
 
 def test_pp2_with_an_uneven_split_generates_what_pp1_does(tiny_hybrid_checkpoints, monkeypatch):
