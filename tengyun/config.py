@@ -176,6 +176,9 @@ class EngineConfig:
     master_port: int | None = setting(  # None: a free port (single node only)
         None, group=PARALLELISM, help="rendezvous port on node 0 (default: a free one)")
     headless: bool = setting(False, group=PARALLELISM, help="run this node's workers only (nodes 1..N-1)")
+    enable_expert_parallel: bool = setting(
+        False, group=PARALLELISM, help="MoE layers: divide the experts whole over the tensor-parallel ranks "
+                                       "(num_experts / tp whole experts each) instead of a slice of every expert")
     disable_pipeline_overlap: bool = setting(
         False, group=PARALLELISM, help="with --pipeline-parallel-size P > 1, keep one batch in flight instead of P "
                                        "(stages then run one after another; docs/parallelism.md)")
@@ -339,6 +342,7 @@ class EngineConfig:
                                    check_versions=not self.skip_version_check)
         self.device_type = platform.device_type
         self._resolve_sizing(platform.default_block_size)
+        self._check_expert_parallel()
         self._check_quantization()
         check_lora_model(self)
         if self.served_model_name is None:
@@ -375,6 +379,20 @@ class EngineConfig:
             logger.info("Pipeline stages hold %s decoder layers (balanced by each layer's and the LM head's work per "
                         "token; VLLM_PP_LAYER_PARTITION sets them)", "/".join(map(str, sizing.pp_layers)))
         self.sizing = sizing
+
+    def _check_expert_parallel(self) -> None:
+        """--enable-expert-parallel divides each MoE layer's experts whole among the EP group: the
+        tensor-parallel ranks of a pipeline stage (there is no data parallelism yet)."""
+        moe = self.model_spec.moe
+        if not self.enable_expert_parallel or moe is None:
+            return
+        ep = self.tensor_parallel_size
+        if moe.num_experts % ep:
+            works = [n for n in range(1, moe.num_experts + 1) if moe.num_experts % n == 0 and n > 1]
+            raise ValueError(
+                f"--enable-expert-parallel divides the {moe.num_experts} experts of each MoE layer whole among the "
+                f"{ep} expert-parallel ranks (--tensor-parallel-size {ep}), but {ep} does not divide "
+                f"{moe.num_experts}: use a --tensor-parallel-size among {works}, or drop --enable-expert-parallel.")
 
     def _check_quantization(self) -> None:
         """The checkpoint's quantisation (config.json quantization_config, or --quantization), read

@@ -290,13 +290,15 @@ class ModelSpec:
 
     def tp_split_fields(self) -> dict[str, int]:
         """config.json fields (other than the attention heads) split evenly over TP ranks: the
-        Gated DeltaNet heads, routed experts and the shared expert."""
+        Gated DeltaNet heads, each routed expert's intermediate size (every rank holds a slice of every
+        expert; --enable-expert-parallel's whole-expert split is checked by EngineConfig) and the
+        shared expert."""
         fields = {"intermediate_size": self.intermediate_size}
         if self.linear_attention:
             fields |= {"linear_num_key_heads": self.linear_attention.num_key_heads,
                        "linear_num_value_heads": self.linear_attention.num_value_heads}
         if self.moe:
-            fields |= {"num_experts": self.moe.num_experts,
+            fields |= {"moe_intermediate_size": self.moe.intermediate_size,
                        "shared_expert_intermediate_size": self.moe.shared_intermediate_size}
         return {name: value for name, value in fields.items() if value}
 

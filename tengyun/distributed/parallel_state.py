@@ -1,8 +1,13 @@
-"""Process groups and the collectives the model uses: tensor-parallel (TP) and pipeline-parallel (PP).
+"""Process groups and the collectives the model uses: tensor-parallel (TP), pipeline-parallel (PP)
+and, with --enable-expert-parallel, expert-parallel (EP).
 
 Rank layout (vLLM's): global rank = pp_rank * tp_size + tp_rank, so a TP group is a run of
 consecutive ranks and, with ranks numbered node by node, stays inside one node.
     tp=2, pp=2: TP groups [0, 1] [2, 3]; PP groups [0, 2] [1, 3]; stage 0 = ranks 0, 1.
+
+EP group: the ranks among which a MoE layer's experts are divided whole. Without data parallelism
+it is the stage's TP group (every TP rank holds every token, so no token moves before the experts
+and the combine is the TP all-reduce); with DP it would span the DP replicas' TP groups of a stage.
 
 A process that never calls init_distributed() is rank 0 of 1 and every collective is a no-op.
 """
@@ -37,6 +42,8 @@ class _State:
     cpu_group: object = None  # gloo over every rank: pickled messages, whatever the device backend
     stage_group: object = None  # gloo over this pipeline stage's ranks: the step message's fan-out
     result_group: object = None  # gloo, rank 0 and the sampler rank: results, apart from the step's traffic
+    ep_rank: int = 0  # --enable-expert-parallel: this rank's place in the EP group
+    ep_size: int = 1  # 1: expert parallelism off (or one rank)
 
 
 _STATE = _State()
@@ -77,8 +84,12 @@ def _build_groups(info: RankInfo, timeout: datetime.timedelta) -> None:
     # Rank 0's result thread receives on this group while its main thread sends on the others.
     result_group = dist.new_group(sorted({0, sampler_rank(info.tp_size, info.pp_size)}), backend="gloo",
                                   timeout=timeout)
+    ep_rank, ep_size = (info.tp_rank, info.tp_size) if info.expert_parallel else (0, 1)  # EP group = TP group
+    if ep_size > 1:
+        logger.info("Expert parallel: rank %d is expert-parallel rank %d of %d (the TP group of stage %d)",
+                    info.rank, ep_rank, ep_size, info.pp_rank)
     _STATE = _State(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.rank, tp_group, cpu_group,
-                    stage_group, result_group)
+                    stage_group, result_group, ep_rank, ep_size)
     if tp_group is not None and info.tp_size > 1:
         dist.barrier(group=tp_group)  # and the TP group's, used by every layer
 
@@ -140,6 +151,21 @@ def get_pp_size() -> int:
 
 def get_rank() -> int:
     return _STATE.rank
+
+
+def get_ep_rank() -> int:
+    return _STATE.ep_rank
+
+
+def get_ep_size() -> int:
+    """Ranks a MoE layer's experts are divided whole among; 1 without --enable-expert-parallel."""
+    return _STATE.ep_size
+
+
+def expert_parallel_combine(y: torch.Tensor) -> torch.Tensor:
+    """Each EP rank's output of its own experts, y [T, H] -> the sum over the EP group, on every rank.
+    The EP group is the TP group (see the module docstring): the TP all-reduce."""
+    return tensor_model_parallel_all_reduce(y)
 
 
 def is_first_pp_rank() -> bool:

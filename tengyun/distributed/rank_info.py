@@ -16,6 +16,7 @@ class RankInfo:
     pp_size: int
     init_method: str  # tcp://MASTER_ADDR:MASTER_PORT
     timeout_s: float
+    expert_parallel: bool = False  # --enable-expert-parallel: MoE experts divided whole over the EP group
 
     @property
     def tp_rank(self) -> int:

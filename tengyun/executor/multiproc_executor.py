@@ -67,7 +67,8 @@ def launch_node(config: EngineConfig, master_port: int) -> list[_Rank]:
     for local_rank, rank in enumerate(ranks):
         info = RankInfo(rank, local_rank, config.world_size, config.tensor_parallel_size,
                         config.pipeline_parallel_size, f"tcp://{config.master_addr}:{master_port}",
-                        max(config.distributed_timeout, COLLECTIVE_TIMEOUT_S))
+                        max(config.distributed_timeout, COLLECTIVE_TIMEOUT_S),
+                        expert_parallel=config.enable_expert_parallel)
         process, pipe = start_rank(method, config, info, threads, name=f"tengyun-rank{rank}")
         started.append(_Rank(rank, process, pipe))
     return started

@@ -1,8 +1,13 @@
 """Sparse mixture-of-experts: top-k softmax routing, the experts run as grouped matmuls.
 
-Experts are split across tensor-parallel ranks by expert id (rank r holds experts
-[r * E / tp, (r + 1) * E / tp)); each rank computes the tokens routed to its experts and the
-partial outputs are all-reduced, so every rank ends with the full result.
+How the experts are divided over the tensor-parallel ranks (each rank holds every token):
+- by default (vLLM's), every rank holds a slice of every expert: rows [r * I / tp, (r + 1) * I / tp)
+  of each expert's gate and up, the same columns of its down; the ranks' partial sums are all-reduced.
+- with --enable-expert-parallel, experts are divided whole among the EP group (parallel_state: the
+  TP ranks of the stage): rank r holds experts [r * E / ep, (r + 1) * E / ep) and computes only the
+  tokens routed to them; the outputs are summed over the group (expert_parallel_combine). The
+  loader never reads the other ranks' per-expert tensors.
+Quantised experts are always divided whole (a quantised layout's groups may not split at I / tp).
 
 Dense experts run through the platform's "moe" kernel (layers/moe/grouped.py: routing, tokens
 sorted by expert, grouped matmuls, un-permute), with no host synchronisation.
@@ -24,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tengyun.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tengyun.distributed.parallel_state import (
+    expert_parallel_combine, get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce,
+)
 from tengyun.layers.kernels import KernelBundle
 from tengyun.layers.moe.grouped import LoopMoe, TorchGroupedMoe, loop_experts
 from tengyun.layers.quant_kernels import reference_kernel
@@ -47,16 +54,30 @@ class FusedMoE(nn.Module):
                  renormalize: bool, dtype: torch.dtype):
         super().__init__()
         self.tp_size = get_tp_size()
-        if num_experts % self.tp_size:
-            raise ValueError(f"num_experts ({num_experts}) is not divisible by --tensor-parallel-size {self.tp_size}.")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.num_local = num_experts // self.tp_size
-        self.first_expert = get_tp_rank() * self.num_local
-        self.intermediate_size = intermediate_size
-        device = weight_device()  # meta until the worker knows the quantisation
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size, dtype=dtype,
+        self.params_dtype, self.hidden_size, self.full_intermediate = dtype, hidden_size, intermediate_size
+        self.expert_parallel = get_ep_size() > 1
+        self._partition(whole=self.expert_parallel or self.tp_size == 1)
+        self.schemes: dict[str, LinearScheme] = {}  # "w13" / "w2" -> its experts' scheme (absent: dense)
+        self.kernels: dict[str, object] = {}  # "w13" / "w2" -> the quantised experts' kernel
+        self.kernel_weight: dict[str, list] | None = None  # -> each local expert's prepared tensors (bound)
+
+    def _partition(self, whole: bool, device: torch.device | str | None = None) -> None:
+        """Which experts and which slice of each this rank holds, and its dense w13 / w2 (on the meta
+        device until the worker knows the quantisation). whole: E / ranks whole experts (the EP
+        group's ranks, else the TP ranks); else all E experts, I / tp rows of each (split_rank's)."""
+        ranks, rank = (get_ep_size(), get_ep_rank()) if self.expert_parallel else (self.tp_size, get_tp_rank())
+        if whole and self.num_experts % ranks:
+            raise ValueError(f"num_experts ({self.num_experts}) cannot be divided whole among {ranks} ranks "
+                             f"(--tensor-parallel-size {self.tp_size}).")
+        self.num_local = self.num_experts // ranks if whole else self.num_experts
+        self.first_expert = rank * self.num_local if whole else 0
+        self.intermediate_size = self.full_intermediate if whole else self.full_intermediate // self.tp_size
+        self.split_rank = 0 if whole else rank  # this rank's slice of each expert's intermediate features
+        hidden, inter, device = self.hidden_size, self.intermediate_size, device or weight_device()
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=self.params_dtype,
                                                    device=device), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size, dtype=dtype,
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=self.params_dtype,
                                                   device=device), requires_grad=False)
         local = range(self.first_expert, self.first_expert + self.num_local)
         # What the loader must find for this rank: (expert id, row block) per stacked parameter.
@@ -64,10 +85,7 @@ class FusedMoE(nn.Module):
         self.w2_weight.shard_ids = [(e, None) for e in local]
         set_weight_loader(self.w13_weight, self.weight_loader)
         set_weight_loader(self.w2_weight, self.weight_loader)
-        self.params_dtype, self.w2_features = dtype, (hidden_size, intermediate_size)
-        self.schemes: dict[str, LinearScheme] = {}  # "w13" / "w2" -> its experts' scheme (absent: dense)
-        self.kernels: dict[str, object] = {}  # "w13" / "w2" -> the quantised experts' kernel
-        self.kernel_weight: dict[str, list] | None = None  # -> each local expert's prepared tensors (bound)
+        self.w2_features = (hidden, inter)
 
     @staticmethod
     def checkpoint_name_to_param(name: str) -> tuple[str, tuple[int, int | None]] | None:
@@ -108,10 +126,12 @@ class FusedMoE(nn.Module):
             return  # another rank's expert
         target = param.data[local]
         layout: TensorLayout | None = getattr(param, "tensor_layout", None)
-        if layout is None:  # dense: [2I, H] or [H, I]
+        if layout is None:  # dense: gate / up [I, H] -> rows of [2I_local, H]; down [H, I] -> [H, I_local]
+            inter = self.intermediate_size
             if block is not None:
-                rows = self.intermediate_size
-                target = target.narrow(0, block * rows, rows)
+                target = target.narrow(0, block * inter, inter)
+            if loaded.shape[-1 if block is None else 0] != inter:  # this rank's slice of every expert
+                loaded = loaded.narrow(1 if block is None else 0, self.split_rank * inter, inter)
             check_shape(target, loaded)
             target.copy_(loaded)
             return
@@ -135,6 +155,8 @@ class FusedMoE(nn.Module):
         the dense w13 / w2 (before loading). ``scheme``: one for both stacks, or {"w13": ..., "w2": ...}
         (None: that stack stays dense)."""
         schemes = dict(scheme) if isinstance(scheme, Mapping) else {"w13": scheme, "w2": scheme}
+        if self.split_rank or self.intermediate_size != self.full_intermediate:
+            self._partition(whole=True, device=self.w13_weight.device)  # quantised experts are divided whole
         hidden, inter = self.w2_features
         device = device or self.w13_weight.device
         # (stack, one checkpoint tensor's out x in features, tensors stacked: gate and up make w13)
@@ -203,4 +225,6 @@ class FusedMoE(nn.Module):
             y = loop_experts(x, weights, ids, self.first_expert, self.num_local, self._expert)
         else:
             y = self.moe_kernel.experts(x, weights, ids, self.first_expert, self.w13_weight, self.w2_weight)
-        return tensor_model_parallel_all_reduce(y) if self.tp_size > 1 else y
+        if self.tp_size == 1:
+            return y
+        return expert_parallel_combine(y) if self.expert_parallel else tensor_model_parallel_all_reduce(y)

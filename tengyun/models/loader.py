@@ -203,6 +203,8 @@ def _plan(model: torch.nn.Module, stored: dict[str, _Stored], folder: Path) -> l
             if name.startswith(other_stages):
                 continue
             target = _map_name(name, params, packed, custom)
+            if target is not None and not _wanted(params[target.param_name], target.shard_id):
+                continue  # another rank's expert: never read
             if target is None:
                 shown = stored_name if name == stored_name else f"{stored_name} as {name}"
                 unexpected.append((name, f"{shown} ({info.file.name})"))
@@ -218,6 +220,13 @@ def _plan(model: torch.nn.Module, stored: dict[str, _Stored], folder: Path) -> l
                          f"{[shown for _, shown in unexpected[:5]]}; {cause}")
     _check_complete(plan, params, packed, tied and not head_from_embed, folder)
     return plan
+
+
+def _wanted(param: torch.nn.Parameter, shard_id) -> bool:
+    """False for a shard of a stacked parameter this rank does not hold (MoE experts of other ranks:
+    the parameter's shard_ids list the ones it holds)."""
+    held = getattr(param, "shard_ids", None)
+    return shard_id is None or held is None or shard_id in held
 
 
 def _check_complete(plan: list, params: dict, packed: dict[str, list[str]], head_shared: bool, folder: Path) -> None:
