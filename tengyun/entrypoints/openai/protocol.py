@@ -203,7 +203,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool = Field(False, strict=False)  # as vLLM's lax model: "true" (a string) is true
     top_logprobs: int | None = None
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

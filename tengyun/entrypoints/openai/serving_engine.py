@@ -176,7 +176,8 @@ class OpenAIServing:
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
         """Prompt + max_tokens must fit --max-model-len; the message carries both numbers."""
         if num_prompt_tokens == 0:
-            raise RequestError(f"The {what} is empty.", "messages" if what == "messages" else "prompt")
+            raise RequestError(f"The decoder prompt cannot be empty: the {what} holds no tokens.",  # vLLM's words
+                               "messages" if what == "messages" else "prompt")
         limit = self.max_model_len
         if max_tokens is None:
             if num_prompt_tokens >= limit:

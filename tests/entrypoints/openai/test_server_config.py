@@ -26,7 +26,7 @@ OLD_SERVER_FLAGS = {
     "--log-stats-interval": (10.0, float), "--device-metrics-interval": (5.0, {"metavar": "SECONDS"}),
     "--disable-log-requests": (False, "switch"), "--shutdown-timeout": (30.0, float),
     "--enable-auto-tool-choice": (False, "switch"), "--tool-call-parser": (None, {"choices": PARSERS}),
-    "--reasoning-parser": (None, {"choices": ["qwen3"]}),
+    "--reasoning-parser": (None, {"choices": ["deepseek_r1", "qwen3"]}),
     "--uvicorn-log-level": ("info", {"choices": ["critical", "error", "warning", "info", "debug", "trace"]}),
     "--disable-uvicorn-access-log": (False, "switch"),
     "--disable-vllm-metric-aliases": (False, "switch"), "--show-hidden-metrics-for-version": (None, {"metavar": "X.Y"}),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from tengyun.entrypoints.openai.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
 from tengyun.entrypoints.openai.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 
-REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser}
+# deepseek_r1: the same tags, the output starting inside the reasoning (as vLLM's parser reads R1)
+REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
 
 
 def get_reasoning_parser(name: str) -> type[Qwen3ReasoningParser]:
