@@ -179,6 +179,10 @@ class EngineConfig:
     enable_expert_parallel: bool = setting(
         False, group=PARALLELISM, help="MoE layers: divide the experts whole over the tensor-parallel ranks "
                                        "(num_experts / tp whole experts each) instead of a slice of every expert")
+    enable_expert_load_metrics: bool = setting(
+        False, group=PARALLELISM, help="export tengyun:expert_load_tokens_total{layer,expert} on /metrics: tokens "
+                                       "routed to each expert of each MoE layer (docs/metrics.md); large, off by "
+                                       "default")
     disable_pipeline_overlap: bool = setting(
         False, group=PARALLELISM, help="with --pipeline-parallel-size P > 1, keep one batch in flight instead of P "
                                        "(stages then run one after another; docs/parallelism.md)")
@@ -381,9 +385,16 @@ class EngineConfig:
         self.sizing = sizing
 
     def _check_expert_parallel(self) -> None:
-        """--enable-expert-parallel divides each MoE layer's experts whole among the EP group: the
+        """--enable-expert-load-metrics needs MoE layers, all on the sampling rank's stage;
+        --enable-expert-parallel divides each MoE layer's experts whole among the EP group: the
         tensor-parallel ranks of a pipeline stage (there is no data parallelism yet)."""
         moe = self.model_spec.moe
+        if self.enable_expert_load_metrics and moe is None:
+            raise ValueError(f"--enable-expert-load-metrics counts the tokens routed to MoE experts, but "
+                             f"{self.model_spec.architecture} has none: drop --enable-expert-load-metrics.")
+        if self.enable_expert_load_metrics and self.pipeline_parallel_size > 1:
+            raise ValueError("--enable-expert-load-metrics is counted on the sampling rank, which holds only the last "
+                             "pipeline stage's layers: use --pipeline-parallel-size 1 or drop the flag.")
         if not self.enable_expert_parallel or moe is None:
             return
         ep = self.tensor_parallel_size

@@ -55,6 +55,8 @@ class EngineStats:
     # LoRA adapters (names) of the running and the waiting sequences, for vllm:lora_requests_info
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    # --enable-expert-load-metrics: {(layer, expert): tokens routed to it so far}; None when off
+    expert_load: dict[tuple[int, int], int] | None = None
 
 
 class LLMEngine:
@@ -82,6 +84,7 @@ class LLMEngine:
         self._pending_progress: list[RequestProgress] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.expert_load: dict[tuple[int, int], int] | None = {} if config.enable_expert_load_metrics else None
         self._checked_loras: dict[int, LoRARequest] = {}  # lora_int_id -> the request whose folder was checked
 
     @classmethod
@@ -284,6 +287,8 @@ class LLMEngine:
         """A batch's result: tokens appended, stops checked, changed requests reported. Sequences
         aborted while it ran are gone from self.seqs (or finished) and skipped."""
         self.scheduler.advance(sched, self.seqs, result.sampled_token_ids)
+        for layer, expert, tokens in result.expert_load:
+            self.expert_load[layer, expert] = self.expert_load.get((layer, expert), 0) + tokens
         for seq_id, chunk in result.prompt_logprobs.items():
             if seq_id in self.seqs:
                 self._record_prompt_logprobs(self.requests[self.seqs[seq_id].request_id], chunk)
@@ -414,6 +419,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             num_kv_blocks=bm.num_blocks,
             spec_decode=self.scheduler.spec_stats.snapshot() if self.scheduler.spec_stats else None,
+            expert_load=dict(self.expert_load) if self.expert_load is not None else None,
             running_loras=_lora_names(self.scheduler.running),
             waiting_loras=_lora_names(self.scheduler.waiting),
         )

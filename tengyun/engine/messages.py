@@ -91,3 +91,5 @@ class ModelRunnerOutput:
     # Pooling requests whose last prompt token was computed this step: the pooled output, plain
     # lists ([D], or [T, D] for ALL pooling); the sequence is done.
     pooled: dict[int, list] = field(default_factory=dict)
+    # --enable-expert-load-metrics: (layer, expert, tokens routed to it this step), nonzero ones only.
+    expert_load: list[tuple[int, int, int]] = field(default_factory=list)

@@ -61,6 +61,8 @@ class FusedMoE(nn.Module):
         self.schemes: dict[str, LinearScheme] = {}  # "w13" / "w2" -> its experts' scheme (absent: dense)
         self.kernels: dict[str, object] = {}  # "w13" / "w2" -> the quantised experts' kernel
         self.kernel_weight: dict[str, list] | None = None  # -> each local expert's prepared tensors (bound)
+        # --enable-expert-load-metrics: [E] int64 on the device, tokens routed to each expert (moe/load_counter.py)
+        self.expert_load: torch.Tensor | None = None
 
     def _partition(self, whole: bool, device: torch.device | str | None = None) -> None:
         """Which experts and which slice of each this rank holds, and its dense w13 / w2 (on the meta
@@ -188,8 +190,9 @@ class FusedMoE(nn.Module):
 
     @property
     def supports_graph_capture(self) -> bool:
-        """False where a step reads per-expert counts on the host (quantised experts, the loop)."""
-        return not self.schemes and not self.moe_kernel.host_sync
+        """False where a step reads per-expert counts on the host (quantised experts, the loop), and
+        while expert load is counted (a recorded graph would not keep adding to the counter)."""
+        return not self.schemes and not self.moe_kernel.host_sync and self.expert_load is None
 
     def bind_kernels(self, kernels: KernelBundle) -> None:
         """Dense experts: the platform's MoE kernel, which may re-lay the weights out once.
@@ -221,6 +224,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
         weights, ids = self.moe_kernel.route(router_logits, self.top_k, self.renormalize)
+        if self.expert_load is not None:
+            self.expert_load += torch.bincount(ids.flatten(), minlength=self.num_experts)
         if self.schemes:
             y = loop_experts(x, weights, ids, self.first_expert, self.num_local, self._expert)
         else:

@@ -65,12 +65,14 @@ class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device,
                  kernels: KernelBundle | None = None, grammar_compiler_factory: Callable[[], Any] | None = None,
                  stage: PipelineStage | None = None, decode_graphs: DecodeGraphs | None = None,
-                 snapshot_rows: StateSnapshotRows | None = None, mtp: Any = None, lora: LoRAManager | None = None):
+                 snapshot_rows: StateSnapshotRows | None = None, mtp: Any = None, lora: LoRAManager | None = None,
+                 expert_load: Any = None):
         """Complete once constructed: ``kernels`` (the worker's bundle, bound to the sampler as to
         every layer; None: PyTorch's ops), ``decode_graphs`` (None: eager), ``snapshot_rows``
         (hybrid prefix caching; None: none kept), ``mtp`` (MtpProposer with --speculative-config
-        method mtp; None: none)."""
+        method mtp; None: none), ``expert_load`` (ExpertLoadCounter with --enable-expert-load-metrics)."""
         self.model = model
+        self.expert_load = expert_load
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
@@ -138,6 +140,8 @@ class ModelRunner:
             self._pool(batch, hidden, result)
         if self.mtp is not None:
             self._propose_drafts(batch, hidden, result)
+        if self.expert_load is not None and result is not None:
+            result.expert_load = self.expert_load.take()  # one host read per step, all layers
         return result
 
     def _lora_batch(self, batch: BatchInputs) -> LoRABatch | None:

@@ -19,6 +19,7 @@ from tengyun.sizing.blocks import CacheBudget, activation_reserve, cache_capacit
 from tengyun.sizing.cache import KVCacheShape, kv_cache_shape, state_shape
 from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.layers.lora.manager import LoRAManager
+from tengyun.layers.moe.load_counter import ExpertLoadCounter
 from tengyun.layers.quantized import apply_quant_config
 from tengyun.layers.weight_loading import deferred_weights, drop_weight_loaders
 from tengyun.model_spec import DTYPE_BYTES
@@ -65,6 +66,8 @@ class Worker:
         self.profile = self._profile_step()
         self.num_blocks, self.num_state_slots, self.num_state_snapshots = self._count_kv_blocks(
             self._budgeted_kv_shape(), self.state_shape.bytes_per_slot)
+        # --enable-expert-load-metrics: counting from here (not the profile step); before the graphs' check
+        self.expert_load = ExpertLoadCounter(self.model, self.device) if config.enable_expert_load_metrics else None
         # Decode graphs pad batches into one extra KV block and state slot that no sequence gets.
         graphs = self._use_decode_graphs()
         self.state_cache, self.kv_cache = self._allocate_caches(extra=int(graphs))
@@ -216,7 +219,8 @@ class Worker:
                                 TORCH_DTYPES[config.kv_cache_dtype], self.device) if self.mtp_head is not None else None
         return ModelRunner(self.model, config.block_size, config.model_spec.vocab_size, self.device, self.kernels,
                            grammar_compiler_factory=lambda: grammar_compiler_for_config(config), stage=stage,
-                           decode_graphs=decode_graphs, snapshot_rows=snapshot_rows, mtp=mtp, lora=self.lora)
+                           decode_graphs=decode_graphs, snapshot_rows=snapshot_rows, mtp=mtp, lora=self.lora,
+                           expert_load=self.expert_load)
 
     def _lora_manager(self) -> LoRAManager | None:
         """--enable-lora: --max-loras slots of rank --max-lora-rank in every targeted linear of this
@@ -243,7 +247,7 @@ class Worker:
         elif not backend.supports_decode_graphs:
             reason = f"the {backend.name} attention backend"
         elif any(not getattr(m, "supports_graph_capture", True) for m in self.model.modules()):
-            reason = "MoE routing (per-expert token counts go to the host)"
+            reason = "MoE routing (per-expert token counts go to the host, or --enable-expert-load-metrics counts them)"
         elif self._graph_batch_limit() < 1:
             reason = (f"the {backend.name} attention backend with {type(self.kernels.linear).__name__} "
                       f"(no decode batch size this platform records)")

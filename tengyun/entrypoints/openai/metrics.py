@@ -36,6 +36,7 @@ from prometheus_client import (
     CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
 )
 
+from tengyun.entrypoints.openai.expert_load_metrics import ExpertLoadCollector
 from tengyun.entrypoints.openai.vllm_metrics import VllmMetrics
 from tengyun.outputs import FinishReason, RequestProgress
 from tengyun.platforms import platform_class
@@ -113,7 +114,10 @@ class EngineMetrics:
             logger.warning("--show-hidden-metrics-for-version has no effect with --disable-vllm-metric-aliases: "
                            "the hidden metrics exist only under vllm: names.")
         self._last_stats = None
+        self._start_stats = None  # the engine's totals when serving began (start_from)
         self._timings: dict[str, _RequestTiming] = {}
+        if getattr(config, "enable_expert_load_metrics", False):
+            self.registry.register(ExpertLoadCollector(config.served_model_name, self._expert_load_totals))
 
     def _family(self, kind, name: str, doc: str, labels=("model_name",), **kwargs):
         family = kind(PREFIX + name, doc, list(labels), registry=self.registry, **kwargs)
@@ -196,7 +200,7 @@ class EngineMetrics:
     def start_from(self, stats) -> None:
         """Count from these engine totals on (the warm-up's tokens are not traffic); the KV
         cache is built by now, so its settings are known."""
-        self._last_stats = stats
+        self._last_stats = self._start_stats = stats
         self.cache_info.labels(**cache_config_labels(self.config, stats.num_kv_blocks)).set(1)
 
     def on_step(self, progress: list[RequestProgress], stats) -> None:
@@ -222,6 +226,13 @@ class EngineMetrics:
         self._record_lora(stats)
         self._last_stats = stats
         return increases["generation_tokens"]
+
+    def _expert_load_totals(self) -> tuple[dict | None, dict | None]:
+        """(the latest step's expert-load totals, those at start_from) for ExpertLoadCollector."""
+        def totals(stats):
+            return stats.expert_load if stats is not None else None
+
+        return totals(self._last_stats), totals(self._start_stats)
 
     def _record_lora(self, stats) -> None:
         """vllm:lora_requests_info's one series: the adapters now, comma-joined, set to the current time."""
