@@ -45,7 +45,8 @@ _SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", N
 
 
 class FusedMoE(nn.Module):
-    """Experts stacked per rank: w13 [E_local, 2 * I, H] (gate rows, then up), w2 [E_local, H, I]."""
+    """Experts stacked per rank: w13 [E_local, 2 * I_local, H] (gate rows, then up), w2 [E_local, H, I_local];
+    E_local = E, I_local = I / tp (slices of every expert), or E_local = E / ranks, I_local = I (whole)."""
 
     # Until bound: PyTorch's grouped matmul (the loop where this torch has none).
     moe_kernel = TorchGroupedMoe() if hasattr(torch, "_grouped_mm") else LoopMoe()
