@@ -27,7 +27,7 @@ API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_
                 "/pooling", "/classify", "/score", "/rerank", "/v2/rerank")  # the last five: pooling_routes.py
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 BODY_METHODS = ("POST", "PUT", "PATCH")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")  # what GET /load counts
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")  # what GET /load counts
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -7,6 +7,7 @@
                   /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize;
                   vLLM's /load, /tokenizer_info, /invocations (vllm_routes.py);
                   /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_routes.py)
+                  /v1/responses, GET /v1/responses/{id}, POST .../cancel (responses_routes.py)
 
 Every error leaves in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): a bad
 body 400 naming the field, never FastAPI's 422; an unexpected exception 500 without its text.
@@ -36,6 +37,7 @@ from tengyun.entrypoints.openai.protocol import (
     RequestError, TokenizeRequest, TokenizeResponse,
 )
 from tengyun.entrypoints.openai.responses import respond, until_disconnect
+from tengyun.entrypoints.openai.responses_routes import add_responses_routes
 from tengyun.entrypoints.openai.serving_engine import error_status, public_message
 from tengyun.entrypoints.openai.serving_pooling import require_runner
 from tengyun.entrypoints.openai.vllm_routes import add_vllm_routes
@@ -65,6 +67,7 @@ def build_app(host: EngineHost) -> FastAPI:
     add_vllm_routes(app, host)
     add_pooling_routes(app, host)
     add_lora_routes(app, host)
+    add_responses_routes(app, host)
     install_openapi(app, with_api_key=bool(server.required_api_key))
     return app
 

@@ -42,8 +42,11 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
 
     async def create_chat_completion(
-            self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
-        """Validates everything before the first engine call: bad input raises RequestError."""
+            self, request: ChatCompletionRequest, as_sse: bool = True,
+    ) -> ChatCompletionResponse | AsyncIterator[str] | AsyncIterator[ChatCompletionStreamResponse]:
+        """Validates everything before the first engine call: bad input raises RequestError.
+        A stream is SSE text, or (as_sse False: the Responses API) the chunk objects themselves,
+        an engine error raised from the iterator rather than sent as an error event."""
         lora = self.check_model(request.model)
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         check_sequence_counts(self.limits, request.n, 1)
@@ -70,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.response_id("chatcmpl", request)
         stream = self.engine.generate(request_id, token_ids, params, lora_request=lora)
         if request.stream:
-            return self._stream(request, request_id, stream, parsers)
+            chunks = self._stream_chunks(request, request_id, stream, parsers)
+            return self._sse(request, chunks) if as_sse else chunks
         return await self._full(request, request_id, stream, parsers)
 
     def _tool_parser_and_constraint(self, request: ChatCompletionRequest, tools: list[dict] | None
@@ -132,8 +136,20 @@ class OpenAIServingChat(OpenAIServing):
                                       prompt_token_ids=(list(final.prompt_token_ids) if request.return_token_ids
                                                         else None))
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, stream,
-                      parsers: list[ChoiceOutputParser]) -> AsyncIterator[str]:
+    async def _sse(self, request: ChatCompletionRequest,
+                   chunks: AsyncIterator[ChatCompletionStreamResponse]) -> AsyncIterator[str]:
+        exclude = None if request.include_usage_in_stream else {"usage"}
+        try:
+            async for response in chunks:
+                yield sse(response.model_dump(exclude=exclude))
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            await chunks.aclose()  # a client that left: its engine request is aborted now
+        yield SSE_DONE
+
+    async def _stream_chunks(self, request: ChatCompletionRequest, request_id: str, stream,
+                             parsers: list[ChoiceOutputParser]) -> AsyncIterator[ChatCompletionStreamResponse]:
         """One choice per chunk, as OpenAI and vLLM send them. A choice's role chunk goes out with
         the request's first output, not before prefill: a client's first chunk times the first
         token. stream_options: include_usage adds a last chunk with usage; continuous_usage_stats
@@ -142,45 +158,40 @@ class OpenAIServingChat(OpenAIServing):
         created, n = int(time.time()), request.n
         choices, num_calls = [StreamedChoice() for _ in range(n)], [0] * n
         usage, cached = UsageInfo(), 0  # so far; replaced at every engine output
-        exclude = None if request.include_usage_in_stream else {"usage"}
 
-        def chunk(choice: ChatCompletionResponseStreamChoice | None, prompt_ids: list[int] | None = None) -> str:
+        def chunk(choice: ChatCompletionResponseStreamChoice | None,
+                  prompt_ids: list[int] | None = None) -> ChatCompletionStreamResponse:
             on_chunk = choice is None or request.usage_on_every_chunk
-            response = ChatCompletionStreamResponse(
+            return ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.response_name(request.model),
                 choices=[choice] if choice else [],
                 usage=usage if on_chunk else None, prompt_token_ids=prompt_ids)
-            return sse(response.model_dump(exclude=exclude))
 
-        try:
-            async for _, output in self.merged([stream]):
-                cached = output.num_cached_tokens
-                for c in output.outputs:
-                    choices[c.index].receive(c)
-                so_far = self.usage(len(output.prompt_token_ids), sum(ch.num_tokens for ch in choices), cached)
-                for c in output.outputs:
-                    state = choices[c.index]
-                    if state.done:
-                        continue
-                    if not state.started:
-                        first = not any(ch.started for ch in choices)
-                        state.started = True
-                        if first:  # as vLLM: the role chunk counts the prompt, no completion tokens yet
-                            usage = self.usage(len(output.prompt_token_ids), 0, cached)
-                        yield chunk(ChatCompletionResponseStreamChoice(
-                            index=c.index, delta=DeltaMessage(role="assistant", content=request.echo_text)),
-                            list(output.prompt_token_ids) if first and request.return_token_ids else None)
-                    usage = so_far
-                    choice = self._stream_choice(request, c, state, parsers[c.index], num_calls)
-                    if choice is not None:
-                        state.done = choice.finish_reason is not None
-                        yield chunk(choice)
-            if request.include_usage_in_stream:
-                usage = self.usage(usage.prompt_tokens, sum(ch.num_sent_tokens for ch in choices), cached)
-                yield chunk(None)
-        except Exception as e:
-            yield sse_error(e)
-        yield SSE_DONE
+        async for _, output in self.merged([stream]):
+            cached = output.num_cached_tokens
+            for c in output.outputs:
+                choices[c.index].receive(c)
+            so_far = self.usage(len(output.prompt_token_ids), sum(ch.num_tokens for ch in choices), cached)
+            for c in output.outputs:
+                state = choices[c.index]
+                if state.done:
+                    continue
+                if not state.started:
+                    first = not any(ch.started for ch in choices)
+                    state.started = True
+                    if first:  # as vLLM: the role chunk counts the prompt, no completion tokens yet
+                        usage = self.usage(len(output.prompt_token_ids), 0, cached)
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=c.index, delta=DeltaMessage(role="assistant", content=request.echo_text)),
+                        list(output.prompt_token_ids) if first and request.return_token_ids else None)
+                usage = so_far
+                choice = self._stream_choice(request, c, state, parsers[c.index], num_calls)
+                if choice is not None:
+                    state.done = choice.finish_reason is not None
+                    yield chunk(choice)
+        if request.include_usage_in_stream:
+            usage = self.usage(usage.prompt_tokens, sum(ch.num_sent_tokens for ch in choices), cached)
+            yield chunk(None)
 
     def _stream_choice(self, request: ChatCompletionRequest, c: CompletionOutput, state: StreamedChoice,
                        parser: ChoiceOutputParser, num_calls: list[int]) -> ChatCompletionResponseStreamChoice | None:

@@ -1,0 +1,39 @@
+"""The Responses API's routes (serving_responses.py holds what they do):
+
+    POST /v1/responses                  create (JSON, or typed SSE events with "stream": true)
+    GET  /v1/responses/{id}             a stored response (404 "Response with id '...' not found.")
+    POST /v1/responses/{id}/cancel      stop a background response
+
+Behind the same gate as the other /v1 routes (API key, body size, start-up and drain 503s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tengyun.entrypoints.openai.responses import respond, until_disconnect
+from tengyun.entrypoints.openai.responses_protocol import ResponsesRequest
+from tengyun.entrypoints.openai.responses_store import ResponsesStore
+from tengyun.entrypoints.openai.serving_pooling import require_runner
+from tengyun.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+
+def add_responses_routes(app: FastAPI, host: Any) -> None:
+    """``host``: the EngineHost whose chat handler (host.chat, made once the engine is up) serves them."""
+    serving = OpenAIServingResponses(lambda: host.chat, ResponsesStore())
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        require_runner(host.config, "generate")
+        return respond(await until_disconnect(raw_request, serving.create(request)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(serving.get(response_id).response.model_dump())
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> JSONResponse:
+        return JSONResponse(serving.cancel(response_id).model_dump())
