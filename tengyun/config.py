@@ -346,7 +346,7 @@ class EngineConfig:
                                    check_versions=not self.skip_version_check)
         self.device_type = platform.device_type
         self._resolve_sizing(platform.default_block_size)
-        self._check_expert_parallel()
+        self._check_expert_load_metrics()
         self._check_quantization()
         check_lora_model(self)
         if self.served_model_name is None:
@@ -384,26 +384,15 @@ class EngineConfig:
                         "token; VLLM_PP_LAYER_PARTITION sets them)", "/".join(map(str, sizing.pp_layers)))
         self.sizing = sizing
 
-    def _check_expert_parallel(self) -> None:
-        """--enable-expert-load-metrics needs MoE layers, all on the sampling rank's stage;
-        --enable-expert-parallel divides each MoE layer's experts whole among the EP group: the
-        tensor-parallel ranks of a pipeline stage (there is no data parallelism yet)."""
-        moe = self.model_spec.moe
-        if self.enable_expert_load_metrics and moe is None:
+    def _check_expert_load_metrics(self) -> None:
+        """--enable-expert-load-metrics needs MoE layers, all on the sampling rank's stage
+        (--enable-expert-parallel's split is checked by resolve_sizing, as `tengyun plan` does)."""
+        if self.enable_expert_load_metrics and self.model_spec.moe is None:
             raise ValueError(f"--enable-expert-load-metrics counts the tokens routed to MoE experts, but "
                              f"{self.model_spec.architecture} has none: drop --enable-expert-load-metrics.")
         if self.enable_expert_load_metrics and self.pipeline_parallel_size > 1:
             raise ValueError("--enable-expert-load-metrics is counted on the sampling rank, which holds only the last "
                              "pipeline stage's layers: use --pipeline-parallel-size 1 or drop the flag.")
-        if not self.enable_expert_parallel or moe is None:
-            return
-        ep = self.tensor_parallel_size
-        if moe.num_experts % ep:
-            works = [n for n in range(1, moe.num_experts + 1) if moe.num_experts % n == 0 and n > 1]
-            raise ValueError(
-                f"--enable-expert-parallel divides the {moe.num_experts} experts of each MoE layer whole among the "
-                f"{ep} expert-parallel ranks (--tensor-parallel-size {ep}), but {ep} does not divide "
-                f"{moe.num_experts}: use a --tensor-parallel-size among {works}, or drop --enable-expert-parallel.")
 
     def _check_quantization(self) -> None:
         """The checkpoint's quantisation (config.json quantization_config, or --quantization), read

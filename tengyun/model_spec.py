@@ -312,6 +312,17 @@ class ModelSpec:
             tp *= 2
         return sizes
 
+    def expert_parallel_problem(self, ep: int) -> str | None:
+        """Why --enable-expert-parallel cannot divide the experts whole among ``ep`` ranks (the EP
+        group: the TP ranks of a stage), or None (also without experts: the flag does nothing there)."""
+        if self.moe is None or self.moe.num_experts % ep == 0:
+            return None
+        experts = self.moe.num_experts
+        works = [n for n in range(2, experts + 1) if experts % n == 0]
+        return (f"--enable-expert-parallel divides the {experts} experts of each MoE layer whole among the {ep} "
+                f"expert-parallel ranks (--tensor-parallel-size {ep}), but {ep} does not divide {experts}: use "
+                f"a --tensor-parallel-size among {works}, or drop --enable-expert-parallel.")
+
     def tp_problem(self, tp: int) -> str | None:
         """Why --tensor-parallel-size ``tp`` cannot split this model, or None."""
         heads, kv = self.num_attention_heads, self.num_kv_heads

@@ -65,6 +65,8 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
     lines.append(f"  embedding {p.embedding:,} + attention {p.attention:,} + linear attention "
                  f"{p.linear_attention:,} + MLP/MoE {p.mlp:,} + norms {p.norms:,} + LM head {p.lm_head:,}"
                  + (f" + MTP head {p.mtp:,}" if p.mtp else ""))
+    if plan.experts:
+        lines.append(f"  MoE experts per card: {plan.experts}")
     if r.kv_cache_memory is not None:
         lines.append(f"KV budget per card: --kv-cache-memory = {_size(s.budget_bytes)} ({s.budget_bytes:,} B)")
     else:
@@ -114,7 +116,7 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
         "kv_cache_memory": r.kv_cache_memory, "block_size": r.block_size, "max_model_len": plan.max_model_len,
         "activation_bytes": plan.activation_bytes, "weight_scale": plan.weight_scale,
         "checkpoint_bytes": plan.checkpoint_bytes,
-        "quantization": plan.quantization,
+        "quantization": plan.quantization, "expert_parallel": r.expert_parallel, "experts": plan.experts,
         "stages": [{
             "stage": s.stage, "layers": list(s.layers),
             "params": dataclasses.asdict(s.params) | {"total": s.params.total},

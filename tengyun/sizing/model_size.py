@@ -5,7 +5,8 @@ Qwen3-Next and Qwen3.5 (dense and MoE, text decoder only: vision towers are not 
 heads only when asked for, ``mtp_layers``: --speculative-config method mtp). Under tensor
 parallelism column/row-parallel weights split by tp, KV projections keep max(1, kv_heads / tp)
 heads per rank (replicated when tp > kv heads), embeddings and LM head are vocab-parallel, MoE
-experts split by tp (no expert parallelism), norms and routers replicate.
+experts split by tp (a slice of every expert, or with --enable-expert-parallel whole experts: the
+same count per rank, expert_split says which), norms and routers replicate.
 """
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ def mlp_params(spec: ModelSpec, tp: int, layer: int) -> int:
     if moe.shared_intermediate_size:
         n += _split(3 * h * moe.shared_intermediate_size, tp) + h
     return n
+
+
+def expert_split(spec: ModelSpec, tp: int, expert_parallel: bool) -> str | None:
+    """How one MoE layer's routed experts lie on a card, worked out; None without experts.
+    Either way a card holds num_experts x 3 x hidden x moe_intermediate / tp expert parameters."""
+    moe, h = spec.moe, spec.hidden_size
+    if moe is None:
+        return None
+    experts, inter = moe.num_experts, moe.intermediate_size
+    if expert_parallel:
+        local = experts // tp
+        return (f"{experts} experts / {tp} EP ranks (--enable-expert-parallel) = {local} whole experts x 3 x {h} x "
+                f"{inter} = {local * 3 * h * inter:,} params per MoE layer")
+    return (f"all {experts} experts, each a {inter} / {tp} = {inter // tp}-row slice (tensor parallel; "
+            f"--enable-expert-parallel: whole experts) x 3 x {h} = {experts * 3 * h * (inter // tp):,} params "
+            f"per MoE layer")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from tengyun.quantization.config import QuantConfig
 from tengyun.sizing import platform_facts
 from tengyun.sizing.blocks import CacheBudget, activation_reserve, cache_capacity
 from tengyun.sizing.cache import kv_cache_shape, state_shape
-from tengyun.sizing.model_size import StageParams, stage_params, total_params
+from tengyun.sizing.model_size import StageParams, expert_split, stage_params, total_params
 from tengyun.sizing.resolve import ResolvedSizing
 from tengyun.sizing.weights import stage_weight_bytes, weight_scale
 
@@ -74,6 +74,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     checkpoint_bytes: int | None = None  # the loaded tensors as stored (read_model); None: not read
     quantization: str | None = None  # the quantised layers' schemes, counted exactly
+    experts: str | None = None  # how a MoE layer's experts lie on a card (model_size.expert_split)
 
     @property
     def dtype(self) -> str:
@@ -138,7 +139,7 @@ def make_plan(config: ModelSpec | dict[str, Any], sizing: ResolvedSizing, cards:
     stages = [_stage_plan(spec, sizing, cards, stage, scale, activation, quant) for stage in range(sizing.pp)]
     return Plan(sizing, cards, name, spec.max_position_embeddings, total, activation, formula, scale, stages,
                 spec.architecture or spec.model_type or "?", notes, checkpoint_bytes,
-                quant.describe() if quant else None)
+                quant.describe() if quant else None, expert_split(spec, sizing.tp, sizing.expert_parallel))
 
 
 def _stage_plan(spec: ModelSpec, sizing: ResolvedSizing, cards: Cards, stage: int, scale: float, activation: int,

@@ -35,6 +35,7 @@ class ResolvedSizing:
     enable_prefix_caching: bool
     mtp_layers: int = 0  # --speculative-config method mtp: the MTP head's layers on the last stage
     pp_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage (pp_layers.py); None: pp 1
+    expert_parallel: bool = False  # --enable-expert-parallel: MoE experts whole over the tp ranks (the EP group)
 
 
 def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | None = None,
@@ -51,6 +52,9 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
         raise ValueError(problem)  # the device's kernels cannot run these settings (NPU: docs/ascend.md)
     max_model_len = _max_model_len(settings.max_model_len, spec)
     _check_parallel_fits_model(spec, settings.tensor_parallel_size, settings.pipeline_parallel_size)
+    expert_parallel = bool(getattr(settings, "enable_expert_parallel", False))
+    if expert_parallel and (problem := spec.expert_parallel_problem(settings.tensor_parallel_size)):
+        raise ValueError(problem)
     speculative = settings.speculative_config
     mtp_layers = (mtp_layers_for_speculation(spec, folder, speculative.num_speculative_tokens)
                   if speculative is not None and speculative.method == "mtp" else 0)
@@ -64,7 +68,7 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
         kv_cache_memory=None if settings.kv_cache_memory is None else int(settings.kv_cache_memory),
         num_gpu_blocks_override=settings.num_gpu_blocks_override,
         enable_prefix_caching=settings.enable_prefix_caching, mtp_layers=mtp_layers,
-        pp_layers=pp_layer_partition(spec, settings.pipeline_parallel_size))
+        pp_layers=pp_layer_partition(spec, settings.pipeline_parallel_size), expert_parallel=expert_parallel)
 
 
 def _max_model_len(requested: int | None, spec: ModelSpec) -> int:

@@ -12,7 +12,7 @@ import json
 ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
                    "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory",
                    "num_gpu_blocks_override", "tensor_parallel_size", "pipeline_parallel_size",
-                   "enable_prefix_caching", "quantization", "speculative_config")
+                   "enable_prefix_caching", "quantization", "speculative_config", "enable_expert_parallel")
 PLANNED_DEVICES = ("npu", "cuda", "cpu")
 
 
