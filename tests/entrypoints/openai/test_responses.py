@@ -209,3 +209,15 @@ def test_reasoning_items_from_the_reasoning_parser(server_model, tmp_path):  # n
         final = events[-1].response
         assert [item.type for item in final.output] == ["reasoning", "message"]
         assert final.output[0].content[0].text == thoughts
+
+
+def test_the_store_is_bounded_least_recently_used_first_out():
+    from tengyun.entrypoints.openai.responses_protocol import ResponsesResponse
+    from tengyun.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
+
+    store = ResponsesStore(capacity=2, enabled=True)
+    for name in ("a", "b"):
+        store.put(StoredResponse(ResponsesResponse(id=name, model=MODEL, status="completed"), []))
+    assert store.get("a") is not None  # now b is the least recently used
+    store.put(StoredResponse(ResponsesResponse(id="c", model=MODEL, status="completed"), []))
+    assert len(store) == 2 and store.get("b") is None and store.get("a") and store.get("c")
