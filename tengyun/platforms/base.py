@@ -327,13 +327,22 @@ def reference_quant_bytes(query: KernelQuery, out: int, in_: int, in_total: int 
     return query.scheme.nbytes(out, in_, DTYPE_BYTES[query.dtype], in_total)
 
 
-def _why_not_grouped_mm(query: KernelQuery) -> str | None:
+def why_not_grouped_mm(query: KernelQuery) -> str | None:
+    """torch._grouped_mm exists (torch 2.8 or later); the CPU's takes every float dtype."""
     import torch
 
     return None if hasattr(torch, "_grouped_mm") else "this torch has no torch._grouped_mm (2.8 or later)"
 
 
-def _torch_grouped_moe(query: KernelQuery):
+def _why_not_bf16_grouped_mm(query: KernelQuery) -> str | None:
+    """CUDA's torch._grouped_mm takes bfloat16 only (and rows aligned to 16 bytes: hidden and
+    moe_intermediate_size multiples of 8, as released models have)."""
+    if query.dtype != "bfloat16":
+        return f"torch._grouped_mm on a GPU takes bfloat16 only, not {query.dtype}"
+    return why_not_grouped_mm(query)
+
+
+def torch_grouped_moe(query: KernelQuery):
     from tengyun.layers.moe.grouped import TorchGroupedMoe
 
     return TorchGroupedMoe()
@@ -363,7 +372,7 @@ _TORCH_CANDIDATES: dict[str, tuple[KernelCandidate, ...]] = {
     "gated_delta_rule": (KernelCandidate("torch", always, _torch_gated_delta_rule),),
     # LoRA's batched products (layers/lora/kernels.py): two GEMMs whatever the adapters' mix
     "lora": (KernelCandidate("masked_dense", always, _torch_lora("masked_dense")),),
-    # torch._grouped_mm: no host sync; the per-expert loop reads the counts on the host.
-    "moe": (KernelCandidate("torch_grouped_mm", _why_not_grouped_mm, _torch_grouped_moe),
+    # torch._grouped_mm (as a GPU's takes it): no host sync; the per-expert loop reads the counts on the host.
+    "moe": (KernelCandidate("torch_grouped_mm", _why_not_bf16_grouped_mm, torch_grouped_moe),
             KernelCandidate("torch_loop", always, _torch_loop_moe)),
 }

@@ -10,6 +10,7 @@ test can turn it off.
     quant_linear: cpu_w8a8 > cpu_gguf > cpu_int8_layout > cpu_int4pack > reference
     layer_ops:    cpu_fused (library loads) > torch
     sampler:      cpu_compiled (library loads) > torch
+    moe:          torch_grouped_mm (any float dtype on CPU) > torch_loop
     lora:         cpu_grouped > masked_dense
 """
 
@@ -19,7 +20,7 @@ import logging
 from typing import Callable
 
 from tengyun.dtypes import DTYPE_BYTES, torch_dtype
-from tengyun.platforms.base import reference_quant_bytes
+from tengyun.platforms.base import reference_quant_bytes, torch_grouped_moe, why_not_grouped_mm
 from tengyun.platforms.kernel_choice import KernelCandidate, KernelQuery, always
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,9 @@ def cpu_candidates(kind: str, compiled_layout: Callable[[], bool]) -> list[Kerne
         return [KernelCandidate("cpu_fused", _library_error, _fused_layer_ops)]
     if kind == "sampler":
         return [KernelCandidate("cpu_compiled", _library_error, _compiled_sample_rows)]
+    if kind == "moe":  # measured against the loop: benchmarks/moe_grouped.py
+        return [KernelCandidate("torch_grouped_mm", why_not_grouped_mm, torch_grouped_moe,
+                                describe=lambda q: "torch._grouped_mm, the same GEMMs as a loop, no host read")]
     if kind == "lora":  # grouped by slot: measured faster than masked_dense here (layers/lora/kernels.py)
         return [KernelCandidate("cpu_grouped", always, _grouped_lora)]
     return []
