@@ -29,6 +29,9 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 # cosine similarity of two embeddings, computed by the caller.
 TASKS = {"embed": ("embed", "encode", "score"), "classify": ("classify", "score", "encode"),
          "reward": ("encode", "reward")}
+# Decoders saved without any head (Qwen3-Embedding's "Qwen3Model"); another *Model (GPT2LMHeadModel)
+# is an architecture Tengyun does not run, refused by the model registry.
+BARE_DECODERS = ("LlamaModel", "Qwen2Model", "Qwen3Model", "Qwen3MoeModel")
 _POOLING_SUFFIXES = {"ForSequenceClassification": "classify", "ForRewardModeling": "reward",
                      "RewardModel": "reward", "ForTextEncoding": "embed", "EmbeddingModel": "embed"}
 _DEFAULTS = {"embed": ("LAST", True, False), "classify": ("LAST", False, True), "reward": ("ALL", False, False)}
@@ -105,7 +108,7 @@ def resolve_runner(architecture: str, runner: str, convert: str) -> tuple[str, s
         raise ValueError("--runner draft: a draft model runs through --speculative-config here; use --runner "
                          "generate (or auto).")
     suffix_convert = next((c for s, c in _POOLING_SUFFIXES.items() if architecture.endswith(s)), None)
-    bare_model = architecture.endswith("Model") and suffix_convert is None  # Qwen3Model: no head at all
+    bare_model = architecture in BARE_DECODERS  # Qwen3Model: no head at all
     if runner == "auto":
         runner = "pooling" if suffix_convert or bare_model or convert not in ("auto", "none") else "generate"
     if runner == "generate":
@@ -123,7 +126,9 @@ def resolve_runner(architecture: str, runner: str, convert: str) -> tuple[str, s
 def base_architecture(architecture: str) -> str:
     """The *ForCausalLM class whose decoder a pooling architecture shares:
     Qwen3Model / Qwen3ForSequenceClassification -> Qwen3ForCausalLM."""
-    for suffix in (*_POOLING_SUFFIXES, "ForCausalLM", "Model"):
+    if architecture in BARE_DECODERS:
+        return architecture.removesuffix("Model") + "ForCausalLM"
+    for suffix in (*_POOLING_SUFFIXES, "ForCausalLM"):
         if architecture.endswith(suffix):
             return architecture[: -len(suffix)] + "ForCausalLM"
     return architecture
