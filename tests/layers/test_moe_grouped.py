@@ -135,7 +135,9 @@ def test_npu_platform_chooses_the_npu_moe_ops_and_cpu_the_grouped_matmul(fake_np
     from tengyun.platforms.kernel_choice import KernelQuery
     from tengyun.platforms.npu.platform import NpuPlatform
 
-    query = KernelQuery("bfloat16")
-    assert NpuPlatform.choose_kernel("moe", query).name == "npu_moe"
-    assert CpuPlatform.choose_kernel("moe", query).name == "torch_grouped_mm"
-    assert CudaPlatform.choose_kernel("moe", query).name == "torch_grouped_mm"
+    bf16, fp16, fp32 = KernelQuery("bfloat16"), KernelQuery("float16"), KernelQuery("float32")
+    assert NpuPlatform.choose_kernel("moe", bf16).name == "npu_moe"
+    assert [CpuPlatform.choose_kernel("moe", q).name for q in (bf16, fp16, fp32)] == ["torch_grouped_mm"] * 3
+    assert CudaPlatform.choose_kernel("moe", bf16).name == "torch_grouped_mm"
+    # a GPU's torch._grouped_mm takes bfloat16 only: other dtypes loop over the experts
+    assert CudaPlatform.choose_kernel("moe", fp16).name == "torch_loop"
