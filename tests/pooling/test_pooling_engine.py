@@ -123,3 +123,14 @@ def test_two_ranks_embed_as_one(embed_checkpoint, parallel):  # noqa: F811
         two.llm_engine.shutdown()
     for a, b in zip(got, expected):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+
+
+def test_a_classifier_token_outside_the_vocabulary_is_refused_naming_hf_overrides(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from tengyun.models.pooling_adapters import classifier_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    assert classifier_token_ids(tokenizer, ("<|endoftext|>",)) == (tokenizer.eos_token_id,)
+    with pytest.raises(ValueError, match="--hf-overrides classifier_from_token: 'zzyes' is not a token"):
+        classifier_token_ids(tokenizer, ("<|endoftext|>", "zzyes"))
