@@ -4,9 +4,11 @@ request; the answer's text is split into reasoning, content and tool calls by th
 tool_choice:
     "none"                 tools reach the template, nothing is parsed
     "auto"                 --enable-auto-tool-choice: the --tool-call-parser reads the model's calls
-    "required" / named     a grammar forces one (or, with parallel_tool_calls, several) calls in the
+    "required"             a grammar forces one (or, with parallel_tool_calls, several) calls in the
                            parser's own format, with arguments valid against the function's
                            parameters schema: deterministic even for a tiny model
+    named                  as vLLM: the function's parameters schema constrains the whole output,
+                           which is that call's arguments JSON; the server builds the call from it
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tengyun.entrypoints.openai.serving_engine import (
     SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
 )
 from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
+from tengyun.entrypoints.openai.tool_parsers.named_call import NamedCallParser
 from tengyun.outputs import CompletionOutput, RequestOutput
 from tengyun.sampling_params import StructuredOutputsParams
 from tengyun.structured_output import after_reasoning
@@ -94,14 +97,16 @@ class OpenAIServingChat(OpenAIServing):
         if spec is not None:
             raise RequestError(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
                                f"already constrains the output: drop {source}.", source)
+        functions = [t["function"] for t in tools]
+        if isinstance(choice, NamedToolChoice):  # only the arguments are generated (vLLM's way)
+            function = next(f for f in functions if f["name"] == choice.function.name)
+            schema = function.get("parameters") or {"type": "object", "properties": {}}
+            return NamedCallParser(function["name"]), StructuredOutputsParams(json=schema), "tools"
         # Forced calls take the configured parser's format (hermes JSON when none is configured).
         parser = (self.tool_parser_cls or HermesToolParser)(tools)
-        functions = [t["function"] for t in tools]
-        if isinstance(choice, NamedToolChoice):
-            functions = [f for f in functions if f["name"] == choice.function.name]
         tags = [parser.forced_tag(f["name"], f.get("parameters") or {"type": "object", "properties": {}})
                 for f in functions]
-        if isinstance(choice, NamedToolChoice) or not request.parallel_tool_calls:
+        if not request.parallel_tool_calls:
             fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
         else:
             fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
