@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tengyun.entrypoints.openai.protocol import ErrorResponse
 from tengyun.entrypoints.openai.responses import respond, until_disconnect
 from tengyun.entrypoints.openai.responses_protocol import ResponsesRequest
 from tengyun.entrypoints.openai.responses_store import ResponsesStore
@@ -21,19 +22,24 @@ from tengyun.entrypoints.openai.serving_pooling import require_runner
 from tengyun.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 
+NOT_FOUND = {404: {"model": ErrorResponse, "description": "No stored response has this id"}}
+EVENTS = {200: {"content": {"text/event-stream": {"schema": {"type": "object"}}},  # each event's data
+                "description": "The response (JSON), or with stream true its typed events"}}
+
+
 def add_responses_routes(app: FastAPI, host: Any) -> None:
     """``host``: the EngineHost whose chat handler (host.chat, made once the engine is up) serves them."""
     serving = OpenAIServingResponses(lambda: host.chat, ResponsesStore())
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses={**NOT_FOUND, **EVENTS})  # previous_response_id, or model, unknown
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         require_runner(host.config, "generate")
         return respond(await until_disconnect(raw_request, serving.create(request)))
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", responses=NOT_FOUND)
     async def retrieve_response(response_id: str) -> JSONResponse:
         return JSONResponse(serving.get(response_id).response.model_dump())
 
-    @app.post("/v1/responses/{response_id}/cancel")
+    @app.post("/v1/responses/{response_id}/cancel", responses=NOT_FOUND)
     async def cancel_response(response_id: str) -> JSONResponse:
         return JSONResponse(serving.cancel(response_id).model_dump())
