@@ -13,6 +13,7 @@ score() of an embedding model is the cosine similarity of the two embeddings; of
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Sequence as Seq
 
 from tengyun.pooling_outputs import (
@@ -20,6 +21,7 @@ from tengyun.pooling_outputs import (
 )
 from tengyun.pooling_params import PoolingParams
 
+logger = logging.getLogger(__name__)
 
 class LLMPoolingMixin:
     """Mixed into LLM: needs its llm_engine, _request_ids, _run and _drain."""
@@ -27,11 +29,17 @@ class LLMPoolingMixin:
     def encode(self, prompts: Any, pooling_params: PoolingParams | Seq[PoolingParams] | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """Pooled outputs, ``data`` a tensor: pooling_task "encode" (the default) gives one row per
-        prompt token; "embed", "classify", "reward" that task's output."""
+        """Pooled outputs, ``data`` a tensor: pooling_task "encode" gives one row per prompt token;
+        "embed", "classify", "reward" that task's output. None, as vLLM 0.11: "embed" where the
+        model embeds, else "encode" (logged once: name the task, or call embed() / classify())."""
         import torch
 
-        outputs = self._pool(prompts, pooling_params, pooling_task or "encode", truncate_prompt_tokens, use_tqdm)
+        if pooling_task is None:
+            model = self.llm_engine.config.pooling
+            pooling_task = "embed" if model is not None and "embed" in model.tasks else "encode"
+            logger.warning("LLM.encode without pooling_task runs pooling_task=%r; pass pooling_task, or call "
+                           "embed() / classify() / reward().", pooling_task)
+        outputs = self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm)
         for output in outputs:
             output.outputs.data = torch.tensor(output.outputs.data)
         return outputs
