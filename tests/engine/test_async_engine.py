@@ -33,6 +33,7 @@ class FakeLLMEngine:
         self.health_error: BaseException | None = None  # what check_health raises (a dead worker)
         self.shut_down = False
         self.steps = 0
+        self.memory_reports: list[dict] = []  # LLMEngine's: each rank's memory once loaded
 
     def check_health(self):
         if self.health_error is not None:

@@ -42,7 +42,8 @@ def test_resident_peak_meter_sees_a_buffer_the_step_allocates_and_frees():
     buffer = torch.ones(64 * MIB // 4)  # 64 MiB, every page touched
     del buffer
     peak = meter.peak()
-    assert peak is not None and 64 * MIB <= peak < 96 * MIB
+    # the buffer's pages, give or take what the rest of the process released meanwhile
+    assert peak is not None and 60 * MIB <= peak < 96 * MIB
     meter.start()  # the next step starts from the level now, not from the earlier peak
     assert meter.peak() < 16 * MIB
 
