@@ -89,3 +89,22 @@ def test_an_expert_parallel_rank_plans_only_its_own_experts(per_expert_qwen3_5_m
                if ".experts." in name}
     assert experts == {4, 5, 6, 7}
     assert any(".experts.0." in name for name in stored)  # the checkpoint holds them all
+
+
+def test_quantised_experts_with_expert_parallel_match_one_process(tiny_tokenizer_dir, tmp_path, monkeypatch):
+    """A Qwen3-MoE .gguf kept quantised (gate/up Q8_0, down Q4_0): each EP rank holds 4 of the 8
+    experts' blocks; tokens and top-5 logprobs as one process's, in float32."""
+    pytest.importorskip("gguf", reason="the gguf package is not installed")
+    from pathlib import Path
+
+    from conftest import make_tiny_checkpoint
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "quantization"))
+    monkeypatch.setenv("TENGYUN_CACHE_DIR", str(tmp_path / "cache"))
+    from gguf_files import write_gguf
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", tiny_tokenizer_dir, "qwen3_moe", mlp_only_layers=[])
+    types = {"ffn_gate_exps.weight": "Q8_0", "ffn_up_exps.weight": "Q8_0", "ffn_down_exps.weight": "Q4_0"}
+    path = write_gguf(hf, tmp_path / "tiny-moe.gguf", types, twin=tmp_path / "twin")
+    _assert_same(_generate(path, quantization="gguf", tensor_parallel_size=2, enable_expert_parallel=True),
+                 _generate(path, quantization="gguf"))
