@@ -8,7 +8,7 @@ import torch
 from tengyun.entrypoints.llm import LLM
 from tengyun.platforms.cpu.platform import CpuPlatform
 from tengyun.platforms.cpu.runtime.memory_meter import ResidentPeakMeter
-from tengyun.worker.memory_profile import profile_shape, profile_step
+from tengyun.worker.memory_profile import CacheLayout, profile_shape, profile_step, run_profile_step
 
 MIB = 2**20
 
@@ -87,3 +87,15 @@ def test_device_budget_leaves_room_for_the_measured_peak(tiny_checkpoints, monke
     report = worker.memory_report
     assert report.activation_peak is None and report.activation_used == report.activation_estimate
     assert worker.num_blocks == (32 * MIB - 6 * MIB - report.activation_estimate) // per_block
+
+
+def test_the_profile_step_leaves_the_random_generator_as_it_was(tiny_checkpoints):
+    """It samples at temperature 1; a seeded run must draw afterwards as it would without it."""
+    worker = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory="1MiB", max_model_len=64,
+                 max_num_seqs=4).llm_engine.executor
+    config = worker.config
+    layout = CacheLayout(worker.kv_shape, worker.state_shape, config.block_size, torch.float32, torch.float32)
+    before = torch.get_rng_state()
+    result = run_profile_step(worker.model, worker.kernels, worker.platform, worker.device, layout, config.sizing,
+                              config.model_spec.vocab_size, config.model_spec.hidden_size)
+    assert result.shape.seqs == 4 and torch.equal(torch.get_rng_state(), before)
