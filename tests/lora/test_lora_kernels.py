@@ -63,3 +63,10 @@ def test_slot_bytes_without_torch_are_what_the_manager_allocates(tiny_checkpoint
     model = get_model_class(spec.architecture)(spec, 64, torch.float32)
     manager = LoRAManager(model, spec, 3, 8, 3, torch.bfloat16, torch.device("cpu"), GroupedLoRA())
     assert manager.nbytes() == lora_slot_bytes(spec, 1, spec.num_layers, 3, 8, 2) > 0
+
+
+def test_grouped_takes_the_whole_batch_at_once_when_one_adapter_runs_every_token():
+    torch.manual_seed(0)
+    a, b, x = torch.randn(2, 4, 8), torch.randn(2, 4, 6), torch.randn(5, 8)
+    delta = TORCH_LORA_KERNELS["grouped"]().apply(x, a, b, LoRABatch.build(torch.ones(5, dtype=torch.long), 2))
+    torch.testing.assert_close(delta, (x @ a[1].t()) @ b[1])

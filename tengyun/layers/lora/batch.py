@@ -8,6 +8,7 @@ runner around the forward pass, read by every LoRA linear (as attention reads it
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -17,15 +18,19 @@ import torch
 @dataclass
 class LoRABatch:
     token_slots: torch.Tensor  # [T] int64, -1: the base model (no adapter)
-    groups: list[tuple[int, torch.Tensor]]  # (slot, [n] token rows on it), each slot present once
     num_slots: int  # --max-loras
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, num_slots: int) -> "LoRABatch":
-        present = torch.unique(token_slots).tolist()
-        groups = [(slot, torch.nonzero(token_slots == slot).flatten()) for slot in present if slot >= 0]
-        return cls(token_slots, groups, num_slots)
+        return cls(token_slots, num_slots)
+
+    @functools.cached_property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """(slot, [n] token rows on it) for each slot present, once per step, for the kernels that
+        group (it reads the slots on the host; masked_dense never asks)."""
+        present = torch.unique(self.token_slots).tolist()
+        return [(slot, torch.nonzero(self.token_slots == slot).flatten()) for slot in present if slot >= 0]
 
     def column_mask(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, num_slots * rank]: 1 where column j belongs to the token's slot (j // rank), else 0;

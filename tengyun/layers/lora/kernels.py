@@ -39,8 +39,11 @@ class GroupedLoRA:
     name = "grouped"
 
     def apply(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        groups = batch.groups
+        if len(groups) == 1 and len(groups[0][1]) == len(x):  # every token on one adapter: no gather
+            return (x @ a[groups[0][0]].t()) @ b[groups[0][0]]
         out = x.new_zeros(x.shape[0], b.shape[-1])
-        for slot, rows in batch.groups:
+        for slot, rows in groups:
             out.index_copy_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot])
         return out
 
