@@ -123,14 +123,17 @@ def test_store_keeps_the_response_and_store_false_does_not(client):
 
 
 def test_background_runs_after_the_answer_and_is_retrieved(client):
-    queued = client.responses.create(model=MODEL, input="Later", max_output_tokens=4, background=True)
+    queued = client.responses.create(model=MODEL, input="Later", max_output_tokens=4, background=True,
+                                     temperature=0)
     assert queued.status == "queued" and queued.output == []
     response = queued
     for _ in range(600):  # polls until it ends; no time limit asserted
         response = client.responses.retrieve(queued.id)
         if response.status not in ("queued", "in_progress"):
             break
-    assert response.status in ("completed", "incomplete") and response.output_text
+    assert response.status in ("completed", "incomplete") and response.output[-1].type == "message"
+    whole = client.responses.create(model=MODEL, input="Later", max_output_tokens=4, temperature=0)
+    assert response.output_text == whole.output_text and response.usage.output_tokens == whole.usage.output_tokens
     with pytest.raises(openai.BadRequestError, match="background can only be used when `store` is true"):
         client.responses.create(model=MODEL, input="x", background=True, store=False)
 
