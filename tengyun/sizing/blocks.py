@@ -48,7 +48,7 @@ class CacheCapacity:
 def activation_reserve(spec: ModelSpec, sizing: ResolvedSizing) -> tuple[int, str]:
     """One step's transient bytes per rank (cache.activation_estimate) at the resolved batch sizes."""
     return activation_estimate(spec, sizing.tp, sizing.max_num_batched_tokens, sizing.max_num_seqs,
-                               DTYPE_BYTES[sizing.dtype])
+                               DTYPE_BYTES[sizing.dtype], sizing.pooling)
 
 
 def cache_capacity(sizing: ResolvedSizing, shape: KVCacheShape, slot_bytes: int, hybrid: bool,

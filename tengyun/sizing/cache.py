@@ -34,12 +34,13 @@ def kv_cache_shape(spec: ModelSpec, dtype_bytes: int, tp_size: int = 1, start: i
 
 
 def activation_estimate(spec: ModelSpec, tp: int, tokens: int, max_num_seqs: int,
-                        act_bytes: int) -> tuple[int, str]:
+                        act_bytes: int, pooling: bool = False) -> tuple[int, str]:
     """Peak transient memory of one step, per rank: what an accelerator keeps free besides weights
     and KV (`tengyun plan` subtracts it; --activation-reserve there overrides):
     tokens x (4 x hidden [residual, hidden, normed, attention out] + widest per-rank projection
     output [qkv, gate_up, routed experts' gate_up or linear attention's qkvz]) x dtype bytes,
-    plus fp32 logits of every sequence that samples: max_num_seqs x vocab x 4."""
+    plus fp32 logits of every sequence that samples: max_num_seqs x vocab x 4 (a pooling model,
+    --runner pooling, samples nothing: its pooled rows, max_num_seqs x hidden x 4, instead)."""
     h, d = spec.hidden_size, spec.head_dim
     q_heads = spec.num_attention_heads * (2 if spec.gated_attention else 1)
     widest = q_heads * d // tp + 2 * spec.kv_heads_per_rank(tp) * d
@@ -51,9 +52,10 @@ def activation_estimate(spec: ModelSpec, tp: int, tokens: int, max_num_seqs: int
     if spec.linear_attention:
         widest = max(widest, 2 * (spec.linear_attention.key_dim + spec.linear_attention.value_dim) // tp)
     step = tokens * (4 * h + widest) * act_bytes
-    logits = max_num_seqs * spec.vocab_size * 4
+    width, what = (h, "hidden (pooled)") if pooling else (spec.vocab_size, "vocab")
+    logits = max_num_seqs * width * 4
     formula = (f"{tokens} tokens x (4 x {h} + {widest}) x {act_bytes} B + "
-               f"{max_num_seqs} seqs x {spec.vocab_size} vocab x 4 B")
+               f"{max_num_seqs} seqs x {width} {what} x 4 B")
     return step + logits, formula
 
 

@@ -108,12 +108,13 @@ def mtp_params(spec: ModelSpec, tp: int, num_layers: int, own_embedding: bool) -
 
 
 def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: bool = False,
-                 mtp_layers: int = 0) -> StageParams:
+                 mtp_layers: int = 0, pooling: bool = False) -> StageParams:
     """Per-rank parameters of pipeline stage ``stage`` (its layers: spec.stage_layers). The first
     stage holds the embedding; the last the final norm and LM head (tied embeddings still need
     the LM head on the last stage when pp > 1, and where the platform's linear kernel keeps its own
     repacked copy of the weight next to the embedding's: ``tied_head_copy``, Platform.tied_head_copy), and the
-    MTP head's ``mtp_layers`` with --speculative-config method mtp."""
+    MTP head's ``mtp_layers`` with --speculative-config method mtp. A ``pooling`` model (--runner
+    pooling) has no LM head (a classifier's score layer, labels x hidden, is not counted)."""
     h, vocab = spec.hidden_size, spec.vocab_size
     start, end = spec.stage_layers(stage, pp)
     layers = range(start, end)
@@ -123,6 +124,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: 
     last = stage == pp - 1
     embed = _split(vocab, tp) * h if stage == 0 else 0
     lm_head = _split(vocab, tp) * h if last and (not spec.tie_word_embeddings or pp > 1 or tied_head_copy) else 0
+    lm_head = 0 if pooling else lm_head
     mtp = mtp_params(spec, tp, mtp_layers, own_embedding=pp > 1) if last and mtp_layers else 0
     return StageParams(stage, (start, end), embed, attention, linear, mlp, 2 * h * (end - start) + (h if last else 0),
                        lm_head, mtp)

@@ -148,7 +148,7 @@ def _stage_plan(spec: ModelSpec, sizing: ResolvedSizing, cards: Cards, stage: in
     functions the engine's worker sizes its caches by."""
     tp, last = sizing.tp, stage == sizing.pp - 1
     params = stage_params(spec, tp, sizing.pp, stage, platform_facts.tied_head_copy(sizing.device, sizing.dtype, tp),
-                          sizing.mtp_layers)
+                          sizing.mtp_layers, sizing.pooling)
     start, end = params.layers
     weights = stage_weight_bytes(spec, sizing, params, scale, quant)
     shape = kv_cache_shape(spec, DTYPE_BYTES[sizing.kv_cache_dtype], tp, start, end, sizing.mtp_layers if last else 0)

@@ -10,6 +10,7 @@ from typing import Any
 
 from tengyun.dtypes import canonical_dtype
 from tengyun.model_spec import ModelSpec, mtp_layers_for_speculation
+from tengyun.pooling_config import resolve_runner
 from tengyun.sizing import platform_facts
 from tengyun.sizing.pp_layers import pp_layer_partition
 
@@ -36,6 +37,7 @@ class ResolvedSizing:
     mtp_layers: int = 0  # --speculative-config method mtp: the MTP head's layers on the last stage
     pp_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage (pp_layers.py); None: pp 1
     expert_parallel: bool = False  # --enable-expert-parallel: MoE experts whole over the tp ranks (the EP group)
+    pooling: bool = False  # --runner pooling (docs/pooling.md): no LM head, no logits, pooled rows instead
 
 
 def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | None = None,
@@ -68,7 +70,8 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
         kv_cache_memory=None if settings.kv_cache_memory is None else int(settings.kv_cache_memory),
         num_gpu_blocks_override=settings.num_gpu_blocks_override,
         enable_prefix_caching=settings.enable_prefix_caching, mtp_layers=mtp_layers,
-        pp_layers=pp_layer_partition(spec, settings.pipeline_parallel_size), expert_parallel=expert_parallel)
+        pp_layers=pp_layer_partition(spec, settings.pipeline_parallel_size), expert_parallel=expert_parallel,
+        pooling=resolve_runner(spec.architecture, settings.runner, settings.convert)[0] == "pooling")
 
 
 def _max_model_len(requested: int | None, spec: ModelSpec) -> int:

@@ -12,7 +12,8 @@ import json
 ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
                    "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory",
                    "num_gpu_blocks_override", "tensor_parallel_size", "pipeline_parallel_size",
-                   "enable_prefix_caching", "quantization", "speculative_config", "enable_expert_parallel")
+                   "enable_prefix_caching", "quantization", "speculative_config", "enable_expert_parallel",
+                   "runner", "convert", "hf_overrides")
 PLANNED_DEVICES = ("npu", "cuda", "cpu")
 
 
@@ -47,10 +48,12 @@ def plan_settings(args: argparse.Namespace, hf_config: dict, folder):
     from tengyun.config import EngineConfig, parse_size
     from tengyun.entrypoints.cli.engine_args import dataclass_kwargs
     from tengyun.model_spec import ModelSpec
+    from tengyun.pooling_config import apply_hf_overrides
     from tengyun.sizing.plan import Cards
     from tengyun.sizing.resolve import resolve_sizing
 
     settings = EngineConfig(**dataclass_kwargs(EngineConfig, args, only=ENGINE_SETTINGS))  # validates the values
+    hf_config.update(apply_hf_overrides(hf_config, settings.hf_overrides))  # the config the engine reads, in place
     device = args.device or ("cpu" if settings.kv_cache_memory is not None else "npu")
     sizing = resolve_sizing(settings, ModelSpec.from_hf_config(hf_config), device, folder)
     reserve = args.activation_reserve
