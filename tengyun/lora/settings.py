@@ -21,6 +21,11 @@ def check_lora_values(config: Any) -> None:
                          f"every adapter in a slot is also kept on the host.")
     if config.lora_dtype not in LORA_DTYPES:
         raise ValueError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}; got {config.lora_dtype!r}.")
+
+
+def check_lora_model(config: Any) -> None:
+    """At finalize: the combinations LoRA cannot run (speculative decoding, --fully-sharded-loras
+    above TP 1, a pooling runner) and the model (Llama-style decoders only)."""
     if not config.enable_lora:
         return
     if config.speculative_config is not None:
@@ -30,12 +35,6 @@ def check_lora_values(config: Any) -> None:
         raise ValueError("--fully-sharded-loras is not supported: Tengyun splits each adapter as its base layer "
                          "is split (B by outputs in column-parallel layers, A by inputs in row-parallel ones) and "
                          "keeps the other half whole; drop --fully-sharded-loras.")
-
-
-def check_lora_model(config: Any) -> None:
-    """After the model is known: LoRA runs on Llama-style decoders only."""
-    if not config.enable_lora:
-        return
     problem = architecture_problem(config.model_spec)
     if problem:
         raise ValueError(f"--enable-lora: {problem}; drop --enable-lora to serve the base model.")

@@ -29,6 +29,7 @@ NON_DEFAULTS = dict(
     rank_table=str(Path(__file__).parents[1] / "fixtures" / "ops" / "hccl_2x2.json"),  # 2 servers x 2 NPUs
     speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}',
     quantization="compressed-tensors",
+    enable_lora=True, max_loras=4, max_lora_rank=32, max_cpu_loras=8, lora_dtype="bfloat16", fully_sharded_loras=True,
     runner="pooling", convert="embed", pooler_config='{"pooling_type": "MEAN"}', hf_overrides='{"is_matryoshka": true}',
 )
 

@@ -88,13 +88,20 @@ def test_lora_modules_take_name_equals_path_and_vllms_json_form():
 
 @pytest.mark.parametrize("flags, words", [
     (dict(max_loras=4, max_cpu_loras=2), "--max-cpu-loras (2) must be >= --max-loras (4)"),
-    (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}'), "--speculative-config with --enable"),
-    (dict(fully_sharded_loras=True, tensor_parallel_size=2), "--fully-sharded-loras is not supported"),
     (dict(max_lora_rank=0), "--max-lora-rank must be >= 1"),
 ])
 def test_lora_flags_are_checked_naming_the_flag(flags, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig("m", enable_lora=True, **flags)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}'), "--speculative-config with --enable"),
+    (dict(fully_sharded_loras=True, tensor_parallel_size=2), "--fully-sharded-loras is not supported"),
+])
+def test_what_lora_cannot_run_with_is_refused_at_start_naming_the_flag(tiny_checkpoints, flags, words):
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(str(tiny_checkpoints["llama"]), enable_lora=True, **flags).finalize()
 
 
 def test_enable_lora_on_a_model_it_cannot_run_names_the_flag(tiny_checkpoints):
