@@ -12,12 +12,13 @@ the chat path; these models only say what a client may send and what it gets bac
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from tengyun.entrypoints.openai.request_model import (
-    OpenAIBaseModel, RequestBody, RequestError, RequestModel, random_id,
+    OpenAIBaseModel, RequestBody, RequestError, RequestModel,
 )
 
 
@@ -111,6 +112,11 @@ class ResponsesRequest(RequestBody):
 
 
 # ----- response --------------------------------------------------------------------------
+def item_id(prefix: str) -> str:
+    """OpenAI's id form: msg_..., rs_..., fc_... (resp_... for the response)."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
 class OutputText(OpenAIBaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
@@ -119,7 +125,7 @@ class OutputText(OpenAIBaseModel):
 
 
 class OutputMessage(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: random_id("msg"))
+    id: str = Field(default_factory=lambda: item_id("msg"))
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
@@ -134,7 +140,7 @@ class ReasoningText(OpenAIBaseModel):
 class ReasoningItem(OpenAIBaseModel):
     """--reasoning-parser's part of the answer, as vLLM 0.11 sends it: content, no summary."""
 
-    id: str = Field(default_factory=lambda: random_id("rs"))
+    id: str = Field(default_factory=lambda: item_id("rs"))
     type: Literal["reasoning"] = "reasoning"
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningText] = Field(default_factory=list)
@@ -143,7 +149,7 @@ class ReasoningItem(OpenAIBaseModel):
 
 
 class FunctionCallItem(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: random_id("fc"))
+    id: str = Field(default_factory=lambda: item_id("fc"))
     type: Literal["function_call"] = "function_call"
     call_id: str
     name: str

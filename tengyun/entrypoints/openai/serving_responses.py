@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any, AsyncIterator, Callable
 
 from pydantic import ValidationError
@@ -25,7 +24,7 @@ from tengyun.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompl
 from tengyun.entrypoints.openai.request_model import RequestError
 from tengyun.entrypoints.openai.responses_input import chat_messages
 from tengyun.entrypoints.openai.responses_protocol import (
-    InputTokensDetails, OutputTokensDetails, ResponsesRequest, ResponsesResponse, ResponseUsage,
+    InputTokensDetails, OutputTokensDetails, ResponsesRequest, ResponsesResponse, ResponseUsage, item_id,
 )
 from tengyun.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from tengyun.entrypoints.openai.responses_stream import ResponseEventStream, output_items
@@ -60,7 +59,7 @@ class OpenAIServingResponses:
         messages = chat_messages(request, previous.messages if previous else None,
                                  previous.response.output if previous else None)
         chat_request = _chat_request(request, messages)
-        response_id = f"resp_{request.request_id or uuid.uuid4().hex}"
+        response_id = f"resp_{request.request_id}" if request.request_id else item_id("resp")
         base = ResponsesResponse.of_request(request, response_id, chat.response_name(request.model),
                                             "in_progress", store=store)
         if request.background:

@@ -40,6 +40,7 @@ def test_a_string_input_answers_one_message_with_usage(client, server):
     response = client.responses.create(model=MODEL, input="The quick brown fox", max_output_tokens=6,
                                        temperature=0)
     assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL
+    assert response.output[0].id.startswith("msg_")
     assert [item.type for item in response.output] == ["message"]
     assert response.output[0].content[0].type == "output_text" and response.output_text
     usage = response.usage
