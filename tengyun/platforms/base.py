@@ -119,6 +119,13 @@ class Platform:
 
         return TorchAllocatorMeter(self.device_type)
 
+    def keep_rng_state(self, device):
+        """A context that gives the host's and ``device``'s random generators back their state on
+        exit: a step run to measure (the profile step samples) must not shift a seeded run's draws."""
+        import torch
+
+        return torch.random.fork_rng(devices=[device], device_type=self.device_type)
+
     def smi_device_ids(self) -> list[int]:
         """Ids of every device this host's smi tool lists (nvidia-smi, npu-smi), for `tengyun
         launch`; [] when there is none or it fails. Never initialises a device."""

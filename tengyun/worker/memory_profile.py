@@ -107,10 +107,8 @@ def run_profile_step(model: nn.Module, kernels, platform, device: torch.device, 
                          stage=PipelineStage(hidden_size, layout.dtype, device))
     sched = profile_step(shape, layout.block_size, vocab_size, hybrid)
     meter = platform.memory_meter()
-    # The step samples: the random generators are left as they were (seeded runs draw as before).
-    forked = [device] if device.type != "cpu" else []
     try:
-        with torch.random.fork_rng(devices=forked, device_type=device.type if forked else "cuda"):
+        with platform.keep_rng_state(device):  # it samples; seeded runs must draw afterwards as before
             meter.start()
             runner.execute(sched)
             peak = meter.peak()

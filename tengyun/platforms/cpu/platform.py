@@ -162,6 +162,11 @@ class CpuPlatform(Platform):
 
         return ResidentPeakMeter()
 
+    def keep_rng_state(self, device):
+        import torch
+
+        return torch.random.fork_rng(devices=[])  # the host's generator is the device's
+
     def memory_usage(self, pid: int) -> tuple[int, int] | None:
         rss = process_tree_rss(pid)
         return None if rss is None else (rss, self.memory_info()[1])
