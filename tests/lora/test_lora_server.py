@@ -79,7 +79,8 @@ def test_models_lists_the_adapter_with_its_parent(server, adapters):
 
 
 def test_an_unknown_model_is_a_404_as_vllm_answers(server):
-    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist."):
+    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist; this server serves `tiny-llama` "
+                                                   "and the LoRA adapters `sql`."):
         _client(server).completions.create(model="nope", prompt=PROMPT, max_tokens=1)
 
 
@@ -103,7 +104,7 @@ def test_load_and_unload_at_run_time_while_another_request_streams(server, adapt
             unload = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=60)
             assert unload.status_code == 200 and unload.text == "Success: LoRA adapter 'chat' removed successfully."
             assert {card.id for card in client.models.list().data} == {MODEL, "sql"}
-            with pytest.raises(openai.NotFoundError, match="The model `chat` does not exist."):
+            with pytest.raises(openai.NotFoundError, match="The model `chat` does not exist;"):
                 client.completions.create(model="chat", prompt=PROMPT, max_tokens=1)
     assert finish == "length"  # the streaming request lost nothing
     gone = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=60)

@@ -51,8 +51,10 @@ class ServingModels:
         if model is None or model == self.base_name:
             return None
         lora = self.loras.get(model)
-        if lora is None:
-            raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
+        if lora is None:  # vLLM's first sentence, then what is served
+            adapters = f" and the LoRA adapters {', '.join(f'`{n}`' for n in self.loras)}" if self.loras else ""
+            raise RequestError(f"The model `{model}` does not exist; this server serves `{self.base_name}`"
+                               f"{adapters}.", "model", status=404)
         return lora
 
     def response_name(self, model: str | None) -> str:
