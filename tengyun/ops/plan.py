@@ -67,12 +67,18 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
                  + (f" + MTP head {p.mtp:,}" if p.mtp else ""))
     if plan.experts:
         lines.append(f"  MoE experts per card: {plan.experts}")
+    if s.lora_bytes:
+        max_loras, rank, lora_dtype = r.lora_slots
+        lines.append(f"LoRA slots per card: --max-loras {max_loras} x --max-lora-rank {rank} in {lora_dtype} over "
+                     f"{s.layers[1] - s.layers[0]} layers' q/k/v/o and gate/up/down = {_size(s.lora_bytes)}")
     if r.kv_cache_memory is not None:
         lines.append(f"KV budget per card: --kv-cache-memory = {_size(s.budget_bytes)} ({s.budget_bytes:,} B)")
     else:
         lines.append(f"Activation reserve: {plan.activation_formula} = {_size(plan.activation_bytes)}")
         lines.append(f"KV budget per card: {_size(c.memory)} x {r.gpu_memory_utilization} - "
-                     f"{_size(s.weight_bytes)} weights - {_size(plan.activation_bytes)} activations = "
+                     f"{_size(s.weight_bytes)} weights - "
+                     + (f"{_size(s.lora_bytes)} LoRA slots - " if s.lora_bytes else "")
+                     + f"{_size(plan.activation_bytes)} activations = "
                      f"{_size(s.budget_bytes)} ({s.budget_bytes:,} B)")
     mtp_kv = r.mtp_layers if s.stage == r.pp - 1 else 0
     lines.append(f"KV bytes per token per card: 2 (K, V) x {s.attention_layers} attention layers"
@@ -123,6 +129,7 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
             "weight_bytes": s.weight_bytes, "budget_bytes": s.budget_bytes, "attention_layers": s.attention_layers,
             "kv_bytes_per_token": s.kv_bytes_per_token, "state_bytes_per_seq": s.state_bytes_per_seq,
             "blocks": s.blocks if s.attention_layers else None, "state_slots": s.state_slots,
+            "lora_bytes": s.lora_bytes,
             "state_snapshots": s.state_snapshots,
         } for s in plan.stages],
         "blocks": plan.blocks, "cache_tokens": plan.cache_tokens, "max_concurrency": plan.max_concurrency,

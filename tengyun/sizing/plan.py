@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tengyun.dtypes import DTYPE_BYTES
+from tengyun.lora.sizing import lora_slot_bytes
 from tengyun.model_spec import ModelSpec, as_spec
 from tengyun.quantization.config import QuantConfig
 from tengyun.sizing import platform_facts
@@ -57,6 +58,7 @@ class StagePlan:
     blocks: int
     state_slots: int
     state_snapshots: int = 0  # hybrid prefix caching: snapshot rows of state_bytes_per_seq each
+    lora_bytes: int = 0  # --enable-lora: the adapter slots of this stage's layers (lora/sizing.py)
 
 
 @dataclass
@@ -153,9 +155,13 @@ def _stage_plan(spec: ModelSpec, sizing: ResolvedSizing, cards: Cards, stage: in
     weights = stage_weight_bytes(spec, sizing, params, scale, quant)
     shape = kv_cache_shape(spec, DTYPE_BYTES[sizing.kv_cache_dtype], tp, start, end, sizing.mtp_layers if last else 0)
     state = state_shape(spec, DTYPE_BYTES[sizing.dtype], start, end, tp).bytes_per_slot
-    budget = CacheBudget(host_bytes=sizing.kv_cache_memory, device_total=cards.memory, in_use=weights,
+    lora = 0
+    if sizing.lora_slots:
+        max_loras, rank, lora_dtype = sizing.lora_slots
+        lora = lora_slot_bytes(spec, tp, end - start, max_loras, rank, DTYPE_BYTES[lora_dtype])
+    budget = CacheBudget(host_bytes=sizing.kv_cache_memory, device_total=cards.memory, in_use=weights + lora,
                          activation=activation)
     capacity = cache_capacity(sizing, shape, state, spec.is_hybrid, budget)
     return StagePlan(stage, (start, end), params, weights, capacity.budget_bytes, shape.num_layers, shape.num_kv_heads,
                      shape.head_dim, shape.bytes_per_token, state,
-                     capacity.blocks if shape.num_layers else NO_KV_LAYERS, capacity.slots, capacity.snapshots)
+                     capacity.blocks if shape.num_layers else NO_KV_LAYERS, capacity.slots, capacity.snapshots, lora)

@@ -38,6 +38,7 @@ class ResolvedSizing:
     pp_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage (pp_layers.py); None: pp 1
     expert_parallel: bool = False  # --enable-expert-parallel: MoE experts whole over the tp ranks (the EP group)
     pooling: bool = False  # --runner pooling (docs/pooling.md): no LM head, no logits, pooled rows instead
+    lora_slots: tuple[int, int, str] | None = None  # --enable-lora: (--max-loras, --max-lora-rank, slot dtype)
 
 
 def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | None = None,
@@ -71,7 +72,17 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
         num_gpu_blocks_override=settings.num_gpu_blocks_override,
         enable_prefix_caching=settings.enable_prefix_caching, mtp_layers=mtp_layers,
         pp_layers=pp_layer_partition(spec, settings.pipeline_parallel_size), expert_parallel=expert_parallel,
-        pooling=resolve_runner(spec.architecture, settings.runner, settings.convert)[0] == "pooling")
+        pooling=resolve_runner(spec.architecture, settings.runner, settings.convert)[0] == "pooling",
+        lora_slots=_lora_slots(settings, dtype))
+
+
+def _lora_slots(settings: Any, dtype: str) -> tuple[int, int, str] | None:
+    """--enable-lora's device slots as LoRAManager allocates them: --max-loras of rank --max-lora-rank
+    in --lora-dtype (auto: the served dtype); None without it."""
+    if not settings.enable_lora:
+        return None
+    lora_dtype = dtype if settings.lora_dtype == "auto" else canonical_dtype(settings.lora_dtype)
+    return settings.max_loras, settings.max_lora_rank, lora_dtype
 
 
 def _max_model_len(requested: int | None, spec: ModelSpec) -> int:

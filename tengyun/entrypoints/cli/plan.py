@@ -13,7 +13,7 @@ ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "ma
                    "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory",
                    "num_gpu_blocks_override", "tensor_parallel_size", "pipeline_parallel_size",
                    "enable_prefix_caching", "quantization", "speculative_config", "enable_expert_parallel",
-                   "runner", "convert", "hf_overrides")
+                   "runner", "convert", "hf_overrides", "enable_lora", "max_loras", "max_lora_rank", "lora_dtype")
 PLANNED_DEVICES = ("npu", "cuda", "cpu")
 
 
