@@ -125,7 +125,8 @@ def test_disable_frontend_multiprocessing_keeps_the_engine_in_the_server_process
     (["--enable-lora", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
      ["--speculative-config with --enable-lora is not supported"]),
     (["--lora-modules", "sql=/adapters/sql"], ["--lora-modules needs --enable-lora"]),
-    (["--enable-lora", "--lora-modules", "sql=/adapters/sql"], ["LoRA adapter 'sql' (/adapters/sql)", "adapter_config.json"]),
+    (["--enable-lora", "--lora-modules", "sql=/adapters/sql"],
+     ["LoRA adapter 'sql' (/adapters/sql)", "adapter_config.json"]),
     (["--limit-mm-per-prompt", '{"image": 2}'], ["--limit-mm-per-prompt", "multimodal inputs are not supported"]),
     (["--runner", "draft"], ["--runner draft", "--speculative-config"]),
 ])
