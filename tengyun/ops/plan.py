@@ -11,6 +11,7 @@ from tengyun.dtypes import DTYPE_BYTES
 from tengyun.model_spec import ModelSpec, as_spec
 from tengyun.quantization.config import QuantConfig
 from tengyun.sizing.plan import Cards, Plan, StagePlan, make_plan
+from tengyun.sizing.pp_layers import balanced_partition
 from tengyun.sizing.resolve import ResolvedSizing
 
 GiB, MiB = 2**30, 2**20
@@ -31,7 +32,10 @@ def smallest_fit(config: ModelSpec | dict[str, Any], sizing: ResolvedSizing, car
     candidates = [(tp, pp) for tp in spec.tp_sizes(cards.per_node)
                   for pp in range(1, spec.num_layers + 1) if tp * pp <= MAX_CARDS]
     for tp, pp in sorted(candidates, key=lambda c: (c[0] * c[1], c[1])):
-        if make_plan(spec, dataclasses.replace(sizing, tp=tp, pp=pp), cards, checkpoint_bytes, quant=quant).fits:
+        # the stages as the engine would split them at that pp (the user's partition is for sizing.pp only)
+        layers = sizing.pp_layers if pp == sizing.pp else balanced_partition(spec, pp) if pp > 1 else None
+        tried = dataclasses.replace(sizing, tp=tp, pp=pp, pp_layers=layers)
+        if make_plan(spec, tried, cards, checkpoint_bytes, quant=quant).fits:
             return tp, pp
     return None
 

@@ -11,6 +11,7 @@ node."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 from tengyun.model_spec import ModelSpec
@@ -25,6 +26,7 @@ def layer_cost(spec: ModelSpec, layer: int) -> int:
     return mixer + mlp_params(spec, 1, layer)
 
 
+@functools.lru_cache(maxsize=256)  # `tengyun plan`'s search asks for every pp
 def balanced_partition(spec: ModelSpec, pp: int) -> tuple[int, ...]:
     """Layers per stage, each at least one, minimising the costliest stage (the pipeline's pace),
     with the LM head's cost on the last stage; ties keep later stages lighter."""

@@ -10,12 +10,13 @@ import pytest
 from tengyun.config import EngineConfig
 from tengyun.entrypoints.llm import LLM
 from tengyun.model_spec import ModelSpec
-from tengyun.ops.plan import report_lines
+from tengyun.ops.plan import report_lines, smallest_fit
 from tengyun.sampling_params import SamplingParams
 from tengyun.sizing.pp_layers import balanced_partition, layer_cost, pp_layer_partition
-from tengyun.sizing.plan import make_plan
+from tengyun.sizing.plan import Cards, make_plan
 from tengyun.sizing.resolve import resolve_sizing
 
+GIB = 2**30
 QWEN3_0_6B = Path(__file__).parents[1] / "fixtures" / "ops" / "qwen3_0_6b" / "config.json"
 
 
@@ -68,3 +69,16 @@ def test_pp2_with_an_uneven_split_generates_what_pp1_does(tiny_hybrid_checkpoint
     assert llm.llm_engine.config.model_spec.pp_layers == (3, 1)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
     llm.llm_engine.shutdown()
+
+
+def test_the_smallest_fit_is_searched_with_the_stages_the_engine_would_build():
+    hf = json.loads(QWEN3_0_6B.read_text())
+    spec = ModelSpec.from_hf_config(hf)
+    cards = Cards(memory=GIB, per_node=1)  # 1 GiB cards, TP 1: only pipeline stages can spread the weights
+    settings = dict(max_model_len=4096, max_num_seqs=4, tensor_parallel_size=1)
+    tp, pp = smallest_fit(hf, resolve_sizing(EngineConfig(**settings), spec, "npu"), cards)
+    # The engine at that pp balances its stages; planned that way, it fits, and one stage fewer does not.
+    at_fit = make_plan(hf, resolve_sizing(EngineConfig(**settings, pipeline_parallel_size=pp), spec, "npu"), cards)
+    assert at_fit.fits and [s.layers[1] - s.layers[0] for s in at_fit.stages] == list(balanced_partition(spec, pp))
+    fewer = make_plan(hf, resolve_sizing(EngineConfig(**settings, pipeline_parallel_size=pp - 1), spec, "npu"), cards)
+    assert (tp, pp > 1, fewer.fits) == (1, True, False)
