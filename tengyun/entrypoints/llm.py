@@ -63,17 +63,8 @@ class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward():
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        request_ids = []
-        try:
-            for prompt, params, lora in zip(prompt_list, params_list, _as_lora_list(lora_request, len(prompt_list))):
-                request_id = str(next(self._request_ids))
-                self.llm_engine.add_request(request_id, _prompt_value(prompt), params, lora_request=lora)
-                request_ids.append(request_id)
-        except ValueError:
-            self.llm_engine.abort_request(request_ids)
-            self._drain(set(request_ids))
-            raise
-        return self._run(request_ids, use_tqdm)
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        return self._run(self._add_all(zip(prompt_list, params_list, loras)), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -96,6 +87,21 @@ class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward():
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt["prompt"]
         return outputs
+
+    def _add_all(self, requests) -> list[str]:
+        """Queue each (prompt, params, LoRA request or None); the ids. All or none: when one is
+        refused (ValueError), those already queued are aborted and drained before it is raised."""
+        request_ids = []
+        try:
+            for prompt, params, lora in requests:
+                request_id = str(next(self._request_ids))
+                self.llm_engine.add_request(request_id, _prompt_value(prompt), params, lora_request=lora)
+                request_ids.append(request_id)
+        except ValueError:
+            self.llm_engine.abort_request(request_ids)
+            self._drain(set(request_ids))
+            raise
+        return request_ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

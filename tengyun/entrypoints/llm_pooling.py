@@ -78,21 +78,12 @@ class LLMPoolingMixin:
 
     def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: int | None,
               use_tqdm: bool) -> list[PoolingRequestOutput]:
-        from tengyun.entrypoints.llm import _as_prompt_list, _prompt_value
+        from tengyun.entrypoints.llm import _as_prompt_list
 
         prompt_list = _as_prompt_list(prompts)
         params_list = _pooling_params_list(pooling_params, len(prompt_list), task, truncate_prompt_tokens)
-        request_ids = []
-        try:
-            for prompt, params in zip(prompt_list, params_list):
-                request_id = str(next(self._request_ids))
-                self.llm_engine.add_request(request_id, _prompt_value(prompt), params)
-                request_ids.append(request_id)
-        except ValueError:
-            self.llm_engine.abort_request(request_ids)
-            self._drain(set(request_ids))
-            raise
-        return self._run(request_ids, use_tqdm)
+        return self._run(self._add_all((prompt, params, None) for prompt, params in zip(prompt_list, params_list)),
+                         use_tqdm)
 
 
 def score_pairs(data_1: str | Seq[str], data_2: str | Seq[str]) -> list[tuple[str, str]]:
