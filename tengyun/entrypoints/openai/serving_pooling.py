@@ -64,31 +64,32 @@ class OpenAIServingPooling(OpenAIServing):
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         return UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
 
-    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
+    async def _pool_inputs(self, request: Any, prefix: str) -> tuple[str, list[PoolingRequestOutput]]:
+        """(the answer's id, the pooled outputs) of a request whose ``input`` holds the prompts: one
+        id for the engine's requests and the answer."""
         self.check_model(request.model)
         prompts = prompt_list(request.input, "input")
-        outputs = await self.pool(self.response_id("embd", request), prompts,
-                                  [request.to_pooling_params()] * len(prompts), request.add_special_tokens, "input")
+        response_id = self.response_id(prefix, request)
+        outputs = await self.pool(response_id, prompts, [request.to_pooling_params()] * len(prompts),
+                                  request.add_special_tokens, "input")
+        return response_id, outputs
+
+    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        response_id, outputs = await self._pool_inputs(request, "embd")
         data = [EmbeddingResponseData(index=i, embedding=encode(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outputs)]
-        return EmbeddingResponse(id=self.response_id("embd", request), model=self.served_model_name, data=data,
+        return EmbeddingResponse(id=response_id, model=self.served_model_name, data=data,
                                  usage=self.pooling_usage(outputs))
 
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
-        self.check_model(request.model)
-        prompts = prompt_list(request.input, "input")
-        outputs = await self.pool(self.response_id("pool", request), prompts,
-                                  [request.to_pooling_params()] * len(prompts), request.add_special_tokens, "input")
+        response_id, outputs = await self._pool_inputs(request, "pool")
         data = [PoolingResponseData(index=i, data=encode(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outputs)]
-        return PoolingResponse(id=self.response_id("pool", request), model=self.served_model_name, data=data,
+        return PoolingResponse(id=response_id, model=self.served_model_name, data=data,
                                usage=self.pooling_usage(outputs))
 
     async def create_classify(self, request: ClassificationRequest) -> ClassificationResponse:
-        self.check_model(request.model)
-        prompts = prompt_list(request.input, "input")
-        outputs = await self.pool(self.response_id("classify", request), prompts,
-                                  [request.to_pooling_params()] * len(prompts), request.add_special_tokens, "input")
+        response_id, outputs = await self._pool_inputs(request, "classify")
         labels = self.engine.config.pooling.id2label
         data = []
         for i, output in enumerate(outputs):
@@ -96,7 +97,7 @@ class OpenAIServingPooling(OpenAIServing):
             best = int(np.argmax(probs))
             data.append(ClassificationData(index=i, label=labels[best] if best < len(labels) else None, probs=probs,
                                            num_classes=len(probs)))
-        return ClassificationResponse(id=self.response_id("classify", request), model=self.served_model_name,
+        return ClassificationResponse(id=response_id, model=self.served_model_name,
                                       data=data, usage=self.pooling_usage(outputs))
 
 
