@@ -17,20 +17,17 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from tengyun.entrypoints.openai.protocol import FunctionDefinition
 from tengyun.entrypoints.openai.request_model import (
     OpenAIBaseModel, RequestBody, RequestError, RequestModel,
 )
 
 
 # ----- request ---------------------------------------------------------------------------
-class FunctionTool(RequestModel):
-    """A Responses function tool: flat, not nested under "function" as in chat."""
+class FunctionTool(FunctionDefinition):
+    """A Responses function tool: chat's function definition flat, not nested under "function"."""
 
     type: Literal["function"] = "function"
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunctionChoice(RequestModel):
