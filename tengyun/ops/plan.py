@@ -49,8 +49,25 @@ def worst_stage(plan: Plan) -> StagePlan:
     return min(plan.stages, key=lambda s: (s.blocks, s.budget_bytes))
 
 
+def _budget_lines(plan: Plan, s: StagePlan) -> list[str]:
+    """The LoRA slots (with --enable-lora) and how the KV budget of stage ``s`` is made."""
+    r, lines = plan.sizing, []
+    if s.lora_bytes:
+        max_loras, rank, lora_dtype = r.lora_slots
+        lines.append(f"LoRA slots per card: --max-loras {max_loras} x --max-lora-rank {rank} in {lora_dtype} over "
+                     f"{s.layers[1] - s.layers[0]} layers' q/k/v/o and gate/up/down = {_size(s.lora_bytes)}")
+    if r.kv_cache_memory is not None:
+        return lines + [f"KV budget per card: --kv-cache-memory = {_size(s.budget_bytes)} ({s.budget_bytes:,} B)"]
+    return lines + [
+        f"Activation reserve: {plan.activation_formula} = {_size(plan.activation_bytes)}",
+        f"KV budget per card: {_size(plan.cards.memory)} x {r.gpu_memory_utilization} - "
+        f"{_size(s.weight_bytes)} weights - "
+        + (f"{_size(s.lora_bytes)} LoRA slots - " if s.lora_bytes else "")
+        + f"{_size(plan.activation_bytes)} activations = {_size(s.budget_bytes)} ({s.budget_bytes:,} B)"]
+
+
 def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
-    r, c, s = plan.sizing, plan.cards, worst_stage(plan)
+    r, s = plan.sizing, worst_stage(plan)
     cfg_line = (f"Model {plan.model} ({plan.architecture}): {plan.total_params:,} decoder parameters, "
                 f"weights {plan.dtype}, KV cache {plan.kv_cache_dtype}, on {r.device}")
     lines = [cfg_line, f"Plan: TP {r.tp} x PP {r.pp} = {r.tp * r.pp} card(s); showing stage {s.stage} "
@@ -71,19 +88,7 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
                  + (f" + MTP head {p.mtp:,}" if p.mtp else ""))
     if plan.experts:
         lines.append(f"  MoE experts per card: {plan.experts}")
-    if s.lora_bytes:
-        max_loras, rank, lora_dtype = r.lora_slots
-        lines.append(f"LoRA slots per card: --max-loras {max_loras} x --max-lora-rank {rank} in {lora_dtype} over "
-                     f"{s.layers[1] - s.layers[0]} layers' q/k/v/o and gate/up/down = {_size(s.lora_bytes)}")
-    if r.kv_cache_memory is not None:
-        lines.append(f"KV budget per card: --kv-cache-memory = {_size(s.budget_bytes)} ({s.budget_bytes:,} B)")
-    else:
-        lines.append(f"Activation reserve: {plan.activation_formula} = {_size(plan.activation_bytes)}")
-        lines.append(f"KV budget per card: {_size(c.memory)} x {r.gpu_memory_utilization} - "
-                     f"{_size(s.weight_bytes)} weights - "
-                     + (f"{_size(s.lora_bytes)} LoRA slots - " if s.lora_bytes else "")
-                     + f"{_size(plan.activation_bytes)} activations = "
-                     f"{_size(s.budget_bytes)} ({s.budget_bytes:,} B)")
+    lines += _budget_lines(plan, s)
     mtp_kv = r.mtp_layers if s.stage == r.pp - 1 else 0
     lines.append(f"KV bytes per token per card: 2 (K, V) x {s.attention_layers} attention layers"
                  + (f" ({mtp_kv} of the MTP head)" if mtp_kv else "") + " x "
