@@ -4,16 +4,16 @@ request; the answer's text is split into reasoning, content and tool calls by th
 tool_choice:
     "none"                 tools reach the template, nothing is parsed
     "auto"                 --enable-auto-tool-choice: the --tool-call-parser reads the model's calls
-    "required"             a grammar forces one (or, with parallel_tool_calls, several) calls in the
-                           parser's own format, with arguments valid against the function's
-                           parameters schema: deterministic even for a tiny model
+    "required"             as vLLM: a JSON schema makes the whole output an array of calls
+                           ([{"name": ..., "parameters": {...}}], one item without
+                           parallel_tool_calls), whatever --tool-call-parser says; finish "tool_calls"
     named                  as vLLM: the function's parameters schema constrains the whole output,
-                           which is that call's arguments JSON; the server builds the call from it
+                           which is that call's arguments JSON; the server builds the call from it;
+                           finish "stop" (OpenAI's answer to a named call)
 """
 
 from __future__ import annotations
 
-import json
 import time
 from typing import AsyncIterator
 
@@ -29,8 +29,9 @@ from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_engine import (
     SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
 )
-from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
+from tengyun.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from tengyun.entrypoints.openai.tool_parsers.named_call import NamedCallParser
+from tengyun.entrypoints.openai.tool_parsers.required_calls import RequiredCallsParser, required_calls_schema
 from tengyun.outputs import CompletionOutput, RequestOutput
 from tengyun.sampling_params import StructuredOutputsParams
 from tengyun.structured_output import after_reasoning
@@ -102,17 +103,11 @@ class OpenAIServingChat(OpenAIServing):
             function = next(f for f in functions if f["name"] == choice.function.name)
             schema = function.get("parameters") or {"type": "object", "properties": {}}
             return NamedCallParser(function["name"]), StructuredOutputsParams(json=schema), "tools"
-        # Forced calls take the configured parser's format (hermes JSON when none is configured).
-        parser = (self.tool_parser_cls or HermesToolParser)(tools)
-        tags = [parser.forced_tag(f["name"], f.get("parameters") or {"type": "object", "properties": {}})
-                for f in functions]
-        if not request.parallel_tool_calls:
-            fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
-        else:
-            fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-                   "stop_after_first": False}
-        tag = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
-        return parser, StructuredOutputsParams(structural_tag=tag), "tools"
+        try:
+            schema = required_calls_schema(functions, request.parallel_tool_calls)
+        except ValueError as e:
+            raise RequestError(str(e), "tools") from None
+        return RequiredCallsParser(tools), StructuredOutputsParams(json=schema), "tools"
 
     async def _full(self, request: ChatCompletionRequest, request_id: str, stream,
                     parsers: list[ChoiceOutputParser]) -> ChatCompletionResponse:
@@ -131,7 +126,8 @@ class OpenAIServingChat(OpenAIServing):
                 message.content = request.echo_text + message.content
             choices.append(ChatCompletionResponseChoice(
                 index=c.index, message=message, logprobs=logprobs,
-                finish_reason=_finish_reason(c.finish_reason, bool(parsed.tool_calls)), stop_reason=c.stop_reason,
+                finish_reason=_finish_reason(c.finish_reason, bool(parsed.tool_calls), request),
+                stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if request.return_token_ids else None))
         usage = self.usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
                            final.num_cached_tokens)
@@ -213,7 +209,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = chat_logprobs(new_tokens, new_logprobs, request.top_logprobs or 0, self.tokens_as_ids(request))
         return ChatCompletionResponseStreamChoice(
             index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
-            finish_reason=_finish_reason(c.finish_reason, num_calls[c.index] > 0), stop_reason=c.stop_reason,
+            finish_reason=_finish_reason(c.finish_reason, num_calls[c.index] > 0, request), stop_reason=c.stop_reason,
             token_ids=new_tokens if request.return_token_ids else None)
 
 
@@ -238,8 +234,11 @@ def _delta(parsed: ParsedOutput, first_index: int, include_reasoning: bool) -> D
                         tool_calls=calls or None)
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if reason == "stop" and called else reason
+def _finish_reason(reason: str | None, called: bool, request: ChatCompletionRequest) -> str | None:
+    """"tool_calls" for calls the model made (auto) or was made to make (required); a call to a
+    named function ends "stop", as OpenAI and vLLM answer it."""
+    named = isinstance(request.tool_choice, NamedToolChoice)
+    return "tool_calls" if reason == "stop" and called and not named else reason
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, as_ids: bool = False) -> ChatCompletionLogProbs:

@@ -11,7 +11,8 @@ import pytest
 
 from tengyun.entrypoints.openai.chat_output import ChoiceOutputParser
 from tengyun.entrypoints.openai.reasoning_parsers import Qwen3ReasoningParser, get_reasoning_parser
-from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, Qwen3CoderToolParser, get_tool_parser
+from tengyun.entrypoints.openai.tool_parsers import HermesToolParser, get_tool_parser
+from tengyun.entrypoints.openai.tool_parsers.required_calls import RequiredCallsParser, required_calls_schema
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -171,23 +172,62 @@ def test_unknown_parser_names_the_flag():
         get_reasoning_parser("nope")
 
 
-@pytest.mark.parametrize("parser_cls, text", [
-    (HermesToolParser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'),
-    (Qwen3CoderToolParser, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-                           "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
-])
-def test_forced_call_grammar_accepts_the_parsers_own_format(parser_cls, text, tiny_tokenizer_dir):
+def _required_matcher(tiny_tokenizer_dir, parallel_tool_calls: bool):
     import xgrammar
     from transformers import AutoTokenizer
 
-    parser = parser_cls(TOOLS)
-    params = TOOLS[0]["function"]["parameters"]
-    tag = {"type": "structural_tag", "format": parser.forced_tag("get_weather", params)}
+    schema = required_calls_schema([t["function"] for t in TOOLS], parallel_tool_calls)
     info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_tokenizer_dir), vocab_size=384)
-    compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag))
-    matcher = xgrammar.GrammarMatcher(compiled)
-    assert matcher.accept_string(text) and matcher.is_completed()
-    assert _calls(ChoiceOutputParser(tool_parser=parser).parse(text)) == [("get_weather", {"city": "Paris", "days": 3})]
+    compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(schema))
+    return xgrammar.GrammarMatcher(compiled)
+
+
+REQUIRED_TWO = ('[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}, '
+                '{"name": "write_file", "parameters": {"path": "a.txt"}}]')
+
+
+def test_required_calls_are_vllms_json_array_of_name_and_parameters(tiny_tokenizer_dir):
+    assert _required_matcher(tiny_tokenizer_dir, True).accept_string(REQUIRED_TWO)
+    parsed = ChoiceOutputParser(tool_parser=RequiredCallsParser(TOOLS)).parse(REQUIRED_TWO)
+    assert (parsed.content, _calls(parsed)) == ("", [("get_weather", {"city": "Paris", "days": 3}),
+                                                     ("write_file", {"path": "a.txt"})])
+    matcher = _required_matcher(tiny_tokenizer_dir, True)  # a name that is not a tool
+    assert not matcher.accept_string('[{"name": "rm_rf", "parameters": {}}]')
+
+
+def test_required_without_parallel_tool_calls_allows_exactly_one_call(tiny_tokenizer_dir):
+    one = REQUIRED_TWO.split(", {")[0] + "]"
+    matcher = _required_matcher(tiny_tokenizer_dir, False)
+    assert matcher.accept_string(one) and matcher.is_completed()
+    assert not _required_matcher(tiny_tokenizer_dir, False).accept_string(REQUIRED_TWO)
+    assert not _required_matcher(tiny_tokenizer_dir, True).accept_string("[]")
+
+
+def test_required_calls_stream_whole_at_the_end_and_a_cut_array_makes_none():
+    parser = ChoiceOutputParser(tool_parser=RequiredCallsParser(TOOLS))
+    calls, content = [], ""
+    for k, ch in enumerate(REQUIRED_TWO):
+        delta = parser.add(ch, finished=k == len(REQUIRED_TWO) - 1)
+        calls += delta.tool_calls
+        content += delta.content
+        assert k == len(REQUIRED_TWO) - 1 or not delta.tool_calls
+    assert content == "" and [c.name for c in calls] == ["get_weather", "write_file"]
+    cut = ChoiceOutputParser(tool_parser=RequiredCallsParser(TOOLS)).parse(REQUIRED_TWO[:40])
+    assert (cut.content, cut.tool_calls) == ("", [])
+
+
+def test_required_schema_hoists_defs_and_refuses_two_different_ones_of_one_name():
+    unit = {"type": "string", "enum": ["c", "f"]}
+    functions = [{"name": "a", "parameters": {"type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}},
+                                              "$defs": {"Unit": unit}}},
+                 {"name": "b", "parameters": {"type": "object", "$defs": {"Unit": unit}}}]
+    schema = required_calls_schema(functions, True)
+    assert schema["$defs"] == {"Unit": unit}
+    assert [set(alt["properties"]["parameters"]) for alt in schema["items"]["anyOf"]] == [{"type", "properties"},
+                                                                                         {"type"}]
+    functions[1]["parameters"]["$defs"] = {"Unit": {"type": "integer"}}
+    with pytest.raises(ValueError, match=r"'\$defs/Unit' twice"):
+        required_calls_schema(functions, True)
 
 
 def test_call_cut_off_after_calls_is_not_content():
@@ -195,13 +235,3 @@ def test_call_cut_off_after_calls_is_not_content():
     parsed = ChoiceOutputParser(tool_parser=HermesToolParser(TOOLS)).parse(text)
     assert (parsed.content, _calls(parsed)) == ("", [("get_weather", {"city": "Oslo"})])
     assert _stream(ChoiceOutputParser(tool_parser=HermesToolParser(TOOLS)), list(text))[1] == ""
-
-
-def test_forced_hermes_call_without_xgrammar_is_a_request_error_naming_the_install(monkeypatch):
-    """tool_choice "required" / named needs xgrammar, the optional `structured` extra: a ValueError
-    (the server's 400) that says what to install, not an ImportError (a 500)."""
-    import sys
-
-    monkeypatch.setitem(sys.modules, "xgrammar", None)
-    with pytest.raises(ValueError, match=r"pip install 'tengyun\[structured\]'"):
-        HermesToolParser(TOOLS).forced_tag("get_weather", {"type": "object"})

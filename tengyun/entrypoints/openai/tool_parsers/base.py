@@ -1,5 +1,5 @@
 """ToolParser: the `<tool_call>...</tool_call>` blocks shared by Qwen's formats; subclasses read one
-block's body (JSON for hermes, XML for qwen3_coder) and say how to force one with a grammar.
+block's body (JSON for hermes, XML for qwen3_coder), a call each.
 
     "Let me check.\\n<tool_call>\\nBODY\\n</tool_call>"  ->  content "Let me check.", calls [parse(BODY)]
 
@@ -46,10 +46,6 @@ class ToolParser:
 
     def parse_call(self, body: str) -> ParsedToolCall | None:
         """One block's body -> a call, or None when it does not parse."""
-        raise NotImplementedError
-
-    def forced_tag(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-        """xgrammar structural-tag format of one call to `name`, arguments per `parameters`."""
         raise NotImplementedError
 
     def body_complete(self, body: str) -> bool:

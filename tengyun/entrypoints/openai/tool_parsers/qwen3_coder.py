@@ -45,13 +45,6 @@ class Qwen3CoderToolParser(ToolParser):
             args[key] = _typed(value, schema.get(key) or {})
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
 
-    def forced_tag(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "tag", "begin": f"{self.start}\n<function={name}>\n",
-                "content": {"type": "json_schema", "json_schema": parameters, "style": "qwen_xml",
-                            "max_whitespace_cnt": 2},
-                "end": f"\n</function>\n{self.end}"}
-
-
 def _typed(value: str, schema: dict[str, Any]) -> Any:
     """'3' as integer -> 3, 'true' as boolean -> True, '[1, 2]' as array -> [1, 2], ' f\n' in enum
     ["c", "f"] -> 'f'; strings stay as written."""
