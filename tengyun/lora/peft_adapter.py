@@ -36,6 +36,10 @@ class LoRAAdapterError(ValueError):
     """An adapter Tengyun cannot serve; the message names the adapter, the module and the fix."""
 
 
+class LoRAAdapterNotFound(LoRAAdapterError):
+    """No adapter at the path (no folder, or no adapter_config.json in it): vLLM's 404 at run time."""
+
+
 @dataclass(frozen=True)
 class ModuleWeights:
     """One targeted module of one decoder layer: its tensors' names in the safetensors file."""
@@ -60,7 +64,10 @@ def read_peft_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int)
     what = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     folder = Path(request.lora_path).expanduser()
     if not (folder / CONFIG_FILE).is_file():
-        raise LoRAAdapterError(f"{what}: no {CONFIG_FILE} there; pass the folder PEFT's save_pretrained wrote.")
+        # vLLM's words ("Loading lora x failed: No adapter found for PATH"), then what is missing
+        raise LoRAAdapterNotFound(f"Loading lora {request.lora_name} failed: No adapter found for "
+                                  f"{request.lora_path}. {what}: no {CONFIG_FILE} there; pass the folder "
+                                  f"PEFT's save_pretrained wrote.")
     config = json.loads((folder / CONFIG_FILE).read_text())
     rank = _check_config(what, config, max_lora_rank)
     weights = folder / WEIGHTS_FILE
@@ -81,15 +88,20 @@ def _check_config(what: str, config: dict, max_lora_rank: int) -> int:
     """The adapter's rank, once adapter_config.json asks for nothing Tengyun does not do."""
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"{what}: peft_type {config['peft_type']!r}; Tengyun serves LORA adapters only.")
+    # the first sentences of the next four are vLLM's (its PEFTHelper's), which clients match on
     if config.get("modules_to_save"):
-        raise LoRAAdapterError(f"{what}: modules_to_save {config['modules_to_save']} (whole modules trained "
-                               f"beside the adapter) is not supported; train it without modules_to_save.")
-    for key, why in (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks"),
+        raise LoRAAdapterError(f"{what}: Tengyun only supports modules_to_save being None; got modules_to_save "
+                               f"{config['modules_to_save']} (whole modules trained beside the adapter): train it "
+                               f"without modules_to_save.")
+    if config.get("use_dora"):
+        raise LoRAAdapterError(f"{what}: Tengyun does not yet support DoRA (use_dora).")
+    for key, why in (("rank_pattern", "per-module ranks"),
                      ("alpha_pattern", "per-module alphas"), ("lora_bias", "a bias on lora_B")):
         if config.get(key):
             raise LoRAAdapterError(f"{what}: {key} ({why}) is not supported.")
     if config.get("bias", "none") != "none":
-        raise LoRAAdapterError(f"{what}: bias {config['bias']!r} (trained base biases) is not supported; "
+        raise LoRAAdapterError(f"{what}: Adapter bias cannot be used without bias_enabled: bias "
+                               f"{config['bias']!r} (trained base biases); Tengyun has no --enable-lora-bias, "
                                f"use bias 'none'.")
     targets = config.get("target_modules")
     if isinstance(targets, list):
@@ -101,8 +113,8 @@ def _check_config(what: str, config: dict, max_lora_rank: int) -> int:
     if not isinstance(rank, int) or rank < 1:
         raise LoRAAdapterError(f"{what}: r must be a positive integer; got {rank!r}.")
     if rank > max_lora_rank:
-        raise LoRAAdapterError(f"{what}: rank {rank} is above --max-lora-rank {max_lora_rank}: start with "
-                               f"--max-lora-rank {_next_rank(rank)}.")
+        raise LoRAAdapterError(f"{what}: LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}: start "
+                               f"with --max-lora-rank {_next_rank(rank)}.")
     return rank
 
 

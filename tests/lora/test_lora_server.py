@@ -111,10 +111,15 @@ def test_load_and_unload_at_run_time_while_another_request_streams(server, adapt
     assert gone.status_code == 404 and "The lora adapter 'chat' cannot be found." in gone.text
 
 
-def test_a_folder_that_is_no_adapter_is_a_400_naming_it(server, tmp_path):
-    bad = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)},
-                     timeout=60)
+def test_no_adapter_at_the_path_is_vllms_404_and_a_bad_adapter_a_400_naming_it(server, tmp_path):
+    load = server.url + "/v1/load_lora_adapter"
+    missing = httpx.post(load, json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=60)
+    assert missing.status_code == 404
+    assert f"Loading lora x failed: No adapter found for {tmp_path}" in missing.json()["error"]["message"]
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "use_dora": true}')
+    bad = httpx.post(load, json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=60)
     assert bad.status_code == 400 and "LoRA adapter 'x'" in bad.json()["error"]["message"]
+    assert "does not yet support DoRA" in bad.json()["error"]["message"]
 
 
 def test_lora_requests_info_names_the_adapters(server):

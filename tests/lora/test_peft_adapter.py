@@ -51,10 +51,11 @@ def test_scaling_is_alpha_over_r_or_over_sqrt_r_with_rslora(tmp_path, spec):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(r=32), ["rank 32 is above --max-lora-rank 16", "--max-lora-rank 32"]),
-    (dict(modules_to_save=["lm_head"]), ["modules_to_save ['lm_head']"]),
+    (dict(r=32), ["LoRA rank 32 is greater than max_lora_rank 16", "--max-lora-rank 32"]),
+    (dict(modules_to_save=["lm_head"]), ["only supports modules_to_save being None", "modules_to_save ['lm_head']"]),
     (dict(modules=("q_proj", "lm_head")), ["target module 'lm_head'"]),
-    (dict(use_dora=True), ["use_dora (DoRA)"]),
+    (dict(use_dora=True), ["does not yet support DoRA (use_dora)"]),
+    (dict(bias="all"), ["Adapter bias cannot be used without bias_enabled", "bias 'all'"]),
     (dict(tensors={"base_model.model.model.embed_tokens.lora_embedding_A": np.zeros((4, 8), np.float32)}),
      ["model.embed_tokens.lora_embedding_A is not a lora_A / lora_B"]),
     (dict(tensors={"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 64), np.float32),

@@ -2,9 +2,10 @@
 TENGYUN_ALLOW_RUNTIME_LORA_UPDATING) set to true, as vLLM does (without it they are 404s):
 
     POST /v1/load_lora_adapter   {"lora_name": "sql", "lora_path": "/adapters/sql"}
-      200 "Success: LoRA adapter 'sql' added successfully."; 400 when the folder is not an adapter
-      Tengyun can serve on this model (the message names the adapter and the module) or the name
-      is taken
+      200 "Success: LoRA adapter 'sql' added successfully."; 404 when there is no adapter at the
+      path (no adapter_config.json: "... No adapter found for PATH", as vLLM); 400 when the folder
+      is not an adapter Tengyun can serve on this model (the message names the adapter and the
+      module) or the name is taken
     POST /v1/unload_lora_adapter {"lora_name": "sql"}
       200 "Success: LoRA adapter 'sql' removed successfully."; 404 for a name not loaded
 """

@@ -17,7 +17,7 @@ from tengyun.config import EngineConfig
 from tengyun.entrypoints.openai.protocol import ModelCard
 from tengyun.entrypoints.openai.request_model import RequestError
 from tengyun.lora.modules import LoRAModulePath, parse_lora_modules
-from tengyun.lora.peft_adapter import read_peft_adapter
+from tengyun.lora.peft_adapter import LoRAAdapterNotFound, read_peft_adapter
 from tengyun.lora.request import LoRARequest
 
 RUNTIME_UPDATES_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "TENGYUN_ALLOW_RUNTIME_LORA_UPDATING")
@@ -75,6 +75,8 @@ class ServingModels:
         lora = LoRARequest(name, next(self._ids), path, base_model_name)
         try:
             read_peft_adapter(lora, self.config.model_spec, self.config.max_lora_rank)
+        except LoRAAdapterNotFound as e:
+            raise RequestError(str(e), "lora_path", status=404) from None
         except ValueError as e:
             raise RequestError(str(e), "lora_path") from None
         self.loras[name] = lora
