@@ -18,8 +18,6 @@ import asyncio
 import logging
 import sys
 
-import uvicorn
-
 from tengyun import __version__
 from tengyun.config import EngineConfig
 from tengyun.engine.engine_process import EngineProcessClient, launch_for_server
@@ -38,11 +36,11 @@ logger = logging.getLogger("tengyun.server")
 
 
 def build_host(config: EngineConfig, server: ServerConfig, engine_process: EngineProcessClient | None = None,
-               models: ServingModels | None = None) -> EngineHost:
+               models: ServingModels | None = None, host_class: type[EngineHost] = EngineHost) -> EngineHost:
     """The server's parts for a finalized EngineConfig; build_app(host) puts routes in front."""
     metrics = EngineMetrics(config, vllm_aliases=not server.disable_vllm_metric_aliases,
                             show_hidden_for=server.show_hidden_metrics_for_version)
-    return EngineHost(config, server, ServerLifecycle(server, metrics.registry), metrics, engine_process, models)
+    return host_class(config, server, ServerLifecycle(server, metrics.registry), metrics, engine_process, models)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -52,6 +50,10 @@ def run_server(args: argparse.Namespace) -> int:
     config = config_from_args(args).finalize()  # fast checks first: bad flags never bind a port
     server.finalize()  # reads --api-key-file and --chat-template: before the engine starts loading
     models = ServingModels.from_flags(config, server.lora_modules)  # --lora-modules' adapters checked
+    if server.api_server_count > 1:  # a supervisor forks the engine process and N API processes
+        from tengyun.entrypoints.openai.api_server_pool import run_api_server_pool
+
+        return run_api_server_pool(config, server, models)
     if config.headless:  # nodes 1..N-1 of a multi-node launch: this node's ranks and /health, /metrics
         from tengyun.entrypoints.openai.headless_server import run_headless_node
 
@@ -68,22 +70,11 @@ def run_server(args: argparse.Namespace) -> int:
 def _serve(config: EngineConfig, server: ServerConfig, engine_process: EngineProcessClient | None,
            models: ServingModels) -> int:
     host = build_host(config, server, engine_process, models)
-    uvicorn_config = uvicorn.Config(
-        build_app(host), host=server.host, port=server.port, uds=server.uds, log_level=server.uvicorn_log_level,
-        access_log=not server.disable_uvicorn_access_log, timeout_graceful_shutdown=5, lifespan="on",
-    )
-    uvicorn_server = DrainingServer(uvicorn_config, host.lifecycle)
+    uvicorn_server = DrainingServer.for_app(build_app(host), server, host.lifecycle)
     logger.info("Tengyun %s starting on %s (/health turns 200 when the model is ready)", __version__,
                 f"unix socket {server.uds}" if server.uds else f"http://{server.host}:{server.port}")
     asyncio.run(uvicorn_server.serve())
-    lifecycle = host.lifecycle
-    if lifecycle.load_error is not None:
-        print(f"error: {lifecycle.load_error}", file=sys.stderr)
-    elif uvicorn_server.exit_code == 1:
-        print(f"error: {lifecycle.engine.dead_error if lifecycle.engine else 'the engine stopped'}", file=sys.stderr)
-    elif not uvicorn_server.started:
-        return 1  # the port could not be bound; uvicorn logged why
-    return uvicorn_server.exit_code
+    return uvicorn_server.outcome()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,13 @@ on another node, say), for DEAD_LINGER_S before the exit, so probes and scrapers
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
 import uvicorn
 
+from tengyun.entrypoints.openai.server_config import ServerConfig
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
 
 logger = logging.getLogger("tengyun.server")
@@ -23,6 +25,25 @@ class DrainingServer(uvicorn.Server):
         self.lifecycle = lifecycle
         self.exit_code = 0
         self._dead_since: float | None = None
+
+    @classmethod
+    def for_app(cls, app: Any, server: ServerConfig, lifecycle: ServerLifecycle, **extra: Any) -> "DrainingServer":
+        """uvicorn serving ``app`` where --host/--port or --uds say; ``extra``: a subclass's own arguments."""
+        return cls(uvicorn.Config(app, host=server.host, port=server.port, uds=server.uds,
+                                  log_level=server.uvicorn_log_level, access_log=not server.disable_uvicorn_access_log,
+                                  timeout_graceful_shutdown=5, lifespan="on"), lifecycle, **extra)
+
+    def outcome(self) -> int:
+        """The exit code once serve() returned; why it is not 0 printed to stderr."""
+        lifecycle = self.lifecycle
+        if lifecycle.load_error is not None:
+            print(f"error: {lifecycle.load_error}", file=sys.stderr)
+        elif self.exit_code == 1:
+            why = lifecycle.engine.dead_error if lifecycle.engine else "the engine stopped"
+            print(f"error: {why}", file=sys.stderr)
+        elif not self.started:
+            return 1  # the port could not be bound; uvicorn logged why
+        return self.exit_code
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.lifecycle.draining or self.should_exit:  # a second signal: stop now

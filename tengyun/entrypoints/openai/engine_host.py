@@ -52,6 +52,7 @@ class EngineHost:
         self.server = server  # finalized: required_api_key and chat_template_text are read
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.scrape_registry = metrics.registry  # what /metrics serves (several API processes: all of theirs)
         self.engine_process = engine_process  # launched before the server started; else a thread here
         self.limits = server.request_limits(config.max_model_len, config.max_num_seqs)
         # the base model and the LoRA adapters a request may name (--lora-modules checked by now)

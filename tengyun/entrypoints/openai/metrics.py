@@ -120,6 +120,8 @@ class EngineMetrics:
             self.registry.register(ExpertLoadCollector(config.served_model_name, self._expert_load_totals))
 
     def _family(self, kind, name: str, doc: str, labels=("model_name",), **kwargs):
+        if kind is Gauge:  # several API processes (multiprocess_metrics.py): the one that sets them wins
+            kwargs.setdefault("multiprocess_mode", "mostrecent")
         family = kind(PREFIX + name, doc, list(labels), registry=self.registry, **kwargs)
         self.families[name] = family
         return family

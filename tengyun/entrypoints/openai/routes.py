@@ -166,7 +166,7 @@ def _add_health_routes(app: FastAPI, host: EngineHost) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(host.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(host.scrape_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict:

@@ -92,6 +92,10 @@ class ServerConfig:
     reasoning_parser: str | None = setting(
         None, group=SERVER, choices=tuple(sorted(REASONING_PARSERS)),
         help="split <think>...</think> into reasoning_content: qwen3")
+    api_server_count: int = setting(
+        1, aliases=("-asc",), group=SERVER, help="API server processes in front of the one engine process, "
+        "all accepting on --port (or --uds): tokenisation, HTTP and streaming spread over N cores "
+        "(docs/production.md)")
     uvicorn_log_level: str = setting(
         "info", group=SERVER, choices=("critical", "error", "warning", "info", "debug", "trace"), help="")
     disable_uvicorn_access_log: bool = setting(False, group=SERVER, help="")
@@ -168,6 +172,11 @@ class ServerConfig:
         if self.device_metrics_interval < 0:
             raise ValueError(f"--device-metrics-interval {self.device_metrics_interval:g}: give seconds between "
                              f"device readings (default 5), or 0 to turn the device gauges off.")
+        if self.api_server_count < 1:
+            raise ValueError(f"--api-server-count {self.api_server_count}: give 1 or more API server processes.")
+        if self.api_server_count > 1 and self.disable_frontend_multiprocessing:
+            raise ValueError("--api-server-count above 1 needs the engine in a process of its own: drop "
+                             "--disable-frontend-multiprocessing or use --api-server-count 1.")
         if self.allow_credentials and "*" in self.allowed_origins:
             # Starlette answers a credentialed request from any Origin by echoing it: every web page a
             # user visits could then call the API with the user's cookies.

@@ -35,9 +35,11 @@ class ServerLifecycle:
         self.aborted_in_flight = False
         self.in_flight = 0  # API requests between arrival and their last byte
         self.generating = 0  # generation requests in flight: GET /load with --enable-server-load-tracking
-        ready = Gauge("tengyun:server_ready", "1 when /health answers 200 (loaded, warm, not draining, engine "
-                      "alive), else 0.", registry=registry)  # for the alerting rules (`tengyun deploy alerts`)
-        ready.set_function(lambda: float(self.unavailable_reason() is None))
+        # for the alerting rules (`tengyun deploy alerts`); livemin: with --api-server-count N, 1 only while
+        # every API process is ready (each sets its own, api_server_pool.py; set_function is not read there)
+        self.ready_gauge = Gauge("tengyun:server_ready", "1 when /health answers 200 (loaded, warm, not draining, "
+                                 "engine alive), else 0.", registry=registry, multiprocess_mode="livemin")
+        self.ready_gauge.set_function(lambda: float(self.unavailable_reason() is None))
 
     def engine_started(self, engine: AsyncEngineBase) -> None:
         self.engine = engine
