@@ -54,10 +54,17 @@ def test_random_workload_counts_match_server_metrics_and_result_is_saved(server,
                  "--dataset", "random", "--input-len", "24", "--output-len", "6", "--num-prompts", "5",
                  "--request-rate", "50", "--max-concurrency", "2", "--ignore-eos",
                  "--goodput", "ttft:600000", "tpot:600000", "--save-result", "--result-dir", str(tmp_path),
-                 "--result-filename", "run.json")
+                 "--result-filename", "run.json", "--server-pid", str(server.proc.pid))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Serving Benchmark Result" in proc.stdout and "Maximum request concurrency:            2" in proc.stdout
     result = json.loads((tmp_path / "run.json").read_text())
+    # the server's own timeline over exactly these 5 requests, from its vllm: histograms
+    assert {k: v["count"] for k, v in result["server_timeline"].items()} == {
+        "queue": 5, "prefill": 5, "decode": 5, "ttft": 5, "e2e": 5}
+    assert "Server timeline (mean per request)" in proc.stdout and "outside the server TTFT" in proc.stdout
+    # the API process and the engine process under it, each with the CPU it spent in the run
+    cpu = result["server_cpu"]
+    assert cpu[0]["pid"] == server.proc.pid and len(cpu) >= 2 and sum(p["cpu_s"] for p in cpu) > 0
     assert (result["completed"], result["failed"]) == (5, 0)
     assert result["input_lens"] == [24] * 5 and result["output_lens"] == [6] * 5
     assert (result["total_input_tokens"], result["total_output_tokens"]) == (120, 30)

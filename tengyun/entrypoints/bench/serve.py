@@ -7,6 +7,9 @@ r"""`tengyun bench serve`: streaming load test of any OpenAI-compatible server (
 Each request streams (`stream_options.include_usage`, so token counts are the server's own);
 TTFT is send -> first chunk, ITL the gaps between chunks, TPOT (E2E - TTFT) / (tokens - 1).
 Random prompts go to /v1/completions as token ids, so every server sees the same prompt length.
+After vLLM's report: the server's own per-request timeline from its /metrics (queue, prefill,
+decode, TTFT means, and the client's TTFT beside it) and, with --server-pid, the CPU seconds of
+each of the server's processes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tengyun.entrypoints.bench.server_observer import ServerObserver
 from tengyun.entrypoints.bench.workload import add_workload_args, build_requests, load_tokenizer
 from tengyun.ops.bench import (
     BenchRequest, RequestResult, arrival_gaps, compute_metrics, format_report, parse_goodput,
@@ -56,6 +60,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--ready-check-timeout-sec", type=float, default=0.0,
                         help="wait this long for the server's /v1/models to answer before starting")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="the server's process id (same machine): report the CPU seconds of it and of "
+                             "every process under it during the run")
+    parser.add_argument("--no-server-timeline", action="store_true",
+                        help="do not read the server's /metrics before and after the run (the per-request "
+                             "queue / prefill / decode / TTFT means of vLLM's histograms)")
 
 
 def request_payload(endpoint: str, model: str, request: BenchRequest, args: argparse.Namespace,
@@ -190,11 +200,16 @@ def run(args: argparse.Namespace) -> int:
     payloads = [request_payload(args.endpoint, request_model, r, args, tokenizer) for r in requests]
     print(f"{len(requests)} requests to {base_url}{args.endpoint} (model {request_model!r}), "
           f"request rate {args.request_rate}, max concurrency {args.max_concurrency}", flush=True)
+    observer = ServerObserver(base_url, api_key, args.server_pid, scrape=not args.no_server_timeline)
+    observer.start()
     results, duration = asyncio.run(run_requests(
         base_url, args.endpoint, payloads, requests, args.request_rate, args.max_concurrency, args.seed, api_key,
         not args.disable_tqdm))
     metrics = compute_metrics(results, duration, slos)
     print(format_report(metrics, max_concurrency=args.max_concurrency, request_rate=args.request_rate))
+    server_lines, server_record = observer.finish(metrics["completed"], metrics["mean_ttft_ms"], duration)
+    print(server_lines)
+    metrics.update(server_record)
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"first error: {errors[0]}")
