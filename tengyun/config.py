@@ -17,6 +17,7 @@ from tengyun.pooling_config import (
     resolve_runner,
 )
 from tengyun.lora.settings import LORA_DTYPES, check_lora_model, check_lora_values
+from tengyun.sizing.data_parallel import check_data_parallel, serving_problem as data_parallel_serving_problem
 from tengyun.sizing.resolve import DEFAULT_MAX_NUM_BATCHED_TOKENS, ResolvedSizing, resolve_sizing
 from tengyun.spec_decode.config import SpeculativeConfig
 from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
@@ -179,6 +180,23 @@ class EngineConfig:
     enable_expert_parallel: bool = setting(
         False, group=PARALLELISM, help="MoE layers: divide the experts whole over the tensor-parallel ranks "
                                        "(num_experts / tp whole experts each) instead of a slice of every expert")
+    # Data parallel (docs/parallelism.md): engine replicas behind one API server, each with tp x pp ranks.
+    data_parallel_size: int = setting(
+        1, aliases=("-dp",), group=PARALLELISM, help="engine replicas behind one API server (`tengyun serve`), each "
+                                                     "with its own tp x pp ranks and KV cache; each request goes to "
+                                                     "the least loaded")
+    data_parallel_size_local: int | None = setting(
+        None, aliases=("-dpl",), group=PARALLELISM, help="replicas on this node (default: --data-parallel-size; "
+                                                         "all of them: replicas on other nodes are not run yet)")
+    data_parallel_start_rank: int = setting(
+        0, aliases=("-dpr",), group=PARALLELISM, help="index of this node's first replica (0: the node that "
+                                                      "serves the API)")
+    data_parallel_address: str | None = setting(
+        None, aliases=("-dpa",), group=PARALLELISM, help="address of the node that serves the API in a multi-node "
+                                                         "data-parallel launch (unused on one node)")
+    data_parallel_rpc_port: int | None = setting(
+        None, aliases=("-dpp",), group=PARALLELISM, help="port the replicas of a multi-node data-parallel launch "
+                                                         "reach the API node on (unused on one node)")
     enable_expert_load_metrics: bool = setting(
         False, group=PARALLELISM, help="export tengyun:expert_load_tokens_total{layer,expert} on /metrics: tokens "
                                        "routed to each expert of each MoE layer (docs/metrics.md); large, off by "
@@ -302,6 +320,7 @@ class EngineConfig:
                              "or pass --node-rank 1 or higher.")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be in 1..65535 (try 29500); got {self.master_port}.")
+        check_data_parallel(self)
         if self.distributed_timeout <= 0:
             raise ValueError(
                 f"--distributed-timeout must be positive seconds (try 300); got {self.distributed_timeout}.")
@@ -346,6 +365,8 @@ class EngineConfig:
                                    check_versions=not self.skip_version_check)
         self.device_type = platform.device_type
         self._resolve_sizing(platform.default_block_size)
+        if problem := data_parallel_serving_problem(self):
+            raise ValueError(problem)
         self._check_expert_load_metrics()
         self._check_quantization()
         check_lora_model(self)

@@ -85,6 +85,10 @@ def launch_for_server(config: Any, fork_safe: bool, disable_frontend_multiproces
     None where the engine runs in a thread of the server process; logs which and why. Call while
     the server process still has one thread."""
     reason = engine_in_thread_reason(fork_safe, disable_frontend_multiprocessing)
+    if getattr(config, "data_parallel_size", 1) > 1:  # replicas, each in an engine process of its own
+        from tengyun.engine.data_parallel_client import launch_replicas
+
+        return launch_replicas(config, reason)
     if reason is not None:
         logger.info("Engine: in a thread of the server process (%s)", reason)
         return None

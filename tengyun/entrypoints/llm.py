@@ -36,6 +36,10 @@ class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward():
 
     def _start(self, config: EngineConfig) -> None:
         _check_not_bootstrapping()
+        if config.data_parallel_size > 1:
+            raise ValueError(f"LLM(data_parallel_size={config.data_parallel_size}) runs one engine in this process; "
+                             f"data-parallel replicas are served by `tengyun serve --data-parallel-size "
+                             f"{config.data_parallel_size}`: use data_parallel_size=1 here, or one LLM per process.")
         self._sampling_defaults = sampling_defaults(config.finalize())  # a bad file fails before the weights load
         self.llm_engine = LLMEngine.from_config(config)
         self._request_ids = itertools.count()

@@ -61,7 +61,7 @@ def launch_node(config: EngineConfig, master_port: int) -> list[_Rank]:
     platform = platform_class(config.device_type)
     method = start_method(platform.fork_safe)
     ranks = node_ranks(config.world_size, config.nnodes, config.node_rank)
-    threads = _threads_per_rank(platform, len(ranks))
+    threads = _threads_per_rank(platform, len(ranks) * local_replicas(config))
     logger.info("Starting ranks %s with %s", list(ranks), method)
     started = []
     for local_rank, rank in enumerate(ranks):
@@ -339,9 +339,15 @@ def _read_joins(handles: list, pipes: dict, joined: set, num_ranks: int, link: N
                 link.report_joined(sorted(joined))
 
 
+def local_replicas(config: EngineConfig) -> int:
+    """Engine replicas on this node (--data-parallel-size-local, else --data-parallel-size): their
+    ranks share the node's cores."""
+    return config.data_parallel_size_local or config.data_parallel_size
+
+
 def _threads_per_rank(platform: type[Platform], local_ranks: int) -> int:
-    """CPU: split the cores between this node's ranks unless OMP_NUM_THREADS says otherwise
-    (0 = leave torch's default). 4 ranks on 16 cores -> 4 threads each."""
+    """CPU: split the cores between this node's ranks (all replicas' under --data-parallel-size)
+    unless OMP_NUM_THREADS says otherwise (0 = leave torch's default). 4 ranks on 16 cores -> 4 threads each."""
     if not platform.ranks_share_host_cores or os.environ.get("OMP_NUM_THREADS"):
         return 0
     return max(1, (os.cpu_count() or 1) // local_ranks)

@@ -25,6 +25,8 @@ NON_DEFAULTS = dict(
     generation_config="vllm", max_logprobs=-1, tensor_parallel_size=2, pipeline_parallel_size=2,
     distributed_executor_backend="mp", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500,
     disable_pipeline_overlap=True, enable_expert_parallel=True, enable_expert_load_metrics=True,
+    data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2, data_parallel_address="10.0.0.1",
+    data_parallel_rpc_port=13345,
     headless=True, distributed_timeout=60.5, numa_bind="off", device_init_timeout=30.0, skip_version_check=True,
     rank_table=str(Path(__file__).parents[1] / "fixtures" / "ops" / "hccl_2x2.json"),  # 2 servers x 2 NPUs
     speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}',

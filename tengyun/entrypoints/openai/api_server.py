@@ -24,7 +24,7 @@ from tengyun.engine.engine_process import EngineProcessClient, launch_for_server
 from tengyun.entrypoints.openai.cli_args import make_arg_parser, server_config_from_args
 from tengyun.entrypoints.openai.draining_server import DrainingServer
 from tengyun.entrypoints.openai.engine_host import EngineHost
-from tengyun.entrypoints.openai.metrics import EngineMetrics
+from tengyun.entrypoints.openai.data_parallel_metrics import engine_metrics
 from tengyun.entrypoints.openai.routes import build_app
 from tengyun.entrypoints.openai.server_config import ServerConfig
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
@@ -38,8 +38,8 @@ logger = logging.getLogger("tengyun.server")
 def build_host(config: EngineConfig, server: ServerConfig, engine_process: EngineProcessClient | None = None,
                models: ServingModels | None = None, host_class: type[EngineHost] = EngineHost) -> EngineHost:
     """The server's parts for a finalized EngineConfig; build_app(host) puts routes in front."""
-    metrics = EngineMetrics(config, vllm_aliases=not server.disable_vllm_metric_aliases,
-                            show_hidden_for=server.show_hidden_metrics_for_version)
+    metrics = engine_metrics(config, vllm_aliases=not server.disable_vllm_metric_aliases,
+                             show_hidden_for=server.show_hidden_metrics_for_version)
     return host_class(config, server, ServerLifecycle(server, metrics.registry), metrics, engine_process, models)
 
 

@@ -147,8 +147,9 @@ class EngineHost:
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         if engine.config.pooling is not None:
             params = PoolingParams()
-        async for _ in engine.generate("warmup", prompt, params):
-            pass
+        for target in getattr(engine, "replicas", None) or [engine]:  # --data-parallel-size: each replica
+            async for _ in target.generate("warmup", prompt, params):
+                pass
 
     async def log_stats_forever(self) -> None:
         while self.stat_logger:

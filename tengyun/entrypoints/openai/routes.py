@@ -93,6 +93,9 @@ def health_json(host: EngineHost, nodes: list[dict] | None = None) -> dict:
         "node": host.device_sampler.node if host.device_sampler else None,
         **(sample.as_json() if sample is not None else {"devices": None, "links": None}),
         **({"nodes": nodes} if host.config.nnodes > 1 else {}),
+        # --data-parallel-size > 1: each replica (vLLM's engine label), alive or why not, and its load
+        **({"data_parallel": host.engine.replica_states()}
+           if host.config.data_parallel_size > 1 and host.engine is not None else {}),
     }
 
 

@@ -50,7 +50,7 @@ class ServerLifecycle:
             return "failed"
         if self.engine is None:
             return "loading"
-        if self.engine.errored:
+        if self.engine.dead_error is not None:  # data parallel: a replica died, the others may finish theirs
             return "dead"
         return "running" if self.ready else "warming_up"
 
@@ -79,7 +79,7 @@ class ServerLifecycle:
 
     def unavailable_reason(self) -> str | None:
         """Why /health and API requests get 503; None when the server takes requests."""
-        if self.engine is not None and self.engine.errored:
+        if self.engine is not None and self.engine.dead_error is not None:
             return f"The engine is not running: {self.engine.dead_error}"
         if self.draining:
             return "The server is shutting down and accepts no new requests."

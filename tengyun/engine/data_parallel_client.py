@@ -1,0 +1,202 @@
+"""DataParallelClient: N engine replicas (--data-parallel-size N) behind one API server, with the
+interface of one engine (AsyncEngineBase), so the server's routes never know there are several.
+
+    API process                          engine processes (forked before the server starts)
+    generate() -> least-loaded replica -> EngineProcessClient i --pipes--> LLMEngine i (own ranks, KV)
+    abort(id)  -> the replica that took id
+    step listeners <- DataParallelStats (the replicas' stats summed, and each one's, by index)
+
+Each replica is a whole engine: its own scheduler, KV cache and tp x pp ranks (CPU: the node's
+cores split between all replicas' ranks, executor/). Replicas share nothing, so a request's
+output is what one engine gives it; a request with n > 1 is one engine request, its sequences on
+one replica.
+
+Routing: each new request goes to the live replica with the fewest requests in flight (waiting +
+running as this server counts them: sent and not finished, exact at once where the replica's own
+stats lag a step), then the lowest KV-cache usage its last step reported; ties go round-robin.
+
+A replica that dies (its process killed, its engine loop failed) fails only its own requests:
+from then on dead_error names it (/health 503, new requests 503), the other replicas' requests in
+flight finish, and ``errored`` turns true (the server exits 1) once none is left. Pure Python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from functools import partial
+from typing import Any, AsyncIterator
+
+from tengyun.engine.async_engine import AsyncEngineBase, EngineDeadError
+from tengyun.engine.data_parallel_stats import combine
+from tengyun.engine.engine_process import SHUTDOWN_GRACE_S, EngineProcessClient
+from tengyun.outputs import RequestOutput, RequestProgress
+from tengyun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def launch_replicas(config: Any, in_thread_reason: str | None) -> "DataParallelClient":
+    """The server's --data-parallel-size engine processes, forked now; ``in_thread_reason``: why the
+    engine would otherwise run in a thread of the server (engine_in_thread_reason), which N replicas
+    cannot: refused naming it."""
+    if in_thread_reason is not None:
+        raise ValueError(f"--data-parallel-size {config.data_parallel_size} runs each replica in an engine process "
+                         f"of its own, forked from the server, but here the engine would run in a thread of the "
+                         f"server ({in_thread_reason}): remove that, or use --data-parallel-size 1.")
+    return DataParallelClient.launch(config)
+
+
+class DataParallelClient(AsyncEngineBase):
+    """One engine's interface over ``replicas`` (see the module doc); replica i is vLLM's engine i."""
+
+    @classmethod
+    def launch(cls, config: Any) -> "DataParallelClient":
+        """Fork the --data-parallel-size engine processes, each loading its replica. Call while this
+        process has one thread (EngineProcessClient.launch); start() and wait_ready() follow."""
+        replicas = [EngineProcessClient.launch(config) for _ in range(config.data_parallel_size)]
+        logger.info("Data parallel: %d engine replicas in processes %s", len(replicas),
+                    ", ".join(str(r.process.pid) for r in replicas))
+        return cls(config, replicas)
+
+    def __init__(self, config: Any, replicas: list[EngineProcessClient]):
+        self.replicas = replicas  # before the base class sets dead_error
+        super().__init__(config, latest_stats=None)
+        self._owner: dict[str, int] = {}  # request_id -> index of the replica serving it
+        self._cursor = 0  # where the round-robin among equally loaded replicas starts next
+        for index, replica in enumerate(replicas):
+            replica.add_step_listener(partial(self._on_replica_step, index))
+
+    # ----- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for replica in self.replicas:
+            replica.start()
+
+    async def wait_ready(self) -> None:
+        """Until every replica has loaded; raises what the first failing one raised."""
+        await asyncio.gather(*(replica.wait_ready() for replica in self.replicas))
+        first = self.replicas[0]
+        self.tokenizer_class = first.tokenizer_class
+        self.memory_reports = [dict(report, engine=index) for index, replica in enumerate(self.replicas)
+                               for report in replica.memory_reports]
+        self.latest_stats = combine([replica.latest_stats for replica in self.replicas], 0)
+
+    def shutdown(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
+        """Stop every replica at once (each: Shutdown, then killed after ``timeout`` s)."""
+        threads = [threading.Thread(target=replica.shutdown, args=(timeout,), daemon=True) for replica in self.replicas]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout + 10.0)
+
+    @property
+    def process(self) -> Any:
+        """Replica 0's engine process (the server's tengyun_engine_process_* metrics describe it)."""
+        return self.replicas[0].process
+
+    @property
+    def start_error(self) -> BaseException | None:
+        return next((r.start_error for r in self.replicas if r.start_error is not None), None)
+
+    @property
+    def dead_error(self) -> str | None:
+        """The first dead replica, named: 'data-parallel engine 1 (pid 4242): The engine process exited ...'."""
+        for index, replica in enumerate(self.replicas):
+            if replica.dead_error is not None:
+                return f"data-parallel engine {index} (pid {replica.process.pid}): {replica.dead_error}"
+        return None
+
+    @dead_error.setter
+    def dead_error(self, value: str | None) -> None:
+        """The base class's initial None; a replica's own death is what counts."""
+
+    @property
+    def errored(self) -> bool:
+        """A replica is dead and the live ones have nothing left in flight: time to exit."""
+        return self.dead_error is not None and not any(
+            replica.num_in_flight for replica in self.replicas if replica.dead_error is None)
+
+    @property
+    def is_healthy(self) -> bool:
+        return all(replica.is_healthy for replica in self.replicas)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(replica.num_in_flight for replica in self.replicas)
+
+    def replica_states(self) -> list[dict]:
+        """Each replica for /health/detail: alive or why not, and its load."""
+        states = []
+        for index, replica in enumerate(self.replicas):
+            stats = replica.latest_stats
+            states.append({
+                "engine": str(index), "pid": replica.process.pid, "alive": replica.dead_error is None,
+                "error": replica.dead_error, "in_flight": replica.num_in_flight,
+                **({"running": stats.num_running, "waiting": stats.num_waiting,
+                    "kv_cache_usage": stats.kv_cache_usage} if stats is not None else {})})
+        return states
+
+    # ----- requests -----------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       arrival_time: float | None = None, first_turn: int = 0,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        """AsyncEngineBase.generate on the least-loaded live replica."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if request_id in self._owner:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        index = self._least_loaded()
+        self._owner[request_id] = index
+        try:
+            stream = self.replicas[index].generate(request_id, prompt, params, arrival_time, first_turn, lora_request)
+            async with contextlib.aclosing(stream):  # closed early: the replica aborts it at once
+                async for output in stream:
+                    yield output
+        finally:
+            self._owner.pop(request_id, None)
+
+    def _least_loaded(self) -> int:
+        """Fewest requests in flight, then lowest KV usage; equals in round-robin order from the cursor.
+        In flight [2, 1, 1], KV [.1, .4, .2] -> 2; [0, 0], cursor 1 -> 1, then cursor 0 -> 0."""
+        n = len(self.replicas)
+        order = [(self._cursor + k) % n for k in range(n) if self.replicas[(self._cursor + k) % n].dead_error is None]
+
+        def load(index: int) -> tuple[int, float]:
+            replica = self.replicas[index]
+            return replica.num_in_flight, replica.latest_stats.kv_cache_usage if replica.latest_stats else 0.0
+
+        best = min(order, key=load)  # the first of the least loaded in this order
+        self._cursor = (best + 1) % n
+        return best
+
+    def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        by_replica: dict[int, list[str]] = {}
+        for rid in ids:
+            if rid in self._owner:
+                by_replica.setdefault(self._owner[rid], []).append(rid)
+        for index, owned in by_replica.items():
+            self.replicas[index].abort(owned)
+
+    def abort_all(self) -> None:
+        for replica in self.replicas:
+            replica.abort_all()
+
+    def replica_for(self, request_id: str) -> int | None:
+        """The replica serving ``request_id`` while it is in flight."""
+        return self._owner.get(request_id)
+
+    # ----- event loop side ----------------------------------------------------------------
+    def _on_replica_step(self, index: int, progress: list[RequestProgress], stats: Any) -> None:
+        if any(replica.latest_stats is None for replica in self.replicas):
+            return  # still loading: the host starts listening once all are ready
+        self.latest_stats = combine([replica.latest_stats for replica in self.replicas], index)
+        for listener in self._listeners:
+            try:
+                listener(progress, self.latest_stats)
+            except Exception:  # a metrics bug must not break serving
+                logger.exception("Step listener %r failed", listener)
+

@@ -1,0 +1,161 @@
+"""`--data-parallel-size 2`: two engine replicas behind one server, on a tiny Qwen3-MoE.
+Requests sent together are spread over both replicas (least load) and get one engine's greedy
+tokens and top-5 logprobs; metrics carry vLLM's engine label per replica; a replica killed with
+SIGKILL turns /health 503 naming it while the other replica's request finishes, then the server
+exits 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from remote_server import MAX_MODEL_LEN, RemoteServer, server_model, start_server  # noqa: F401 (fixtures)
+
+LONG = 1500  # tokens: surely still decoding when the other replica is killed (MAX_MODEL_LEN 2048)
+PROMPTS = [[(11 * i + j) % 290 + 1 for j in range(n)] for i, n in enumerate((3, 17, 40, 9))]
+TOP_K = 5
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory, tiny_tokenizer_dir):
+    from conftest import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("dp_qwen3_moe"), tiny_tokenizer_dir, "qwen3_moe",
+                                max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture
+def dp_server(moe_model, tmp_path):
+    server = RemoteServer(moe_model, ["--data-parallel-size", "2", "--dtype", "float32",
+                                      "--return-tokens-as-token-ids"], tmp_path / "server.log")
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def _one_engine(folder) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """(tokens, top-5 logprobs per step) of each prompt from one engine in this process."""
+    from tengyun import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
+        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.llm_engine.shutdown()
+    return [(o.token_ids, [{t: e.logprob for t, e in step.items()} for step in o.logprobs]) for o in outputs]
+
+
+def _samples(url: str) -> dict:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _running(samples: dict, prefix: str, engine: str) -> float | None:
+    for (name, labels), value in samples.items():
+        if name == f"{prefix}:num_requests_running" and dict(labels).get("engine") == engine:
+            return value
+    return None
+
+
+def _when(value, condition):
+    return value if condition(value) else None
+
+
+def _wait_for(predicate, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"never happened: {what}")
+
+
+def _success(samples: dict, engine: str) -> float:
+    return sum(value for (name, labels), value in samples.items()
+               if name == "vllm:request_success_total" and dict(labels).get("engine") == engine)
+
+
+def _check_same_as_one_engine(client, model: str, server_url: str, reference) -> None:
+    """The PROMPTS sent together: both replicas take some, and every answer is one engine's."""
+    answers: dict[int, object] = {}
+
+    def complete(i: int) -> None:
+        answers[i] = client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=8, temperature=0,
+                                               logprobs=TOP_K, extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=complete, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    samples = _samples(server_url)
+    assert _success(samples, "0") >= 1 and _success(samples, "1") >= 1
+    for i, (tokens, top) in enumerate(reference):
+        logprobs = answers[i].choices[0].logprobs
+        assert [int(t.removeprefix("token_id:")) for t in logprobs.tokens] == tokens
+        for step, want in enumerate(top):
+            got = {int(t.removeprefix("token_id:")): v for t, v in logprobs.top_logprobs[step].items()}
+            for token, logprob in want.items():
+                assert got[token] == pytest.approx(logprob, abs=1e-4), (i, step, token)
+
+
+def test_two_replicas_answer_as_one_engine_route_label_and_survive_one_killed(dp_server, moe_model):
+    server = dp_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    _check_same_as_one_engine(client, model, server.url, _one_engine(moe_model))
+    replicas = httpx.get(server.url + "/health/detail", timeout=10).json()["data_parallel"]
+    assert [r["engine"] for r in replicas] == ["0", "1"] and all(r["alive"] for r in replicas)
+
+    results: dict[int, object] = {}
+
+    def stream(i: int) -> None:
+        try:
+            chunks = client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=LONG, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            results[i] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        except Exception as e:  # noqa: BLE001 - the killed replica's request fails; recorded, checked below
+            results[i] = e
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    threads[0].start()
+    _wait_for(lambda: _running(_samples(server.url), "vllm", "0") == 1, "replica 0 running the first request")
+    threads[1].start()  # replica 0 has one in flight: the least loaded is replica 1
+    both = _wait_for(lambda: _when(_samples(server.url), lambda s: _running(s, "vllm", "1") == 1),
+                     "replica 1 running the second request")
+    assert _running(both, "vllm", "0") == 1 and _running(both, "tengyun", "0") == 1
+    assert _running(both, "tengyun", "1") == 1
+
+    pid = httpx.get(server.url + "/health/detail", timeout=10).json()["data_parallel"][1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    health = _wait_for(lambda: _when(httpx.get(server.url + "/health", timeout=10), lambda r: r.status_code == 503),
+                       "/health 503 after the kill")
+    assert f"data-parallel engine 1 (pid {pid})" in health.text and "SIGKILL" in health.text
+    detail = httpx.get(server.url + "/health/detail", timeout=10).json()
+    assert [r["alive"] for r in detail["data_parallel"]] == [True, False]
+    for thread in threads:
+        thread.join(timeout=300)
+    assert results[0] == "length"  # replica 0's request finished all LONG tokens
+    assert isinstance(results[1], Exception)
+    assert server.wait_exit(timeout=60) == 1
+    assert f"data-parallel engine 1 (pid {pid})" in server.log()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--data-parallel-size", "2", "--data-parallel-size-local", "1"), "--data-parallel-size-local 1 < "),
+    (("--data-parallel-size", "2", "--disable-frontend-multiprocessing"), "--disable-frontend-multiprocessing"),
+])
+def test_data_parallel_layouts_not_run_are_refused_naming_the_flag(start_server, flags, message):
+    server = start_server(*flags)
+    assert server.wait_exit(timeout=120) == 2
+    assert message in server.log()
