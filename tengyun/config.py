@@ -117,6 +117,12 @@ class EngineConfig:
         help="the checkpoint's quantisation format (default: config.json's quantization_config.quant_method; "
              "gguf: a .gguf keeps its quantised blocks instead of loading dequantized; docs/quantization.md)")
     trust_remote_code: bool = setting(False, help="let the tokenizer run Python code from the model folder")
+    skip_tokenizer_init: bool = setting(
+        False, help="load no tokenizer (the folder need not hold one): prompts must be token ids, answers carry "
+                    "token ids and empty text; chat, text prompts, stop strings and structured output are refused")
+    enable_prompt_embeds: bool = setting(
+        False, help="accept prompts as embeddings (prompt_embeds on /v1/completions, {'prompt_embeds': tensor} in "
+                    "LLM.generate); such prompts bypass the prefix cache (docs/prompt_embeds.md)")
     device: str = setting("auto", choices=SUPPORTED_DEVICES,
                           help="auto: the first of npu, cuda, cpu that works here (the log says why)")
     device_init_timeout: float | None = setting(
@@ -350,7 +356,8 @@ class EngineConfig:
         from tengyun.models.model_source import resolve_model
         from tengyun.platforms.startup import device_init_timeout, select_platform
 
-        source = resolve_model(self.model, self.load_format, self.tokenizer, self.quantization)
+        source = resolve_model(self.model, self.load_format, self.tokenizer, self.quantization,
+                               require_tokenizer=not self.skip_tokenizer_init)
         self.model_path = source.folder
         if self.load_format in ("auto", "gguf"):
             self.load_format = source.load_format
@@ -368,6 +375,7 @@ class EngineConfig:
         if problem := data_parallel_serving_problem(self):
             raise ValueError(problem)
         self._check_expert_load_metrics()
+        self._check_prompt_embeds()
         self._check_quantization()
         check_lora_model(self)
         if self.served_model_name is None:
@@ -414,6 +422,19 @@ class EngineConfig:
         if self.enable_expert_load_metrics and self.pipeline_parallel_size > 1:
             raise ValueError("--enable-expert-load-metrics is counted on the sampling rank, which holds only the last "
                              "pipeline stage's layers: use --pipeline-parallel-size 1 or drop the flag.")
+
+    def _check_prompt_embeds(self) -> None:
+        """--enable-prompt-embeds runs with generating models, without a draft model (docs/prompt_embeds.md)."""
+        if not self.enable_prompt_embeds:
+            return
+        if self.runner == "pooling":
+            raise ValueError("--enable-prompt-embeds feeds embeddings to a generating model; --runner pooling "
+                             "models take text or token ids: drop --enable-prompt-embeds.")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp":
+            raise ValueError("--enable-prompt-embeds cannot run with --speculative-config method mtp: the MTP head "
+                             "embeds the prompt's token ids, which an embeddings prompt does not have; use method "
+                             "ngram or drop one of the two.")
 
     def _check_quantization(self) -> None:
         """The checkpoint's quantisation (config.json quantization_config, or --quantization), read

@@ -22,7 +22,9 @@ def get_tokenizer(config: EngineConfig, same_class_as: str | None = None) -> Any
     in the engine process (class_path); the API process loads that class directly, which gives the
     same tokenizer without importing torch (AutoTokenizer imports transformers' configuration
     module, which imports torch: ~180 MiB the front end does not need). Remote code, a class
-    outside transformers or any failure: AutoTokenizer."""
+    outside transformers or any failure: AutoTokenizer. None with --skip-tokenizer-init."""
+    if getattr(config, "skip_tokenizer_init", False):
+        return None
     if same_class_as and not config.trust_remote_code:
         tokenizer = _load_class(same_class_as, config)
         if tokenizer is not None:
@@ -50,15 +52,19 @@ def _load_class(path: str, config: EngineConfig) -> Any:
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
-    """The tokenizer's EOS plus generation_config.json's eos_token_id (int or list)."""
+    """The tokenizer's EOS plus generation_config.json's eos_token_id (int or list); without a
+    tokenizer (--skip-tokenizer-init) config.json's eos_token_id stands in for the tokenizer's."""
     ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is None:
+        ids.update(_eos_ids(config.model_path / "config.json"))
+    elif tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    generation_config = config.model_path / "generation_config.json"
-    if generation_config.exists():
-        value = json.loads(generation_config.read_text()).get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    return ids
+    return ids | _eos_ids(config.model_path / "generation_config.json")
+
+
+def _eos_ids(path) -> set[int]:
+    """A JSON file's eos_token_id (int or list) as a set; empty when the file or the key is missing."""
+    value = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value} if isinstance(value, list) else set()

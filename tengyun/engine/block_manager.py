@@ -133,7 +133,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         for _ in range(self.blocks_needed(seq, num_new_tokens + len(cached_blocks) * self.block_size)):
             seq.block_table.append(self._take_free_block())
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.prompt_embeds is None:  # placeholder ids: nothing to share
             cached_tokens = len(cached_blocks) * self.block_size
             num_full = (seq.num_computed_tokens + cached_tokens + num_new_tokens - num_unverified) // self.block_size
             self._register_full_blocks(seq, num_full)

@@ -24,6 +24,7 @@ from tengyun.lora.peft_adapter import read_peft_adapter
 from tengyun.lora.request import LoRARequest
 from tengyun.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput, RequestProgress
 from tengyun.pooling_params import PoolingParams
+from tengyun.prompt_embeds import PromptEmbeds
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
 from tengyun.spec_decode.drafter import Drafter
 from tengyun.spec_decode.stats import SpecDecodeStats
@@ -100,7 +101,8 @@ class LLMEngine:
                    check_structured_outputs=lambda spec: grammar_compiler_for_config(config).compile(spec))
 
     # ----- requests -----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+    def add_request(self, request_id: str, prompt: str | list[int] | PromptEmbeds,
+                    params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, first_turn: int = 0,
                     lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue a request. Raises ValueError naming the bad field; then nothing
@@ -116,6 +118,9 @@ class LLMEngine:
             raise ValueError("This server runs a pooling model (--runner pooling): it answers /v1/embeddings, "
                              "/pooling, /classify, /score and /rerank, not text generation.")
         text, token_ids = self._tokenize(prompt)
+        embeds = prompt if isinstance(prompt, PromptEmbeds) else None
+        if embeds is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not compatible with prompt embeds.")  # vLLM's words
         params = self._resolve_params(params, len(token_ids))
         self._check_lora(lora_request)
         if params.structured_outputs is not None and self.check_structured_outputs is not None:
@@ -126,10 +131,10 @@ class LLMEngine:
             child = (params if params.n == 1 or params.seed is None
                      else dataclasses.replace(params, seed=params.seed + index))
             seq = Sequence(next(self._seq_ids), request_id, index, token_ids, child, arrival_order=0,
-                           turn=first_turn + index, lora_request=lora_request)
+                           turn=first_turn + index, lora_request=lora_request, prompt_embeds=embeds)
             seq.arrival_order = seq.seq_id
             request.seqs.append(seq)
-            request.detokenizers.append(IncrementalDetokenizer(self.tokenizer, token_ids, child))
+            request.detokenizers.append(IncrementalDetokenizer(self.tokenizer, [] if embeds else token_ids, child))
             self.seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -175,10 +180,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_progress) or bool(self._in_flight)
 
-    def _tokenize(self, prompt: str | list[int], pooling: PoolingParams | None = None) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int] | PromptEmbeds,
+                  pooling: PoolingParams | None = None) -> tuple[str | None, list[int]]:
         """(text, token ids), checked against the vocabulary and --max-model-len; a pooling
-        request's truncated to its truncate_prompt_tokens first (the last k tokens, as vLLM)."""
-        if isinstance(prompt, str):
+        request's truncated to its truncate_prompt_tokens first (the last k tokens, as vLLM).
+        Embeddings: checked against the model, one placeholder id per row."""
+        if isinstance(prompt, PromptEmbeds):
+            prompt.check_against_model(self.config.enable_prompt_embeds, self.config.model_spec.hidden_size)
+            token_ids, text = prompt.placeholder_token_ids(), None
+        elif isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("You cannot pass text prompts when `skip_tokenizer_init` is True: send token ids, or "
+                             "start without --skip-tokenizer-init.")
+        elif isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
         elif isinstance(prompt, Mapping):  # LLM.generate's {"prompt_token_ids": [...]} form, one level up
@@ -233,6 +246,8 @@ class LLMEngine:
         """Checked against --max-logprobs and the vocabulary; logprobs -1 becomes the vocabulary
         size, so the worker reads counts only."""
         params.check_against_model(self.config.max_logprobs, self.vocab_size)
+        if self.tokenizer is None:
+            params = _without_text(params)
         room = self.config.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = set() if params.ignore_eos else set(self.eos_token_ids)
@@ -385,8 +400,8 @@ class LLMEngine:
             entry.setdefault(token, Logprob(value, top_rank, self._piece(token)))
         return entry
 
-    def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _piece(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _retire(self, request: Request) -> None:
         request.metrics.finished_time = time.time()
@@ -423,6 +438,16 @@ class LLMEngine:
             running_loras=_lora_names(self.scheduler.running),
             waiting_loras=_lora_names(self.scheduler.waiting),
         )
+
+
+def _without_text(params: SamplingParams) -> SamplingParams:
+    """--skip-tokenizer-init: no detokenizing; what needs text is refused (as vLLM)."""
+    if params.stop:
+        raise ValueError("stop strings are only supported when detokenize is True: without a tokenizer "
+                         "(--skip-tokenizer-init) use stop_token_ids.")
+    if params.structured_outputs is not None:
+        raise ValueError("Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'.")
+    return dataclasses.replace(params, detokenize=False)
 
 
 def _lora_names(seqs) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tengyun.lora.request import LoRARequest
+from tengyun.prompt_embeds import PromptEmbeds
 from tengyun.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class NewSeqData:
     state_slot: int = -1  # hybrid models: the StatePool slot of its recurrent state (-1: none)
     lora_request: LoRARequest | None = field(default=None, kw_only=True)  # its adapter; None: the base model
     pooling_params: Any = None  # a pooling request's PoolingParams (resolved); None: it samples
+    # Its prompt as embeddings (rows for token_ids[:num_prompt_tokens], which are placeholders); None: ids.
+    prompt_embeds: PromptEmbeds | None = field(default=None, kw_only=True)
 
 
 @dataclass

@@ -200,7 +200,7 @@ class Scheduler:
             out.new_seqs.append(
                 NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
                            list(seq.block_table), num_cached, seq.sampling_params, slot, seq.pooling_params,
-                           lora_request=seq.lora_request)
+                           lora_request=seq.lora_request, prompt_embeds=seq.prompt_embeds)
             )
             self._seqs_on_worker.add(seq.seq_id)
             out.num_scheduled_tokens[seq.seq_id] = num_new

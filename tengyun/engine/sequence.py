@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from tengyun.lora.request import LoRARequest
 from tengyun.outputs import FinishReason, SampleLogprobs
 from tengyun.pooling_params import PoolingParams
+from tengyun.prompt_embeds import PromptEmbeds
 from tengyun.sampling_params import SamplingParams
 
 
@@ -55,6 +56,9 @@ class Sequence:
     lora_request: LoRARequest | None = None
     # A pooling request's (resolved): prefill only, finished by the step that computes its last token.
     pooling_params: PoolingParams | None = None
+    # An embeddings prompt (--enable-prompt-embeds): prompt_token_ids are its placeholders; the
+    # worker embeds only the outputs. Its blocks are neither looked up nor cached (prompt_embeds.py).
+    prompt_embeds: PromptEmbeds | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -83,7 +87,10 @@ class Sequence:
     @property
     def uses_prefix_cache(self) -> bool:
         """False for prompt logprobs (as vLLM): a cached block's positions produce no logits; nor
-        for a pooling request that pools every row (MEAN, CLS, ALL)."""
+        for a pooling request that pools every row (MEAN, CLS, ALL); nor for embeddings prompts,
+        whose placeholder ids say nothing of their KV (as vLLM)."""
+        if self.prompt_embeds is not None:
+            return False
         if self.pooling_params is not None and not self.pooling_params.uses_prefix_cache:
             return False
         return self.sampling_params.prompt_logprobs is None

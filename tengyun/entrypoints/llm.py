@@ -58,8 +58,9 @@ class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward():
                  lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]},
-        or a list of those. sampling_params: one for all, one per prompt, or None for
+        prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]} /
+        {"prompt_embeds": tensor [seq_len, hidden_size]} (LLM(enable_prompt_embeds=True);
+        docs/prompt_embeds.md), or a list of those. sampling_params: one for all, one per prompt, or None for
         get_default_sampling_params(). lora_request: the adapter for all, one per prompt (None: the
         base model), or None; needs LLM(enable_lora=True) (docs/lora.md).
         """
@@ -182,8 +183,13 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-def _prompt_value(prompt: PromptType) -> str | list[int]:
+def _prompt_value(prompt: PromptType) -> Any:
+    """A string, token ids, or (vLLM's EmbedsPrompt {"prompt_embeds": tensor}) a PromptEmbeds."""
     if isinstance(prompt, dict):
+        if "prompt_embeds" in prompt:
+            from tengyun.prompt_embeds_codec import from_tensor
+
+            return from_tensor(prompt["prompt_embeds"])
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         return prompt["prompt"]

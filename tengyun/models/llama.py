@@ -112,10 +112,13 @@ class LlamaModel(nn.Module):
         self.norm = norm_cls(hidden, spec.rms_norm_eps, dtype) if is_last_pp_rank() else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        """Last stage: hidden states [T, hidden]; earlier stages: [hidden, residual] for the next."""
+                intermediate: IntermediateTensors | None = None, *,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        """Last stage: hidden states [T, hidden]; earlier stages: [hidden, residual] for the next.
+        inputs_embeds [T, hidden] (first stage): used instead of embedding input_ids."""
         if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             hidden, residual = intermediate
         for layer in self.layers[self.start_layer:self.end_layer]:
@@ -147,9 +150,15 @@ class LlamaForCausalLM(nn.Module):
         return lambda i: LlamaDecoderLayer(spec, max_position, dtype, self.make_mlp(spec, i, dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        """input_ids, positions [T] -> hidden states [T, hidden] (or [hidden, residual] before the last stage)."""
-        return self.model(input_ids, positions, intermediate)
+                intermediate: IntermediateTensors | None = None, *,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] -> hidden states [T, hidden] (or [hidden, residual] before the last
+        stage); inputs_embeds [T, hidden] (prompt embeddings): the first stage's input instead of input_ids."""
+        return self.model(input_ids, positions, intermediate, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> their embeddings [T, hidden] (first stage; a collective under TP)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] in the head's dtype on TP rank 0 (the sampler and

@@ -67,13 +67,14 @@ def cache_dir() -> Path:
 
 def resolve_model(
     model: str | None, load_format: str = "auto", tokenizer: str | Path | None = None,
-    quantization: str | None = None,
+    quantization: str | None = None, require_tokenizer: bool = True,
 ) -> ModelSource:
     """Turn --model (None, an embedded hub id, a .gguf file or an HF folder) into local folders.
 
     `tokenizer` (--tokenizer) replaces the model folder as the place tokenizer files must be.
     `quantization` (--quantization) "gguf" converts a .gguf keeping its quantised blocks
     (tengyun/quantization/gguf.py); otherwise a .gguf is dequantized to float32 once.
+    `require_tokenizer` False (--skip-tokenizer-init): the folder need hold no tokenizer files.
     """
     keep = quantization == "gguf"
     if load_format not in LOAD_FORMATS:
@@ -85,7 +86,7 @@ def resolve_model(
         gguf_file = smollm2_gguf() if hub_id == SMOLLM2_HUB_ID else qwen_coder_gguf()
         folder = convert_gguf(gguf_file, keep)
         name = SMOLLM2_HUB_ID.split("/")[1] if model is None else hub_id
-        return _with_tokenizer(folder, weights_format, name, tokenizer)
+        return _with_tokenizer(folder, weights_format, name, tokenizer, require_tokenizer)
 
     path = Path(model).expanduser()
     if not path.exists():
@@ -95,7 +96,7 @@ def resolve_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"--model {path} is a file but not a .gguf; pass a .gguf file or an HF model folder")
-        return _with_tokenizer(convert_gguf(path, keep), weights_format, path.stem, tokenizer)
+        return _with_tokenizer(convert_gguf(path, keep), weights_format, path.stem, tokenizer, require_tokenizer)
 
     ggufs = sorted(path.glob("*.gguf"))
     has_safetensors = any(path.glob("*.safetensors"))
@@ -106,7 +107,7 @@ def resolve_model(
                 f"--load-format gguf needs exactly one .gguf file in {path}, found {found}; "
                 f"pass the .gguf file itself as --model"
             )
-        return _with_tokenizer(convert_gguf(ggufs[0], keep), weights_format, path.name, tokenizer)
+        return _with_tokenizer(convert_gguf(ggufs[0], keep), weights_format, path.name, tokenizer, require_tokenizer)
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json; pass an HF model folder or a .gguf file")
@@ -115,12 +116,14 @@ def resolve_model(
             f"model folder {path} has no *.safetensors weights; pass --load-format dummy for random weights, "
             f"or a folder with safetensors weights, or a .gguf file"
         )
-    return _with_tokenizer(path, weights_format, path.name, tokenizer)
+    return _with_tokenizer(path, weights_format, path.name, tokenizer, require_tokenizer)
 
 
-def _with_tokenizer(folder: Path, load_format: str, name: str, tokenizer: str | Path | None) -> ModelSource:
+def _with_tokenizer(folder: Path, load_format: str, name: str, tokenizer: str | Path | None,
+                    require_tokenizer: bool = True) -> ModelSource:
     tokenizer_folder = Path(tokenizer).expanduser() if tokenizer is not None else folder
-    check_tokenizer_folder(tokenizer_folder, from_tokenizer_flag=tokenizer is not None)
+    if require_tokenizer:
+        check_tokenizer_folder(tokenizer_folder, from_tokenizer_flag=tokenizer is not None)
     return ModelSource(folder=folder, tokenizer_folder=tokenizer_folder, load_format=load_format, default_name=name)
 
 

@@ -27,6 +27,7 @@ from tengyun.sampling_params import SamplingParams
 from tengyun.spec_decode.verify import accepted_tokens
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
+from tengyun.worker.prompt_embeds_rows import PromptEmbedsRows
 from tengyun.worker.sampling_inputs import SamplingInputs
 from tengyun.worker.spec_state import RecurrentStateSnapshots
 from tengyun.worker.state_cache import StateSnapshotRows
@@ -78,6 +79,7 @@ class ModelRunner:
         self.device = device
         # Pipeline parallel: activations in from the previous stage, out to the next.
         self.stage = stage or PipelineStage(0, torch.float32, device)
+        self.prompt_embeds = PromptEmbedsRows(model, device, self.stage.is_first)  # --enable-prompt-embeds
         self.sampler = Sampler()
         if kernels is not None:
             bind_kernels(self.sampler, kernels)
@@ -125,11 +127,13 @@ class ModelRunner:
         if self.spec_drafts and self.state_snapshots.layers:
             self.state_snapshots.save([self.states[i].state_slot for i in self.spec_drafts],
                                       [self.spec_backups[i] for i in self.spec_drafts])
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch.meta):
+        inputs_embeds = self.prompt_embeds.inputs_embeds(batch.input_ids, batch.chunks)
+        if inputs_embeds is None and self.decode_graphs is not None and self.decode_graphs.fits(batch.meta):
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
             with attention_metadata(batch.meta), lora_batch(self._lora_batch(batch)):
-                hidden = self.model(batch.input_ids, batch.positions, self.stage.receive(len(batch.input_ids)))
+                hidden = self.model(batch.input_ids, batch.positions, self.stage.receive(len(batch.input_ids)),
+                                    inputs_embeds=inputs_embeds)
         if sched.state_saves:
             self.snapshot_rows.save(sched.state_saves)
         if not self.stage.is_last:
@@ -205,12 +209,14 @@ class ModelRunner:
             self.states.pop(seq_id, None)
             self.grammar.discard(seq_id)
             self.pooled_rows.discard(seq_id)
+            self.prompt_embeds.discard(seq_id)
         for new in sched.new_seqs:
             self.states[new.seq_id] = SeqState(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
                 new.num_computed_tokens, new.sampling_params, new.state_slot, new.pooling_params,
             )
             self.states[new.seq_id].lora = new.lora_request
+            self.prompt_embeds.add(new.seq_id, new.prompt_embeds)
             self.grammar.add(new.seq_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:])
         self.spec_drafts, self.spec_backups, self.step_tables = {}, {}, {}
         for cached in sched.cached_seqs:
