@@ -38,6 +38,9 @@ class PromptEmbeds:
     def num_tokens(self) -> int:
         return int(self.data.shape[0])
 
+    def __len__(self) -> int:  # prompt tokens, as len(token_ids) counts them
+        return self.num_tokens
+
     @property
     def hidden_size(self) -> int:
         return int(self.data.shape[1])

@@ -143,7 +143,7 @@ class EngineHost:
     async def _warm_up(engine: AsyncEngineBase, tokenizer: Any) -> None:
         """One short generation (a pooling model: one pooling request) through the whole path, so the
         first user request is not slow."""
-        prompt = tokenizer.encode("Hello, warm-up.", add_special_tokens=False) or [0]
+        prompt = (tokenizer.encode("Hello, warm-up.", add_special_tokens=False) if tokenizer else None) or [0]
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         if engine.config.pooling is not None:
             params = PoolingParams()

@@ -86,7 +86,10 @@ class ModelList(OpenAIBaseModel):
 
 # ----- /v1/completions -------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # --enable-prompt-embeds: base64 of torch.save()d [seq_len, hidden_size] tensors, answered before
+    # the prompts (as vLLM); completion_embeds.py reads them.
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -102,6 +105,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of is not supported by this server; set it equal to n or remove it.")
         if self.logprobs is not None and self.logprobs < 0:  # no -1 here, as vLLM
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}.")
+        if self.prompt is None and not self.prompt_embeds:
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")  # vLLM's words
         return self
 
     @property
@@ -111,8 +116,11 @@ class CompletionRequest(SamplingFields):
         return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
-        """"a" -> ["a"], [1, 2] -> [[1, 2]], ["a", "b"] and [[1], [2]] unchanged."""
+        """"a" -> ["a"], [1, 2] -> [[1, 2]], ["a", "b"] and [[1], [2]] unchanged; none beside
+        prompt_embeds when the prompt is missing or "" (as vLLM)."""
         prompt = self.prompt
+        if prompt is None or (prompt == "" and self.prompt_embeds):
+            return []
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
         if not prompt:

@@ -14,6 +14,7 @@ from tengyun.entrypoints.openai.protocol import (
     MIN_LOGPROB, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
     CompletionStreamResponse, prompt_logprobs_json,
 )
+from tengyun.entrypoints.openai.completion_embeds import load_prompt_embeds
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_engine import (
     SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
@@ -25,10 +26,13 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """Validates everything before the first engine call: bad input raises RequestError."""
         lora = self.check_model(request.model)
+        config = self.engine.config  # embeddings prompts first, as vLLM answers them
+        embeds = await load_prompt_embeds(request, config.enable_prompt_embeds, config.model_spec.hidden_size,
+                                          self.max_model_len)
         prompts = request.prompts()
-        check_sequence_counts(self.limits, request.n, len(prompts))
-        token_lists = [self.truncate_prompt(await self.tokenize_prompt(p, request.add_special_tokens),
-                                            request.truncate_prompt_tokens) for p in prompts]
+        check_sequence_counts(self.limits, request.n, len(embeds) + len(prompts))
+        token_lists = embeds + [self.truncate_prompt(await self.tokenize_prompt(p, request.add_special_tokens),
+                                                     request.truncate_prompt_tokens) for p in prompts]
         max_tokens = [request.max_tokens if request.max_tokens_set else
                       self.default_max_tokens(len(ids), request.max_tokens) for ids in token_lists]
         for ids, limit in zip(token_lists, max_tokens):
@@ -37,8 +41,8 @@ class OpenAIServingCompletion(OpenAIServing):
         await self.check_structured_outputs(spec, source)
         params = [request.to_sampling_params(limit, spec, self.sampling_defaults) for limit in max_tokens]
         self.check_against_model(params[0], "logprobs")
-        echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if request.echo else ""
-                      for p in prompts]
+        echo_texts = [""] * len(embeds) + [(p if isinstance(p, str) else self.text_of(p)) if request.echo else ""
+                                           for p in prompts]
         request_id = self.response_id("cmpl", request)
         # Prompt i's n sequences take turns i * n ... i * n + n - 1 in the round-robin between requests.
         streams = [self.engine.generate(f"{request_id}-{i}", ids, p, first_turn=i * request.n, lora_request=lora)
@@ -133,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
                        ) -> CompletionLogProbs:
         """The prompt's logprobs (offsets from 0), then the completion's."""
         prompt = completion_logprobs(prompt_token_ids, prompt_logprobs or [], request.logprobs, 0,
-                                     decode=lambda token: self.tokenizer.decode([token]),
+                                     decode=lambda token: self.text_of([token]),
                                      as_ids=self.tokens_as_ids(request))
         if completion is not None:
             for name in CompletionLogProbs.model_fields:

@@ -54,7 +54,10 @@ class OpenAIServing:
                          total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
     def tokens_as_ids(self, request: Any) -> bool:
-        """return_tokens_as_token_ids: the request's own value, else --return-tokens-as-token-ids."""
+        """return_tokens_as_token_ids: the request's own value, else --return-tokens-as-token-ids;
+        always without a tokenizer (--skip-tokenizer-init), which leaves tokens no text."""
+        if self.tokenizer is None:
+            return True
         own = request.return_tokens_as_token_ids
         return self.frontend.return_tokens_as_token_ids if own is None else own
 
@@ -92,10 +95,14 @@ class OpenAIServing:
             self.check_token_ids(prompt, "prompt")
         return list(prompt)
 
+    def text_of(self, token_ids: list[int]) -> str:
+        """The ids' text; "" without a tokenizer (--skip-tokenizer-init), as vLLM echoes then."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
     def detokenize(self, token_ids: list[int]) -> str:
         """/detokenize, in the tokenizer thread: the ids' text; a 400 naming the ids out of range."""
         self.check_token_ids(token_ids, "tokens")
-        return self.tokenizer.decode(token_ids)
+        return self.worker.require_tokenizer("tokens").decode(token_ids)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -137,6 +144,7 @@ class OpenAIServing:
         rendered in the tokenizer thread under --chat-template-timeout."""
         self.check_request_template(chat_template, chat_template_kwargs)
         template = chat_template or self.chat_template
+        self.worker.require_tokenizer("messages")
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("The model has no chat template: start the server with --chat-template "
                                "or use /v1/completions.", "messages")

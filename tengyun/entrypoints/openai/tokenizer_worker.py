@@ -15,6 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from tengyun.entrypoints.openai.request_model import RequestError
+
 TEMPLATE_FILENAME = "<template>"  # the filename jinja gives the Python code it compiles a template into
 
 
@@ -32,13 +34,23 @@ class TokenizerWorker:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return await self.run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    def require_tokenizer(self, param: str) -> Any:
+        """The tokenizer; a 400 naming ``param`` when the server runs without one (--skip-tokenizer-init)."""
+        if self.tokenizer is None:
+            raise RequestError(f"This server runs with --skip-tokenizer-init: it has no tokenizer, so {param} "
+                               f"cannot be text (send the prompt as token ids to /v1/completions), nor can it "
+                               f"render chat templates. Unable to get tokenizer because skip_tokenizer_init is True.",
+                               param)
+        return self.tokenizer
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        return await self.run(self.require_tokenizer(param).encode, text, add_special_tokens=add_special_tokens)
 
     async def apply_chat_template(self, conversation: list[dict], **kwargs: Any) -> str:
         """tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs); RenderTimeout
         once the template's own code has run template_timeout_s."""
-        render = functools.partial(self.tokenizer.apply_chat_template, conversation, tokenize=False, **kwargs)
+        tokenizer = self.require_tokenizer("messages")
+        render = functools.partial(tokenizer.apply_chat_template, conversation, tokenize=False, **kwargs)
         return await self.run(call_with_template_deadline, render, self.template_timeout_s)
 
     def shutdown(self) -> None:
