@@ -169,8 +169,10 @@ class PoolSupervisor:
         code = member.exitcode
         if code == 0 and self.drain.is_set():
             return
-        if self.failure is None:
-            self.failure = code if code and code > 0 else 1
+        if self.failure is not None:  # the first failure was logged; the rest follow it
+            logger.info("API server process %s (pid %d) exited (code %s)", member.name, member.pid, code)
+            return
+        self.failure = code if code and code > 0 else 1
         logger.error("API server process %s (pid %d) exited (code %s): the other API processes drain and the "
                      "server exits %d", member.name, member.pid, code, self.failure)
         self.drain.set()
