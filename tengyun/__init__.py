@@ -1,5 +1,6 @@
 """Tengyun: LLM inference and serving for Qwen-family models."""
 
+from tengyun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tengyun.config import EngineConfig
 from tengyun.lora.request import LoRARequest
 from tengyun.outputs import CompletionOutput, RequestOutput
@@ -18,4 +19,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "LoRARequest", "__version__"]
+           "LoRARequest", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]

@@ -6,6 +6,11 @@ chain of hashes and share blocks. A sequence's first block hangs off its LoRA ad
 (``root_hash``): the same tokens under another adapter (or the base model) have other KV, so
 chains of different adapters never meet. Blocks whose reference count drops to zero keep their
 hash and stay reusable until they are evicted, least recently freed first.
+
+Beam search forks a sequence (``fork``): the child references every block of its parent. A
+block is written by at most one sequence: before a sequence writes into a partly filled block
+others reference too, it gets a copy of it (``allocate``'s copy on write; the worker copies the
+KV of ``take_copies()`` before the step's forward pass).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class BlockManager:
         # ref_count == 0 blocks; the front is evicted first. Hashed blocks join at the back.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next step
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found
         # Called with a block's hash when the block leaves the prefix cache (hybrid models drop
@@ -112,7 +118,8 @@ class BlockManager:
         reused_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         cached_tokens = len(cached_blocks) * self.block_size
         new_blocks = self.blocks_needed(seq, cached_tokens + num_new_tokens) - len(cached_blocks)
-        return new_blocks + reused_free <= self.num_free_blocks
+        copies = 1 if num_new_tokens and self._shared_write_block(seq) is not None else 0
+        return new_blocks + reused_free + copies <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),
                  num_unverified: int = 0) -> None:
@@ -131,12 +138,25 @@ class BlockManager:
                 del self.free_queue[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
+        if num_new_tokens:
+            self._copy_on_write(seq)
         for _ in range(self.blocks_needed(seq, num_new_tokens + len(cached_blocks) * self.block_size)):
             seq.block_table.append(self._take_free_block())
         if self.enable_prefix_caching and seq.prompt_embeds is None:  # placeholder ids: nothing to share
             cached_tokens = len(cached_blocks) * self.block_size
             num_full = (seq.num_computed_tokens + cached_tokens + num_new_tokens - num_unverified) // self.block_size
             self._register_full_blocks(seq, num_full)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (parent's tokens and more) references every block of ``parent``."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references. Tail blocks go to the front of the eviction queue
@@ -164,6 +184,25 @@ class BlockManager:
         del seq.block_table[keep:]
 
     # ----- internals --------------------------------------------------------------------
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in seq's block table of the partly filled block its next token goes to, when other
+        sequences reference it too (forked beams); else None. 8 tokens a block, 13 computed ->
+        block 1, if shared; 16 computed -> None (the next token starts a new block)."""
+        index, offset = divmod(seq.num_computed_tokens, self.block_size)
+        if offset and index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        index = self._shared_write_block(seq)
+        if index is None:
+            return
+        src = self.blocks[seq.block_table[index]]
+        src.ref_count -= 1  # still >= 1: another sequence keeps it
+        dst = self._take_free_block()
+        seq.block_table[index] = dst
+        self.pending_copies.append((src.block_id, dst))
+
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]

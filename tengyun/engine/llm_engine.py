@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from tengyun.config import EngineConfig
+from tengyun.beam_search import BeamSearchParams
+from tengyun.engine.beam_engine import BeamSearchEngineMixin
+from tengyun.engine.beam_request import BeamRequest
 from tengyun.engine.detokenizer import IncrementalDetokenizer
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.engine.request import Request
@@ -60,7 +63,7 @@ class EngineStats:
     expert_load: dict[tuple[int, int], int] | None = None
 
 
-class LLMEngine:
+class LLMEngine(BeamSearchEngineMixin):  # beam search: engine/beam_engine.py
     def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor, eos_token_ids: set[int],
                  check_structured_outputs: Callable[[Any], Any] | None = None):
         self.config = config
@@ -114,6 +117,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if isinstance(params, PoolingParams):
             return self._add_pooling_request(request_id, prompt, params, arrival_time, first_turn)
+        if isinstance(params, BeamSearchParams):  # one RequestOutput at the end, beams best first
+            return self._add_beam_request(request_id, prompt, params, arrival_time, first_turn, lora_request)
         if self.config.pooling is not None:
             raise ValueError("This server runs a pooling model (--runner pooling): it answers /v1/embeddings, "
                              "/pooling, /classify, /score and /rerank, not text generation.")
@@ -315,6 +320,12 @@ class LLMEngine:
             if seq is None or seq.is_finished:
                 continue
             request = self.requests[seq.request_id]
+            if isinstance(request, BeamRequest):
+                self._receive_beam(seq, request, result)
+                if request.round_complete:
+                    self._advance_beams(request, now)
+                    changed[request.request_id] = request
+                continue
             for index, token_id in enumerate(token_ids):  # > 1 token: accepted speculative drafts
                 if seq.is_finished:
                     break  # a stop among them drops the rest

@@ -51,6 +51,8 @@ class SchedulerOutput:
     # snapshot rows, (snapshot row, slot) before the model runs and (slot, snapshot row) after.
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Beam search: KV block copies (src, dst), made before the model runs (BlockManager copy on write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

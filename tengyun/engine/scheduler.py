@@ -34,6 +34,7 @@ class Scheduler:
             self.block_manager.on_evict = self.snapshots.evict
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order; the last is preempted first
+        self.parked: dict[int, Sequence] = {}  # beam search: beams that reported their round (park)
         self._seqs_on_worker: set[int] = set()
         self._freed_seq_ids: list[int] = []
         self.num_preemptions = 0
@@ -66,10 +67,46 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        self.parked.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
         self._free_state(seq)
         self._forget_on_worker(seq)
+
+    def park(self, seq: Sequence) -> None:
+        """Beam search: take a running beam that reported its round out of the schedule, its
+        blocks kept until the beams forked from it hold them too (finish frees them), or until
+        blocks run out (_drop_parked)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
+        self.parked[seq.seq_id] = seq
+        self._forget_on_worker(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Beam search: ``child`` (parent's tokens plus one) runs next, sharing parent's blocks and
+        KV: it computes only its last token. The worker learns of it when it is first scheduled.
+        A parent whose blocks were dropped forks a child that recomputes, as a preempted one."""
+        if not parent.block_table:
+            child.num_preemptions = 1  # ahead of new requests (Scheduler.add)
+            self.add(child)
+            return
+        self.block_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=lambda s: s.arrival_order)
+
+    def _drop_parked(self) -> bool:
+        """Free the blocks of the latest parked beam (its children will recompute), when blocks
+        run out: parked beams hold blocks but cannot be preempted. False when none is left."""
+        holding = [seq for seq in self.parked.values() if seq.block_table]
+        if not holding:
+            return False
+        seq = max(holding, key=lambda s: s.arrival_order)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        self.num_preemptions += 1
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,6 +137,7 @@ class Scheduler:
         out.freed_seq_ids, self._freed_seq_ids = self._freed_seq_ids, []
         if self.snapshots is not None:
             out.state_restores, out.state_saves = self.snapshots.take_copies()
+        out.block_copies = self.block_manager.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, max_seqs: int) -> bool:
@@ -117,6 +155,8 @@ class Scheduler:
             drafts = self._drafts_for(seq, num_new, budget)
             num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
+                if self._drop_parked():
+                    continue
                 # The latest-arrived not in flight: seq itself at the latest, so at index >= i.
                 victim = next(s for s in reversed(self.running) if s.seq_id not in self._in_flight)
                 self._preempt(victim)
@@ -133,9 +173,14 @@ class Scheduler:
             backup = self.state_pool.allocate(_backup_key(seq)) if drafts and self.state_pool is not None else -1
             if not drafts:  # a step with drafts ends on unverified tokens: no snapshot of its state
                 self._save_state(seq, num_new)
-            out.cached_seqs.append(
-                CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:], seq.num_computed_tokens, drafts, backup)
-            )
+            if seq.seq_id in self._seqs_on_worker:
+                out.cached_seqs.append(CachedSeqData(seq.seq_id, seq.block_table[num_blocks_before:],
+                                                     seq.num_computed_tokens, drafts, backup))
+            else:  # a forked beam (fork): new to the worker, its tokens but the last already in KV
+                out.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                                               list(seq.block_table), seq.num_computed_tokens, seq.sampling_params,
+                                               lora_request=seq.lora_request))
+                self._seqs_on_worker.add(seq.seq_id)
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
             self._note_lora(seq)
@@ -181,6 +226,8 @@ class Scheduler:
                 num_new = budget
             num_new = self._align(seq, num_cached, num_new, kv_hit_tokens)
             if not self.block_manager.can_allocate(seq, num_new, cached_blocks):
+                if not self.running and self._drop_parked():  # else running ones will free blocks
+                    continue
                 break
             if self.state_pool is not None and not self.state_pool.can_allocate():
                 break

@@ -15,6 +15,7 @@ from tengyun.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"  # a beam that reported its round: blocks kept for the beams forked from it
     FINISHED = "finished"
 
 

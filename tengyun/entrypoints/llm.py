@@ -15,6 +15,7 @@ from typing import Any, Sequence as Seq
 
 from tengyun.config import EngineConfig
 from tengyun.engine.llm_engine import LLMEngine
+from tengyun.entrypoints.llm_beam_search import LLMBeamSearchMixin
 from tengyun.entrypoints.llm_pooling import LLMPoolingMixin
 from tengyun.generation_config import sampling_defaults
 from tengyun.lora.request import LoRARequest
@@ -24,7 +25,7 @@ from tengyun.sampling_params import RequestOutputKind, SamplingParams
 PromptType = str | list[int] | dict[str, Any]
 
 
-class LLM(LLMPoolingMixin):  # embed(), classify(), score(), encode(), reward(): llm_pooling.py
+class LLM(LLMPoolingMixin, LLMBeamSearchMixin):  # embed() ...: llm_pooling.py; beam_search(): llm_beam_search.py
     def __init__(self, model: str | None = None, **engine_args: Any):
         self._start(EngineConfig(model=model, **engine_args))
 

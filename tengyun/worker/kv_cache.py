@@ -21,6 +21,17 @@ def allocate_kv_cache(model: nn.Module, shape: KVCacheShape, num_blocks: int, bl
     return cache
 
 
+def copy_kv_blocks(model: nn.Module, copies: list[tuple[int, int]]) -> None:
+    """Copy whole KV blocks, (src, dst) pairs, in every attention layer: [(3, 7)] -> block 7 of each
+    layer's k and v cache holds what block 3 does."""
+    for layer in model.modules():
+        if isinstance(layer, Attention) and layer.k_cache.numel():
+            src = torch.tensor([s for s, _ in copies], device=layer.k_cache.device)
+            dst = torch.tensor([d for _, d in copies], device=layer.k_cache.device)
+            layer.k_cache[dst] = layer.k_cache[src]
+            layer.v_cache[dst] = layer.v_cache[src]
+
+
 def release_kv_cache(model: nn.Module) -> None:
     """Every attention layer unbound from its cache (as built), so that the cache can be freed."""
     for layer in model.modules():

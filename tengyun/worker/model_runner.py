@@ -27,6 +27,7 @@ from tengyun.sampling_params import SamplingParams
 from tengyun.spec_decode.verify import accepted_tokens
 from tengyun.worker.decode_graphs import DecodeGraphs
 from tengyun.worker.grammar_state import GrammarState
+from tengyun.worker.kv_cache import copy_kv_blocks
 from tengyun.worker.prompt_embeds_rows import PromptEmbedsRows
 from tengyun.worker.sampling_inputs import SamplingInputs
 from tengyun.worker.spec_state import RecurrentStateSnapshots
@@ -122,6 +123,8 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
+        if sched.block_copies:  # beam search's copy on write, before any KV is written
+            copy_kv_blocks(self.model, sched.block_copies)
         if sched.state_restores:
             self.snapshot_rows.restore(sched.state_restores)
         if self.spec_drafts and self.state_snapshots.layers:
