@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pooling_checkpoints import RERANKER_OVERRIDES, embed_checkpoint, reranker_checkpoint  # noqa: F401  (fixtures)
+from pooling_checkpoints import (  # noqa: F401  (fixtures)
+    RERANKER_OVERRIDES, classify_checkpoint, embed_checkpoint, reranker_checkpoint,
+)
 from test_pooling_vs_hf import PROMPTS, hf_hidden
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
@@ -83,6 +85,49 @@ def test_long_input_refused_with_vllm_wording_or_truncated(embed_server):
     kept = httpx.post(embed_server.url + "/v1/embeddings", headers=auth(),
                       json={"input": ids, "truncate_prompt_tokens": 10}, timeout=60)
     assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 10
+
+
+def test_truncation_past_max_model_len_and_to_zero_as_vllm(embed_server):
+    def embed(truncate):
+        return httpx.post(embed_server.url + "/v1/embeddings", headers=auth(),
+                          json={"input": PROMPTS[0], "truncate_prompt_tokens": truncate}, timeout=60)
+    too_many = embed(65)
+    assert too_many.status_code == 400
+    assert too_many.json()["error"]["message"] == ("truncate_prompt_tokens value is greater than max_model_len. "
+                                                   "Please, select a smaller truncation size.")
+    nothing = embed(0)  # vLLM keeps no token: no data, no tokens
+    assert nothing.status_code == 200
+    assert nothing.json()["data"] == [] and nothing.json()["usage"]["prompt_tokens"] == 0
+    empty = httpx.post(embed_server.url + "/v1/embeddings", headers=auth(), json={"input": []}, timeout=60)
+    assert empty.status_code == 200 and empty.json()["data"] == [] and empty.json()["usage"]["prompt_tokens"] == 0
+
+
+def test_messages_embed_the_chat_template_rendering(client, embed_server, embed_checkpoint):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": PROMPTS[1]}]
+    chat = httpx.post(embed_server.url + "/v1/embeddings", headers=auth(),
+                      json={"messages": messages, "encoding_format": "float"}, timeout=60).json()
+    text = AutoTokenizer.from_pretrained(embed_checkpoint).apply_chat_template(messages, tokenize=False)
+    # vLLM's chat form adds no special tokens on top of the template; the plain form's default does
+    plain = client.embeddings.create(model=None, input=text, encoding_format="float",
+                                     extra_body={"add_special_tokens": False})
+    assert chat["usage"]["prompt_tokens"] == plain.usage.prompt_tokens
+    assert chat["data"][0]["embedding"] == pytest.approx(plain.data[0].embedding, abs=1e-6)
+    both = httpx.post(embed_server.url + "/v1/embeddings", headers=auth(),
+                      json={"messages": messages, "input": "a"}, timeout=60)
+    assert both.status_code == 400 and "either input" in both.json()["error"]["message"]
+
+
+def test_invocations_route_pooling_bodies_by_shape(client, embed_server):
+    body = {"input": PROMPTS[1], "encoding_format": "float"}
+    direct = httpx.post(embed_server.url + "/v1/embeddings", headers=auth(), json=body, timeout=60).json()
+    routed = httpx.post(embed_server.url + "/invocations", headers=auth(), json=body, timeout=60).json()
+    assert routed["data"][0]["embedding"] == pytest.approx(direct["data"][0]["embedding"], abs=1e-6)
+    pair = {"text_1": PROMPTS[0], "text_2": PROMPTS[1]}
+    score = httpx.post(embed_server.url + "/score", headers=auth(), json=pair, timeout=60).json()
+    routed = httpx.post(embed_server.url + "/invocations", headers=auth(), json=pair, timeout=60).json()
+    assert routed["data"][0]["score"] == pytest.approx(score["data"][0]["score"], abs=1e-6)
 
 
 def test_pooling_routes_need_the_api_key(embed_server):
@@ -163,8 +208,26 @@ def test_classify_and_bad_score_bodies(rerank_server):
 
 def test_bad_embedding_bodies_get_a_400_naming_the_field(embed_server):
     for body, words in (({"input": "a", "priority": 1}, "priority is not supported"),
-                        ({"input": []}, "input must not be empty"),
                         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
                         ({"input": [[1, 2], []]}, "input must not be empty")):
         answer = httpx.post(embed_server.url + "/v1/embeddings", headers=auth(), json=body, timeout=60)
         assert answer.status_code == 400 and words in answer.json()["error"]["message"], answer.text
+
+
+@pytest.fixture(scope="module")
+def classify_server(classify_checkpoint, tmp_path_factory):  # noqa: F811
+    yield from running_server(classify_checkpoint, ["--max-model-len", "64", "--dtype", "float32"],
+                              tmp_path_factory.mktemp("classify_server") / "server.log")
+
+
+def test_a_classifier_of_several_labels_classifies_but_does_not_score(classify_server):
+    body = {"input": [PROMPTS[0], PROMPTS[1]]}
+    classified = httpx.post(classify_server.url + "/classify", json=body, timeout=60).json()
+    assert [d["num_classes"] for d in classified["data"]] == [3, 3]
+    routed = httpx.post(classify_server.url + "/invocations", json=body, timeout=60).json()
+    assert [d["probs"] for d in routed["data"]] == [d["probs"] for d in classified["data"]]
+    for path, payload, api in (("/score", {"text_1": "a", "text_2": "b"}, "Score"),
+                               ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank")):
+        answer = httpx.post(classify_server.url + path, json=payload, timeout=60)
+        assert answer.status_code == 400 and f"does not support {api} API" in answer.json()["error"]["message"]
+        assert "3 label(s)" in answer.json()["error"]["message"]

@@ -5,11 +5,11 @@ Jina's and Cohere's shape)."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from tengyun.entrypoints.openai.protocol import UsageInfo
+from tengyun.entrypoints.openai.protocol import ChatMessage, UsageInfo
 from tengyun.entrypoints.openai.request_model import OpenAIBaseModel, RequestBody, RequestError
 from tengyun.pooling_params import PoolingParams
 
@@ -37,16 +37,37 @@ class PoolingFields(RequestBody):
 
 
 def prompt_list(value: PromptInput, field: str) -> list[str | list[int]]:
-    """"a" -> ["a"], [1, 2] -> [[1, 2]], ["a", "b"] and [[1], [2]] as they are; empty refused."""
+    """"a" -> ["a"], [1, 2] -> [[1, 2]], ["a", "b"] and [[1], [2]] as they are; [] -> [] (vLLM answers
+    an empty list with no data); an empty token list inside a list refused."""
     if isinstance(value, str) or (value and isinstance(value[0], int)):
         return [value]
-    if not value or any(isinstance(v, list) and not v for v in value):
+    if any(isinstance(v, list) and not v for v in value):
         raise RequestError(f"{field} must not be empty.", field)
     return list(value)
 
 
-class EmbeddingRequest(PoolingFields):
-    input: PromptInput
+class ChatInputFields(RequestBody):
+    """vLLM's chat form of /v1/embeddings and /pooling: ``messages`` rendered by the chat template
+    (the request's, --chat-template, or the tokenizer's) instead of ``input``; special tokens are
+    not added on top of the template unless add_special_tokens says so (vLLM's default)."""
+
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _input_or_messages(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("Give either input (texts or token ids) or messages (a conversation), not both.")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return self
+
+
+class EmbeddingRequest(PoolingFields, ChatInputFields):
+    input: PromptInput | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # Matryoshka models only
     normalize: bool | None = None

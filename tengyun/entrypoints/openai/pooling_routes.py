@@ -1,10 +1,11 @@
 """The pooling routes (docs/pooling.md), vLLM's paths: POST /v1/embeddings, /pooling, /classify,
 /score and /v1/score, /rerank, /v1/rerank and /v2/rerank. Behind the same gate as /v1/* (API key,
-body size, readiness); a generative server answers them 400 naming --runner pooling."""
+body size, readiness); a generative server answers them 400 naming --runner pooling. POST /invocations
+on a pooling server picks one of them from the body (pooling_invocation)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -12,6 +13,7 @@ from fastapi.responses import Response
 from tengyun.entrypoints.openai.pooling_protocol import (
     ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest,
 )
+from tengyun.entrypoints.openai.request_model import RequestError
 from tengyun.entrypoints.openai.responses import respond, until_disconnect
 
 SCORE_PATHS = ("/score", "/v1/score")
@@ -43,3 +45,21 @@ def add_pooling_routes(app: FastAPI, host: Any) -> None:
         app.post(path)(score)
     for path in RERANK_PATHS:
         app.post(path)(rerank)
+
+
+def pooling_invocation(host: Any, body: dict, validate: Callable[[type, dict], Any]) -> Awaitable:
+    """SageMaker's /invocations on a pooling server, as vLLM routes it: a score body (text_1, text_2)
+    to /score, a rerank body (query, documents) to /rerank, and an input or messages body to the
+    route of the model's conversion (embed: /v1/embeddings, classify: /classify, reward: /pooling)."""
+    serving = host.pooling
+    if "text_1" in body:
+        return serving.create_score(validate(ScoreRequest, body))
+    if "query" in body:
+        return serving.create_rerank(validate(RerankRequest, body))
+    if "input" in body or "messages" in body:
+        request_type, create = {"embed": (EmbeddingRequest, serving.create_embedding),
+                                "classify": (ClassificationRequest, serving.create_classify),
+                                "reward": (PoolingRequest, serving.create_pooling)}[host.config.pooling.convert]
+        return create(validate(request_type, body))
+    raise RequestError("/invocations on a pooling model takes an embeddings, classify or pooling body (input or "
+                       "messages), a score body (text_1, text_2) or a rerank body (query, documents).", "input")

@@ -60,6 +60,15 @@ class OpenAIServingPooling(OpenAIServing):
                                "down); send it again.", status=503)
         return [finals[i] for i in range(len(prompts))]
 
+    def keeps_no_tokens(self, truncate_prompt_tokens: int | None) -> bool:
+        """vLLM's pooling routes: truncate_prompt_tokens above --max-model-len is a 400 in its words,
+        before anything is tokenized; 0 keeps no token of any input, so nothing is pooled (an answer
+        with no data and 0 prompt tokens)."""
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens > self.max_model_len:
+            raise RequestError("truncate_prompt_tokens value is greater than max_model_len. Please, select a "
+                               "smaller truncation size.", "truncate_prompt_tokens")
+        return truncate_prompt_tokens == 0
+
     def pooling_usage(self, outputs: list[PoolingRequestOutput]) -> UsageInfo:
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         return UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
@@ -68,10 +77,23 @@ class OpenAIServingPooling(OpenAIServing):
         """(the answer's id, the pooled outputs) of a request whose ``input`` holds the prompts: one
         id for the engine's requests and the answer."""
         self.check_model(request.model)
-        prompts = prompt_list(request.input, "input")
         response_id = self.response_id(prefix, request)
+        if self.keeps_no_tokens(request.truncate_prompt_tokens):
+            return response_id, []
+        add_special_tokens, field = request.add_special_tokens, "input"
+        if getattr(request, "messages", None) is not None:
+            prompts = [await self.render_chat(request.messages, request.add_generation_prompt,
+                                              request.continue_final_message, request.chat_template,
+                                              request.chat_template_kwargs)]
+            # the template holds BOS and friends: special tokens on top only when asked (vLLM's default)
+            add_special_tokens = "add_special_tokens" in request.model_fields_set and request.add_special_tokens
+            field = "messages"
+        else:
+            prompts = prompt_list(request.input, "input")
+        if not prompts:  # vLLM answers an empty list with no data and 0 tokens
+            return response_id, []
         outputs = await self.pool(response_id, prompts, [request.to_pooling_params()] * len(prompts),
-                                  request.add_special_tokens, "input")
+                                  add_special_tokens, field)
         return response_id, outputs
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:

@@ -46,6 +46,12 @@ class OpenAIServingScore(OpenAIServingPooling):
                           second: str | list[str], field: str) -> tuple[list[float], int]:
         """(score per pair, prompt tokens run)."""
         require_runner(self.engine.config, "pooling")
+        pooling = self.engine.config.pooling
+        if not (pooling.convert == "embed" or (pooling.convert == "classify" and pooling.num_labels == 1)):
+            api = "Score" if field == "text_2" else "Rerank"
+            raise RequestError(f"The model does not support {api} API: a score is one number, and this model is "
+                               f"{pooling.describe()}; serve a one-label cross-encoder (a reranker) or an "
+                               f"embedding model, or use /classify.")
         try:
             pairs = score_pairs(first, second)
         except ValueError as e:

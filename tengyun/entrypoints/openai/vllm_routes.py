@@ -1,6 +1,6 @@
 """Routes vLLM serves beside the OpenAI ones: GET /load, GET /tokenizer_info (with
 --enable-tokenizer-info-endpoint) and POST /invocations (SageMaker's single entry point: the
-body's shape picks chat or completions)."""
+body's shape picks chat or completions, or on a pooling server one of the pooling routes)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from tengyun.entrypoints.openai.pooling_routes import pooling_invocation
 from tengyun.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from tengyun.entrypoints.openai.responses import respond, until_disconnect
 
@@ -34,7 +35,9 @@ def add_vllm_routes(app: FastAPI, host: Any) -> None:
     @app.post("/invocations")
     async def invocations(raw_request: Request):
         body = await _json_object(raw_request)
-        if "messages" in body:
+        if host.config.pooling is not None:
+            work = pooling_invocation(host, body, _validated)
+        elif "messages" in body:
             request = _validated(ChatCompletionRequest, body)
             work = host.chat.create_chat_completion(request)
         elif "prompt" in body:
