@@ -41,6 +41,13 @@ def smallest_fit(config: ModelSpec | dict[str, Any], sizing: ResolvedSizing, car
 
 
 # ----- the report ---------------------------------------------------------------------------
+def layout_name(r: ResolvedSizing) -> str:
+    """"TP 8 x PP 4", or with data parallelism "DP 4 x TP 8 x PP 1 (EP 32)"."""
+    if r.dp == 1:
+        return f"TP {r.tp} x PP {r.pp}"
+    return f"DP {r.dp} x TP {r.tp} x PP {r.pp}" + (f" (EP {r.expert_ranks})" if r.expert_parallel else "")
+
+
 def _size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
 
@@ -70,7 +77,7 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
     r, s = plan.sizing, worst_stage(plan)
     cfg_line = (f"Model {plan.model} ({plan.architecture}): {plan.total_params:,} decoder parameters, "
                 f"weights {plan.dtype}, KV cache {plan.kv_cache_dtype}, on {r.device}")
-    lines = [cfg_line, f"Plan: TP {r.tp} x PP {r.pp} = {r.tp * r.pp} card(s); showing stage {s.stage} "
+    lines = [cfg_line, f"Plan: {layout_name(r)} = {r.dp * r.tp * r.pp} card(s); showing stage {s.stage} "
                        f"(layers {s.layers[0]}-{s.layers[1] - 1}), the one that holds the fewest KV blocks"]
     if r.pp > 1:
         lines.append("Layers per stage: " + " / ".join(str(st.layers[1] - st.layers[0]) for st in plan.stages)
@@ -109,14 +116,16 @@ def report_lines(plan: Plan, fit: tuple[int, int] | None) -> list[str]:
         blocks_per_seq = -(-plan.max_model_len // r.block_size)
         lines.append(f"Max concurrent sequences at {plan.max_model_len:,} tokens: min(--max-num-seqs "
                      f"{r.max_num_seqs}, {plan.blocks:,} // {blocks_per_seq:,} blocks"
-                     + (", state slots" if plan.hybrid else "") + f") = {plan.max_concurrency}")
+                     + (", state slots" if plan.hybrid else "") + f") = {plan.max_concurrency}"
+                     + (f" per replica; {r.dp} replicas: {r.dp * plan.max_concurrency:,} in all" if r.dp > 1 else ""))
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"--max-model-len {plan.max_model_len:,} {verdict}" + (
         "" if plan.fits or not plan.weights_fit else
         f": the cache holds {plan.cache_tokens:,} tokens; lower --max-model-len to {plan.cache_tokens:,} "
         f"or add cards"))
-    lines.append("Smallest TP x PP that fits: " + (f"{fit[0]} x {fit[1]} = {fit[0] * fit[1]} card(s)" if fit
-                                                  else f"none up to {MAX_CARDS} cards"))
+    per_replica = f" per replica (DP {r.dp})" if r.dp > 1 else ""
+    lines.append(f"Smallest TP x PP{per_replica} that fits: "
+                 + (f"{fit[0]} x {fit[1]} = {fit[0] * fit[1]} card(s)" if fit else f"none up to {MAX_CARDS} cards"))
     lines.extend(f"Note: {n}" for n in plan.notes)
     return lines
 
@@ -126,7 +135,8 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
     return {
         "model": plan.model, "architecture": plan.architecture, "total_params": plan.total_params, "dtype": plan.dtype,
         "kv_cache_dtype": plan.kv_cache_dtype, "device": r.device, "tensor_parallel_size": r.tp,
-        "pipeline_parallel_size": r.pp,
+        "pipeline_parallel_size": r.pp, "data_parallel_size": r.dp, "expert_parallel_size":
+            r.expert_ranks if r.expert_parallel else None,
         "device_memory": plan.cards.memory, "gpu_memory_utilization": r.gpu_memory_utilization,
         "kv_cache_memory": r.kv_cache_memory, "block_size": r.block_size, "max_model_len": plan.max_model_len,
         "activation_bytes": plan.activation_bytes, "weight_scale": plan.weight_scale,
@@ -142,6 +152,7 @@ def plan_json(plan: Plan, fit: tuple[int, int] | None) -> dict[str, Any]:
             "state_snapshots": s.state_snapshots,
         } for s in plan.stages],
         "blocks": plan.blocks, "cache_tokens": plan.cache_tokens, "max_concurrency": plan.max_concurrency,
+        "max_concurrency_all_replicas": r.dp * plan.max_concurrency,
         "fits": plan.fits, "smallest_fit": list(fit) if fit else None, "notes": plan.notes,
     }
 

@@ -6,7 +6,9 @@ heads only when asked for, ``mtp_layers``: --speculative-config method mtp). Und
 parallelism column/row-parallel weights split by tp, KV projections keep max(1, kv_heads / tp)
 heads per rank (replicated when tp > kv heads), embeddings and LM head are vocab-parallel, MoE
 experts split by tp (a slice of every expert, or with --enable-expert-parallel whole experts: the
-same count per rank, expert_split says which), norms and routers replicate.
+same count per rank, expert_split says which), norms and routers replicate. Under data parallelism
+every replica holds all of that again, except expert-parallel experts, which are divided among all
+dp x tp ranks (``expert_ranks``): 512 experts over DP 4 x TP 8 = 16 whole experts per card.
 """
 
 from __future__ import annotations
@@ -48,29 +50,37 @@ def linear_attention_params(spec: ModelSpec, tp: int) -> int:
             + _split(value_dim * h, tp))
 
 
-def mlp_params(spec: ModelSpec, tp: int, layer: int) -> int:
+def mlp_params(spec: ModelSpec, tp: int, layer: int, expert_ranks: int | None = None) -> int:
     """Dense SwiGLU MLP (gate, up, down) or the MoE block (experts, router, shared expert and
-    its gate) of one layer on one rank."""
+    its gate) of one layer on one rank. ``expert_ranks`` (default tp): the ranks the routed experts
+    are divided among, dp x tp under data and expert parallelism (whole experts each)."""
     h = spec.hidden_size
     if not spec.sparse_layers[layer]:
         return _split(3 * h * spec.intermediate_size, tp)
     moe = spec.moe
-    n = moe.num_experts * _split(3 * h * moe.intermediate_size, tp) + moe.num_experts * h
+    if expert_ranks is None or expert_ranks == tp:
+        n = moe.num_experts * _split(3 * h * moe.intermediate_size, tp) + moe.num_experts * h
+    else:
+        n = moe.num_experts // expert_ranks * 3 * h * moe.intermediate_size + moe.num_experts * h
     if moe.shared_intermediate_size:
         n += _split(3 * h * moe.shared_intermediate_size, tp) + h
     return n
 
 
-def expert_split(spec: ModelSpec, tp: int, expert_parallel: bool) -> str | None:
+def expert_split(spec: ModelSpec, tp: int, expert_parallel: bool, dp: int = 1) -> str | None:
     """How one MoE layer's routed experts lie on a card, worked out; None without experts.
-    Either way a card holds num_experts x 3 x hidden x moe_intermediate / tp expert parameters."""
+    Either way a card holds num_experts x 3 x hidden x moe_intermediate / (tp, or dp x tp under
+    data and expert parallelism) expert parameters."""
     moe, h = spec.moe, spec.hidden_size
     if moe is None:
         return None
     experts, inter = moe.num_experts, moe.intermediate_size
     if expert_parallel:
-        local = experts // tp
-        return (f"{experts} experts / {tp} EP ranks (--enable-expert-parallel) = {local} whole experts x 3 x {h} x "
+        ranks = tp * dp
+        local = experts // ranks
+        group = f"{ranks} EP ranks (DP {dp} x TP {tp}, --enable-expert-parallel)" if dp > 1 else \
+            f"{ranks} EP ranks (--enable-expert-parallel)"
+        return (f"{experts} experts / {group} = {local} whole experts x 3 x {h} x "
                 f"{inter} = {local * 3 * h * inter:,} params per MoE layer")
     return (f"all {experts} experts, each a {inter} / {tp} = {inter // tp}-row slice (tensor parallel; "
             f"--enable-expert-parallel: whole experts) x 3 x {h} = {experts * 3 * h * (inter // tp):,} params "
@@ -108,7 +118,7 @@ def mtp_params(spec: ModelSpec, tp: int, num_layers: int, own_embedding: bool) -
 
 
 def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: bool = False,
-                 mtp_layers: int = 0, pooling: bool = False) -> StageParams:
+                 mtp_layers: int = 0, pooling: bool = False, expert_ranks: int | None = None) -> StageParams:
     """Per-rank parameters of pipeline stage ``stage`` (its layers: spec.stage_layers). The first
     stage holds the embedding; the last the final norm and LM head (tied embeddings still need
     the LM head on the last stage when pp > 1, and where the platform's linear kernel keeps its own
@@ -120,7 +130,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, tied_head_copy: 
     layers = range(start, end)
     attention = sum(attention_params(spec, tp) for i in layers if spec.layer_is_attention(i))
     linear = sum(linear_attention_params(spec, tp) for i in layers if not spec.layer_is_attention(i))
-    mlp = sum(mlp_params(spec, tp, i) for i in layers)
+    mlp = sum(mlp_params(spec, tp, i, expert_ranks) for i in layers)
     last = stage == pp - 1
     embed = _split(vocab, tp) * h if stage == 0 else 0
     lm_head = _split(vocab, tp) * h if last and (not spec.tie_word_embeddings or pp > 1 or tied_head_copy) else 0
@@ -158,7 +168,7 @@ def _mlp_linears(prefix: str, inter: int, h: int, tp: int) -> list[LinearShape]:
             LinearShape((f"{prefix}.down_proj",), h, inter // tp, inter)]
 
 
-def decoder_linears(spec: ModelSpec, tp: int, layer: int) -> list[LinearShape]:
+def decoder_linears(spec: ModelSpec, tp: int, layer: int, expert_ranks: int | None = None) -> list[LinearShape]:
     """Every linear layer of decoder layer ``layer`` a quantised checkpoint may store packed:
     attention or Gated DeltaNet projections, the dense MLP, or the MoE block's experts (split by
     expert id), router, shared expert and its gate."""
@@ -180,11 +190,9 @@ def decoder_linears(spec: ModelSpec, tp: int, layer: int) -> list[LinearShape]:
     if not spec.sparse_layers[layer]:
         dense = spec.intermediate_size
         return linears + (_mlp_linears(f"{prefix}.mlp", dense, h, tp) if dense else [])
-    moe, experts = spec.moe, f"{prefix}.mlp.experts.0"
-    linears += [LinearShape((f"{experts}.gate_proj", f"{experts}.up_proj"), 2 * moe.intermediate_size, h, h,
-                            moe.num_experts // tp),
-                LinearShape((f"{experts}.down_proj",), h, moe.intermediate_size, moe.intermediate_size,
-                            moe.num_experts // tp),
+    moe, experts, local = spec.moe, f"{prefix}.mlp.experts.0", spec.moe.num_experts // (expert_ranks or tp)
+    linears += [LinearShape((f"{experts}.gate_proj", f"{experts}.up_proj"), 2 * moe.intermediate_size, h, h, local),
+                LinearShape((f"{experts}.down_proj",), h, moe.intermediate_size, moe.intermediate_size, local),
                 LinearShape((f"{prefix}.mlp.gate",), moe.num_experts, h, h)]
     if moe.shared_intermediate_size:
         linears += _mlp_linears(f"{prefix}.mlp.shared_expert", moe.shared_intermediate_size, h, tp)

@@ -141,7 +141,7 @@ def make_plan(config: ModelSpec | dict[str, Any], sizing: ResolvedSizing, cards:
     stages = [_stage_plan(spec, sizing, cards, stage, scale, activation, quant) for stage in range(sizing.pp)]
     return Plan(sizing, cards, name, spec.max_position_embeddings, total, activation, formula, scale, stages,
                 spec.architecture or spec.model_type or "?", notes, checkpoint_bytes,
-                quant.describe() if quant else None, expert_split(spec, sizing.tp, sizing.expert_parallel))
+                quant.describe() if quant else None, expert_split(spec, sizing.tp, sizing.expert_parallel, sizing.dp))
 
 
 def _stage_plan(spec: ModelSpec, sizing: ResolvedSizing, cards: Cards, stage: int, scale: float, activation: int,
@@ -150,7 +150,7 @@ def _stage_plan(spec: ModelSpec, sizing: ResolvedSizing, cards: Cards, stage: in
     functions the engine's worker sizes its caches by."""
     tp, last = sizing.tp, stage == sizing.pp - 1
     params = stage_params(spec, tp, sizing.pp, stage, platform_facts.tied_head_copy(sizing.device, sizing.dtype, tp),
-                          sizing.mtp_layers, sizing.pooling)
+                          sizing.mtp_layers, sizing.pooling, sizing.expert_ranks)
     start, end = params.layers
     weights = stage_weight_bytes(spec, sizing, params, scale, quant)
     shape = kv_cache_shape(spec, DTYPE_BYTES[sizing.kv_cache_dtype], tp, start, end, sizing.mtp_layers if last else 0)

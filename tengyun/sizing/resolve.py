@@ -12,6 +12,7 @@ from tengyun.dtypes import canonical_dtype
 from tengyun.model_spec import ModelSpec, mtp_layers_for_speculation
 from tengyun.pooling_config import resolve_runner
 from tengyun.sizing import platform_facts
+from tengyun.sizing.data_parallel import expert_parallel_size, expert_split_problem
 from tengyun.sizing.pp_layers import pp_layer_partition
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -38,7 +39,14 @@ class ResolvedSizing:
     pp_layers: tuple[int, ...] | None = None  # decoder layers per pipeline stage (pp_layers.py); None: pp 1
     expert_parallel: bool = False  # --enable-expert-parallel: MoE experts whole over the tp ranks (the EP group)
     pooling: bool = False  # --runner pooling (docs/pooling.md): no LM head, no logits, pooled rows instead
+    dp: int = 1  # --data-parallel-size: replicas, each holding every tp x pp card's weights and its own KV cache
     lora_slots: tuple[int, int, str] | None = None  # --enable-lora: (--max-loras, --max-lora-rank, slot dtype)
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks one MoE layer's routed experts are divided among: tp, or dp x tp under data and
+        expert parallelism (the EP group spans the replicas)."""
+        return expert_parallel_size(self.tp, self.dp) if self.expert_parallel else self.tp
 
 
 def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | None = None,
@@ -56,7 +64,8 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
     max_model_len = _max_model_len(settings.max_model_len, spec)
     _check_parallel_fits_model(spec, settings.tensor_parallel_size, settings.pipeline_parallel_size)
     expert_parallel = bool(getattr(settings, "enable_expert_parallel", False))
-    if expert_parallel and (problem := spec.expert_parallel_problem(settings.tensor_parallel_size)):
+    dp = getattr(settings, "data_parallel_size", 1)
+    if expert_parallel and (problem := expert_split_problem(spec, settings.tensor_parallel_size, dp)):
         raise ValueError(problem)
     speculative = settings.speculative_config
     mtp_layers = (mtp_layers_for_speculation(spec, folder, speculative.num_speculative_tokens)
@@ -73,7 +82,7 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
         enable_prefix_caching=settings.enable_prefix_caching, mtp_layers=mtp_layers,
         pp_layers=pp_layer_partition(spec, settings.pipeline_parallel_size), expert_parallel=expert_parallel,
         pooling=resolve_runner(spec.architecture, settings.runner, settings.convert)[0] == "pooling",
-        lora_slots=_lora_slots(settings, dtype))
+        lora_slots=_lora_slots(settings, dtype), dp=dp)
 
 
 def _lora_slots(settings: Any, dtype: str) -> tuple[int, int, str] | None:

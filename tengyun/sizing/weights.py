@@ -64,7 +64,7 @@ def _quantized_weight_bytes(spec: ModelSpec, sizing: ResolvedSizing, start: int,
     platform's kernel holds it instead of as a dense weight."""
     device, dtype = sizing.device, sizing.dtype
     for layer in range(start, end):
-        for linear in decoder_linears(spec, sizing.tp, layer):
+        for linear in decoder_linears(spec, sizing.tp, layer, sizing.expert_ranks):
             schemes = [quant.scheme_for(part) for part in linear.parts]
             # one layer in one scheme, or (a GGUF's mixed q/k/v) each part as its own shard
             held = (list(zip(schemes, linear.part_outs)) if quant.mixed_shards and linear.part_outs

@@ -11,7 +11,7 @@ import json
 # EngineConfig fields `tengyun plan` takes, as `tengyun serve` spells them.
 ENGINE_SETTINGS = ("dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
                    "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory",
-                   "num_gpu_blocks_override", "tensor_parallel_size", "pipeline_parallel_size",
+                   "num_gpu_blocks_override", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                    "enable_prefix_caching", "quantization", "speculative_config", "enable_expert_parallel",
                    "runner", "convert", "hf_overrides", "enable_lora", "max_loras", "max_lora_rank", "lora_dtype")
 PLANNED_DEVICES = ("npu", "cuda", "cpu")
@@ -38,6 +38,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--profile-json", default=None, metavar="FILE",
                         help="a running server's GET /health/detail saved to a file: the plan says how its "
                              "activation estimate and weights compare with what that engine measured")
+    parser.add_argument("--compare", nargs="+", default=None, metavar="LAYOUT",
+                        help="plan these layouts of the cards side by side instead, e.g. tp8-pp4 dp4-tp8-ep "
+                             "(dash-separated tpN, ppN, dpN, and ep for --enable-expert-parallel)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -81,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     hf_config, checkpoint_bytes, name = read_model(model)
     quant = read_quantization(model, hf_config, args.quantization)
     sizing, cards = plan_settings(args, hf_config, Path(model) if Path(model).is_dir() else None)
+    if args.compare:
+        return _compare(args, hf_config, sizing, cards, checkpoint_bytes, name, quant)
     plan = make_plan(hf_config, sizing, cards, checkpoint_bytes, name, quant)
     fit = smallest_fit(hf_config, sizing, cards, checkpoint_bytes, quant)
     profile = None
@@ -98,3 +103,21 @@ def run(args: argparse.Namespace) -> int:
 
         print("\n".join(report_lines(plan, fit) + (profile_lines(profile) if profile else [])))
     return 0 if plan.fits else 1
+
+
+def _compare(args: argparse.Namespace, hf_config: dict, sizing, cards, checkpoint_bytes, name: str, quant) -> int:
+    """--compare: one column per layout (ops/plan_compare.py); exit 0 when every layout fits."""
+    from tengyun.model_spec import ModelSpec
+    from tengyun.ops.plan_compare import comparison_lines, layout_plans
+
+    plans = layout_plans(hf_config, sizing, args.compare, cards, checkpoint_bytes, name, quant)
+    if args.json:
+        from tengyun.ops.plan import plan_json
+
+        print(json.dumps([plan_json(plan, None) for plan in plans], indent=2))
+    else:
+        moe = ModelSpec.from_hf_config(hf_config).moe
+        print(f"Model {name}: the layouts side by side (--max-model-len {sizing.max_model_len:,}, "
+              f"{cards.memory / 2**30:.0f} GiB cards)")
+        print("\n".join(comparison_lines(plans, args.compare, moe.num_experts if moe else None)))
+    return 0 if all(plan.fits for plan in plans) else 1
