@@ -12,8 +12,6 @@ from tengyun.sampling_params import RequestOutputKind, SamplingParams, Structure
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 UNSUPPORTED = {  # field -> why it is refused
-    "use_beam_search": "beam search is not supported by this server; sample several answers with n instead.",
-    "length_penalty": "length_penalty applies to beam search, which this server does not do; drop it.",
     "allowed_token_ids": "allowed_token_ids is not supported; use logit_bias or a guided_choice / guided_regex "
                          "constraint instead.",
     "bad_words": "bad_words is not supported; use logit_bias with -100 on the words' tokens instead.",
@@ -81,9 +79,11 @@ class SamplingFields(RequestBody):
     return_token_ids: bool | None = False  # token_ids per choice and prompt_token_ids in the answer
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: --max-model-len)
     request_id: str | None = None  # the answer's id is built from it (else from a random one)
-    # vLLM extras Tengyun does not do: refused (400) when set to anything but their default
+    # Beam search (serving_beam_search.py): n beams; length_penalty and early_stopping apply to it only
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False  # not in vLLM 0.11 (V0 had it); see beam_search.py
+    # vLLM extras Tengyun does not do: refused (400) when set to anything but their default
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
@@ -121,6 +121,15 @@ class SamplingFields(RequestBody):
     def _truncation_size(cls, value: int | None) -> int | None:
         if value is not None and (value == 0 or value < -1):
             raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for --max-model-len; got {value}.")
+        return value
+
+    @field_validator("length_penalty", "early_stopping")
+    @classmethod
+    def _beam_search_only(cls, value: Any, info: ValidationInfo) -> Any:
+        """Declared after use_beam_search, so info.data holds it."""
+        if not info.data.get("use_beam_search") and value != cls.model_fields[info.field_name].default:
+            raise ValueError(f"{info.field_name} applies to beam search only: set use_beam_search to true, or "
+                             f"drop {info.field_name}.")
         return value
 
     @model_validator(mode="after")

@@ -26,6 +26,7 @@ from tengyun.entrypoints.openai.protocol import (
 )
 from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
+from tengyun.entrypoints.openai.serving_beam_search import beam_search_params
 from tengyun.entrypoints.openai.serving_engine import (
     SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
 )
@@ -71,8 +72,15 @@ class OpenAIServingChat(OpenAIServing):
         if spec is not None and in_reasoning:  # constrain the answer, not the thoughts
             spec = after_reasoning(spec, reasoning.end)
             await self.check_structured_outputs(spec, source)
-        params = request.to_sampling_params(max_tokens, spec, self.sampling_defaults)
-        self.check_against_model(params, "top_logprobs")
+        if request.use_beam_search:  # serving_beam_search.py; tool_choice required / named constrain
+            if spec is not None:
+                raise RequestError(f"{source} constrains the output, which beam search does not do: drop "
+                                   f"use_beam_search or {source}.", source)
+            params = beam_search_params(request, max_tokens, self.sampling_defaults, self.max_logprobs,
+                                        self.engine.config.max_num_seqs)
+        else:
+            params = request.to_sampling_params(max_tokens, spec, self.sampling_defaults)
+            self.check_against_model(params, "top_logprobs")
         parsers = [ChoiceOutputParser(reasoning, tool_parser, in_reasoning) for _ in range(request.n)]
         request_id = self.response_id("chatcmpl", request)
         stream = self.engine.generate(request_id, token_ids, params, lora_request=lora)

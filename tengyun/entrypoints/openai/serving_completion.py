@@ -16,6 +16,7 @@ from tengyun.entrypoints.openai.protocol import (
 )
 from tengyun.entrypoints.openai.completion_embeds import load_prompt_embeds
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
+from tengyun.entrypoints.openai.serving_beam_search import beam_search_params, one_event_stream
 from tengyun.entrypoints.openai.serving_engine import (
     SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
 )
@@ -37,16 +38,22 @@ class OpenAIServingCompletion(OpenAIServing):
                       self.default_max_tokens(len(ids), request.max_tokens) for ids in token_lists]
         for ids, limit in zip(token_lists, max_tokens):
             self.check_length(len(ids), limit)
-        spec, source = request.structured_outputs_params()
-        await self.check_structured_outputs(spec, source)
-        params = [request.to_sampling_params(limit, spec, self.sampling_defaults) for limit in max_tokens]
-        self.check_against_model(params[0], "logprobs")
+        if request.use_beam_search:  # serving_beam_search.py
+            params = [beam_search_params(request, limit, self.sampling_defaults, self.max_logprobs,
+                                         self.engine.config.max_num_seqs) for limit in max_tokens]
+        else:
+            spec, source = request.structured_outputs_params()
+            await self.check_structured_outputs(spec, source)
+            params = [request.to_sampling_params(limit, spec, self.sampling_defaults) for limit in max_tokens]
+            self.check_against_model(params[0], "logprobs")
         echo_texts = [""] * len(embeds) + [(p if isinstance(p, str) else self.text_of(p)) if request.echo else ""
                                            for p in prompts]
         request_id = self.response_id("cmpl", request)
         # Prompt i's n sequences take turns i * n ... i * n + n - 1 in the round-robin between requests.
         streams = [self.engine.generate(f"{request_id}-{i}", ids, p, first_turn=i * request.n, lora_request=lora)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
+        if request.stream and request.use_beam_search:  # the whole answer in one event, as vLLM
+            return one_event_stream(await self._full(request, request_id, streams, echo_texts))
         if request.stream:
             return self._stream(request, request_id, streams, echo_texts)
         return await self._full(request, request_id, streams, echo_texts)

@@ -232,7 +232,7 @@ def test_tokens_as_token_ids_from_the_flag_unless_the_request_says_no(client):
 
 # ----- vLLM's request fields -----------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1), ("allowed_token_ids", [1, 2]),
+    ("length_penalty", 0.5), ("early_stopping", True), ("priority", 1), ("allowed_token_ids", [1, 2]),
     ("bad_words", ["fox"]), ("cache_salt", "tenant-a"), ("logits_processors", ["x"]),
     ("guided_whitespace_pattern", " "), ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1}),
     ("guided_decoding_backend", "outlines"), ("seed", 2 ** 64), ("truncate_prompt_tokens", 0),
