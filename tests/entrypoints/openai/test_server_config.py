@@ -26,7 +26,7 @@ OLD_SERVER_FLAGS = {
     "--log-stats-interval": (10.0, float), "--device-metrics-interval": (5.0, {"metavar": "SECONDS"}),
     "--disable-log-requests": (False, "switch"), "--shutdown-timeout": (30.0, float),
     "--enable-auto-tool-choice": (False, "switch"), "--tool-call-parser": (None, {"choices": PARSERS}),
-    "--reasoning-parser": (None, {"choices": ["deepseek_r1", "qwen3"]}),
+    "--reasoning-parser": (None, {"choices": ["deepseek_r1", "qwen3"]}), "--api-server-count": (1, int),
     "--uvicorn-log-level": ("info", {"choices": ["critical", "error", "warning", "info", "debug", "trace"]}),
     "--disable-uvicorn-access-log": (False, "switch"),
     "--disable-vllm-metric-aliases": (False, "switch"), "--show-hidden-metrics-for-version": (None, {"metavar": "X.Y"}),
@@ -44,6 +44,7 @@ OLD_SERVER_FLAGS = {
     "--mm-processor-cache-gb": (None, {"nargs": "+"}), "--allowed-local-media-path": (None, {"nargs": "+"}),
     "--media-io-kwargs": (None, {"nargs": "+"}),
 }
+ALIASES = {"--api-server-count": ["-asc"]}  # vLLM's short spellings
 GROUPS = {"server": "--host", "metrics": "--disable-vllm-metric-aliases", "request limits": "--max-request-bytes",
           "vLLM compatibility": "--root-path"}  # --help section -> its first flag
 
@@ -56,7 +57,7 @@ def server_actions() -> list[argparse.Action]:
 
 def test_server_flags_are_the_old_ones_with_their_defaults_and_forms():
     actions = server_actions()
-    assert [a.option_strings for a in actions] == [[flag] for flag in OLD_SERVER_FLAGS]  # no alias, same order
+    assert [a.option_strings for a in actions] == [[flag, *ALIASES.get(flag, [])] for flag in OLD_SERVER_FLAGS]
     for action in actions:
         default, form = OLD_SERVER_FLAGS[action.option_strings[0]]
         assert action.default == default, action.option_strings
