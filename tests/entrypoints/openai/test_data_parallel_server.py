@@ -113,6 +113,8 @@ def test_two_replicas_answer_as_one_engine_route_label_and_survive_one_killed(dp
     server = dp_server
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
+    if "OMP_NUM_THREADS" not in os.environ:  # each replica's model thread takes half the cores
+        assert server.log().count(f"OpenMP: {max(1, (os.cpu_count() or 1) // 2)} thread") == 2, server.log()
     _check_same_as_one_engine(client, model, server.url, _one_engine(moe_model))
     replicas = httpx.get(server.url + "/health/detail", timeout=10).json()["data_parallel"]
     assert [r["engine"] for r in replicas] == ["0", "1"] and all(r["alive"] for r in replicas)
