@@ -14,7 +14,16 @@
    (config, tokenizer and weights linked from Tengyun's converted folders), so the tests' own
    client-side `get_tokenizer(MODEL_NAME)` / `AutoTokenizer` / `ModelConfig` work with
    HF_HUB_OFFLINE=1, and the same under --tmpdir/qwen3_06b, the cache_dir that
-   test_token_in_token_out.py passes to vLLM's download_weights_from_hf.
+   test_token_in_token_out.py passes to vLLM's download_weights_from_hf;
+5. makes the pooling stand-ins (POOLING_STAND_INS) under --stand-ins: folders of the two models
+   whose config.json says what the swapped-out model's does (a sequence classifier, a
+   Qwen3-Reranker-style cross-encoder, a bare decoder that embeds), as `--hf-overrides` would
+   (weights linked, nothing else changed): vLLM's tests serve those models without
+   `--runner pooling`, because their architecture says they pool;
+6. makes, for each hub LoRA repo the tests download (LORA_MAP), a real PEFT adapter for the
+   stand-in of the adapter's base model (make_lora_adapter.py, run with --tengyun-python, which
+   has peft), cached under --lora-cache, and writes --work/lora_adapters.json (repo id -> folder),
+   which the stand-in conftest answers `snapshot_download` with.
 """
 
 from __future__ import annotations
@@ -51,8 +60,36 @@ MODEL_MAP = {
     "Qwen/QwQ-32B": QWEN,
     "openai/gpt-oss-20b": QWEN,
     "ibm-research/PowerMoE-3b": SMOL,  # test_multi_api_servers: its subject is --api-server-count
+    # pooling (tests/entrypoints/pooling): embedding models served with --runner pooling
+    "sentence-transformers/all-MiniLM-L12-v2": SMOL,
+    "Snowflake/snowflake-arctic-embed-m-v1.5": SMOL,
+    # ... and models whose architecture pools: the stand-in folders below ({stand_ins} is --stand-ins)
+    "jason9693/Qwen2.5-1.5B-apeach": "{stand_ins}/Qwen2.5-Coder-0.5B-Instruct-classify",
+    "BAAI/bge-reranker-base": "{stand_ins}/Qwen2.5-Coder-0.5B-Instruct-rerank",
+    "BAAI/bge-reranker-v2-m3": "{stand_ins}/Qwen2.5-Coder-0.5B-Instruct-rerank",
+    "BAAI/bge-base-en-v1.5": "{stand_ins}/SmolLM2-135M-Instruct-embed",
+    "internlm/internlm2-1_8b-reward": "{stand_ins}/SmolLM2-135M-Instruct-reward",
 }
-TEST_DIRS = ["tests/entrypoints/openai", "tests/v1/entrypoints/openai"]
+# stand-in folder -> (the model it is made of, config.json changes). classify: two labels from the
+# LM head's rows of "no" / "yes", named as the original's config.json names its labels
+# (jason9693/Qwen2.5-1.5B-apeach is a 2-label Qwen2 classifier, "Default" / "Spoiled");
+# rerank: the Qwen3-Reranker recipe (one label, sigmoid(yes - no); the bge rerankers are 1-label
+# cross-encoders); embed: the decoder without its head (bge-base-en-v1.5 is a BertModel); reward:
+# one value per token from the LM head's row of "yes" (internlm2-1_8b-reward gives one per token).
+POOLING_STAND_INS = {
+    "Qwen2.5-Coder-0.5B-Instruct-classify": (QWEN, {"architectures": ["Qwen2ForSequenceClassification"],
+                                                   "classifier_from_token": ["no", "yes"],
+                                                   "id2label": {"0": "Default", "1": "Spoiled"}}),
+    "Qwen2.5-Coder-0.5B-Instruct-rerank": (QWEN, {"architectures": ["Qwen2ForSequenceClassification"],
+                                                 "classifier_from_token": ["no", "yes"],
+                                                 "is_original_qwen3_reranker": True}),
+    "SmolLM2-135M-Instruct-embed": (SMOL, {"architectures": ["LlamaModel"]}),
+    "SmolLM2-135M-Instruct-reward": (SMOL, {"architectures": ["LlamaForRewardModeling"],
+                                            "classifier_from_token": ["yes"]}),
+}
+# hub LoRA repo the tests download -> the hub model it was trained on (its stand-in gets the adapter)
+LORA_MAP = {"typeof/zephyr-7b-beta-lora": "HuggingFaceH4/zephyr-7b-beta"}
+TEST_DIRS = ["tests/entrypoints/openai", "tests/v1/entrypoints/openai", "tests/entrypoints/pooling"]
 PYTEST_INI = """[pytest]
 markers =
     slow_test
@@ -78,7 +115,8 @@ def copy_tree(sdist: Path, work: Path) -> None:
     (work / "pytest.ini").write_text(PYTEST_INI)
 
 
-def rewrite_models(work: Path) -> list[str]:
+def rewrite_models(work: Path, stand_ins: Path) -> list[str]:
+    model_map = {k: v.format(stand_ins=stand_ins) for k, v in MODEL_MAP.items()}
     pattern = re.compile(r"""(["'])(%s)\1""" % "|".join(re.escape(k) for k in sorted(MODEL_MAP, key=len, reverse=True)))
     changes = []
     for d in TEST_DIRS:
@@ -87,7 +125,7 @@ def rewrite_models(work: Path) -> list[str]:
             lines = text.splitlines(keepends=True)
             out = []
             for n, line in enumerate(lines, 1):
-                new = pattern.sub(lambda m: m.group(1) + MODEL_MAP[m.group(2)] + m.group(1), line)
+                new = pattern.sub(lambda m: m.group(1) + model_map[m.group(2)] + m.group(1), line)
                 if new != line:
                     changes.append(f"{path.relative_to(work)}:{n}: {line.strip()}  ->  {new.strip()}")
                 out.append(new)
@@ -148,6 +186,36 @@ def make_hub_cache(hub: Path, folders: dict[str, Path], skip=lambda name: False)
                     (snap / f.name).symlink_to(f)
 
 
+def make_pooling_stand_ins(stand_ins: Path, folders: dict[str, Path]) -> None:
+    for name, (model, changes) in POOLING_STAND_INS.items():
+        out = stand_ins / name
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        for f in folders[model].iterdir():
+            if f.name == "tokenizer_config.json":
+                (out / f.name).write_text(json.dumps(tokenizer_config_v4(f), indent=2))
+            elif f.name == "config.json":
+                (out / f.name).write_text(json.dumps({**model_config_v4(f), **changes}, indent=2))
+            elif f.is_file():
+                (out / f.name).symlink_to(f)
+
+
+def make_lora_adapters(work: Path, hub: Path, lora_cache: Path, tengyun_python: str) -> dict[str, str]:
+    """A PEFT adapter per LORA_MAP repo, made for the base model's stand-in (cached: made once)."""
+    adapters = {}
+    for repo_id, base in LORA_MAP.items():
+        stand_in = MODEL_MAP[base]
+        snapshot = next((hub / ("models--" + stand_in.replace("/", "--")) / "snapshots").iterdir())
+        out = lora_cache / (repo_id.replace("/", "--") + "--for--" + stand_in.replace("/", "--"))
+        if not (out / "adapter_model.safetensors").is_file():
+            subprocess.run([tengyun_python, str(HERE / "make_lora_adapter.py"), "--base-config", str(snapshot),
+                            "--out", str(out)], check=True)
+        adapters[repo_id] = str(out)
+    (work / "lora_adapters.json").write_text(json.dumps(adapters, indent=2) + "\n")
+    return adapters
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sdist", type=Path, required=True)
@@ -155,16 +223,21 @@ def main() -> None:
     ap.add_argument("--hf-home", type=Path, required=True)
     ap.add_argument("--tmpdir", type=Path, required=True)
     ap.add_argument("--tengyun-python", default="/work/main/.venv/bin/python")
+    ap.add_argument("--stand-ins", type=Path, default=None, help="pooling stand-in folders [--work/../stand-ins]")
+    ap.add_argument("--lora-cache", type=Path, default=Path.home() / ".cache" / "vllm-entrypoint-tests" / "lora")
     a = ap.parse_args()
     copy_tree(a.sdist, a.work)
-    changes = rewrite_models(a.work)
+    stand_ins = (a.stand_ins or a.work.parent / "stand-ins").resolve()
+    changes = rewrite_models(a.work, stand_ins)
     folders = tengyun_folders(a.tengyun_python)
+    make_pooling_stand_ins(stand_ins, folders)
     make_hub_cache(a.hf_home / "hub", folders)
     a.tmpdir.mkdir(parents=True, exist_ok=True)
     make_hub_cache(a.tmpdir / "qwen3_06b", {QWEN: folders[QWEN]},
                    skip=lambda n: n.startswith(("tokenizer", "vocab")) or n.endswith(".safetensors"))
+    adapters = make_lora_adapters(a.work, a.hf_home / "hub", a.lora_cache, a.tengyun_python)
     print(f"work copy {a.work}: {len(changes)} model-id lines rewritten (MODEL_REWRITES.txt); "
-          f"HF cache {a.hf_home} holds {', '.join(folders)}")
+          f"HF cache {a.hf_home} holds {', '.join(folders)}; LoRA adapters {adapters}")
 
 
 if __name__ == "__main__":

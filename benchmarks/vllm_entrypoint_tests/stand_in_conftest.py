@@ -2,26 +2,31 @@
 
 vLLM's own builds GPU test runners (vllm.LLM, HF models, dist cleanup after every test); the
 OpenAI entrypoint tests need none of it. This one:
-- answers `huggingface_hub.snapshot_download` for LoRA adapter repos with an empty folder, so a
-  server fixture that asks for one can start (LoRA flags are dropped by the stand-in
-  RemoteOpenAIServer; the LoRA tests themselves are skipped below);
+- answers `huggingface_hub.snapshot_download` for the LoRA adapter repos the tests download with
+  the real PEFT adapter adapt.py made for the stand-in model (lora_adapters.json beside tests/);
+  a LoRA repo without one fails the test, naming it;
 - skips, with the reason shown in the report, the tests that are out of scope or that do not
   exercise a server at all (listed in SKIPS).
 """
 
 from __future__ import annotations
 
-import tempfile
+import json
+from pathlib import Path
 
 import huggingface_hub
 import pytest
 
 _real_snapshot_download = huggingface_hub.snapshot_download
+_LORA_ADAPTERS = Path(__file__).resolve().parent.parent / "lora_adapters.json"
 
 
 def _snapshot_download(repo_id: str, *args, **kwargs):
+    adapters = json.loads(_LORA_ADAPTERS.read_text()) if _LORA_ADAPTERS.is_file() else {}
+    if repo_id in adapters:
+        return adapters[repo_id]
     if "lora" in repo_id.lower():
-        return tempfile.mkdtemp(prefix="stand-in-lora-")
+        raise FileNotFoundError(f"stand-in: no PEFT adapter made for LoRA repo {repo_id} (adapt.py LORA_MAP)")
     return _real_snapshot_download(repo_id, *args, **kwargs)
 
 
@@ -30,8 +35,6 @@ huggingface_hub.snapshot_download = _snapshot_download
 # (substring of the test's node id, reason). Whole files out of scope are not collected at all
 # (run.sh names them); these are single tests inside files that are run.
 SKIPS = [
-    ("zephyr-lora", "out of scope: LoRA adapter"),
-    ("test_models.py::test_check_models", "out of scope: asserts the LoRA adapter's /v1/models entry"),
     ("test_metrics.py::test_metrics_exist_run_batch",
      "out of scope: vLLM's run_batch CLI on an embedding model (no server fixture)"),
     ("test_prompt_validation.py::test_load_prompt_embeds",
@@ -41,8 +44,26 @@ SKIPS = [
 ]
 
 
+# vLLM's hf_runner (HF transformers / sentence-transformers on the test's own model): a test that
+# takes it compares the server's numbers with that model's, which the stand-in model cannot match
+MODEL_SPECIFIC_FIXTURES = {"hf_runner": "model-specific: compares with HF transformers running the test's "
+                                        "original model (the stand-in model gives other numbers)"}
+
+
+class HfRunner:
+    """The name vLLM's helpers import (tests/models/.../embed_utils.py, for type hints). vLLM's runner
+    itself is not provided: the tests that take `hf_runner` are skipped as model-specific (above)."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("stand-in: vLLM's HfRunner is not provided (model-specific comparisons are skipped)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        fixture = next((f for f in MODEL_SPECIFIC_FIXTURES if f in item.fixturenames), None)
+        if fixture is not None:
+            item.add_marker(pytest.mark.skip(reason=MODEL_SPECIFIC_FIXTURES[fixture]))
+            continue
         for pattern, reason in SKIPS:
             if pattern in item.nodeid:
                 item.add_marker(pytest.mark.skip(reason=reason))

@@ -10,13 +10,15 @@ What differs from vLLM's own fixture, on purpose:
 - no pre-download of the model and no parse of the args with vLLM's parser: the args go to
   Tengyun as the test wrote them, so an unknown flag fails the start as a user would see it;
 - translations, only where the stand-in model cannot take the test's args or a flag that is not
-  the test's subject would stop the start (each one logged on stderr): LoRA flags are dropped
-  (LoRA is out of scope; tests that need a LoRA are skipped by the conftest); model-specific
-  flags of a model that was swapped for a text-generation one (`--runner pooling` of an
-  embedding model, `--limit-mm-per-prompt` of a vision model) are dropped;
+  the test's subject would stop the start (each one logged on stderr): model-specific
+  flags of a model that was swapped for a text-generation one (`--limit-mm-per-prompt` of a
+  vision model) are dropped;
   `--structured-outputs-config.backend` is dropped; `--reasoning-parser deepseek_r1` becomes
   `qwen3` (the same <think> format, Tengyun's name for it); `--dtype half|float16|bfloat16` is
-  dropped (GPU half precision, 2-12x slower than float32 on this CPU).
+  replaced by `--dtype float32` (GPU half precision, 2-12x slower than float32 on this CPU; Tengyun's
+  own `--dtype auto` picks bfloat16 on a CPU with avx512_bf16, so float32 is named);
+- the server's start-up wait is $STAND_IN_START_TIMEOUT seconds (default 240, vLLM's) when the test
+  gives none: on a shared 2-core machine a 0.5B model with LoRA slots may need longer.
 """
 
 from __future__ import annotations
@@ -39,10 +41,9 @@ VLLM_PATH = Path(__file__).parent.parent
 
 TENGYUN_PYTHON = os.environ.get("TENGYUN_PYTHON", "/work/main/.venv/bin/python")
 TENGYUN_SRC = os.environ.get("TENGYUN_SRC", "")  # e.g. a `git archive HEAD` snapshot
+START_TIMEOUT = float(os.environ.get("STAND_IN_START_TIMEOUT", "240"))
 
 # flag -> number of values it takes (-1: every value up to the next --flag)
-LORA_FLAGS = {"--enable-lora": 0, "--lora-modules": -1, "--max-lora-rank": 1, "--max-loras": 1,
-              "--max-cpu-loras": 1, "--fully-sharded-loras": 0, "--lora-dtype": 1}
 # flags that belong to the original (non text-generation) model the test named
 SWAPPED_MODEL_FLAGS = {"--limit-mm-per-prompt": 1}
 # vLLM flags Tengyun refuses at start-up although the test's subject is something else: dropped,
@@ -50,7 +51,7 @@ SWAPPED_MODEL_FLAGS = {"--limit-mm-per-prompt": 1}
 NOT_THE_SUBJECT_FLAGS = {"--structured-outputs-config.backend": 1}
 # Half precision the tests ask for "for speed and memory savings in CI" (their comments) on a GPU;
 # on this CPU Tengyun decodes it 2-12x slower than float32 (README), so the tests' time limits
-# would measure that instead of their subject. Dropped: the CPU default (float32) is used.
+# would measure that instead of their subject. Replaced by float32 (the precision run 3 measured).
 HALF_DTYPES = {"half", "float16", "fp16", "bfloat16", "bf16"}
 # vLLM's reasoning parser for Qwen3 / QwQ (<think>...</think>) has another name here
 REASONING_PARSER_NAMES = {"deepseek_r1": "qwen3"}
@@ -83,15 +84,13 @@ def _drop_flags(args: list[str], flags: dict[str, int], why: str) -> list[str]:
 
 
 def translate_args(args: list[str]) -> list[str]:
-    args = _drop_flags(args, LORA_FLAGS, "LoRA is out of scope")
     args = _drop_flags(args, SWAPPED_MODEL_FLAGS, "flag of the swapped-out model")
     args = _drop_flags(args, NOT_THE_SUBJECT_FLAGS, "refused by Tengyun, not the test's subject")
     args = _rename_reasoning_parser(args)
-    args = _drop_half_dtype(args)
-    return _drop_runner_pooling(args)
+    return _half_dtype_to_float32(args)
 
 
-def _drop_half_dtype(args: list[str]) -> list[str]:
+def _half_dtype_to_float32(args: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(args):
         a = args[i]
@@ -100,8 +99,9 @@ def _drop_half_dtype(args: list[str]) -> list[str]:
         else:
             value = args[i + 1] if a == "--dtype" and i + 1 < len(args) else None
         if value in HALF_DTYPES:
-            print(f"[stand-in] dropped --dtype {value} (GPU half precision; the CPU default float32 is used)",
+            print(f"[stand-in] --dtype {value} -> float32 (GPU half precision; float32 on this CPU)",
                   file=sys.stderr)
+            out += ["--dtype", "float32"]
             i += 1 if "=" in a else 2
             continue
         out.append(a)
@@ -116,19 +116,6 @@ def _rename_reasoning_parser(args: list[str]) -> list[str]:
             new = REASONING_PARSER_NAMES[out[i + 1]]
             print(f"[stand-in] --reasoning-parser {out[i + 1]} -> {new} (same <think> format)", file=sys.stderr)
             out[i + 1] = new
-    return out
-
-
-def _drop_runner_pooling(args: list[str]) -> list[str]:
-    out, i = [], 0
-    while i < len(args):
-        if args[i] == "--runner=pooling" or (args[i] == "--runner" and i + 1 < len(args) and args[i + 1] == "pooling"):
-            print("[stand-in] dropped --runner pooling (the test's embedding model was swapped for a "
-                  "text-generation one; the test's subject is not pooling)", file=sys.stderr)
-            i += 1 if "=" in args[i] else 2
-            continue
-        out.append(args[i])
-        i += 1
     return out
 
 
@@ -184,7 +171,7 @@ class RemoteOpenAIServer:
         self.show_hidden_metrics = _flag_value(args, "--show-hidden-metrics-for-version") is not None
 
         self._start_server(model, args, env_dict)
-        self._wait_for_server(url=self.url_for("health"), timeout=max_wait_seconds or 240)
+        self._wait_for_server(url=self.url_for("health"), timeout=max_wait_seconds or START_TIMEOUT)
 
     def __enter__(self):
         return self
