@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import sys
 
+from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser
 from tengyun.platforms.startup import DeviceStartupError
 
 # name -> module exposing add_parser(subparsers) and run(args) -> int
@@ -26,7 +26,7 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="tengyun", description="Tengyun LLM inference and serving.")
+    parser = FlexibleArgumentParser(prog="tengyun", description="Tengyun LLM inference and serving.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     modules = {name: importlib.import_module(path) for name, path in SUBCOMMANDS.items()}
     for module in modules.values():

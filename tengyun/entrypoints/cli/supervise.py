@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
+from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser, dashed_flags
 from tengyun.host import probe
 from tengyun.ops.supervise import Decision, Observation, Reason, Watchdog, WatchdogPolicy
 
@@ -30,14 +31,14 @@ def serve_command(argv: list[str]) -> list[str]:
         argv = argv[1:]
     if argv[:1] == ["serve"]:
         argv = argv[1:]
-    return argv
+    return dashed_flags(argv)  # --api_key K is --api-key K (pop_api_key below looks for the dashed name)
 
 
 def parse_serve_args(serve_args: list[str]) -> argparse.Namespace:
     """The serve flags as `tengyun serve` reads them (host, port, --shutdown-timeout, --device)."""
     from tengyun.entrypoints.openai.cli_args import make_arg_parser
 
-    return make_arg_parser(argparse.ArgumentParser(prog="tengyun serve")).parse_args(serve_args)
+    return make_arg_parser(FlexibleArgumentParser(prog="tengyun serve")).parse_args(serve_args)
 
 
 def server_argv(serve_args: list[str]) -> list[str]:

@@ -21,6 +21,7 @@ import sys
 from tengyun import __version__
 from tengyun.config import EngineConfig
 from tengyun.engine.engine_process import EngineProcessClient, launch_for_server
+from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser
 from tengyun.entrypoints.openai.cli_args import make_arg_parser, server_config_from_args
 from tengyun.entrypoints.openai.draining_server import DrainingServer
 from tengyun.entrypoints.openai.engine_host import EngineHost
@@ -79,7 +80,7 @@ def _serve(config: EngineConfig, server: ServerConfig, engine_process: EnginePro
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    parser = make_arg_parser(argparse.ArgumentParser(
+    parser = make_arg_parser(FlexibleArgumentParser(
         prog="python -m tengyun.entrypoints.openai.api_server", description="Tengyun OpenAI-compatible server."))
     args = parser.parse_args(argv)
     try:
