@@ -130,6 +130,12 @@ def test_invocations_route_pooling_bodies_by_shape(client, embed_server):
     assert routed["data"][0]["score"] == pytest.approx(score["data"][0]["score"], abs=1e-6)
 
 
+def test_an_embedding_model_scores_without_a_cross_encoders_activation(embed_server):
+    pair = {"text_1": PROMPTS[0], "text_2": PROMPTS[1], "activation": True}
+    refused = httpx.post(embed_server.url + "/score", headers=auth(), json=pair, timeout=60)
+    assert refused.status_code == 400 and "does not support ['activation']" in refused.json()["error"]["message"]
+
+
 def test_pooling_routes_need_the_api_key(embed_server):
     for path in ("/v1/embeddings", "/pooling", "/score", "/rerank", "/v2/rerank"):
         assert httpx.post(embed_server.url + path, json={"input": "a"}, timeout=60).status_code == 401

@@ -56,9 +56,9 @@ class OpenAIServingScore(OpenAIServingPooling):
             pairs = score_pairs(first, second)
         except ValueError as e:
             raise RequestError(str(e), field) from None
-        if self.engine.config.pooling.convert == "embed":
-            return await self._cosine_scores(request_id, request, pairs, field)
         activation = next((v for v in (request.activation, request.softmax) if v is not None), None)
+        if pooling.convert == "embed":
+            return await self._cosine_scores(request_id, request, pairs, field, activation)
         params = PoolingParams(task="score", truncate_prompt_tokens=request.truncate_prompt_tokens,
                                activation=activation)
         prompts = [await self.worker.run(self._pair_ids, a, b, request.add_special_tokens) for a, b in pairs]
@@ -66,9 +66,13 @@ class OpenAIServingScore(OpenAIServingPooling):
         return [float(o.outputs.data[0]) for o in outputs], sum(len(o.prompt_token_ids) for o in outputs)
 
     async def _cosine_scores(self, request_id: str, request: ScoreRequest | RerankRequest,
-                             pairs: list[tuple[str, str]], field: str) -> tuple[list[float], int]:
+                             pairs: list[tuple[str, str]], field: str,
+                             activation: bool | None) -> tuple[list[float], int]:
+        """An embedding model's scores; ``activation`` (a cross-encoder's field) is refused by the embed
+        task's check, in vLLM's words, as vLLM refuses it."""
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        params = PoolingParams(task="embed", truncate_prompt_tokens=request.truncate_prompt_tokens)
+        params = PoolingParams(task="embed", truncate_prompt_tokens=request.truncate_prompt_tokens,
+                               activation=activation)
         outputs = await self.pool(request_id, texts, [params] * len(texts), request.add_special_tokens, field)
         vectors = {text: list(o.outputs.data) for text, o in zip(texts, outputs)}
         return [_cosine(vectors[a], vectors[b]) for a, b in pairs], sum(len(o.prompt_token_ids) for o in outputs)
