@@ -15,6 +15,7 @@ A process that never calls init_distributed() is rank 0 of 1 and every collectiv
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -160,6 +161,16 @@ def get_ep_rank() -> int:
 def get_ep_size() -> int:
     """Ranks a MoE layer's experts are divided whole among; 1 without --enable-expert-parallel."""
     return _STATE.ep_size
+
+
+def widen_expert_parallel(replica: int, replicas: int) -> None:
+    """--data-parallel-size with --enable-expert-parallel: the EP group spans every replica's TP
+    ranks (distributed/data_parallel.py); replica d's TP rank t is EP rank d * tp + t."""
+    global _STATE
+    _STATE = dataclasses.replace(_STATE, ep_rank=replica * _STATE.tp_size + _STATE.tp_rank,
+                                 ep_size=replicas * _STATE.tp_size)
+    logger.info("Expert parallel: rank %d of replica %d is expert-parallel rank %d of %d (all replicas' TP ranks)",
+                _STATE.tp_rank, replica, _STATE.ep_rank, _STATE.ep_size)
 
 
 def expert_parallel_combine(y: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,13 @@ class Shutdown:
     pass
 
 
+@dataclass
+class StartWave:
+    """--data-parallel-size with --enable-expert-parallel: request ``wave`` reached some replica; step
+    with the others (engine/data_parallel_wave.py)."""
+    wave: int
+
+
 # ----- messages: engine thread -> event loop ---------------------------------------------
 @dataclass
 class StepResult:
@@ -83,6 +90,8 @@ def run_engine_loop(engine: Any, receive: Callable[[bool], list], emit: Callable
                     return
                 if isinstance(message, AbortRequest):
                     engine.abort_request(message.request_ids)
+                elif isinstance(message, StartWave):
+                    engine.start_wave(message.wave)
                 else:
                     try:
                         engine.add_request(message.request_id, message.prompt, message.params,

@@ -15,6 +15,9 @@ Routing: each new request goes to the live replica with the fewest requests in f
 running as this server counts them: sent and not finished, exact at once where the replica's own
 stats lag a step), then the lowest KV-cache usage its last step reported; ties go round-robin.
 
+With --enable-expert-parallel the replicas share each MoE layer's experts and step together
+(engine/data_parallel_wave.py): every request sent to one replica comes with StartWave(n) to all.
+
 A replica that dies (its process killed, its engine loop failed) fails only its own requests:
 from then on dead_error names it (/health 503, new requests 503), the other replicas' requests in
 flight finish, and ``errored`` turns true (the server exits 1) once none is left. Pure Python.
@@ -25,15 +28,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import threading
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from tengyun.engine.async_engine import AsyncEngineBase, EngineDeadError
+from tengyun.engine.async_engine import AddRequest, AsyncEngineBase, EngineDead, EngineDeadError, StartWave
 from tengyun.engine.data_parallel_stats import combine
 from tengyun.engine.engine_process import SHUTDOWN_GRACE_S, EngineProcessClient
 from tengyun.outputs import RequestOutput, RequestProgress
 from tengyun.sampling_params import SamplingParams
+from tengyun.sizing.data_parallel import replica_env
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +62,11 @@ class DataParallelClient(AsyncEngineBase):
     def launch(cls, config: Any) -> "DataParallelClient":
         """Fork the --data-parallel-size engine processes, each loading its replica. Call while this
         process has one thread (EngineProcessClient.launch); start() and wait_ready() follow."""
-        replicas = [EngineProcessClient.launch(config) for _ in range(config.data_parallel_size)]
+        n, build = config.data_parallel_size, None
+        if config.enable_expert_parallel:  # the replicas' workers meet for the expert exchange
+            address = f"127.0.0.1:{config.data_parallel_rpc_port or _free_port()}"
+            build = [partial(_build_replica, replica_env(i, n, address)) for i in range(n)]
+        replicas = [_Replica.launch(config, build[i] if build else None) for i in range(n)]
         logger.info("Data parallel: %d engine replicas in processes %s", len(replicas),
                     ", ".join(str(r.process.pid) for r in replicas))
         return cls(config, replicas)
@@ -66,8 +76,13 @@ class DataParallelClient(AsyncEngineBase):
         super().__init__(config, latest_stats=None)
         self._owner: dict[str, int] = {}  # request_id -> index of the replica serving it
         self._cursor = 0  # where the round-robin among equally loaded replicas starts next
+        self._wave = 0  # requests sent so far: the newest wave (engine/data_parallel_wave.py)
+        self._deaths: list[int] = []  # replica indexes in the order they died
         for index, replica in enumerate(replicas):
             replica.add_step_listener(partial(self._on_replica_step, index))
+            replica.on_dead = partial(self._deaths.append, index)
+            if config.enable_expert_parallel:
+                replica.on_add = self._start_wave
 
     # ----- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -103,11 +118,13 @@ class DataParallelClient(AsyncEngineBase):
 
     @property
     def dead_error(self) -> str | None:
-        """The first dead replica, named: 'data-parallel engine 1 (pid 4242): The engine process exited ...'."""
-        for index, replica in enumerate(self.replicas):
-            if replica.dead_error is not None:
-                return f"data-parallel engine {index} (pid {replica.process.pid}): {replica.dead_error}"
-        return None
+        """The first replica to die, named, then any that died after it (under expert parallel the
+        others fail in their next exchange): 'data-parallel engine 1 (pid 4242): The engine process
+        exited ...; then engine 0 (pid 4241): The engine loop died: ...'."""
+        dead = self._deaths + [i for i, replica in enumerate(self.replicas)
+                               if replica.dead_error is not None and i not in self._deaths]  # failed to start
+        parts = [f"engine {i} (pid {self.replicas[i].process.pid}): {self.replicas[i].dead_error}" for i in dead]
+        return "data-parallel " + "; then ".join(parts) if parts else None
 
     @dead_error.setter
     def dead_error(self, value: str | None) -> None:
@@ -189,6 +206,13 @@ class DataParallelClient(AsyncEngineBase):
         """The replica serving ``request_id`` while it is in flight."""
         return self._owner.get(request_id)
 
+    def _start_wave(self) -> None:
+        """A request went to some replica: every live replica steps with it (StartWave)."""
+        self._wave += 1
+        for replica in self.replicas:
+            if replica.dead_error is None:
+                replica._send(StartWave(self._wave))
+
     # ----- event loop side ----------------------------------------------------------------
     def _on_replica_step(self, index: int, progress: list[RequestProgress], stats: Any) -> None:
         if any(replica.latest_stats is None for replica in self.replicas):
@@ -199,4 +223,35 @@ class DataParallelClient(AsyncEngineBase):
                 listener(progress, self.latest_stats)
             except Exception:  # a metrics bug must not break serving
                 logger.exception("Step listener %r failed", listener)
+
+
+class _Replica(EngineProcessClient):
+    """One replica's engine process; ``on_add`` runs after each request is sent to it."""
+
+    on_add: Callable[[], None] | None = None
+    on_dead: Callable[[], None] | None = None  # after its death is recorded (dead_error set)
+
+    def _send(self, message: Any) -> None:
+        super()._send(message)
+        if isinstance(message, AddRequest) and self.on_add is not None:
+            self.on_add()
+
+    def _dispatch(self, message: Any) -> None:
+        super()._dispatch(message)
+        if isinstance(message, EngineDead) and self.on_dead is not None:
+            self.on_dead()
+
+
+def _build_replica(env: dict[str, str], config: Any) -> Any:
+    """In replica i's engine process: its index for its workers (inherited by its rank processes), then the engine."""
+    from tengyun.engine.llm_engine import LLMEngine
+
+    os.environ.update(env)
+    return LLMEngine.from_config(config)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 

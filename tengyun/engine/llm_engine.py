@@ -18,6 +18,7 @@ from tengyun.config import EngineConfig
 from tengyun.beam_search import BeamSearchParams
 from tengyun.engine.beam_engine import BeamSearchEngineMixin
 from tengyun.engine.beam_request import BeamRequest
+from tengyun.engine.data_parallel_wave import DataParallelWave
 from tengyun.engine.detokenizer import IncrementalDetokenizer
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from tengyun.engine.request import Request
@@ -76,6 +77,8 @@ class LLMEngine(BeamSearchEngineMixin):  # beam search: engine/beam_engine.py
         self.eos_token_ids = eos_token_ids
         self.vocab_size = config.model_spec.vocab_size
         self.batches_in_flight = _batches_in_flight(config, executor)
+        # --data-parallel-size with --enable-expert-parallel: this replica steps with the others
+        self.dp_wave = DataParallelWave() if config.enable_expert_parallel and config.data_parallel_size > 1 else None
         self.scheduler = Scheduler(config, executor.num_blocks, executor.num_state_slots,
                                    num_state_snapshots=executor.num_state_snapshots,
                                    drafter=Drafter.from_config(config), batches_in_flight=self.batches_in_flight)
@@ -183,7 +186,13 @@ class LLMEngine(BeamSearchEngineMixin):  # beam search: engine/beam_engine.py
             self._report(request, self._pending_outputs, self._pending_progress)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_progress) or bool(self._in_flight)
+        """Anything to step for: requests, reports, batches in flight, or a data-parallel wave."""
+        return bool(self.requests) or bool(self._pending_progress) or bool(self._in_flight) or \
+            (self.dp_wave is not None and self.dp_wave.active)
+
+    def start_wave(self, wave: int) -> None:
+        """StartWave(wave) from the API server: step with the other replicas (data_parallel_wave.py)."""
+        self.dp_wave.start(wave)
 
     def _tokenize(self, prompt: str | list[int] | PromptEmbeds,
                   pooling: PoolingParams | None = None) -> tuple[str | None, list[int]]:
@@ -278,10 +287,14 @@ class LLMEngine(BeamSearchEngineMixin):  # beam search: engine/beam_engine.py
         progress, self._pending_progress = self._pending_progress, []
         if self.batches_in_flight == 1:
             sched = self.scheduler.schedule()
-            if sched.is_empty:
+            if sched.is_empty and not (self.dp_wave is not None and self.dp_wave.active):
                 return outputs, progress
             self._note_scheduled(sched)
+            if self.dp_wave is not None:  # an empty batch too: every replica votes and exchanges each step
+                sched.dp_wave = self.dp_wave.vote(len(self.requests))
             result = self.executor.execute_model(sched)
+            if self.dp_wave is not None:
+                self.dp_wave.voted(result.dp_keep_stepping)
         else:
             while len(self._in_flight) < self.batches_in_flight:
                 sched = self.scheduler.schedule()

@@ -53,6 +53,9 @@ class SchedulerOutput:
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     # Beam search: KV block copies (src, dst), made before the model runs (BlockManager copy on write).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # --data-parallel-size with --enable-expert-parallel: (unfinished requests, newest wave seen) for
+    # the replicas' vote at the step's start (engine/data_parallel_wave.py); None otherwise
+    dp_wave: tuple[int, int] | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -98,3 +101,5 @@ class ModelRunnerOutput:
     pooled: dict[int, list] = field(default_factory=dict)
     # --enable-expert-load-metrics: (layer, expert, tokens routed to it this step), nonzero ones only.
     expert_load: list[tuple[int, int, int]] = field(default_factory=list)
+    # --data-parallel-size with --enable-expert-parallel: the replicas' vote, whether they all step again
+    dp_keep_stepping: bool = False

@@ -7,6 +7,9 @@ How the experts are divided over the tensor-parallel ranks (each rank holds ever
   TP ranks of the stage): rank r holds experts [r * E / ep, (r + 1) * E / ep) and computes only the
   tokens routed to them; the outputs are summed over the group (expert_parallel_combine). The
   loader never reads the other ranks' per-expert tensors.
+- with --data-parallel-size as well, the EP group spans all replicas' ranks, and each MoE layer
+  first gathers every replica's tokens and at the end sums each rank's share over the replicas
+  (distributed/data_parallel.py); a replica with nothing to schedule still runs the exchanges.
 Quantised experts are always divided whole (a quantised layout's groups may not split at I / tp).
 
 Dense experts run through the platform's "moe" kernel (layers/moe/grouped.py: routing, tokens
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tengyun.distributed import data_parallel
 from tengyun.distributed.parallel_state import (
     expert_parallel_combine, get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce,
 )
@@ -64,6 +68,7 @@ class FusedMoE(nn.Module):
         self.kernel_weight: dict[str, list] | None = None  # -> each local expert's prepared tensors (bound)
         # --enable-expert-load-metrics: [E] int64 on the device, tokens routed to each expert (moe/load_counter.py)
         self.expert_load: torch.Tensor | None = None
+        self.across_replicas = data_parallel.active()  # the EP group spans the data-parallel replicas
 
     def _partition(self, whole: bool, device: torch.device | str | None = None) -> None:
         """Which experts and which slice of each this rank holds, and its dense w13 / w2 (on the meta
@@ -192,8 +197,10 @@ class FusedMoE(nn.Module):
     @property
     def supports_graph_capture(self) -> bool:
         """False where a step reads per-expert counts on the host (quantised experts, the loop), and
-        while expert load is counted (a recorded graph would not keep adding to the counter)."""
-        return not self.schemes and not self.moe_kernel.host_sync and self.expert_load is None
+        while expert load is counted (a recorded graph would not keep adding to the counter), and
+        across data-parallel replicas (each layer's exchange is gloo traffic, not a capturable op)."""
+        return not self.schemes and not self.moe_kernel.host_sync and self.expert_load is None \
+            and not self.across_replicas
 
     def bind_kernels(self, kernels: KernelBundle) -> None:
         """Dense experts: the platform's MoE kernel, which may re-lay the weights out once.
@@ -227,10 +234,39 @@ class FusedMoE(nn.Module):
         weights, ids = self.moe_kernel.route(router_logits, self.top_k, self.renormalize)
         if self.expert_load is not None:
             self.expert_load += torch.bincount(ids.flatten(), minlength=self.num_experts)
-        if self.schemes:
-            y = loop_experts(x, weights, ids, self.first_expert, self.num_local, self._expert)
-        else:
-            y = self.moe_kernel.experts(x, weights, ids, self.first_expert, self.w13_weight, self.w2_weight)
+        if self.across_replicas:
+            return self._across_replicas(x, weights, ids)
+        y = self._local_experts(x, weights, ids)
         if self.tp_size == 1:
             return y
         return expert_parallel_combine(y) if self.expert_parallel else tensor_model_parallel_all_reduce(y)
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' share of each token's output, [T, H] (zero rows for tokens routed elsewhere)."""
+        if self.schemes:
+            return loop_experts(x, weights, ids, self.first_expert, self.num_local, self._expert)
+        return self.moe_kernel.experts(x, weights, ids, self.first_expert, self.w13_weight, self.w2_weight)
+
+    def _across_replicas(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         combine: bool = True) -> torch.Tensor:
+        """Every replica's tokens through this rank's experts, summed over the replicas, own rows kept;
+        then the TP all-reduce (``combine``; an empty step's rows are none, so it skips it)."""
+        x_all, weights_all, ids_all, own = data_parallel.gather_tokens(x, weights, ids)
+        if not x_all.shape[0]:  # no replica has a token this step (every one knows: the counts are shared)
+            return x
+        y = data_parallel.sum_over_replicas(self._local_experts(x_all, weights_all, ids_all))[own]
+        return expert_parallel_combine(y) if combine and self.tp_size > 1 else y
+
+    def exchange_without_tokens(self) -> None:
+        """A replica's empty step: this layer's exchange with no tokens of its own, so the others' run."""
+        device = self.w13_weight.device
+        self._across_replicas(torch.empty(0, self.hidden_size, dtype=self.params_dtype, device=device),
+                              torch.empty(0, self.top_k, dtype=self.params_dtype, device=device),
+                              torch.empty(0, self.top_k, dtype=torch.int64, device=device), combine=False)
+
+
+def run_moe_exchanges_without_tokens(model: nn.Module) -> None:
+    """Every MoE layer's exchange, in the model's layer order, for a replica with nothing scheduled."""
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.exchange_without_tokens()

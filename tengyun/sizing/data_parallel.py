@@ -14,6 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 
+DATA_PARALLEL_ENV = "TENGYUN_DATA_PARALLEL"  # a replica's "<index>,<replicas>,<host>:<port>" (vLLM: VLLM_DP_RANK)
+
+
+def replica_env(index: int, replicas: int, address: str) -> dict[str, str]:
+    """The environment under which replica ``index``'s workers join the replicas' expert exchange
+    (--data-parallel-size with --enable-expert-parallel; distributed/data_parallel.py reads it)."""
+    return {DATA_PARALLEL_ENV: f"{index},{replicas},{address}"}
+
+
 def expert_parallel_size(tp: int, dp: int = 1) -> int:
     """Ranks one MoE layer's experts are divided among under --enable-expert-parallel: dp x tp."""
     return tp * dp
@@ -66,10 +75,11 @@ def serving_problem(settings: Any) -> str | None:
     if dp > 1 and settings.master_port is not None:
         return (f"--master-port with --data-parallel-size {dp}: each replica's ranks meet on a free port of their "
                 f"own on one node: drop --master-port.")
-    if dp > 1 and settings.enable_expert_parallel:
-        return (f"--enable-expert-parallel with --data-parallel-size {dp} (an expert-parallel group of {dp} x "
-                f"{settings.tensor_parallel_size} ranks, the replicas stepping in lockstep through the MoE layers) is "
-                f"not run yet: drop --enable-expert-parallel (each replica then holds every expert, split over its "
-                f"own --tensor-parallel-size ranks), or use --data-parallel-size 1 with --tensor-parallel-size "
-                f"{dp * settings.tensor_parallel_size} --enable-expert-parallel. `tengyun plan` sizes either layout.")
+    if dp > 1 and settings.enable_expert_parallel and settings.pipeline_parallel_size > 1:
+        return (f"--enable-expert-parallel with --data-parallel-size {dp} steps the replicas together through each "
+                f"MoE layer, which is not run with --pipeline-parallel-size {settings.pipeline_parallel_size} yet: "
+                f"use --pipeline-parallel-size 1, or drop --enable-expert-parallel.")
+    if dp > 1 and settings.enable_expert_parallel and settings.speculative_config is not None:
+        return (f"--enable-expert-parallel with --data-parallel-size {dp} is not run with --speculative-config "
+                f"yet: drop one of them.")
     return None

@@ -13,10 +13,12 @@ from tengyun.config import EngineConfig
 from tengyun.distributed.parallel_state import (
     RankInfo, all_reduce_min, get_pp_rank, get_pp_size, get_rank, get_tp_size, init_distributed,
 )
+from tengyun.distributed import data_parallel
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.sizing.blocks import CacheBudget, activation_reserve, cache_capacity, check_holds_one_sequence
 from tengyun.sizing.cache import KVCacheShape, kv_cache_shape, state_shape
+from tengyun.layers.fused_moe import run_moe_exchanges_without_tokens
 from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.layers.lora.manager import LoRAManager
 from tengyun.layers.moe.load_counter import ExpertLoadCounter
@@ -97,6 +99,7 @@ class Worker:
         platform.init_process()
         if rank is not None and rank.world_size > 1:
             init_distributed(rank, platform.dist_backend, setup_timeout_s=config.distributed_timeout)
+        data_parallel.join_replicas(config, rank.tp_rank if rank else 0)  # -dp N --enable-expert-parallel
         torch.manual_seed(config.seed)
         return platform, device
 
@@ -289,10 +292,18 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("This engine was shut down (llm_engine.shutdown()) and holds no model any more; "
                                "build a new LLM to generate again.")
+        keep_stepping = data_parallel.step_vote(*sched.dp_wave) if data_parallel.active() else None
         if self.step_threads is None:
-            return self.runner.execute(sched, sampled_elsewhere)
-        with self.step_threads(sched.total_num_scheduled_tokens):
-            return self.runner.execute(sched, sampled_elsewhere)
+            output = self.runner.execute(sched, sampled_elsewhere)
+        else:
+            with self.step_threads(sched.total_num_scheduled_tokens):
+                output = self.runner.execute(sched, sampled_elsewhere)
+        if keep_stepping is not None:  # a data-parallel replica stepping with the others
+            if sched.is_empty:
+                run_moe_exchanges_without_tokens(self.runner.model)
+            if output is not None:
+                output.dp_keep_stepping = keep_stepping
+        return output
 
     def check_health(self) -> None:
         """The single-process worker lives in the engine's process: nothing can die separately."""

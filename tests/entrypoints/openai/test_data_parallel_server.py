@@ -7,6 +7,7 @@ exits 1."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -109,6 +110,31 @@ def _check_same_as_one_engine(client, model: str, server_url: str, reference) ->
                 assert got[token] == pytest.approx(logprob, abs=1e-4), (i, step, token)
 
 
+def _kill_replica_1_under_two_long_requests(client, model: str, server):
+    """Two streamed LONG-token requests, one per replica (the second goes to the less loaded), then
+    SIGKILL to replica 1's engine process (server.killed_pid) -> (threads, results, metrics then)."""
+    results: dict[int, object] = {}
+
+    def stream(i: int) -> None:
+        try:
+            chunks = client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=LONG, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            results[i] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        except Exception as e:  # noqa: BLE001 - the killed replica's request fails; recorded, checked by the caller
+            results[i] = e
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    threads[0].start()
+    _wait_for(lambda: _when(_samples(server.url), lambda s: _running(s, "vllm", "0") + _running(s, "vllm", "1") == 1),
+              "a replica running the first request")
+    threads[1].start()  # one replica has a request in flight: the least loaded is the other
+    both = _wait_for(lambda: _when(_samples(server.url), lambda s: _running(s, "vllm", "0") == _running(s, "vllm", "1")
+                                   == 1), "each replica running one request")
+    server.killed_pid = httpx.get(server.url + "/health/detail", timeout=10).json()["data_parallel"][1]["pid"]
+    os.kill(server.killed_pid, signal.SIGKILL)
+    return threads, results, both
+
+
 def test_two_replicas_answer_as_one_engine_route_label_and_survive_one_killed(dp_server, moe_model):
     server = dp_server
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -119,27 +145,10 @@ def test_two_replicas_answer_as_one_engine_route_label_and_survive_one_killed(dp
     replicas = httpx.get(server.url + "/health/detail", timeout=10).json()["data_parallel"]
     assert [r["engine"] for r in replicas] == ["0", "1"] and all(r["alive"] for r in replicas)
 
-    results: dict[int, object] = {}
-
-    def stream(i: int) -> None:
-        try:
-            chunks = client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=LONG, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True})
-            results[i] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        except Exception as e:  # noqa: BLE001 - the killed replica's request fails; recorded, checked below
-            results[i] = e
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    threads[0].start()
-    _wait_for(lambda: _running(_samples(server.url), "vllm", "0") == 1, "replica 0 running the first request")
-    threads[1].start()  # replica 0 has one in flight: the least loaded is replica 1
-    both = _wait_for(lambda: _when(_samples(server.url), lambda s: _running(s, "vllm", "1") == 1),
-                     "replica 1 running the second request")
+    threads, results, both = _kill_replica_1_under_two_long_requests(client, model, server)
     assert _running(both, "vllm", "0") == 1 and _running(both, "tengyun", "0") == 1
     assert _running(both, "tengyun", "1") == 1
-
-    pid = httpx.get(server.url + "/health/detail", timeout=10).json()["data_parallel"][1]["pid"]
-    os.kill(pid, signal.SIGKILL)
+    pid = server.killed_pid
     health = _wait_for(lambda: _when(httpx.get(server.url + "/health", timeout=10), lambda r: r.status_code == 503),
                        "/health 503 after the kill")
     assert f"data-parallel engine 1 (pid {pid})" in health.text and "SIGKILL" in health.text
@@ -147,10 +156,37 @@ def test_two_replicas_answer_as_one_engine_route_label_and_survive_one_killed(dp
     assert [r["alive"] for r in detail["data_parallel"]] == [True, False]
     for thread in threads:
         thread.join(timeout=300)
-    assert results[0] == "length"  # replica 0's request finished all LONG tokens
-    assert isinstance(results[1], Exception)
+    finished = [r for r in results.values() if r == "length"]  # replica 0's request: all LONG tokens
+    assert len(finished) == 1 and sum(isinstance(r, Exception) for r in results.values()) == 1, results
     assert server.wait_exit(timeout=60) == 1
     assert f"data-parallel engine 1 (pid {pid})" in server.log()
+
+
+def test_expert_parallel_across_two_replicas_answers_as_one_engine(moe_model, tmp_path):
+    """EP 2 over DP 2 x TP 1: each replica holds 4 of the 8 experts; every MoE layer exchanges the
+    replicas' tokens, so a replica with nothing to do steps with the other (its warm-up alone too)."""
+    server = RemoteServer(moe_model, ["--data-parallel-size", "2", "--enable-expert-parallel", "--dtype", "float32",
+                                      "--return-tokens-as-token-ids"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        _check_same_as_one_engine(client, model, server.url, _one_engine(moe_model))
+        one = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})  # one replica busy, the other empty
+        assert one.usage.completion_tokens == 8
+        log = server.log()
+        assert "replica 1 is expert-parallel rank 1 of 2" in log and "replica 0 is expert-parallel rank 0 of 2" in log
+        threads, results, _ = _kill_replica_1_under_two_long_requests(client, model, server)
+        for thread in threads:
+            thread.join(timeout=300)
+        assert all(isinstance(result, Exception) for result in results.values())
+        # replica 0 fails in its next exchange: both requests fail, the server exits 1, nothing hangs
+        assert server.wait_exit(timeout=120) == 1
+        pid = server.killed_pid
+        assert re.search(rf"error: data-parallel engine 1 \(pid {pid}\): .*SIGKILL.*; then engine 0 ", server.log())
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("flags,message", [
