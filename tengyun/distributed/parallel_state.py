@@ -7,7 +7,8 @@ consecutive ranks and, with ranks numbered node by node, stays inside one node.
 
 EP group: the ranks among which a MoE layer's experts are divided whole. Without data parallelism
 it is the stage's TP group (every TP rank holds every token, so no token moves before the experts
-and the combine is the TP all-reduce); with DP it would span the DP replicas' TP groups of a stage.
+and the combine is the TP all-reduce); with --data-parallel-size it spans every replica's TP ranks
+(widen_expert_parallel; the exchange between replicas is distributed/data_parallel.py).
 
 A process that never calls init_distributed() is rank 0 of 1 and every collective is a no-op.
 """
