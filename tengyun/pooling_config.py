@@ -48,6 +48,8 @@ class PoolerConfig:
     dimensions: int | None = None  # Matryoshka: the default output size of embeddings
     activation: bool | None = None  # classify: softmax / sigmoid over the labels
     softmax: bool | None = None  # vLLM's older name of activation
+    enable_chunked_processing: bool | None = None  # embeddings: inputs longer than a chunk pooled per chunk
+    max_embed_len: int | None = None  # embeddings: the longest input taken (with chunked processing)
 
     @classmethod
     def parse(cls, value: "PoolerConfig | Mapping[str, Any] | str | None") -> "PoolerConfig | None":
@@ -66,8 +68,10 @@ class PoolerConfig:
             if config.pooling_type not in POOLING_TYPES:
                 raise ValueError(f"--pooler-config pooling_type must be one of {', '.join(POOLING_TYPES)}; "
                                  f"got {data['pooling_type']!r}.")
-        if config.dimensions is not None and (not isinstance(config.dimensions, int) or config.dimensions < 1):
-            raise ValueError(f"--pooler-config dimensions must be a positive integer; got {config.dimensions!r}.")
+        for key in ("dimensions", "max_embed_len"):
+            value = getattr(config, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"--pooler-config {key} must be a positive integer; got {value!r}.")
         return config
 
 
@@ -149,6 +153,8 @@ class PoolingModel:
     id2label: tuple[str, ...]  # label names, by index
     classifier_from_token: tuple[str, ...] | None  # score head built from these tokens' LM-head rows
     original_qwen3_reranker: bool  # Qwen3-Reranker: one label, the rows of "yes" minus "no"
+    chunked_processing: bool = False  # embed: /v1/embeddings pools a long input per chunk (embedding_chunks.py)
+    max_embed_len: int | None = None  # embed, chunked: the longest input taken; None: --max-model-len
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -186,7 +192,9 @@ def resolve_pooling_model(convert: str, hf_config: Mapping[str, Any], user: Pool
         dimensions=user.dimensions, matryoshka_dimensions=tuple(matryoshka) if matryoshka else None,
         is_matryoshka=bool(hf_config.get("is_matryoshka") or matryoshka), num_labels=num_labels,
         id2label=tuple(str(labels.get(str(i), labels.get(i, f"LABEL_{i}"))) for i in range(num_labels)),
-        classifier_from_token=from_token, original_qwen3_reranker=reranker)
+        classifier_from_token=from_token, original_qwen3_reranker=reranker,
+        chunked_processing=bool(user.enable_chunked_processing) and convert == "embed",
+        max_embed_len=user.max_embed_len)
 
 
 def _sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool | None]:

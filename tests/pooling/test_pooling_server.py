@@ -237,3 +237,30 @@ def test_a_classifier_of_several_labels_classifies_but_does_not_score(classify_s
         answer = httpx.post(classify_server.url + path, json=payload, timeout=60)
         assert answer.status_code == 400 and f"does not support {api} API" in answer.json()["error"]["message"]
         assert "3 label(s)" in answer.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def chunked_server(embed_checkpoint, tmp_path_factory):  # noqa: F811
+    pooler = {"pooling_type": "MEAN", "enable_chunked_processing": True, "max_embed_len": 100}
+    yield from running_server(embed_checkpoint, ["--max-model-len", "32", "--dtype", "float32",
+                                                 "--pooler-config", json.dumps(pooler)],
+                              tmp_path_factory.mktemp("chunked_server") / "server.log")
+
+
+def test_chunked_processing_averages_chunk_embeddings_weighted_as_vllm(chunked_server, embed_checkpoint):  # noqa: F811
+    from transformers import AutoModel
+
+    ids = [(7 * i) % 200 + 1 for i in range(70)]  # chunks of --max-model-len 32: 32 + 32 + 6 tokens
+    body = httpx.post(chunked_server.url + "/v1/embeddings", json={"input": ids, "encoding_format": "float"},
+                      timeout=60).json()
+    model = AutoModel.from_pretrained(embed_checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():  # each chunk alone: MEAN of its states, normalized; then weighted by its tokens
+        chunks = [F.normalize(model(torch.tensor([ids[i:i + 32]])).last_hidden_state[0].mean(0), dim=-1)
+                  for i in range(0, 70, 32)]
+    expected = (chunks[0] * 32 + chunks[1] * 32 + chunks[2] * 6) / 70
+    assert body["usage"]["prompt_tokens"] == 70
+    assert body["data"][0]["embedding"] == pytest.approx(expected.tolist(), abs=1e-4)
+    too_long = httpx.post(chunked_server.url + "/v1/embeddings", json={"input": list(range(1, 102))}, timeout=60)
+    assert too_long.status_code == 400
+    assert ("This model's maximum embedding input length is 100 tokens. However, you requested 101 tokens"
+            in too_long.json()["error"]["message"])

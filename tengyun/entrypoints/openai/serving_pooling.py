@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from tengyun.entrypoints.openai.embedding_chunks import embed_in_chunks
 from tengyun.entrypoints.openai.pooling_protocol import (
     ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingRequest, EmbeddingResponse,
     EmbeddingResponseData, PoolingRequest, PoolingResponse, PoolingResponseData, prompt_list,
@@ -43,11 +44,16 @@ class OpenAIServingPooling(OpenAIServing):
                    add_special_tokens: bool, field: str) -> list[PoolingRequestOutput]:
         """Each prompt's pooled output, in prompt order; bad input raises before anything runs."""
         require_runner(self.engine.config, "pooling")
-        if len(prompts) > self.limits.max_prompts_per_request:
-            raise RequestError(f"The request lists {len(prompts)} inputs but this server allows at most "
-                               f"{self.limits.max_prompts_per_request} (--max-prompts-per-request): send them in "
-                               f"several requests.", field)
-        token_lists = [p if isinstance(p, list) else await self.tokenize_prompt(p, add_special_tokens) for p in prompts]
+        self.check_prompt_count(len(prompts), field)
+        token_lists = await self.tokenize_prompts(prompts, add_special_tokens)
+        return await self.run_token_lists(request_id, token_lists, params, field)
+
+    async def tokenize_prompts(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
+        return [p if isinstance(p, list) else await self.tokenize_prompt(p, add_special_tokens) for p in prompts]
+
+    async def run_token_lists(self, request_id: str, token_lists: list[list[int]], params: list[PoolingParams],
+                              field: str) -> list[PoolingRequestOutput]:
+        """One engine request per token list, run together; their outputs in order."""
         for ids in token_lists:
             self.check_token_ids(ids, field)
         streams = [self.engine.generate(f"{request_id}-{i}", ids, p, first_turn=i)
@@ -58,7 +64,13 @@ class OpenAIServingPooling(OpenAIServing):
         if any(output.outputs.data is None for output in finals.values()):  # aborted: the server is stopping
             raise RequestError("The request was aborted before its inputs were computed (the server is shutting "
                                "down); send it again.", status=503)
-        return [finals[i] for i in range(len(prompts))]
+        return [finals[i] for i in range(len(token_lists))]
+
+    def check_prompt_count(self, count: int, field: str) -> None:
+        if count > self.limits.max_prompts_per_request:
+            raise RequestError(f"The request lists {count} inputs but this server allows at most "
+                               f"{self.limits.max_prompts_per_request} (--max-prompts-per-request): send them in "
+                               f"several requests.", field)
 
     def keeps_no_tokens(self, truncate_prompt_tokens: int | None) -> bool:
         """vLLM's pooling routes: truncate_prompt_tokens above --max-model-len is a 400 in its words,
@@ -73,9 +85,11 @@ class OpenAIServingPooling(OpenAIServing):
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         return UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
 
-    async def _pool_inputs(self, request: Any, prefix: str) -> tuple[str, list[PoolingRequestOutput]]:
-        """(the answer's id, the pooled outputs) of a request whose ``input`` holds the prompts: one
-        id for the engine's requests and the answer."""
+    async def _pool_inputs(self, request: Any, prefix: str, chunked: bool = False,
+                           ) -> tuple[str, list[PoolingRequestOutput]]:
+        """(the answer's id, the pooled outputs) of a request whose ``input`` (or ``messages``) holds
+        the prompts: one id for the engine's requests and the answer. ``chunked``: a long input is
+        pooled in chunks (embedding_chunks.py)."""
         self.check_model(request.model)
         response_id = self.response_id(prefix, request)
         if self.keeps_no_tokens(request.truncate_prompt_tokens):
@@ -92,12 +106,18 @@ class OpenAIServingPooling(OpenAIServing):
             prompts = prompt_list(request.input, "input")
         if not prompts:  # vLLM answers an empty list with no data and 0 tokens
             return response_id, []
-        outputs = await self.pool(response_id, prompts, [request.to_pooling_params()] * len(prompts),
-                                  add_special_tokens, field)
-        return response_id, outputs
+        params = request.to_pooling_params()
+        if chunked and request.truncate_prompt_tokens is None:  # truncation makes an input fit instead
+            require_runner(self.engine.config, "pooling")
+            self.check_prompt_count(len(prompts), field)
+            token_lists = await self.tokenize_prompts(prompts, add_special_tokens)
+            return response_id, await embed_in_chunks(self, response_id, token_lists, params, field)
+        return response_id, await self.pool(response_id, prompts, [params] * len(prompts), add_special_tokens, field)
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        response_id, outputs = await self._pool_inputs(request, "embd")
+        pooling = self.engine.config.pooling
+        response_id, outputs = await self._pool_inputs(request, "embd", pooling is not None and
+                                                       pooling.chunked_processing)
         data = [EmbeddingResponseData(index=i, embedding=encode(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outputs)]
         return EmbeddingResponse(id=response_id, model=self.served_model_name, data=data,
