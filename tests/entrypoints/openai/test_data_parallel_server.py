@@ -1,4 +1,5 @@
-"""`--data-parallel-size 2`: two engine replicas behind one server, on a tiny Qwen3-MoE.
+"""`--data-parallel-size 2`: two engine replicas behind one server, on a tiny Qwen3-MoE (and
+Qwen3.5-MoE with --enable-expert-parallel, the replicas then sharing the experts).
 Requests sent together are spread over both replicas (least load) and get one engine's greedy
 tokens and top-5 logprobs; metrics carry vLLM's engine label per replica; a replica killed with
 SIGKILL turns /health 503 naming it while the other replica's request finishes, then the server
@@ -30,6 +31,20 @@ def moe_model(tmp_path_factory, tiny_tokenizer_dir):
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("dp_qwen3_moe"), tiny_tokenizer_dir, "qwen3_moe",
                                 max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def hybrid_moe_model(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny Qwen3.5-MoE (Gated DeltaNet and attention layers, 8 experts top-2 and a shared expert)."""
+    import shutil
+
+    from conftest import make_tiny_qwen3_5
+
+    folder = tmp_path_factory.mktemp("dp_qwen3_5_moe")
+    make_tiny_qwen3_5("qwen3_5_moe", max_position_embeddings=MAX_MODEL_LEN).save_pretrained(folder)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
 
 
 @pytest.fixture
@@ -162,9 +177,11 @@ def test_two_replicas_answer_as_one_engine_route_label_and_survive_one_killed(dp
     assert f"data-parallel engine 1 (pid {pid})" in server.log()
 
 
-def test_expert_parallel_across_two_replicas_answers_as_one_engine(moe_model, tmp_path):
-    """EP 2 over DP 2 x TP 1: each replica holds 4 of the 8 experts; every MoE layer exchanges the
-    replicas' tokens, so a replica with nothing to do steps with the other (its warm-up alone too)."""
+def test_expert_parallel_across_two_replicas_answers_as_one_engine(hybrid_moe_model, tmp_path):
+    """EP 2 over DP 2 x TP 1 on Qwen3.5-MoE: each replica holds 4 of the 8 experts; every MoE layer
+    exchanges the replicas' tokens, so a replica with nothing to do steps with the other (its
+    warm-up alone too). Killing one fails the other at its next exchange."""
+    moe_model = hybrid_moe_model
     server = RemoteServer(moe_model, ["--data-parallel-size", "2", "--enable-expert-parallel", "--dtype", "float32",
                                       "--return-tokens-as-token-ids"], tmp_path / "server.log")
     try:
