@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tengyun.engine.data_parallel_wave import keep_stepping
 from tengyun.sizing.data_parallel import DATA_PARALLEL_ENV
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,7 @@ def step_vote(unfinished: int, wave: int) -> bool:
     one replica has seen and another not yet). The same answer on every replica."""
     votes = [torch.zeros(2, dtype=torch.int64) for _ in range(_DP.size)]
     _DP.group.allgather([votes], [torch.tensor([unfinished, wave], dtype=torch.int64)]).wait()
-    waves = [int(v[1]) for v in votes]
-    return any(int(v[0]) for v in votes) or max(waves) != min(waves)
+    return keep_stepping([(int(v[0]), int(v[1])) for v in votes])
 
 
 def gather_tokens(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor

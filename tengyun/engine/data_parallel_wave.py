@@ -36,3 +36,11 @@ class DataParallelWave:
     def voted(self, keep_stepping: bool) -> None:
         """The vote's outcome, the same on every replica."""
         self.active = keep_stepping
+
+
+def keep_stepping(votes: list[tuple[int, int]]) -> bool:
+    """The replicas' votes (unfinished requests, newest wave seen), one each -> whether they all
+    step again: [(0, 7), (0, 7)] -> False; [(1, 7), (0, 7)] -> True; [(0, 6), (0, 7)] -> True."""
+    waves = [wave for _, wave in votes]
+    return any(unfinished for unfinished, _ in votes) or max(waves) != min(waves)
+
