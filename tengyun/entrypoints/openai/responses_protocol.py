@@ -4,7 +4,8 @@ the chat path; these models only say what a client may send and what it gets bac
 
     request:  input (a string, or items: messages, function_call, function_call_output),
               instructions, tools (function tools) + tool_choice, text.format, max_output_tokens,
-              temperature / top_p, stream, store, previous_response_id, background
+              temperature / top_p, include (output logprobs) + top_logprobs, stream, store,
+              previous_response_id, background
     response: {"id": "resp_...", "object": "response", "status", "output": [reasoning item,
               message item, function_call items], "usage": {input_tokens, output_tokens, ...}}
 """
@@ -55,8 +56,16 @@ class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
+# what `include` may ask for (OpenAI's values, as vLLM 0.11 lists them); only output logprobs is served
+IncludeValue = Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                       "file_search_call.results", "message.input_image.image_url", "message.output_text.logprobs",
+                       "reasoning.encrypted_content"]
+
+
 class ResponsesRequest(RequestBody):
     model: str | None = None
+    include: list[IncludeValue] | None = None
+    top_logprobs: int | None = 0  # with include message.output_text.logprobs: alternatives per token
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None  # checked one by one: a 400 names tools[i]
@@ -94,6 +103,10 @@ class ResponsesRequest(RequestBody):
             raise ValueError(f"max_output_tokens must be at least 1, got {value}.")
         return value
 
+    def output_logprobs(self) -> bool:
+        """include asks for the answer's token logprobs (vLLM's is_include_output_logprobs)."""
+        return "message.output_text.logprobs" in (self.include or [])
+
     def function_tools(self) -> list[FunctionTool]:
         """tools as function tools; a tool of another type (web_search, mcp, ...) is a 400."""
         tools = []
@@ -114,11 +127,23 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """One answer token: its logprob and the top_logprobs most likely tokens at its step."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class OutputText(OpenAIBaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)  # filled when include asks for them
 
 
 class OutputMessage(OpenAIBaseModel):
@@ -197,6 +222,7 @@ class ResponsesResponse(OpenAIBaseModel):
     background: bool = False
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None  # the request's, when include asked for logprobs
     text: dict[str, Any] | None = None
     tool_choice: Any = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
@@ -214,6 +240,7 @@ class ResponsesResponse(OpenAIBaseModel):
                    previous_response_id=request.previous_response_id, reasoning=request.reasoning,
                    background=request.background, temperature=request.temperature,
                    top_p=request.top_p, user=request.user,
+                   top_logprobs=request.top_logprobs if request.output_logprobs() else None,
                    text=request.text.model_dump(by_alias=True, exclude_none=True) if request.text else None,
                    tool_choice=(request.tool_choice if isinstance(request.tool_choice, str)
                                 else request.tool_choice.model_dump()),

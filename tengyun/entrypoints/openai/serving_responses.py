@@ -27,7 +27,7 @@ from tengyun.entrypoints.openai.responses_protocol import (
     InputTokensDetails, OutputTokensDetails, ResponsesRequest, ResponsesResponse, ResponseUsage, item_id,
 )
 from tengyun.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
-from tengyun.entrypoints.openai.responses_stream import ResponseEventStream, output_items
+from tengyun.entrypoints.openai.responses_stream import ResponseEventStream, output_items, token_logprobs
 from tengyun.entrypoints.openai.serving_chat import OpenAIServingChat
 from tengyun.entrypoints.openai.serving_engine import error_status, public_message
 
@@ -94,7 +94,8 @@ class OpenAIServingResponses:
         choice = answer.choices[0]
         message = choice.message
         calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
-        output = output_items(message.reasoning_content, message.content, calls)
+        logprobs = token_logprobs(choice.logprobs.content if choice.logprobs else None)
+        output = output_items(message.reasoning_content, message.content, calls, logprobs)
         return await self._finished(chat, base, output, choice.finish_reason, answer.usage,
                                     message.reasoning_content)
 
@@ -180,6 +181,8 @@ def _chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatComple
         body["max_completion_tokens"] = request.max_output_tokens
     if request.stream:
         body["stream_options"] = {"include_usage": True}
+    if request.output_logprobs():
+        body["logprobs"], body["top_logprobs"] = True, request.top_logprobs or 0
     if tools:
         body["tools"], body["parallel_tool_calls"] = tools, request.parallel_tool_calls
         choice = request.tool_choice

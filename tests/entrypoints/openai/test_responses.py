@@ -75,6 +75,31 @@ def test_stream_true_without_the_helper_reads_the_same_events(client):
         e.delta for e in events if e.type == "response.output_text.delta")
 
 
+def test_include_output_logprobs_gives_the_chat_paths_token_logprobs_whole_and_streamed(client):
+    kw = dict(model=MODEL, input="The quick brown fox", max_output_tokens=5, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": kw["input"]}],
+                                          max_completion_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    want = [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs])
+            for c in chat.choices[0].logprobs.content]
+    response = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=3, **kw)
+    got = response.output[-1].content[0].logprobs
+    assert response.top_logprobs == 3 and len(want) == response.usage.output_tokens
+    assert [(g.token, g.logprob, [(t.token, t.logprob) for t in g.top_logprobs]) for g in got] == want
+    assert all(g.bytes == list(g.token.encode()) for g in got)
+    with client.responses.stream(include=["message.output_text.logprobs"], top_logprobs=3, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    streamed = [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs])
+                for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    # in order; a token without text of its own (part of a character) waits for the next delta
+    assert streamed == want[:len(streamed)]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in done.logprobs] == want
+    assert final.output[-1].content[0].logprobs == got
+    plain = client.responses.create(**kw)  # not asked for: none, and top_logprobs not echoed
+    assert plain.output[-1].content[0].logprobs == [] and plain.top_logprobs is None
+
+
 def test_instructions_and_input_items_become_the_chat_messages(client, server):
     items = [
         {"role": "developer", "content": "Be brief."},
