@@ -105,8 +105,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of is not supported by this server; set it equal to n or remove it.")
         if self.logprobs is not None and self.logprobs < 0:  # no -1 here, as vLLM
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}.")
-        if self.prompt is None and not self.prompt_embeds:
-            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")  # vLLM's words
+        if self.prompt in (None, "") and not self.prompt_embeds:  # vLLM's check and words ([] and [""] pass)
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
         return self
 
     @property

@@ -320,7 +320,7 @@ BAD_REQUESTS = [
     ("wrong-type", COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature", ["temperature"]),
     ("missing-messages", CHAT, {"model": MODEL}, "messages", ["messages", "required"]),
     ("empty-messages", CHAT, {"messages": []}, None, ["messages"]),
-    ("empty-prompt", COMPLETIONS, {"prompt": ""}, "prompt", ["decoder prompt cannot be empty"]),
+    ("empty-prompt", COMPLETIONS, {"prompt": ""}, None, ["Either prompt or prompt_embeds must be provided"]),
     ("token-out-of-vocab", COMPLETIONS, {"prompt": [1, 99999]}, "prompt", ["99999"]),
     ("top_logprobs", CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs",
      ["top_logprobs", "--max-logprobs is 20"]),
