@@ -7,8 +7,8 @@ become output items.
 
     store (default on, responses_store.py)  the response and its conversation are kept:
                                             GET by id, previous_response_id continues it
-    background                              answered "queued" at once, run as a task;
-                                            cancel stops it ("cancelled")
+    background                              answered "queued" at once, run as a task, "queued"
+                                            until it ends (vLLM's); cancel stops it ("cancelled")
     stream                                  typed events (responses_stream.py)
 """
 
@@ -134,8 +134,7 @@ class OpenAIServingResponses:
         entry = StoredResponse(base.model_copy(update={"status": "queued"}), messages)
         self.store.put(entry)
 
-        async def run() -> None:
-            entry.response = entry.response.model_copy(update={"status": "in_progress"})
+        async def run() -> None:  # "queued" until it ends, as vLLM 0.11 (a client polls while queued)
             try:
                 done = await self._full(chat, chat_request, base)
             except asyncio.CancelledError:
