@@ -18,9 +18,10 @@ stats lag a step), then the lowest KV-cache usage its last step reported; ties g
 With --enable-expert-parallel the replicas share each MoE layer's experts and step together
 (engine/data_parallel_wave.py): every request sent to one replica comes with StartWave(n) to all.
 
-A replica that dies (its process killed, its engine loop failed) fails only its own requests:
-from then on dead_error names it (/health 503, new requests 503), the other replicas' requests in
-flight finish, and ``errored`` turns true (the server exits 1) once none is left. Pure Python.
+A replica that dies (its process killed, its engine loop failed) fails only its own requests
+(with expert parallel the others fail too, at their next exchange): from then on dead_error names
+it first (/health 503, new requests 503), the other replicas' requests in flight finish, and
+``errored`` turns true (the server exits 1) once none is left. Pure Python.
 """
 
 from __future__ import annotations
