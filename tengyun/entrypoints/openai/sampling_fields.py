@@ -67,7 +67,9 @@ class SamplingFields(RequestBody):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"; default the server flag
-    prompt_logprobs: int | None = None  # answered as `prompt_logprobs`, vLLM's shape; not when streaming
+    # answered as `prompt_logprobs`, vLLM's shape; not when streaming. Read as vLLM's lax model reads
+    # it: true is 1, "3" is 3 (vLLM's own tests send "prompt_logprobs": true)
+    prompt_logprobs: int | None = Field(None, strict=False)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_*.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}

@@ -1,6 +1,7 @@
 """Small differences a vLLM client sees, each as vLLM 0.11 answers: chat `"logprobs": "true"`
-(a string) read as true by the request model, `--reasoning-parser deepseek_r1` (the output starts
-inside the reasoning), whole and streamed at every split."""
+(a string) read as true by the request model, `"prompt_logprobs": true` read as 1,
+`--reasoning-parser deepseek_r1` (the output starts inside the reasoning), whole and streamed at
+every split."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from tengyun.entrypoints.openai.chat_output import ChoiceOutputParser
 from tengyun.entrypoints.openai.cli_args import make_arg_parser, server_config_from_args
-from tengyun.entrypoints.openai.protocol import ChatCompletionRequest
+from tengyun.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tengyun.entrypoints.openai.reasoning_parsers import DeepSeekR1ReasoningParser, get_reasoning_parser
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -25,6 +26,12 @@ def test_chat_logprobs_is_read_as_vllms_lax_model_reads_it(value, expected):
 def test_chat_logprobs_that_is_no_boolean_is_still_refused():
     with pytest.raises(ValueError, match="logprobs"):
         ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": "maybe"})
+
+
+@pytest.mark.parametrize("value, expected", [(True, 1), (False, 0), ("3", 3), (2, 2)])
+def test_prompt_logprobs_is_read_as_vllms_lax_model_reads_it(value, expected):
+    request = CompletionRequest.model_validate({"prompt": "hi", "prompt_logprobs": value})
+    assert request.prompt_logprobs == expected
 
 
 def test_other_fields_stay_strict():
