@@ -6,7 +6,9 @@ OpenAI entrypoint tests need none of it. This one:
   the real PEFT adapter adapt.py made for the stand-in model (lora_adapters.json beside tests/);
   a LoRA repo without one fails the test, naming it;
 - skips, with the reason shown in the report, the tests that are out of scope or that do not
-  exercise a server at all (listed in SKIPS).
+  exercise a server at all (listed in SKIPS);
+- gives vLLM's `hf_runner` fixture, with HF transformers, to the tests that use it only to make
+  their inputs (prompt embeddings) from the model the server runs.
 """
 
 from __future__ import annotations
@@ -48,20 +50,50 @@ SKIPS = [
 # takes it compares the server's numbers with that model's, which the stand-in model cannot match
 MODEL_SPECIFIC_FIXTURES = {"hf_runner": "model-specific: compares with HF transformers running the test's "
                                         "original model (the stand-in model gives other numbers)"}
+# ... except files that take hf_runner only to make the request's inputs from the model the server runs
+# (MODEL_NAME rewritten to the stand-in): there the HfRunner below runs HF transformers for real
+HF_RUNNER_MAKES_INPUTS = ("test_completion_with_prompt_embeds.py",)
 
 
 class HfRunner:
-    """The name vLLM's helpers import (tests/models/.../embed_utils.py, for type hints). vLLM's runner
-    itself is not provided: the tests that take `hf_runner` are skipped as model-specific (above)."""
+    """vLLM's HfRunner, the part the input-making tests use: HF transformers' AutoModelForCausalLM
+    and the model's processor (its tokenizer, for a text model), on the CPU, in the dtype vLLM's
+    runner picks for `dtype` (vLLM's own _get_and_verify_dtype: "auto" is bfloat16 for SmolLM2).
+    get_prompt_embeddings(prompts) -> one [seq_len, hidden_size] tensor per prompt, as vLLM's: the
+    model's input-embedding rows of the prompt's token ids (special tokens as the processor adds them)."""
 
-    def __init__(self, *args, **kwargs):
-        raise RuntimeError("stand-in: vLLM's HfRunner is not provided (model-specific comparisons are skipped)")
+    def __init__(self, model_name: str, dtype: str = "auto", **_ignored) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor
+        from vllm.config.model import _get_and_verify_dtype
+
+        self.model_name = model_name
+        self.config = AutoConfig.from_pretrained(model_name)
+        self.dtype = _get_and_verify_dtype(model_name, self.config, dtype=dtype, is_pooling_model=False)
+        self.model = AutoModelForCausalLM.from_pretrained(model_name, torch_dtype=self.dtype)
+        self.processor = AutoProcessor.from_pretrained(model_name, torch_dtype=self.dtype)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+
+    def get_prompt_embeddings(self, prompts: list[str]) -> list:
+        # as vLLM's: outside no_grad, so the tensors the test sends still require grad
+        return [self.model.get_input_embeddings()(self.processor(text=p, return_tensors="pt")["input_ids"]).squeeze(0)
+                for p in prompts]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model
+
+
+@pytest.fixture(scope="session")
+def hf_runner():
+    return HfRunner
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixture = next((f for f in MODEL_SPECIFIC_FIXTURES if f in item.fixturenames), None)
-        if fixture is not None:
+        if fixture is not None and not any(name in item.nodeid for name in HF_RUNNER_MAKES_INPUTS):
             item.add_marker(pytest.mark.skip(reason=MODEL_SPECIFIC_FIXTURES[fixture]))
             continue
         for pattern, reason in SKIPS:
