@@ -21,13 +21,13 @@ The children die with the supervisor (PR_SET_PDEATHSIG), so none outlives it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
+import stat
 from multiprocessing import get_context
 from multiprocessing.connection import wait
 from typing import Any
-
-import uvicorn
 
 from tengyun import __version__
 from tengyun.engine.engine_process import SHUTDOWN_GRACE_S, engine_in_thread_reason
@@ -76,7 +76,7 @@ def run_api_server_pool(config: Any, server: ServerConfig, models: Any) -> int:
         launch = SharedEngineLaunch(config, server.api_server_count)  # first: this process has one thread
         try:
             sockets = listening_sockets(server)
-        except (OSError, SystemExit) as e:  # the port in use, say (uvicorn logged why for --uds)
+        except OSError as e:  # the port in use, say
             logger.error("Cannot listen on %s: %s", _where(server), e)
             launch.process.kill()
             launch.process.join()
@@ -97,7 +97,7 @@ def listening_sockets(server: ServerConfig) -> list[socket.socket]:
     woke first, and asyncio accepts up to 100 at a time: a burst lands in one process). A Unix
     socket (--uds) cannot be bound twice: there the N processes share one."""
     if server.uds:
-        return [uvicorn.Config(app=None, uds=server.uds).bind_socket()] * server.api_server_count
+        return [_unix_socket(server.uds)] * server.api_server_count
     sockets = []
     try:
         for _ in range(server.api_server_count):
@@ -112,6 +112,22 @@ def listening_sockets(server: ServerConfig) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
+
+
+def _unix_socket(path: str) -> socket.socket:
+    """Listening on ``path``; a socket file a previous server left there is replaced (as asyncio's
+    create_unix_server, which a single API process uses, does), anything else is an error."""
+    if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+        os.remove(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o666)  # as uvicorn makes it
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _where(server: ServerConfig) -> str:

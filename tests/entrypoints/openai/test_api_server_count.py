@@ -1,7 +1,8 @@
 """`--api-server-count 2`: two API processes on one port in front of one engine process answer as
 one server does (same greedy outputs as a one-process server, through the openai SDK), both take
 requests, /metrics on either counts every request once, a dead API process stops the server with
-exit 1, SIGTERM drains both and leaves no process behind, and what cannot run is refused (exit 2)."""
+exit 1, SIGTERM drains both (here on a Unix socket they share) and leaves no process behind, and
+what cannot run is refused (exit 2)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 
 import httpx
@@ -17,7 +19,7 @@ import openai
 import pytest
 
 from remote_server import server_model, start_server  # noqa: F401 (fixtures)
-from test_server_lifecycle import assert_error, wait_for_health
+from test_server_lifecycle import assert_error
 
 PROMPTS = [f"def f{i}(x): return x + {i}" for i in range(16)]
 MAX_TOKENS = 8
@@ -72,7 +74,7 @@ def _metrics_from_each(url: str, settled) -> dict[str, str]:
 
 def _pids(log: str) -> tuple[list[int], int]:
     """(the API processes' pids, the engine's) as the supervisor logged them."""
-    match = re.search(r"API server processes \(pids ([\d, ]+)\) on \S+ in front of engine process (\d+)", log)
+    match = re.search(r"API server processes \(pids ([\d, ]+)\) on .+ in front of engine process (\d+)", log)
     return [int(p) for p in match.group(1).split(", ")], int(match.group(2))
 
 
@@ -109,19 +111,32 @@ def test_two_api_processes_answer_as_one_count_each_request_once_and_stop_when_o
     assert all(_gone(pid) for pid in (*api_pids, engine_pid))
 
 
-def test_sigterm_drains_every_api_process_and_leaves_no_process_behind(start_server):  # noqa: F811
-    pool = start_server("--api-server-count", "2", "--shutdown-timeout", "600").wait_ready()
+def test_sigterm_drains_every_api_process_on_a_unix_socket_and_leaves_no_process_behind(start_server,  # noqa: F811
+                                                                                          tmp_path):
+    path = tmp_path / "tengyun.sock"
+    with socket.socket(socket.AF_UNIX) as stale:  # a socket file an earlier server left behind
+        stale.bind(str(path))
+    pool = start_server("--api-server-count", "2", "--shutdown-timeout", "600", "--uds", str(path))
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://tengyun", timeout=300)
+    for _ in range(2400):  # the server loads, then the two processes turn ready together
+        try:
+            if client.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:  # the stale socket, not yet replaced
+            pass
+        assert pool.proc.poll() is None, pool.log()
+        time.sleep(0.1)
     api_pids, engine_pid = _pids(pool.log())
     body = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", pool.url + "/v1/completions", json=body, timeout=300) as r:
+    with client.stream("POST", "/v1/completions", json=body) as r:
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
         next(lines)  # it is running
         pool.proc.send_signal(signal.SIGTERM)
-        wait_for_health(pool.url, 503)
+        while client.get("/health").status_code != 503:
+            time.sleep(0.05)
         for _ in range(4):  # whichever process takes it: shutting down
-            assert_error(httpx.post(pool.url + "/v1/completions", json={"prompt": "x"}, timeout=30), 503,
-                         "shutting down")
+            assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503, "shutting down")
         rest = list(lines)
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][len("data: "):])["usage"]["completion_tokens"] == 200
     assert pool.wait_exit() == 0, pool.log()
