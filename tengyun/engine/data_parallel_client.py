@@ -33,6 +33,7 @@ import os
 import socket
 import threading
 from functools import partial
+from collections.abc import Mapping
 from typing import Any, AsyncIterator, Callable
 
 from tengyun.engine.async_engine import AddRequest, AsyncEngineBase, EngineDead, EngineDeadError, StartWave
@@ -45,31 +46,29 @@ from tengyun.sizing.data_parallel import replica_env
 logger = logging.getLogger(__name__)
 
 
-def launch_replicas(config: Any, in_thread_reason: str | None) -> "DataParallelClient":
-    """The server's --data-parallel-size engine processes, forked now; ``in_thread_reason``: why the
-    engine would otherwise run in a thread of the server (engine_in_thread_reason), which N replicas
-    cannot: refused naming it."""
+def launch_replicas(config: Any, in_thread_reason: str | None, method: str = "fork") -> "DataParallelClient":
+    """The server's --data-parallel-size engine processes, started now (``method`` "fork", or
+    "spawn" where the device runtime does not survive fork); ``in_thread_reason``: the flag or
+    environment asking for the engine in a thread of the server, which N replicas cannot: refused."""
     if in_thread_reason is not None:
         raise ValueError(f"--data-parallel-size {config.data_parallel_size} runs each replica in an engine process "
-                         f"of its own, forked from the server, but here the engine would run in a thread of the "
-                         f"server ({in_thread_reason}): remove that, or use --data-parallel-size 1.")
-    return DataParallelClient.launch(config)
+                         f"of its own, but {in_thread_reason} asks for the engine in a thread of the server: remove "
+                         f"that, or use --data-parallel-size 1.")
+    return DataParallelClient.launch(config, method)
 
 
 class DataParallelClient(AsyncEngineBase):
     """One engine's interface over ``replicas`` (see the module doc); replica i is vLLM's engine i."""
 
     @classmethod
-    def launch(cls, config: Any) -> "DataParallelClient":
-        """Fork the --data-parallel-size engine processes, each loading its replica. Call while this
-        process has one thread (EngineProcessClient.launch); start() and wait_ready() follow."""
-        n, build = config.data_parallel_size, None
-        if config.enable_expert_parallel:  # the replicas' workers meet for the expert exchange
-            address = f"127.0.0.1:{config.data_parallel_rpc_port or _free_port()}"
-            build = [partial(_build_replica, replica_env(i, n, address)) for i in range(n)]
-        replicas = [_Replica.launch(config, build[i] if build else None) for i in range(n)]
-        logger.info("Data parallel: %d engine replicas in processes %s", len(replicas),
-                    ", ".join(str(r.process.pid) for r in replicas))
+    def launch(cls, config: Any, method: str = "fork") -> "DataParallelClient":
+        """Start the --data-parallel-size engine processes, each loading its replica on its own
+        devices. With fork, call while this process has one thread (EngineProcessClient.launch);
+        start() and wait_ready() follow."""
+        envs = replica_environments(config, os.environ)
+        replicas = [_Replica.launch(config, partial(_build_replica, env), method) for env in envs]
+        logger.info("Data parallel: %d engine replicas in processes %s (%s)", len(replicas),
+                    ", ".join(str(r.process.pid) for r in replicas), method)
         return cls(config, replicas)
 
     def __init__(self, config: Any, replicas: list[EngineProcessClient]):
@@ -243,8 +242,33 @@ class _Replica(EngineProcessClient):
             self.on_dead()
 
 
+def replica_environments(config: Any, environ: Mapping[str, str]) -> list[dict[str, str]]:
+    """Each replica's environment, set in its engine process before anything touches a device (its
+    rank processes inherit it): its slice of the visible devices (the platform's visible-devices
+    variable; replica i takes devices [i * R, (i + 1) * R) of those visible, R = tp x pp), and under
+    expert parallel its index and where the replicas meet. CUDA_VISIBLE_DEVICES="4,5,6,7", -dp 2
+    -tp 2 -> "4,5" and "6,7"; unset -> "0,1" and "2,3". CPU: no variable."""
+    from tengyun.platforms import platform_class
+
+    n, ranks = config.data_parallel_size, config.world_size
+    envs: list[dict[str, str]] = [{} for _ in range(n)]
+    name = platform_class(config.device_type).visible_devices_env
+    if name:
+        visible = environ[name].split(",") if environ.get(name) else [str(i) for i in range(n * ranks)]
+        if len(visible) < n * ranks:
+            raise ValueError(f"--data-parallel-size {n} x {ranks} device(s) per replica needs {n * ranks} devices, "
+                             f"but {name}={environ[name]} lists {len(visible)}: list more, or lower the sizes.")
+        for i, env in enumerate(envs):
+            env[name] = ",".join(visible[i * ranks:(i + 1) * ranks])
+    if config.enable_expert_parallel:  # the replicas' workers meet for the expert exchange
+        address = f"127.0.0.1:{config.data_parallel_rpc_port or _free_port()}"
+        for i, env in enumerate(envs):
+            env.update(replica_env(i, n, address))
+    return envs
+
+
 def _build_replica(env: dict[str, str], config: Any) -> Any:
-    """In replica i's engine process: its index for its workers (inherited by its rank processes), then the engine."""
+    """In a replica's engine process: its environment (replica_environments), then the engine."""
     from tengyun.engine.llm_engine import LLMEngine
 
     os.environ.update(env)

@@ -62,9 +62,11 @@ class EngineStartFailed:
     error: BaseException  # what building the engine raised (a ValueError names the flag to change)
 
 
-def engine_in_thread_reason(fork_safe: bool, disable_frontend_multiprocessing: bool = False) -> str | None:
+def engine_in_thread_reason(fork_safe: bool, disable_frontend_multiprocessing: bool = False,
+                            fork: bool = True) -> str | None:
     """Why the server should run the engine loop in a thread of its own process, or None for a
-    child process: the flag or the environment asks for it, or the device runtime cannot be forked."""
+    child process: the flag or the environment asks for it, or (``fork``: the child would be
+    forked) the device runtime cannot be forked or other threads run."""
     if disable_frontend_multiprocessing:
         return "--disable-frontend-multiprocessing"
     name, value = next(((n, os.environ[n]) for n in MULTIPROCESSING_ENVS if os.environ.get(n)), (None, "1"))
@@ -72,6 +74,8 @@ def engine_in_thread_reason(fork_safe: bool, disable_frontend_multiprocessing: b
         raise ValueError(f"{name} must be 0 or 1; got {value!r}.")
     if value == "0":
         return f"{name}=0"
+    if not fork:
+        return None
     if not fork_safe:
         return "this device's runtime is not known to survive fork"
     if threading.active_count() > 1:  # Python threads; torch's import leaves an idle native one
@@ -88,7 +92,8 @@ def launch_for_server(config: Any, fork_safe: bool, disable_frontend_multiproces
     if getattr(config, "data_parallel_size", 1) > 1:  # replicas, each in an engine process of its own
         from tengyun.engine.data_parallel_client import launch_replicas
 
-        return launch_replicas(config, reason)
+        refused = engine_in_thread_reason(fork_safe, disable_frontend_multiprocessing, fork=False)
+        return launch_replicas(config, refused, "fork" if reason is None else "spawn")
     if reason is not None:
         logger.info("Engine: in a thread of the server process (%s)", reason)
         return None
@@ -99,12 +104,15 @@ class EngineProcessClient(AsyncEngineBase):
     """AsyncLLMEngine's interface over an engine loop in a child process (see the module doc)."""
 
     @classmethod
-    def launch(cls, config: Any, build: Callable[[Any], Any] | None = None) -> "EngineProcessClient":
+    def launch(cls, config: Any, build: Callable[[Any], Any] | None = None,
+               method: str = "fork") -> "EngineProcessClient":
         """Fork the engine process, which builds ``build(config)`` (LLMEngine.from_config) and
-        serves it. Call while this process has one thread; start() and wait_ready() follow."""
+        serves it. Call while this process has one thread; start() and wait_ready() follow.
+        ``method`` "spawn": a fresh interpreter instead (data-parallel replicas on a device whose
+        runtime does not survive fork; ``build`` must then pickle)."""
         requests_out, requests_in = Pipe(duplex=False)
         results_out, results_in = Pipe(duplex=False)
-        process = get_context("fork").Process(
+        process = get_context(method).Process(
             target=_engine_process_main,
             args=(build or _build_llm_engine, config, requests_out, results_in, (requests_in, results_out)),
             name="tengyun-engine", daemon=False)  # not daemon: its executor may start rank processes

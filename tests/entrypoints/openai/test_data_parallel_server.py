@@ -206,6 +206,26 @@ def test_expert_parallel_across_two_replicas_answers_as_one_engine(hybrid_moe_mo
         server.stop()
 
 
+SPAWN_REPLICAS = """
+import sys
+from tengyun.platforms.cpu.platform import CpuPlatform
+
+CpuPlatform.fork_safe = False  # as on CUDA and Ascend: the replicas start as fresh interpreters
+from tengyun.entrypoints.openai.api_server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_replicas_start_as_fresh_interpreters_where_the_device_runtime_does_not_survive_fork(start_server):
+    server = start_server("--data-parallel-size", "2", python_code=SPAWN_REPLICAS).wait_ready()
+    assert re.search(r"Data parallel: 2 engine replicas in processes \d+, \d+ \(spawn\)", server.log())
+    name = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    for i in range(2):  # one on each replica
+        body = {"model": name, "prompt": [1, 2, 3 + i], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        assert answer["usage"]["completion_tokens"] == 4, answer
+
+
 @pytest.mark.parametrize("flags,message", [
     (("--data-parallel-size", "2", "--data-parallel-size-local", "1"), "--data-parallel-size-local 1 < "),
     (("--data-parallel-size", "2", "--disable-frontend-multiprocessing"), "--disable-frontend-multiprocessing"),
