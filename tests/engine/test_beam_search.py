@@ -186,3 +186,18 @@ def test_hybrid_models_refuse_beam_search(tiny_hybrid_checkpoints):
     with pytest.raises(ValueError, match="not supported on hybrid models"):
         llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=4))
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_two_ranks_find_the_beams_one_does(tiny_checkpoints, parallel):
+    """Every rank copies its own layers' blocks (TP: its heads, PP: its stage, with two batches in flight)."""
+    params = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    one = tiny_llm(tiny_checkpoints, "llama").beam_search([PROMPT[::-1]], params)[0].sequences
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", block_size=8, max_model_len=128,
+              kv_cache_memory="2MiB", **parallel)
+    try:
+        two = llm.beam_search([PROMPT[::-1]], params)[0].sequences
+    finally:
+        llm.llm_engine.shutdown()
+    assert [b.tokens for b in two] == [b.tokens for b in one]
+    assert [b.cum_logprob for b in two] == pytest.approx([b.cum_logprob for b in one], abs=1e-4)
