@@ -33,6 +33,7 @@ NON_DEFAULTS = dict(
     quantization="compressed-tensors",
     enable_lora=True, max_loras=4, max_lora_rank=32, max_cpu_loras=8, lora_dtype="bfloat16", fully_sharded_loras=True,
     runner="pooling", convert="embed", pooler_config='{"pooling_type": "MEAN"}', hf_overrides='{"is_matryoshka": true}',
+    enable_prompt_embeds=True, skip_tokenizer_init=True,
 )
 
 
