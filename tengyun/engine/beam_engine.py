@@ -59,17 +59,23 @@ class BeamSearchEngineMixin:
             raise ValueError(f"beam search takes a prompt as text or token ids, not {type(prompt).__name__} "
                              f"(as vLLM, prompt embeddings are not searched).")
 
-    def _receive_beam(self, seq: Sequence, request: BeamRequest, result: ModelRunnerOutput) -> None:
-        """A beam's round is done: its candidates recorded, the beam parked (blocks kept)."""
+    def _took_beam_report(self, seq: Sequence, request: object, result: ModelRunnerOutput, now: float,
+                          changed: dict) -> bool:
+        """A beam's step result, taken here (True) or left to sampling (False, not a beam): its
+        candidates recorded and the beam parked (blocks kept); the last of its round's beams to
+        report advances the search (the request then changed)."""
+        if not isinstance(request, BeamRequest):
+            return False
         ids, values = result.logprob_token_ids[seq.seq_id][0], result.logprobs[seq.seq_id][0]
         request.receive(seq, self._logprob_entry(ids, values, result.sampled_ranks[seq.seq_id][0]))
         self.scheduler.park(seq)
         self.generation_tokens += 1
-
-    def _advance_beams(self, request: BeamRequest, now: float) -> None:
-        request.metrics.first_token_time = request.metrics.first_token_time or now
-        request.metrics.last_token_time = now
-        request.next_round(self._fork_beam, self._release_beam)
+        if request.round_complete:
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            request.metrics.last_token_time = now
+            request.next_round(self._fork_beam, self._release_beam)
+            changed[request.request_id] = request
+        return True
 
     def _fork_beam(self, parent: Sequence, beam: BeamSearchSequence) -> Sequence:
         child = Sequence(next(self._seq_ids), parent.request_id, 0, parent.prompt_token_ids, parent.sampling_params,

@@ -143,7 +143,8 @@ class BeamRequest:
         token_ids = beam.tokens[len(self.prompt_token_ids):]
         if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
             token_ids = token_ids[:-1]
-        return CompletionOutput(index=index, text=self.tokenizer.decode(token_ids), token_ids=token_ids,
+        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""  # --skip-tokenizer-init
+        return CompletionOutput(index=index, text=text, token_ids=token_ids,
                                 cumulative_logprob=beam.cum_logprob, logprobs=beam.logprobs,
                                 finish_reason=beam.finish_reason or "abort", stop_reason=beam.stop_reason)
 

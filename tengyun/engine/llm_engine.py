@@ -17,7 +17,6 @@ from typing import Any, Callable, Protocol
 from tengyun.config import EngineConfig
 from tengyun.beam_search import BeamSearchParams
 from tengyun.engine.beam_engine import BeamSearchEngineMixin
-from tengyun.engine.beam_request import BeamRequest
 from tengyun.engine.data_parallel_wave import DataParallelWave
 from tengyun.engine.detokenizer import IncrementalDetokenizer
 from tengyun.engine.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
@@ -333,11 +332,7 @@ class LLMEngine(BeamSearchEngineMixin):  # beam search: engine/beam_engine.py
             if seq is None or seq.is_finished:
                 continue
             request = self.requests[seq.request_id]
-            if isinstance(request, BeamRequest):
-                self._receive_beam(seq, request, result)
-                if request.round_complete:
-                    self._advance_beams(request, now)
-                    changed[request.request_id] = request
+            if self._took_beam_report(seq, request, result, now, changed):
                 continue
             for index, token_id in enumerate(token_ids):  # > 1 token: accepted speculative drafts
                 if seq.is_finished:
