@@ -7,11 +7,12 @@ own pair of pipes, as run_engine_loop's ``receive`` and ``emit``.
 Invariants:
 - Request ids are unique across API processes: the engine only ever sees "i:<id>", so two
   processes may both send "cmpl-1" (a client's own X-Request-Id, say). Aborts are tagged alike.
-- A client gets the outputs and rejections of its own requests, with its own ids back, and the
-  engine's stats with every StepResult it gets.
-- Client 0 (the metrics owner) gets a StepResult after every step that changed anything, with
-  the progress of every request (tagged ids): it alone records the engine's metrics for the
-  whole server, so the counters count each token once. The others get no progress.
+- Every client gets a StepResult after every step that changed anything: the outputs and
+  rejections of its own requests, with its own ids back, and the engine's stats (so an idle
+  API process's /health/detail shows the engine's load, not what it was at its last answer).
+- Client 0 (the metrics owner) gets the progress of every request too (tagged ids): it alone
+  records the engine's metrics for the whole server, so the counters count each token once.
+  The others get no progress.
 - A client that says Shutdown or whose pipe ends (its process is gone) leaves: its requests are
   aborted. The loop shuts down when every client has left.
 Pure Python: no torch import.
@@ -92,8 +93,9 @@ class ClientRouter:
                 self._send(client, part)
 
     def _split(self, result: StepResult) -> dict[int, StepResult]:
-        """One StepResult per client that has something in it; the metrics owner always gets one."""
-        parts: dict[int, StepResult] = {METRICS_OWNER: StepResult([], result.stats, {}, result.progress)}
+        """One StepResult per open client; the metrics owner's with every request's progress."""
+        parts = {client: StepResult([], result.stats) for client in self._open}
+        parts[METRICS_OWNER] = StepResult([], result.stats, {}, result.progress)
         for output in result.outputs:
             client, request_id = untag(output.request_id)
             part = parts.setdefault(client, StepResult([], result.stats))
