@@ -9,6 +9,9 @@ Life of the process:
     bind the port at once (/health 503) -> load weights and KV cache in a thread -> warm-up
     generation -> /health 200 -> ... -> SIGTERM: /health and new requests 503, in-flight ones
     finish (aborted after --shutdown-timeout) -> exit 0.  Engine loop died: exit 1.
+
+--api-server-count N above 1: a supervisor runs N such processes on the port in front of one
+engine process (api_server_pool.py, pooled_api_server.py).
 """
 
 from __future__ import annotations
