@@ -17,7 +17,8 @@ from tengyun.pooling_config import (
     resolve_runner,
 )
 from tengyun.lora.settings import LORA_DTYPES, check_lora_model, check_lora_values
-from tengyun.sizing.data_parallel import check_data_parallel, serving_problem as data_parallel_serving_problem
+from tengyun.parallel_checks import SUPPORTED_EXECUTOR_BACKENDS, check_parallel_values
+from tengyun.sizing.data_parallel import serving_problem as data_parallel_serving_problem
 from tengyun.sizing.resolve import DEFAULT_MAX_NUM_BATCHED_TOKENS, ResolvedSizing, resolve_sizing
 from tengyun.spec_decode.config import SpeculativeConfig
 from tengyun.quantization.config import QUANT_METHODS, QuantConfig, detect_quantization
@@ -26,7 +27,6 @@ SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda", "npu")
-SUPPORTED_EXECUTOR_BACKENDS = ("mp", "uni")
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class EngineConfig:
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
         self.hf_overrides = parse_hf_overrides(self.hf_overrides)
         self._validate_generation_config()
-        self._validate_parallel_values()
+        check_parallel_values(self)
         check_lora_values(self)
 
     def _validate_generation_config(self) -> None:
@@ -297,56 +297,6 @@ class EngineConfig:
                 f"--generation-config {self.generation_config!r} {what} {GENERATION_CONFIG_FILE}: pass auto "
                 f"(the model's), vllm (no model defaults) or a folder that holds {GENERATION_CONFIG_FILE}."
             )
-
-    def _validate_parallel_values(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1 (try 1); got {self.tensor_parallel_size}.")
-        if self.pipeline_parallel_size < 1:
-            raise ValueError(f"--pipeline-parallel-size must be >= 1 (try 1); got {self.pipeline_parallel_size}.")
-        if self.executor_backend not in SUPPORTED_EXECUTOR_BACKENDS:
-            raise ValueError(f"--distributed-executor-backend must be one of mp, uni; "
-                             f"got {self.distributed_executor_backend!r}.")
-        if self.executor_backend == "uni" and self.world_size > 1:
-            raise ValueError(
-                f"--distributed-executor-backend uni runs one process, but --tensor-parallel-size x "
-                f"--pipeline-parallel-size is {self.world_size}: use --distributed-executor-backend mp."
-            )
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}); got {self.node_rank}.")
-        if self.world_size % self.nnodes:
-            raise ValueError(
-                f"--tensor-parallel-size x --pipeline-parallel-size = {self.world_size} ranks cannot be "
-                f"split evenly over --nnodes {self.nnodes}: use a node count that divides {self.world_size}."
-            )
-        if self.nnodes > 1 and self.master_port is None:
-            raise ValueError("--nnodes > 1 needs --master-port (the same free port on every node, e.g. 29500) "
-                             "and --master-addr (node 0's address).")
-        if self.headless and self.node_rank == 0:
-            raise ValueError("--headless runs workers only; node 0 runs the engine: drop --headless "
-                             "or pass --node-rank 1 or higher.")
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ValueError(f"--master-port must be in 1..65535 (try 29500); got {self.master_port}.")
-        check_data_parallel(self)
-        if self.distributed_timeout <= 0:
-            raise ValueError(
-                f"--distributed-timeout must be positive seconds (try 300); got {self.distributed_timeout}.")
-        if self.device_init_timeout is not None and self.device_init_timeout <= 0:
-            raise ValueError(f"--device-init-timeout must be positive seconds (try 120); "
-                             f"got {self.device_init_timeout}.")
-        self._read_rank_table()
-
-    def _read_rank_table(self) -> None:
-        """--rank-table (else $RANK_TABLE_FILE): validated and checked against this node's settings."""
-        from tengyun.host import probe, ranktable
-
-        if self.rank_table is None:
-            self.rank_table = os.environ.get("RANK_TABLE_FILE") or None
-        if self.rank_table is None:
-            return
-        local_ips = ranktable.parse_ip_addresses(probe.ip_addresses())
-        self.hccl_node = ranktable.read_node_environment(
-            self.rank_table, self.nnodes, self.node_rank, self.tensor_parallel_size, self.pipeline_parallel_size,
-            local_ips, os.environ.get("ASCEND_RT_VISIBLE_DEVICES"))
 
     # ----- resolution against the model and the machine ----------------------------------
     def finalize(self) -> "EngineConfig":
