@@ -39,13 +39,16 @@ def hf_beam_tokens(model_dir, prompt: list[int], width: int, max_tokens: int) ->
 
 
 def test_completions_answer_n_beams_per_prompt_best_first_as_hf(client, server_model):  # noqa: F811
-    kw = dict(model=MODEL, prompt=PROMPTS, n=2, max_tokens=6, temperature=0.0,
+    kw = dict(model=MODEL, prompt=PROMPTS, n=2, max_tokens=6, temperature=0.0, logprobs=2,
               extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True})
     answer = client.completions.create(**kw)
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]  # prompt i's beams at i * n, i * n + 1
     expected = [tokens for prompt in PROMPTS for tokens in hf_beam_tokens(server_model, prompt, 2, 6)]
     assert [c.token_ids for c in answer.choices] == expected
     assert all(c.finish_reason == "length" for c in answer.choices)
+    for c in answer.choices:  # each token's logprob and the top 2 of the candidates its step offered
+        assert len(c.logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)  # one key per text: "\ufffd" pieces merge
     assert answer.usage.completion_tokens == 4 * 6 and answer.usage.prompt_tokens == 11 + 6
     # stream: vLLM sends the whole answer as one event
     chunks = list(client.completions.create(stream=True, **kw))
