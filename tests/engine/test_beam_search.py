@@ -201,3 +201,43 @@ def test_two_ranks_find_the_beams_one_does(tiny_checkpoints, parallel):
         llm.llm_engine.shutdown()
     assert [b.tokens for b in two] == [b.tokens for b in one]
     assert [b.cum_logprob for b in two] == pytest.approx([b.cum_logprob for b in one], abs=1e-4)
+
+
+def vllm_front_end_loop(llm: LLM, prompt: list[int], width: int, max_tokens: int, length_penalty: float,
+                        eos: int) -> list[tuple[list[int], float]]:
+    """vLLM 0.11's LLM.beam_search loop, transcribed: each round every live beam is a 1-token request
+    (logprobs 2 x width); EOS candidates finish, the width best others go on; after max_tokens
+    rounds finished and live beams are ranked together. -> [(tokens, cum logprob)], best first."""
+    key = lambda beam: get_beam_search_score(beam[0], beam[1], eos, length_penalty)  # noqa: E731
+    from tengyun import SamplingParams
+
+    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+    live, finished = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        outputs = llm.generate([{"prompt_token_ids": tokens} for tokens, _ in live], step)
+        candidates = []
+        for (tokens, cum), out in zip(live, outputs):
+            for token, logprob in out.outputs[0].logprobs[0].items():
+                (finished if token == eos else candidates).append((tokens + [token], cum + logprob.logprob))
+        live = sorted(candidates, key=key, reverse=True)[:width]
+    return sorted(finished + live, key=key, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("length_penalty", [0.5, 0.0, -1.0])
+def test_same_beams_as_vllms_front_end_loop_with_eos_on(tiny_checkpoints, length_penalty):
+    """EOS candidates of any rank finish, and the search that ends early (no live beam can still win)
+    gives the answer of all max_tokens rounds."""
+    llm = tiny_llm(tiny_checkpoints, "qwen2")
+    engine = llm.llm_engine
+    prompt, width, max_tokens = PROMPT[:5], 2, 40
+    request = engine.add_request(f"eos-{length_penalty}", prompt, BeamSearchParams(
+        beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty, include_stop_str_in_output=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert request.num_steps < max_tokens  # ended early
+    ours = outputs[-1].outputs
+    reference = vllm_front_end_loop(llm, prompt, width, max_tokens, length_penalty, eos=0)
+    assert [prompt + c.token_ids for c in ours] == [tokens for tokens, _ in reference]
+    assert [c.cumulative_logprob for c in ours] == pytest.approx([cum for _, cum in reference], abs=1e-4)
+    assert [c.finish_reason for c in ours] == ["stop"] * width and [c.index for c in ours] == [0, 1]
