@@ -1,7 +1,9 @@
 """The Responses API's routes (serving_responses.py holds what they do):
 
     POST /v1/responses                  create (JSON, or typed SSE events with "stream": true)
-    GET  /v1/responses/{id}             a stored response (404 "Response with id '...' not found.")
+    GET  /v1/responses/{id}             a stored response (404 "Response with id '...' not found.");
+                                        ?stream=true&starting_after=N: a background streamed
+                                        response's events after sequence number N
     POST /v1/responses/{id}/cancel      stop a background response
 
 Behind the same gate as the other /v1 routes (API key, body size, start-up and drain 503s).
@@ -36,8 +38,10 @@ def add_responses_routes(app: FastAPI, host: Any) -> None:
         require_runner(host.config, "generate")
         return respond(await until_disconnect(raw_request, serving.create(request)))
 
-    @app.get("/v1/responses/{response_id}", responses=NOT_FOUND)
-    async def retrieve_response(response_id: str) -> JSONResponse:
+    @app.get("/v1/responses/{response_id}", responses={**NOT_FOUND, **EVENTS})
+    async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None) -> Response:
+        if stream:  # a background streamed response's events (after starting_after), as they come
+            return respond(serving.replay(response_id, starting_after))
         return JSONResponse(serving.get(response_id).response.model_dump())
 
     @app.post("/v1/responses/{response_id}/cancel", responses=NOT_FOUND)

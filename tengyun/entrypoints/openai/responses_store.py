@@ -15,6 +15,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tengyun.entrypoints.openai.responses_event_log import EventLog
 from tengyun.entrypoints.openai.responses_protocol import ResponsesResponse
 
 STORE_ENV = ("VLLM_ENABLE_RESPONSES_API_STORE", "TENGYUN_ENABLE_RESPONSES_API_STORE")
@@ -31,6 +32,7 @@ class StoredResponse:
     response: ResponsesResponse  # replaced as a background run moves on
     messages: list[dict]  # the chat messages the model answered (instructions first)
     task: asyncio.Task | None = None  # a background run, until it ends
+    events: EventLog | None = None  # a background streamed run's events, for readers to follow
 
 
 class ResponsesStore:

@@ -8,7 +8,9 @@ become output items.
     store (default on, responses_store.py)  the response and its conversation are kept:
                                             GET by id, previous_response_id continues it
     background                              answered "queued" at once, run as a task, "queued"
-                                            until it ends (vLLM's); cancel stops it ("cancelled")
+                                            until it ends (vLLM's); cancel stops it ("cancelled");
+                                            with stream, its events are logged for readers
+                                            (responses_event_log.py)
     stream                                  typed events (responses_stream.py)
 """
 
@@ -22,6 +24,7 @@ from pydantic import ValidationError
 
 from tengyun.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from tengyun.entrypoints.openai.request_model import RequestError
+from tengyun.entrypoints.openai.responses_event_log import EventLog
 from tengyun.entrypoints.openai.responses_input import chat_messages
 from tengyun.entrypoints.openai.responses_protocol import (
     InputTokensDetails, OutputTokensDetails, ResponsesRequest, ResponsesResponse, ResponseUsage, item_id,
@@ -50,9 +53,6 @@ class OpenAIServingResponses:
         if request.background and not self.store.enabled:
             raise RequestError("background needs the response store, which VLLM_ENABLE_RESPONSES_API_STORE=0 "
                                "turned off.", "background")
-        if request.background and request.stream:
-            raise RequestError("background with stream is not supported; poll GET /v1/responses/{id} instead.",
-                               "stream")
         previous = None
         if request.previous_response_id is not None:
             previous = self.get(request.previous_response_id, "previous_response_id")
@@ -62,10 +62,13 @@ class OpenAIServingResponses:
         response_id = f"resp_{request.request_id}" if request.request_id else item_id("resp")
         base = ResponsesResponse.of_request(request, response_id, chat.response_name(request.model),
                                             "in_progress", store=store)
+        if request.background and request.stream:
+            return self._background_stream(chat, chat_request, base, messages)
         if request.background:
             return await self._background(chat, chat_request, base, messages)
         if request.stream:
-            return await self._stream(chat, chat_request, base, messages, store)
+            keep = (lambda response: self.store.put(StoredResponse(response, messages))) if store else None
+            return await self._stream(chat, chat_request, base, keep)
         response = await self._full(chat, chat_request, base)
         if store:
             self.store.put(StoredResponse(response, messages))
@@ -76,6 +79,18 @@ class OpenAIServingResponses:
         if entry is None:  # vLLM's 404 wording
             raise RequestError(f"Response with id '{response_id}' not found.", param, status=404)
         return entry
+
+    def replay(self, response_id: str, starting_after: int | None) -> AsyncIterator[str]:
+        """GET ...?stream=true: a background streamed response's events after `starting_after`
+        (a sequence number; all of them when None), then the rest as they come."""
+        entry = self.get(response_id)
+        if entry.events is None:
+            raise RequestError(f"Response with id '{response_id}' was not made with background and stream, so "
+                               f"it has no events to replay: GET it without stream.", "stream")
+        if starting_after is not None and starting_after < 0:
+            raise RequestError(f"starting_after must be a sequence number (>= 0), got {starting_after}.",
+                               "starting_after")
+        return entry.events.follow(0 if starting_after is None else starting_after + 1)
 
     def cancel(self, response_id: str) -> ResponsesResponse:
         """A background run still queued or in progress stops and is "cancelled"; anything else is a 400."""
@@ -99,8 +114,9 @@ class OpenAIServingResponses:
         return await self._finished(chat, base, output, choice.finish_reason, answer.usage,
                                     message.reasoning_content)
 
-    async def _stream(self, chat: OpenAIServingChat, chat_request: ChatCompletionRequest,
-                      base: ResponsesResponse, messages: list[dict], store: bool) -> AsyncIterator[str]:
+    async def _stream(self, chat: OpenAIServingChat, chat_request: ChatCompletionRequest, base: ResponsesResponse,
+                      keep: Callable[[ResponsesResponse], None] | None) -> AsyncIterator[str]:
+        """The typed events; `keep` gets the final response before response.completed goes out."""
         chunks = await _renamed_errors(chat.create_chat_completion(chat_request, as_sse=False))
 
         async def events() -> AsyncIterator[str]:
@@ -123,8 +139,8 @@ class OpenAIServingResponses:
                 await chunks.aclose()
             response = await self._finished(chat, base, list(stream.response.output), stream.finish_reason,
                                             stream.usage, reasoning)
-            if store:
-                self.store.put(StoredResponse(response, messages))
+            if keep is not None:
+                keep(response)
             yield stream.completed(response)
 
         return events()
@@ -141,9 +157,7 @@ class OpenAIServingResponses:
                 return  # cancel() already marked it
             except Exception as e:
                 logger.warning("Background response %s failed: %s", base.id, e)
-                done = base.model_copy(update={"status": "failed", "error": {
-                    "code": "server_error" if error_status(e) == 500 else "invalid_request",
-                    "message": public_message(e)}})
+                done = base.model_copy(update={"status": "failed", "error": _error_of(e)})
             finally:
                 entry.task = None
             if entry.response.status != "cancelled":
@@ -151,6 +165,38 @@ class OpenAIServingResponses:
 
         entry.task = asyncio.get_running_loop().create_task(run(), name=f"response-{base.id}")
         return entry.response
+
+    def _background_stream(self, chat: OpenAIServingChat, chat_request: ChatCompletionRequest,
+                           base: ResponsesResponse, messages: list[dict]) -> AsyncIterator[str]:
+        """background + stream: the run goes on in a task that logs its events; the POST follows
+        the log from the start (a client that leaves does not stop the run; /cancel does)."""
+        entry = StoredResponse(base.model_copy(update={"status": "queued"}), messages, events=EventLog())
+        self.store.put(entry)
+
+        def keep(response: ResponsesResponse) -> None:
+            if entry.response.status != "cancelled":
+                entry.response = response
+
+        async def run() -> None:
+            try:
+                async for event in await self._stream(chat, chat_request, base, keep):
+                    entry.events.append(event)
+                if entry.response.status == "queued":  # the stream ended in its error event
+                    entry.response = base.model_copy(update={"status": "failed", "error": {
+                        "code": "server_error", "message": "The run failed; its error event is in the stream."}})
+            except asyncio.CancelledError:
+                pass  # cancel() already marked it
+            except Exception as e:  # refused before its stream began: logged as the stream would send it
+                logger.warning("Background response %s failed: %s", base.id, e)
+                entry.response = base.model_copy(update={"status": "failed", "error": _error_of(e)})
+                entry.events.append(ResponseEventStream(base).event(
+                    "error", code=str(error_status(e)), message=public_message(e), param=getattr(e, "param", None)))
+            finally:
+                entry.task = None
+                entry.events.close()
+
+        entry.task = asyncio.get_running_loop().create_task(run(), name=f"response-{base.id}")
+        return entry.events.follow(0)
 
     async def _finished(self, chat: OpenAIServingChat, base: ResponsesResponse, output: list, finish_reason,
                         usage, reasoning: str | None) -> ResponsesResponse:
@@ -166,6 +212,11 @@ class OpenAIServingResponses:
         return base.model_copy(update={
             "status": "incomplete" if incomplete else "completed", "output": output, "usage": response_usage,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None})
+
+
+def _error_of(e: Exception) -> dict[str, str]:
+    """A failed background response's `error`."""
+    return {"code": "server_error" if error_status(e) == 500 else "invalid_request", "message": public_message(e)}
 
 
 def _chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:

@@ -164,6 +164,31 @@ def test_background_runs_after_the_answer_and_is_retrieved(client):
         client.responses.create(model=MODEL, input="x", background=True, store=False)
 
 
+def test_background_stream_runs_on_without_its_reader_and_replays_after_a_sequence_number(client):
+    kw = dict(model=MODEL, input="The quick brown fox", max_output_tokens=8, temperature=0)
+    first = client.responses.create(background=True, stream=True, **kw)
+    created = next(iter(first))  # the POST's reader leaves after one event; the run goes on
+    first.close()
+    response_id = created.response.id
+    events = list(client.responses.retrieve(response_id, stream=True))  # from the start, to the end
+    assert events[0] == created and events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert list(client.responses.retrieve(response_id, stream=True, starting_after=2)) == events[3:]
+    stored = client.responses.retrieve(response_id)
+    whole = client.responses.create(**kw)
+    assert stored.status == events[-1].response.status and stored.output_text == whole.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    with pytest.raises(openai.BadRequestError, match="no events to replay"):
+        list(client.responses.retrieve(whole.id, stream=True))
+    story = client.responses.create(model=MODEL, input="A long story", max_output_tokens=1500, background=True,
+                                    stream=True, extra_body={"temperature": 1.0})
+    reader = iter(story)
+    story_id = next(reader).response.id
+    assert client.responses.cancel(story_id).status == "cancelled"
+    assert all(e.type != "response.completed" for e in reader)  # the reader ends with the run
+    assert client.responses.retrieve(story_id).status == "cancelled"
+
+
 def test_cancel_stops_a_background_response_and_frees_its_sequence(client, server):
     queued = client.responses.create(model=MODEL, input="A long story", max_output_tokens=1500, background=True,
                                      extra_body={"temperature": 1.0})
