@@ -13,7 +13,7 @@ What differs from vLLM's own fixture, on purpose:
   the test's subject would stop the start (each one logged on stderr): model-specific
   flags of a model that was swapped for a text-generation one (`--limit-mm-per-prompt` of a
   vision model) are dropped;
-  `--structured-outputs-config.backend` is dropped; `--reasoning-parser deepseek_r1` becomes
+  `--structured-outputs-config.backend` and `--tool-server` are dropped; `--reasoning-parser deepseek_r1` becomes
   `qwen3` (the same <think> format, Tengyun's name for it); `--dtype half|float16|bfloat16` is
   replaced by `--dtype float32` (GPU half precision, 2-12x slower than float32 on this CPU; Tengyun's
   own `--dtype auto` picks bfloat16 on a CPU with avx512_bf16, so float32 is named);
@@ -48,7 +48,9 @@ START_TIMEOUT = float(os.environ.get("STAND_IN_START_TIMEOUT", "240"))
 SWAPPED_MODEL_FLAGS = {"--limit-mm-per-prompt": 1}
 # vLLM flags Tengyun refuses at start-up although the test's subject is something else: dropped,
 # so the test measures its subject (the refusals are reported on their own in the README)
-NOT_THE_SUBJECT_FLAGS = {"--structured-outputs-config.backend": 1}
+# (--tool-server: gpt-oss's built-in browser / python tools, which the Harmony tests that use them
+# skip in vLLM's CI; the rest of test_response_api_with_harmony is the Responses API itself)
+NOT_THE_SUBJECT_FLAGS = {"--structured-outputs-config.backend": 1, "--tool-server": 1}
 # Half precision the tests ask for "for speed and memory savings in CI" (their comments) on a GPU;
 # on this CPU Tengyun decodes it 2-12x slower than float32 (README), so the tests' time limits
 # would measure that instead of their subject. Replaced by float32 (the precision run 3 measured).
