@@ -40,6 +40,17 @@ class EnginePid:
     pid: int  # what EngineHost reads of the engine's process (its ProcessCollector)
 
 
+@dataclass
+class WarmUpRendezvous:
+    """How N API processes start serving together: each counts itself in ``loaded`` once its
+    tokenizer is loaded; process 0 waits for all N, warms the engine up, and sets ``warm``; the
+    others wait for ``warm`` (within WARM_POLL_S of each other, all answer /health 200)."""
+
+    size: int
+    loaded: Any  # multiprocessing Value("i")
+    warm: Any  # multiprocessing Event
+
+
 class SharedEngineLaunch:
     """The forked engine process and the API ends of its N pipe pairs."""
 
@@ -48,8 +59,9 @@ class SharedEngineLaunch:
         engine_ends = [(requests[0], results[1]) for requests, results in pairs]  # (read, write)
         self.api_ends = [(requests[1], results[0]) for requests, results in pairs]  # (write, read)
         self.config = config
-        self.warm = get_context("fork").Event()  # set by API process 0 once its warm-up request finished
-        self.process = get_context("fork").Process(
+        context = get_context("fork")
+        self.rendezvous = WarmUpRendezvous(num_clients, context.Value("i", 0), context.Event())
+        self.process = context.Process(
             target=_shared_engine_main, args=(build or _build_llm_engine, config, engine_ends, self.api_ends),
             name="tengyun-engine", daemon=False)  # not daemon: its executor may start rank processes
         self.process.start()
@@ -61,7 +73,8 @@ class SharedEngineLaunch:
     def client(self, index: int) -> "SharedEngineClient":
         """API process ``index``'s client; call in that process, after close_others(index)."""
         requests, results = self.api_ends[index]
-        return SharedEngineClient(self.config, EnginePid(self.process.pid), requests, results, index, self.warm)
+        return SharedEngineClient(self.config, EnginePid(self.process.pid), requests, results, index,
+                                  self.rendezvous)
 
     def close_others(self, keep: int | None = None) -> None:
         """Close the API ends this process holds except pair ``keep`` (None: all of them)."""
@@ -75,10 +88,10 @@ class SharedEngineClient(EngineProcessClient):
     """API process ``index``'s side of the shared engine (see the module doc)."""
 
     def __init__(self, config: Any, process: EnginePid, requests: Connection, results: Connection, index: int,
-                 warm: Any):
+                 rendezvous: WarmUpRendezvous):
         super().__init__(config, process, requests, results)
         self.index = index
-        self.warm = warm  # multiprocessing Event: the engine has been warmed up (by API process 0)
+        self.rendezvous = rendezvous
 
     def add_step_listener(self, listener: StepListener) -> None:
         if self.index == METRICS_OWNER:  # the others get no progress: their listeners would count stats twice

@@ -53,7 +53,7 @@ def pool_problem(config: Any, server: ServerConfig) -> str | None:
         return f"--api-server-count {n} cannot be used with --headless: a headless node serves no API; drop one."
     if getattr(config, "data_parallel_size", 1) > 1:
         return (f"--api-server-count {n} with --data-parallel-size {config.data_parallel_size} is not supported yet: "
-                f"use one of them.")
+                f"use --api-server-count 1 (one API process in front of the replicas) or --data-parallel-size 1.")
     if runtime_lora_updates_allowed():
         return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING cannot be used with --api-server-count {n}: each API process "
                 f"would hold its own adapters; unset it or use --api-server-count 1.")
@@ -197,7 +197,7 @@ class PoolSupervisor:
         """Every API process has left it; it stops by itself once loaded. One still loading reads no
         message, and is killed at once (as a single server does)."""
         if self.engine.exitcode is None:
-            self.engine.join(SHUTDOWN_GRACE_S if self.launch.warm.is_set() else 0)
+            self.engine.join(SHUTDOWN_GRACE_S if self.launch.rendezvous.warm.is_set() else 0)
         if self.engine.exitcode is None:
             self.engine.kill()
             self.engine.join(5.0)

@@ -4,9 +4,9 @@ It is the single-process server (EngineHost, build_app, DrainingServer) with the
 - its engine is a SharedEngineClient on its own pipe pair to the one engine process, and it
   accepts on the listening socket the supervisor bound (the kernel hands each connection to one
   of the N processes);
-- process 0 warms the engine up and records the engine's metrics; the others wait for that
-  warm-up instead of running their own (their warm-up tokens would count as traffic), so all N
-  turn /health 200 together;
+- process 0 warms the engine up once all N have loaded their tokenizers, and records the
+  engine's metrics; the others wait for that warm-up instead of running their own (their
+  warm-up tokens would count as traffic), so all N turn /health 200 within WARM_POLL_S;
 - /metrics serves every process's metrics merged (multiprocess_metrics.py), and each process
   sets its own tengyun:server_ready each tick;
 - a drain the supervisor asks for (it got SIGTERM, or a sibling died) starts as a SIGTERM here;
@@ -33,7 +33,7 @@ from tengyun.entrypoints.openai.routes import build_app
 
 logger = logging.getLogger("tengyun.server")
 API_SERVER_HEADER = b"x-tengyun-api-server"
-WARM_POLL_S = 0.05
+WARM_POLL_S = 0.01
 
 
 class PooledEngineHost(EngineHost):
@@ -43,14 +43,24 @@ class PooledEngineHost(EngineHost):
                                                self.server.show_hidden_metrics_for_version)
 
     async def _warm_up(self, engine: SharedEngineClient, tokenizer: Any) -> None:
+        """The rendezvous of shared_engine_process.WarmUpRendezvous, in place of each one's warm-up."""
+        rendezvous = engine.rendezvous
+        with rendezvous.loaded.get_lock():
+            rendezvous.loaded.value += 1
         if engine.index == METRICS_OWNER:
+            await _until(lambda: rendezvous.loaded.value == rendezvous.size, engine)
             await EngineHost._warm_up(engine, tokenizer)
-            engine.warm.set()
-            return
-        while not engine.warm.is_set():  # process 0 sets it once its warm-up request finished
-            if engine.errored:
-                raise RuntimeError(engine.dead_error)
-            await asyncio.sleep(WARM_POLL_S)
+            rendezvous.warm.set()
+        else:
+            await _until(rendezvous.warm.is_set, engine)
+
+
+async def _until(condition: Any, engine: SharedEngineClient) -> None:
+    """Poll ``condition`` every WARM_POLL_S; a dead engine raises (a dead sibling: the supervisor drains us)."""
+    while not condition():
+        if engine.errored:
+            raise RuntimeError(engine.dead_error)
+        await asyncio.sleep(WARM_POLL_S)
 
 
 class PooledServer(DrainingServer):
