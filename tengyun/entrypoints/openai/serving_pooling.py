@@ -91,6 +91,7 @@ class OpenAIServingPooling(OpenAIServing):
         the prompts: one id for the engine's requests and the answer. ``chunked``: a long input is
         pooled in chunks (embedding_chunks.py)."""
         self.check_model(request.model)
+        require_runner(self.engine.config, "pooling")  # before the no-data answers below
         response_id = self.response_id(prefix, request)
         if self.keeps_no_tokens(request.truncate_prompt_tokens):
             return response_id, []
