@@ -34,6 +34,8 @@ class PromptEmbedsRows:
     def inputs_embeds(self, input_ids: torch.Tensor, chunks: list[tuple[int, int, int, int]]) -> torch.Tensor | None:
         """[T, hidden] in the model's dtype for input_ids [T] and the step's chunks (seq_id, first
         row, rows, first position); None when no chunk reaches into an embeddings prompt."""
+        if not self.rows:  # no embeddings prompt on this worker: nothing to walk each step
+            return None
         covered = [(offset, start, min(n, len(rows) - start), rows) for seq_id, offset, n, start in chunks
                    if (rows := self.rows.get(seq_id)) is not None and start < len(rows)]
         if not covered:

@@ -84,9 +84,10 @@ def test_chat_with_jsonl_text_prompts_counts_what_the_server_counted(server, ser
     # no --model: the name comes from /v1/models; the tokenizer from --tokenizer
     proc = bench("--base-url", server.url, "--tokenizer", str(server_model), "--endpoint", "/v1/chat/completions",
                  "--dataset", str(workload), "--num-prompts", "4", "--output-len", "5", "--save-result",
-                 "--result-dir", str(tmp_path), "--result-filename", "chat.json")
+                 "--result-dir", str(tmp_path), "--result-filename", "chat.json", "--no-server-timeline")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "chat.json").read_text())
+    assert "server_timeline" not in result and "Server timeline" not in proc.stdout  # /metrics not read
     assert result["model_id"] == SERVED and (result["completed"], result["failed"]) == (4, 0)
     assert all(1 <= n <= 5 for n in result["output_lens"])  # may stop at EOS: no --ignore-eos
     expected = (result["total_input_tokens"], result["total_output_tokens"])
