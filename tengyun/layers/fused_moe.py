@@ -17,11 +17,25 @@ sorted by expert, grouped matmuls, un-permute), with no host synchronisation.
 
 Quantised experts (``use_quant_scheme``) stack each of the scheme's tensors per expert:
 ``w13_weight_packed`` [E_local, *layout of a 2I x H layer], ``w2_weight_scale`` [E_local, *layout
-of an H x I layer], ...; a quantised linear kernel runs each expert (tengyun/layers/quant_kernels.py)
-in a loop over the local experts (grouped.loop_experts), which reads the per-expert counts on the
-host once per layer: no grouped quantised kernel yet, so such a layer is not graph-capturable.
+of an H x I layer], ...; at bind the platform's quantised linear kernel (layers/quant_kernels.py)
+prepares each expert, and prepared tensors it made anew are stacked again, [E_local, ...]
+(``kernel_weight``). Where the kernel runs such a stack as one grouped call (``groups_experts``),
+the layer does (``quant_grouped``: grouped.grouped_experts, the ends of each expert's rows a device
+tensor, no host read, graph-capturable):
+- CPU, with the compiled kernels loaded: 4- and 8-bit weight-only in the compiled layout (bfloat16;
+  compressed-tensors, AWQ, GPTQ without act order), W8A8 dynamic and msModelSlim static where the
+  packed int8 kernel runs (AVX-512 VNNI; any float dtype), GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 in the
+  compiled layout and Q6_K held dequantized (bfloat16): one compiled call per stack loops over the
+  experts in C++ (csrc/moe_grouped.cpp), each expert's rows as its per-expert call computes them.
+- NPU: W8A8 dynamic (npu_dynamic_quant, then npu_grouped_matmul with scale and per_token_scale) and
+  8-bit weight-only per channel (npu_grouped_matmul's antiquant_scale / antiquant_offset), bfloat16
+  and float16 (platforms/npu/kernels/quant.py).
+Everything else loops over the local experts (grouped.loop_experts: one kernel call per expert with
+tokens, the per-expert counts read on the host once per layer, so not graph-capturable): GPTQ act
+order, 4-bit or grouped weight-only on NPU, static W8A8 on NPU, float32 weight-only, torch's int4
+layout (no compiled kernels), the references (CUDA).
 w13 and w2 may hold different schemes (a GGUF Q4_K_M stores gate/up as Q4_K and down as Q6_K), or
-one of them none (dense).
+one of them none (dense: torch._grouped_mm where the dense MoE kernel is PyTorch's, else the loop).
 """
 
 from __future__ import annotations
@@ -37,8 +51,8 @@ from tengyun.distributed.parallel_state import (
     expert_parallel_combine, get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce,
 )
 from tengyun.layers.kernels import KernelBundle
-from tengyun.layers.moe.grouped import LoopMoe, TorchGroupedMoe, loop_experts
-from tengyun.layers.quant_kernels import reference_kernel
+from tengyun.layers.moe.grouped import LoopMoe, TorchGroupedMoe, grouped_experts, grouped_mm, loop_experts
+from tengyun.layers.quant_kernels import expert_view, reference_kernel
 from tengyun.layers.weight_loading import (
     check_dropped, check_integer_dtype, check_shape, layout_dtype, set_weight_loader, weight_device,
 )
@@ -65,7 +79,9 @@ class FusedMoE(nn.Module):
         self._partition(whole=self.expert_parallel or self.tp_size == 1)
         self.schemes: dict[str, LinearScheme] = {}  # "w13" / "w2" -> its experts' scheme (absent: dense)
         self.kernels: dict[str, object] = {}  # "w13" / "w2" -> the quantised experts' kernel
-        self.kernel_weight: dict[str, list] | None = None  # -> each local expert's prepared tensors (bound)
+        # -> the local experts' prepared tensors once bound: stacked [E_local, ...] (stack_experts), or a list
+        self.kernel_weight: dict[str, dict | list] | None = None
+        self.quant_grouped = False  # bound quantised experts run as grouped calls (no host read)
         # --enable-expert-load-metrics: [E] int64 on the device, tokens routed to each expert (moe/load_counter.py)
         self.expert_load: torch.Tensor | None = None
         self.across_replicas = data_parallel.active()  # the EP group spans the data-parallel replicas
@@ -196,11 +212,11 @@ class FusedMoE(nn.Module):
 
     @property
     def supports_graph_capture(self) -> bool:
-        """False where a step reads per-expert counts on the host (quantised experts, the loop), and
-        while expert load is counted (a recorded graph would not keep adding to the counter), and
-        across data-parallel replicas (each layer's exchange is gloo traffic, not a capturable op)."""
-        return not self.schemes and not self.moe_kernel.host_sync and self.expert_load is None \
-            and not self.across_replicas
+        """False where a step reads per-expert counts on the host (quantised experts looping, the
+        dense loop), while expert load is counted (a recorded graph would not keep adding to the
+        counter), and across data-parallel replicas (each layer's exchange is gloo traffic)."""
+        return (not self.schemes or self.quant_grouped) and not self.moe_kernel.host_sync \
+            and self.expert_load is None and not self.across_replicas
 
     def bind_kernels(self, kernels: KernelBundle) -> None:
         """Dense experts: the platform's MoE kernel, which may re-lay the weights out once.
@@ -214,19 +230,45 @@ class FusedMoE(nn.Module):
         self.kernel_weight = {}
         for prefix, scheme in self.schemes.items():
             kernel = self.kernels[prefix] = kernels.quant_linear.get(scheme) or reference_kernel(scheme)
-            self.kernel_weight[prefix] = [kernel.prepare(self._expert_tensors(prefix, local))
-                                          for local in range(self.num_local)]
+            prepared = [kernel.prepare(self._expert_tensors(prefix, local)) for local in range(self.num_local)]
+            # new tensors (frees_original) are stacked, one copy; views of the parameters stay a list
+            stacked = kernel.stack_experts(prepared) if kernel.frees_original else None
+            self.kernel_weight[prefix] = prepared if stacked is None else stacked
+            del prepared
             for layout in scheme.tensors:
                 if kernel.frees_original or not layout.kept:
                     param = getattr(self, f"{prefix}_{layout.name}")
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.quant_grouped = self._groups_quantised()
+
+    def _groups_quantised(self) -> bool:
+        """Every quantised stack's kernel runs its stacked experts as one call, and a dense stack
+        beside them (GGUF) has torch._grouped_mm (the platform's dense MoE kernel is PyTorch's)."""
+        for prefix in ("w13", "w2"):
+            if prefix not in self.schemes:
+                if type(self.moe_kernel) is not TorchGroupedMoe:
+                    return False
+            elif not isinstance(self.kernel_weight[prefix], dict) \
+                    or not self.kernels[prefix].groups_experts(self.kernel_weight[prefix], self.params_dtype):
+                return False
+        return True
+
+    def _stack(self, prefix: str, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """rows [R, in] sorted by local expert, ends [E_local] -> [R, out] through every local expert's
+        w13 or w2 at once (grouped_experts' contract)."""
+        if prefix not in self.schemes:
+            return grouped_mm(rows, getattr(self, f"{prefix}_weight"), ends)
+        return self.kernels[prefix].apply_experts(rows, ends, self.kernel_weight[prefix])
 
     def _expert(self, prefix: str, local: int, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] through local expert ``local``'s w13 or w2."""
         if prefix not in self.schemes:
             return F.linear(x, getattr(self, f"{prefix}_weight")[local])
-        prepared = (self.kernel_weight[prefix][local] if self.kernel_weight is not None
-                    else self._expert_tensors(prefix, local))
+        if self.kernel_weight is None:
+            prepared = self._expert_tensors(prefix, local)
+        else:
+            held = self.kernel_weight[prefix]
+            prepared = held[local] if isinstance(held, list) else expert_view(held, local)
         return self.kernels[prefix].apply(x, prepared, None)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -244,6 +286,8 @@ class FusedMoE(nn.Module):
     def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share of each token's output, [T, H] (zero rows for tokens routed elsewhere)."""
         if self.schemes:
+            if self.quant_grouped:
+                return grouped_experts(x, weights, ids, self.first_expert, self.num_local, self._stack)
             return loop_experts(x, weights, ids, self.first_expert, self.num_local, self._expert)
         return self.moe_kernel.experts(x, weights, ids, self.first_expert, self.w13_weight, self.w2_weight)
 

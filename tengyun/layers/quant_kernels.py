@@ -52,11 +52,43 @@ class QuantLinearKernel:
         prepare keep the layer on a dequantizing path?"""
         return self.streams_quantised
 
+    def stack_experts(self, prepared: list[Tensors]) -> Tensors | None:
+        """The MoE experts' prepared tensors as one dict of [E, ...] stacks (stack_experts), or None."""
+        return stack_experts(prepared)
+
+    def groups_experts(self, stacked: Tensors, dtype: torch.dtype) -> bool:
+        """Can ``apply_experts`` run these experts (stack_experts' form) on ``dtype`` activations as
+        one grouped call? False: the MoE layer loops over its experts, reading their counts on the
+        host (fused_moe.py)."""
+        return False
+
+    def apply_experts(self, x: torch.Tensor, ends: torch.Tensor, stacked: Tensors) -> torch.Tensor:
+        """x [R, in], rows sorted by expert; ends int64 [E]: expert e's rows are ends[e - 1] ..
+        ends[e] - 1 -> [R, out], expert e's rows through ``expert_view(stacked, e)`` as ``apply``
+        computes them; rows past ends[-1] hold anything. No host read of ``ends``."""
+        raise NotImplementedError
+
     def row_reader(self, prepared: Tensors, dtype: torch.dtype) -> RowReader | None:
         """ids [T] -> rows [T, in] in ``dtype`` of the weight ``prepared`` holds, each its
         dequantized values rounded once (so a quantised embedding, or a tied one read from its
         LM head's kernel, looks tokens up); None where this kernel cannot."""
         return None
+
+
+def stack_experts(prepared: list[Tensors]) -> Tensors | None:
+    """Each expert's prepared tensors (the same keys and shapes) -> one dict of [E, ...] stacks;
+    None where they differ (or hold something other than tensors): the layer keeps the list."""
+    keys = prepared[0].keys()
+    if any(p.keys() != keys for p in prepared) or any(not isinstance(v, torch.Tensor) for v in prepared[0].values()):
+        return None
+    if any(p[k].shape != prepared[0][k].shape or p[k].dtype != prepared[0][k].dtype for p in prepared for k in keys):
+        return None
+    return {k: torch.stack([p[k] for p in prepared]) for k in keys}
+
+
+def expert_view(stacked: Tensors, expert: int) -> Tensors:
+    """One expert's prepared tensors out of stack_experts' form (views, contiguous)."""
+    return {k: v[expert] for k, v in stacked.items()}
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

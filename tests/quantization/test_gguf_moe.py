@@ -77,8 +77,11 @@ def test_a_moe_gguf_is_read_tensor_by_tensor_as_the_full_load_reads_it(moe_gguf,
 
 def test_kept_experts_hold_their_blocks_one_scheme_per_stack(moe_gguf):
     """gate/up (w13) Q8_0 and down (w2) Q4_0 in one MoE block, no dense expert weight left, and
-    `tengyun plan` counts exactly the bytes the worker holds (float32 and bfloat16)."""
+    `tengyun plan` counts exactly the bytes the worker holds (float32 and bfloat16). In bfloat16,
+    where the compiled kernels run, each stack runs as one grouped call (no host read); float32's
+    dequantizing reference loops over the experts."""
     from tengyun.config import EngineConfig
+    from tengyun.platforms.cpu.kernels.quant_layout import quant_gemv_fits
     from tengyun.worker.worker import Worker, weight_bytes
 
     path, _ = moe_gguf
@@ -88,6 +91,7 @@ def test_kept_experts_hold_their_blocks_one_scheme_per_stack(moe_gguf):
         experts = worker.model.model.layers[0].mlp.experts
         assert {p: s.kernel for p, s in experts.schemes.items()} == {"w13": "gguf_q8_0", "w2": "gguf_q4_0"}
         assert not hasattr(experts, "w13_weight") and not hasattr(experts, "w2_weight")
+        assert experts.quant_grouped == (dtype == "bfloat16" and quant_gemv_fits())
         plan = _plan(path, "--quantization", "gguf", "--device", "cpu", "--dtype", dtype)
         assert plan["stages"][0]["weight_bytes"] == weight_bytes(worker.model), dtype
 

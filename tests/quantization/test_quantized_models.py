@@ -173,6 +173,31 @@ def test_w8a8_tp2_rounds_each_rank_slice_as_vllm_does(quantized):
     assert worst < W8A8_TP_LOGPROB_TOLERANCE
 
 
+@pytest.mark.parametrize("scheme, dtype", [("w4a16", "bfloat16"), ("w8a8", "float32")])  # bf16 W8A8: layer tests
+def test_grouped_quantised_experts_give_the_per_expert_loop_s_tokens_and_logprobs(quantized, scheme, dtype,
+                                                                                    monkeypatch):
+    """Qwen3-MoE's quantised experts run grouped on CPU (one compiled call per stack, no host read;
+    FusedMoE.quant_grouped), so decode steps replay graphs: the same greedy tokens and logprobs as
+    the per-expert loop it replaced (graphs off)."""
+    from tengyun.layers.fused_moe import FusedMoE
+    from tengyun.worker.worker import Worker
+
+    folder, _ = quantized["qwen3_moe", scheme]
+    grouping, decided = FusedMoE._groups_quantised, []
+    monkeypatch.setattr(FusedMoE, "_groups_quantised", lambda self: decided.append(grouping(self)) or decided[-1])
+    use_graphs, graphs = Worker._use_decode_graphs, []
+    monkeypatch.setattr(Worker, "_use_decode_graphs", lambda self: graphs.append(use_graphs(self)) or graphs[-1])
+    grouped = _tengyun(folder, dtype=dtype)
+    assert decided and all(decided) and graphs == [True]
+    monkeypatch.setattr(FusedMoE, "_groups_quantised", lambda self: False)
+    looped = _tengyun(folder, dtype=dtype)
+    assert graphs == [True, False]
+    for a, b in zip(grouped, looped):
+        assert a.token_ids == b.token_ids
+        for position, token in enumerate(a.token_ids):
+            assert abs(a.logprobs[position][token].logprob - b.logprobs[position][token].logprob) < 1e-5
+
+
 def _pack_nibbles(values: np.ndarray, axis: int) -> np.ndarray:
     """Written apart from tengyun's packing: signed int4 -> uint4 (v + 8), 8 per uint32 along
     ``axis``, element j of each 8 at bits 4j..4j+3, stored as int32."""

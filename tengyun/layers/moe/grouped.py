@@ -44,12 +44,27 @@ class TorchGroupedMoe:
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int,
                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        groups = sort_by_expert(ids, first, w13.shape[0])
-        offsets = groups.counts.cumsum(0).to(torch.int32)  # [E_local]: end row of each local expert
-        rows = x[groups.tokens]  # [T * k, H]
-        gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)  # rows past offsets[-1]: unset
-        return unpermute(out, weights, groups, x.shape[0])
+        stacks = {"w13": w13, "w2": w2}
+        return grouped_experts(x, weights, ids, first, w13.shape[0],
+                               lambda stack, rows, ends: grouped_mm(rows, stacks[stack], ends))
+
+
+def grouped_mm(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [R, in] sorted by expert, w [E, out, in], ends [E] -> [R, out] (rows past ends[-1]: unset)."""
+    return torch._grouped_mm(rows, w.transpose(1, 2), offs=ends.to(torch.int32))
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int, num_local: int,
+                    stack: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Each stack once over all the sorted rows: ``stack(name, rows [R, in], ends)`` runs expert e's
+    rows (ends[e - 1] .. ends[e] - 1; ends int64 [E_local], cumulative, on the device) through
+    its "w13" or "w2" -> [R, out], rows past ends[-1] holding anything. No host read."""
+    groups = sort_by_expert(ids, first, num_local)
+    ends = groups.counts.cumsum(0)  # [E_local]: end row of each local expert
+    rows = x[groups.tokens]  # [T * k, H]
+    gate, up = stack("w13", rows, ends).chunk(2, dim=-1)
+    out = stack("w2", F.silu(gate) * up, ends)
+    return unpermute(out, weights, groups, x.shape[0])
 
 
 def loop_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int, num_local: int,

@@ -137,6 +137,12 @@ class CpuGgufCompiledKernel(GgufReferenceKernel):
     def _bits_zero(self) -> tuple[int, int]:
         return (8, 0) if self.type_name == "Q8_0" else (4, 8 if self.type_name == "Q4_0" else 0)
 
+    def groups_experts(self, stacked: Tensors, dtype: torch.dtype) -> bool:
+        return cpu_quant_layout.groups(stacked)
+
+    def apply_experts(self, x, ends, stacked):
+        return cpu_quant_layout.experts_linear(x, ends, stacked, *self._bits_zero())
+
     def apply(self, x, prepared, bias):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         return cpu_quant_layout.linear(x2, prepared, *self._bits_zero(), bias).reshape(*x.shape[:-1], -1)
@@ -153,6 +159,13 @@ class CpuGgufDequantizedKernel(GgufReferenceKernel):
 
     def prepare(self, tensors: Tensors) -> Tensors:
         return {"weight": dequantize_blocks(tensors["qweight"], self.type_name, torch.bfloat16)}
+
+    def groups_experts(self, stacked: Tensors, dtype: torch.dtype) -> bool:
+        return hasattr(torch, "_grouped_mm")
+
+    def apply_experts(self, x, ends, stacked):  # torch._grouped_mm: the same matmul per expert as F.linear
+        w = stacked["weight"]
+        return torch._grouped_mm(x.to(w.dtype), w.transpose(1, 2), offs=ends.to(torch.int32)).to(x.dtype)
 
     def apply(self, x, prepared, bias):
         return F.linear(x, prepared["weight"], bias)

@@ -22,6 +22,8 @@ references (which they fall back to for a layer they cannot run).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tengyun.layers.quant_kernels import (
@@ -85,6 +87,21 @@ def _run_packed(op, x: torch.Tensor, prepared: Tensors, scale: torch.Tensor, bia
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+def _run_packed_experts(x: torch.Tensor, ends: torch.Tensor, stacked: Tensors, scale: torch.Tensor,
+                        quant_bias=None, reciprocal=None, offset=None) -> torch.Tensor:
+    """x [R, in] sorted by expert through each expert's packed weight (csrc/moe_grouped.cpp), the
+    dtypes as _run_packed; rows past ends[-1] are 0."""
+    run_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    y = _moe_packed_op()(x.to(run_dtype).contiguous(), ends, stacked["packed"], scale, quant_bias, reciprocal, offset,
+                         scale.shape[1])
+    return y.to(x.dtype)
+
+
+@functools.cache
+def _moe_packed_op():
+    return torch.ops.tengyun.moe_w8a8_packed_gemm.default
+
+
 class CpuW8A8Kernel(QuantLinearKernel):
     streams_quantised = True  # the int8 weight as held, packed or through torch._int_mm
 
@@ -104,6 +121,12 @@ class CpuW8A8Kernel(QuantLinearKernel):
         if self.packed is None or not _packs(weight, scale):
             return tensors
         return {"packed": pack_w8a8_weight(weight), "weight_scale": scale.reshape(-1).contiguous()}
+
+    def groups_experts(self, stacked: Tensors, dtype: torch.dtype) -> bool:
+        return "packed" in stacked
+
+    def apply_experts(self, x, ends, stacked):
+        return _run_packed_experts(x, ends, stacked, stacked["weight_scale"])
 
     def apply(self, x, prepared, bias):
         if "packed" in prepared:
@@ -165,6 +188,12 @@ class CpuInt4PackKernel(ReferenceWNA16Kernel):
         points = None if zero is None else (zero.to(torch.int16) + 8).to(torch.uint8)
         return cpu_quant_layout.pack((q.to(torch.int16) + 8).to(torch.uint8), 4, scale, points)
 
+    def groups_experts(self, stacked: Tensors, dtype: torch.dtype) -> bool:
+        return cpu_quant_layout.groups(stacked)  # the compiled layout; torch's int4 layout loops
+
+    def apply_experts(self, x, ends, stacked):
+        return cpu_quant_layout.experts_linear(x, ends, stacked, 4, 8)
+
     def apply(self, x, prepared, bias):
         if "int4pack" not in prepared and "qpacked" not in prepared:
             return super().apply(x, prepared, bias)
@@ -206,6 +235,12 @@ class CpuInt8WeightOnlyKernel(ReferenceWNA16Kernel):
             prepared = cpu_quant_layout.pack(q, 8, scale.float(), offsets=offsets)
         return prepared if perm is None else {**prepared, "perm": perm}
 
+    def groups_experts(self, stacked: Tensors, dtype: torch.dtype) -> bool:
+        return cpu_quant_layout.groups(stacked)
+
+    def apply_experts(self, x, ends, stacked):
+        return cpu_quant_layout.experts_linear(x, ends, stacked, 8, 0)
+
     def apply(self, x, prepared, bias):
         if "qpacked" not in prepared:
             return super().apply(x, prepared, bias)
@@ -233,6 +268,13 @@ class CpuW8A8StaticKernel(ReferenceW8A8StaticKernel):
         rest = {k: v for k, v in prepared.items() if k != "weight"}
         return {**rest, "packed": pack_w8a8_weight(prepared["weight"]), "quant_bias": quant_bias.contiguous(),
                 "deq_scale": prepared["deq_scale"].contiguous()}
+
+    def groups_experts(self, stacked: Tensors, dtype: torch.dtype) -> bool:
+        return "packed" in stacked
+
+    def apply_experts(self, x, ends, stacked):
+        return _run_packed_experts(x, ends, stacked, stacked["deq_scale"], stacked["quant_bias"],
+                                   stacked["input_scale_reciprocal"], stacked["input_offset"])
 
     def apply(self, x, prepared, bias):
         if "packed" in prepared:

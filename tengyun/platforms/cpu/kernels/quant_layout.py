@@ -102,6 +102,30 @@ def linear(x2: torch.Tensor, prepared: Tensors, bits: int, zero: int, bias: torc
     return y if bias is None else y + bias
 
 
+def groups(stacked: Tensors) -> bool:
+    """Is ``stacked`` experts in this layout (stack_experts' form, no act-order perm), each small
+    enough that ``linear`` never chunks it (under LARGE_WEIGHT_BYTES dequantized)?"""
+    if "qpacked" not in stacked or not set(stacked) <= set(LAYOUT_KEYS):
+        return False
+    return 2 * stacked["qpacked"].shape[2] * stacked["qcolumns"].shape[1] < LARGE_WEIGHT_BYTES
+
+
+def experts_linear(x: torch.Tensor, ends: torch.Tensor, stacked: Tensors, bits: int, zero: int) -> torch.Tensor:
+    """x [R, in] sorted by expert, ends int64 [E] -> [R, out]: expert e's rows as ``linear``
+    computes them (kernel up to kernel_rows() bfloat16 rows, else dequantized once and a dense
+    matmul), the loop over the experts inside one compiled op (csrc/moe_grouped.cpp); rows past
+    ends[-1] are 0."""
+    packed, scales = stacked["qpacked"], stacked["qscales"]
+    return _moe_quant_linear_op()(x.contiguous(), ends, packed, bits, packed.shape[2] // scales.shape[2], scales,
+                                  stacked.get("qzeros"), stacked.get("qoffsets"), float(zero),
+                                  stacked["qcolumns"].shape[1], kernel_rows())
+
+
+@functools.cache
+def _moe_quant_linear_op():
+    return torch.ops.tengyun.moe_quant_linear.default
+
+
 def dequantized_t(prepared: Tensors, bits: int, zero: int, dtype: str = "float32") -> torch.Tensor:
     """The layout's weight transposed, w^T [in, out] in ``dtype`` (the kernel's w, rounded once)."""
     return torch.ops.tengyun.quant_dequantize_t(prepared["qpacked"], bits, _group(prepared), prepared["qscales"],

@@ -67,6 +67,25 @@ class NpuW8A8Kernel(NpuQuantKernel):
                     "weight_scale": tensors["weight_scale"].flatten().float()}  # [N] float32
         return split_columns(prepared, n, ("weight", "weight_scale"))
 
+    def stack_experts(self, prepared):
+        """+ weight_scale_bf16 [E, N]: npu_grouped_matmul's per-token form takes a bfloat16 scale for
+        bfloat16 outputs (float32 for float16), its data-type table."""
+        stacked = super().stack_experts(prepared)
+        if stacked is not None and "weight_scale" in stacked:
+            stacked["weight_scale_bf16"] = stacked["weight_scale"].to(torch.bfloat16)
+        return stacked
+
+    def groups_experts(self, stacked, dtype):
+        return grouped_ready(stacked) and dtype in (torch.float16, torch.bfloat16)
+
+    def apply_experts(self, x, ends, stacked):
+        """x_q, s_x per token (npu_dynamic_quant), then y = (x_q @ w[e]) * scale[e] * s_x per expert."""
+        x_q, s_x = self.npu.npu_dynamic_quant(x)
+        scale = stacked["weight_scale_bf16" if x.dtype == torch.bfloat16 else "weight_scale"]
+        return self.npu.npu_grouped_matmul([x_q], [stacked["weight"]], scale=[scale], per_token_scale=[s_x],
+                                           group_list=ends, split_item=2, group_type=0, group_list_type=0,
+                                           output_dtype=x.dtype)[0]
+
     def apply(self, x, prepared, bias):
         if ON_REFERENCE in prepared:
             return self.reference.apply(x, prepared, bias)
@@ -105,6 +124,19 @@ class NpuWNA16Kernel(NpuQuantKernel):
         if perm is not None:
             prepared["perm"] = perm
         return split_columns(prepared, n, ("weight", "antiquant_scale", "antiquant_offset"))
+
+    def groups_experts(self, stacked, dtype):
+        """8-bit per channel, inputs in order: npu_grouped_matmul's weight-only form takes an int8
+        weight per channel only (an int4 weight, per group too, but no documented 3-D int4 pack)."""
+        return grouped_ready(stacked) and "perm" not in stacked and stacked["weight"].dtype == torch.int8 \
+            and stacked["antiquant_scale"].dim() == 2 and stacked["antiquant_scale"].dtype == dtype
+
+    def apply_experts(self, x, ends, stacked):
+        """y = x @ ((w[e] + offset[e]) * scale[e]) per expert, in x's dtype."""
+        offset = stacked.get("antiquant_offset")
+        return self.npu.npu_grouped_matmul([x], [stacked["weight"]], antiquant_scale=[stacked["antiquant_scale"]],
+                                           antiquant_offset=None if offset is None else [offset], group_list=ends,
+                                           split_item=2, group_type=0, group_list_type=0)[0]
 
     def apply(self, x, prepared, bias):
         if ON_REFERENCE in prepared:
@@ -145,6 +177,11 @@ class NpuW8A8StaticKernel(NpuQuantKernel):
         y = by_columns(lambda p: self.npu.npu_quant_matmul(x_q, p["weight"], p[scale], bias=p["quant_bias"],
                                                            output_dtype=x.dtype), prepared)
         return y.reshape(*x.shape[:-1], -1)
+
+
+def grouped_ready(stacked: Tensors) -> bool:
+    """Experts stacked whole on torch_npu's op (none on the reference, none split by columns)."""
+    return "weight" in stacked and ON_REFERENCE not in stacked and "parts" not in stacked
 
 
 def npu_quant_kernel(scheme) -> QuantLinearKernel:
