@@ -37,9 +37,10 @@ def check_parallel_values(config: Any) -> None:
     if config.nnodes > 1 and config.master_port is None:
         raise ValueError("--nnodes > 1 needs --master-port (the same free port on every node, e.g. 29500) "
                          "and --master-addr (node 0's address).")
-    if config.headless and config.node_rank == 0:
+    if config.headless and config.node_rank == 0 and config.data_parallel_size == 1:
         raise ValueError("--headless runs workers only; node 0 runs the engine: drop --headless "
-                         "or pass --node-rank 1 or higher.")
+                         "or pass --node-rank 1 or higher (data-parallel replicas for another node's API "
+                         "server: --data-parallel-size with --data-parallel-start-rank).")
     if config.master_port is not None and not 0 < config.master_port < 65536:
         raise ValueError(f"--master-port must be in 1..65535 (try 29500); got {config.master_port}.")
     check_data_parallel(config)

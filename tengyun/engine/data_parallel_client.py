@@ -2,9 +2,15 @@
 interface of one engine (AsyncEngineBase), so the server's routes never know there are several.
 
     API process                          engine processes (forked before the server starts)
-    generate() -> least-loaded replica -> EngineProcessClient i --pipes--> LLMEngine i (own ranks, KV)
+    generate() -> least-loaded replica -> LocalReplica i  --pipes--> LLMEngine i (own ranks, KV)
+                                       -> RemoteReplica j --TCP----> LLMEngine j on a --headless node
     abort(id)  -> the replica that took id
     step listeners <- DataParallelStats (the replicas' stats summed, and each one's, by index)
+
+Replicas 0..L-1 (L = --data-parallel-size-local) run on this node; L..N-1 on --headless nodes,
+which connect to this node's --data-parallel-rpc-port (engine/data_parallel_link.py) and are
+then replicas like the others (engine/data_parallel_replica.py): routed to, counted, warmed up,
+named when they die or their node goes away.
 
 Each replica is a whole engine: its own scheduler, KV cache and tp x pp ranks (CPU: the node's
 cores split between all replicas' ranks, executor/). Replicas share nothing, so a request's
@@ -34,14 +40,16 @@ import socket
 import threading
 from functools import partial
 from collections.abc import Mapping
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-from tengyun.engine.async_engine import AddRequest, AsyncEngineBase, EngineDead, EngineDeadError, StartWave
+from tengyun.engine.async_engine import AsyncEngineBase, EngineDeadError, StartWave
+from tengyun.engine.data_parallel_link import ReplicaListener, describe_replicas
+from tengyun.engine.data_parallel_replica import LocalReplica, RemoteReplica
 from tengyun.engine.data_parallel_stats import combine
 from tengyun.engine.engine_process import SHUTDOWN_GRACE_S, EngineProcessClient
 from tengyun.outputs import RequestOutput, RequestProgress
 from tengyun.sampling_params import SamplingParams
-from tengyun.sizing.data_parallel import replica_env
+from tengyun.sizing.data_parallel import expert_exchange_address, local_replicas, replica_env, spans_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +70,23 @@ class DataParallelClient(AsyncEngineBase):
 
     @classmethod
     def launch(cls, config: Any, method: str = "fork") -> "DataParallelClient":
-        """Start the --data-parallel-size engine processes, each loading its replica on its own
-        devices. With fork, call while this process has one thread (EngineProcessClient.launch);
-        start() and wait_ready() follow."""
+        """Start this node's engine processes (--data-parallel-size-local of them, default all),
+        each loading its replica on its own devices, and listen for the other nodes' replicas. With
+        fork, call while this process has one thread (EngineProcessClient.launch); start() and
+        wait_ready() follow."""
+        listener = ReplicaListener(config) if spans_nodes(config) else None  # a taken port: before any fork
         envs = replica_environments(config, os.environ)
-        replicas = [_Replica.launch(config, partial(_build_replica, env), method) for env in envs]
-        logger.info("Data parallel: %d engine replicas in processes %s (%s)", len(replicas),
-                    ", ".join(str(r.process.pid) for r in replicas), method)
-        return cls(config, replicas)
+        local = [LocalReplica.launch(config, partial(_build_replica, env), method) for env in envs]
+        remote = [RemoteReplica(config, index) for index in range(len(local), config.data_parallel_size)]
+        logger.info("Data parallel: %d engine replicas in processes %s (%s)%s", len(local),
+                    ", ".join(str(r.process.pid) for r in local), method,
+                    f"; {describe_replicas(range(len(local), config.data_parallel_size))} from --headless nodes, "
+                    f"listening on port {listener.port}" if listener else "")
+        return cls(config, [*local, *remote], listener)
 
-    def __init__(self, config: Any, replicas: list[EngineProcessClient]):
+    def __init__(self, config: Any, replicas: list[EngineProcessClient], listener: ReplicaListener | None = None):
         self.replicas = replicas  # before the base class sets dead_error
+        self._listener = listener
         super().__init__(config, latest_stats=None)
         self._owner: dict[str, int] = {}  # request_id -> index of the replica serving it
         self._cursor = 0  # where the round-robin among equally loaded replicas starts next
@@ -89,6 +103,22 @@ class DataParallelClient(AsyncEngineBase):
         self._loop = asyncio.get_running_loop()
         for replica in self.replicas:
             replica.start()
+        if self._listener is not None:
+            self._listener.start(self._attach)
+
+    def waiting_for(self) -> str | None:
+        """What start-up still waits for from other nodes (/health's 503 while starting), or None:
+        'data-parallel replicas 2, 3 not connected yet (--headless nodes, to port 13345)'."""
+        missing = [str(r.index) for r in self.replicas if isinstance(r, RemoteReplica) and r.address is None]
+        if not missing:
+            return None
+        return (f"data-parallel replica{'s' if len(missing) > 1 else ''} {', '.join(missing)} not connected yet "
+                f"(--headless nodes, to port {self._listener.port})")
+
+    def _attach(self, index: int, conn: Any, address: str) -> bool:
+        """From the listener: a welcomed connection for remote replica ``index``."""
+        replica = self.replicas[index] if index < len(self.replicas) else None
+        return isinstance(replica, RemoteReplica) and replica.attach(conn, address)
 
     async def wait_ready(self) -> None:
         """Until every replica has loaded; raises what the first failing one raised."""
@@ -101,6 +131,8 @@ class DataParallelClient(AsyncEngineBase):
 
     def shutdown(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
         """Stop every replica at once (each: Shutdown, then killed after ``timeout`` s)."""
+        if self._listener is not None:
+            self._listener.close()
         threads = [threading.Thread(target=replica.shutdown, args=(timeout,), daemon=True) for replica in self.replicas]
         for thread in threads:
             thread.start()
@@ -120,10 +152,14 @@ class DataParallelClient(AsyncEngineBase):
     def dead_error(self) -> str | None:
         """The first replica to die, named, then any that died after it (under expert parallel the
         others fail in their next exchange): 'data-parallel engine 1 (pid 4242): The engine process
-        exited ...; then engine 0 (pid 4241): The engine loop died: ...'."""
+        exited ...; then engine 0 (pid 4241): The engine loop died: ...'; a remote replica's
+        'engine 2 (pid 5120 on 10.0.0.2): The connection to its node 10.0.0.2 closed ...'. Replicas
+        whose process or connection ended (``gone``) come first: a cause, whichever report arrived
+        first (replica 0's failed exchange can beat replica 1's end of pipe to the event loop)."""
         dead = self._deaths + [i for i, replica in enumerate(self.replicas)
                                if replica.dead_error is not None and i not in self._deaths]  # failed to start
-        parts = [f"engine {i} (pid {self.replicas[i].process.pid}): {self.replicas[i].dead_error}" for i in dead]
+        dead.sort(key=lambda i: not self.replicas[i].gone)  # stable: in order of death within each kind
+        parts = [f"engine {i} ({self.replicas[i].where}): {self.replicas[i].dead_error}" for i in dead]
         return "data-parallel " + "; then ".join(parts) if parts else None
 
     @dead_error.setter
@@ -150,7 +186,8 @@ class DataParallelClient(AsyncEngineBase):
         for index, replica in enumerate(self.replicas):
             stats = replica.latest_stats
             states.append({
-                "engine": str(index), "pid": replica.process.pid, "alive": replica.dead_error is None,
+                "engine": str(index), "pid": replica.pid, "node": getattr(replica, "address", None),
+                "alive": replica.dead_error is None,
                 "error": replica.dead_error, "in_flight": replica.num_in_flight,
                 **({"running": stats.num_running, "waiting": stats.num_waiting,
                     "kv_cache_usage": stats.kv_cache_usage} if stats is not None else {})})
@@ -225,32 +262,17 @@ class DataParallelClient(AsyncEngineBase):
                 logger.exception("Step listener %r failed", listener)
 
 
-class _Replica(EngineProcessClient):
-    """One replica's engine process; ``on_add`` runs after each request is sent to it."""
-
-    on_add: Callable[[], None] | None = None
-    on_dead: Callable[[], None] | None = None  # after its death is recorded (dead_error set)
-
-    def _send(self, message: Any) -> None:
-        super()._send(message)
-        if isinstance(message, AddRequest) and self.on_add is not None:
-            self.on_add()
-
-    def _dispatch(self, message: Any) -> None:
-        super()._dispatch(message)
-        if isinstance(message, EngineDead) and self.on_dead is not None:
-            self.on_dead()
-
-
 def replica_environments(config: Any, environ: Mapping[str, str]) -> list[dict[str, str]]:
-    """Each replica's environment, set in its engine process before anything touches a device (its
-    rank processes inherit it): its slice of the visible devices (the platform's visible-devices
-    variable; replica i takes devices [i * R, (i + 1) * R) of those visible, R = tp x pp), and under
-    expert parallel its index and where the replicas meet. CUDA_VISIBLE_DEVICES="4,5,6,7", -dp 2
-    -tp 2 -> "4,5" and "6,7"; unset -> "0,1" and "2,3". CPU: no variable."""
+    """Each of this node's replicas' environment, set in its engine process before anything touches
+    a device (its rank processes inherit it): its slice of the visible devices (the platform's
+    visible-devices variable; the node's i-th replica takes devices [i * R, (i + 1) * R) of those
+    visible, R = tp x pp), and under expert parallel its index and where the replicas meet.
+    CUDA_VISIBLE_DEVICES="4,5,6,7", -dp 2 -tp 2 -> "4,5" and "6,7"; unset -> "0,1" and "2,3".
+    CPU: no variable. A --headless node's replicas 2, 3 take its first devices likewise."""
     from tengyun.platforms import platform_class
 
-    n, ranks = config.data_parallel_size, config.world_size
+    indexes, ranks = local_replicas(config), config.world_size
+    n = len(indexes)
     envs: list[dict[str, str]] = [{} for _ in range(n)]
     name = platform_class(config.device_type).visible_devices_env
     if name:
@@ -261,9 +283,9 @@ def replica_environments(config: Any, environ: Mapping[str, str]) -> list[dict[s
         for i, env in enumerate(envs):
             env[name] = ",".join(visible[i * ranks:(i + 1) * ranks])
     if config.enable_expert_parallel:  # the replicas' workers meet for the expert exchange
-        address = f"127.0.0.1:{config.data_parallel_rpc_port or _free_port()}"
-        for i, env in enumerate(envs):
-            env.update(replica_env(i, n, address))
+        address = expert_exchange_address(config) or f"127.0.0.1:{config.data_parallel_rpc_port or _free_port()}"
+        for index, env in zip(indexes, envs):
+            env.update(replica_env(index, config.data_parallel_size, address))
     return envs
 
 

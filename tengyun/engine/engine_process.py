@@ -57,6 +57,12 @@ class EngineReady:
     memory_reports: list = field(default_factory=list)  # LLMEngine.memory_reports
 
 
+class EngineGone(EngineDead):
+    """EngineDead read from the end of the results pipe (or a remote replica's connection): the
+    engine process, or its node, went without a word. A cause, never the consequence of another
+    engine's failure (that one's loop reports itself first, as EngineDead)."""
+
+
 @dataclass
 class EngineStartFailed:
     error: BaseException  # what building the engine raised (a ValueError names the flag to change)
@@ -135,6 +141,7 @@ class EngineProcessClient(AsyncEngineBase):
         # and the other sees no exit code. The reader thread and shutdown() both wait.
         self._process_lock = threading.Lock()
         self.start_error: BaseException | None = None  # what loading raised there (its traceback is logged there)
+        self.gone = False  # its death was EngineGone: the process (or connection) ended, not the loop
 
     # ----- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -190,12 +197,14 @@ class EngineProcessClient(AsyncEngineBase):
             try:
                 message = self._results.recv()
             except (EOFError, OSError):
-                if self._stopping:
-                    return
-                code = self.wait_exit(5.0)
-                self._post(EngineDead(f"The engine process exited unexpectedly ({_exit_text(code)})."))
+                if not self._stopping:
+                    self._post(EngineGone(self._gone_message()))
                 return
             self._post(message)
+
+    def _gone_message(self) -> str:
+        """Why the results pipe ended while nobody asked the engine to stop."""
+        return f"The engine process exited unexpectedly ({_exit_text(self.wait_exit(5.0))})."
 
     def _post(self, message: Any) -> None:
         try:
@@ -216,6 +225,7 @@ class EngineProcessClient(AsyncEngineBase):
             self._ready.done() or self._ready.set_exception(message.error)
         elif isinstance(message, EngineDead):
             if self.dead_error is None:  # the loop's own report comes before the end of the pipe
+                self.gone = isinstance(message, EngineGone)
                 self._ready.done() or self._ready.set_exception(RuntimeError(message.message))
                 self._dispatch(message)
         else:

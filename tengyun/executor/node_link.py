@@ -33,14 +33,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tengyun.distributed.rank_info import node_ranks
+from tengyun.distributed.tcp_keepalive import watch_peer
 
 logger = logging.getLogger(__name__)
 
 RETRY_INTERVAL_S = 1.0
-# A cut network (a link down, a host powered off) sends no FIN: TCP keepalive probes an idle
-# connection every second after 2 s, and TCP_USER_TIMEOUT bounds unacknowledged data, so either
-# side's socket errors (reads as closed) about LOST_AFTER_S after the last answer.
-LOST_AFTER_S = 5
 MAX_LINE_BYTES = 65536  # a report is ~50 bytes; a peer sending more without a newline is not a node
 
 
@@ -64,15 +61,6 @@ class RankExit:
 class NodeLost:
     node: int
     ranks: tuple[int, ...]
-
-
-def watch_peer(sock: socket.socket) -> None:
-    """Keepalive and user timeout on a link connection (Linux; elsewhere only SO_KEEPALIVE)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", LOST_AFTER_S - 2),
-                          ("TCP_USER_TIMEOUT", LOST_AFTER_S * 1000)):
-        if hasattr(socket, option):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def describe_ranks(ranks) -> str:

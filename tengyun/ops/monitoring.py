@@ -57,6 +57,10 @@ def alert_rules_list(t: AlertThresholds) -> list[Rule]:
              "Tengyun {{ $labels.instance }}: rank {{ $labels.rank }} of node {{ $labels.node_rank }} exited",
              "A worker process of this --headless node has exited: the whole cluster stops serving until the "
              "node and node 0 restart (GET /health/detail on both says why)."),
+        Rule("TengyunReplicaDown", f"tengyun:replica_alive{{{job}}} == 0", "1m", "critical",
+             "Tengyun {{ $labels.instance }}: data-parallel replica {{ $labels.engine }} is down",
+             "A data-parallel replica of this --headless node exited or its engine died: the API node serves "
+             "no new requests until both nodes restart (GET /health/detail on both says why)."),
         Rule("TengyunNotReady", f"tengyun:server_ready{{{job}}} == 0", t.not_ready_for, "critical",
              "Tengyun {{ $labels.instance }}: /health is not 200",
              "The server answers 503 on /health (loading, warming up, draining, or its engine died); "

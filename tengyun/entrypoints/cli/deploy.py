@@ -18,6 +18,7 @@ from tengyun.ops.deploy import (
 )
 from tengyun.ops.grafana import grafana_dashboard
 from tengyun.ops.monitoring import AlertThresholds, alert_rules, prometheus_config
+from tengyun.sizing.data_parallel import local_replicas
 
 # Carried into the unit from the shell it is generated in (after `source set_env.sh`).
 ENV_PREFIXES = ("ASCEND_", "HCCL_", "TENGYUN_", "OMP_")
@@ -72,7 +73,9 @@ def add_parser(subparsers) -> None:
     unit.add_argument("--supervise", action="store_true", help="run the server under `tengyun supervise`")
     unit.add_argument("--nnodes", type=int, default=None,
                       help="a unit for one node of a multi-node launch: adds --nnodes N and --node-rank R to the "
-                           "serve flags (and --headless for R > 0), so every node's unit comes from one command")
+                           "serve flags (and --headless for R > 0), so every node's unit comes from one command; "
+                           "with --data-parallel-size, node R runs replicas R x --data-parallel-size-local on "
+                           "(--headless --data-parallel-start-rank for R > 0)")
     unit.add_argument("--node-rank", type=int, default=None, help="with --nnodes: this unit's node (0: the engine)")
     unit.add_argument("--memory-threshold", type=float, default=None, help="with --supervise")
     unit.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- serve [MODEL] [flags]")
@@ -181,7 +184,7 @@ def run_systemd(args: argparse.Namespace) -> int:
     env = {} if args.no_capture_env else captured_env(dict(os.environ))
     env.update(dict(args.env))
     placement = worker_placement(serve, env, args.numa_node)
-    node = f" node {serve.node_rank} of {serve.nnodes}" if serve.nnodes > 1 else ""
+    node = f" node {args.node_rank} of {args.nnodes}" if (args.nnodes or 1) > 1 else ""
     description = args.description or f"Tengyun LLM server{node}: {shlex.join(serve_args)}"[:200]
     text = systemd_unit(SystemdUnit(argv, description, serve.shutdown_timeout, env, args.env_file, args.user,
                                     args.working_directory, args.numa_node,
@@ -204,13 +207,47 @@ def node_serve_args(serve_args: list[str], nnodes: int | None, node_rank: int | 
         raise ValueError(f"--nnodes {nnodes} --node-rank {node_rank}: give both, with 0 <= --node-rank < --nnodes "
                          f"(e.g. --nnodes 4 --node-rank 1).")
     given = parse_serve_args(serve_args)
+    if given.headless and node_rank == 0:
+        raise ValueError("--node-rank 0 runs the engine: drop --headless from the serve flags.")
+    if given.data_parallel_size > 1:
+        return data_parallel_node_args(serve_args, given, nnodes, node_rank)
     for flag, value, default in (("--nnodes", nnodes, 1), ("--node-rank", node_rank, 0)):
         if getattr(given, flag[2:].replace("-", "_")) not in (value, default):
             raise ValueError(f"{flag} {value} of `deploy systemd` differs from the serve flag {flag}: keep one.")
-    if given.headless and node_rank == 0:
-        raise ValueError("--node-rank 0 runs the engine: drop --headless from the serve flags.")
     rest = [a for a in _without_flags(serve_args, ("--nnodes", "--node-rank")) if a != "--headless"]
     return [*rest, "--nnodes", str(nnodes), "--node-rank", str(node_rank), *(["--headless"] if node_rank else [])]
+
+
+DATA_PARALLEL_NODE_FLAGS = ("--data-parallel-size-local", "-dpl", "--data-parallel-start-rank", "-dpr")
+
+
+def data_parallel_node_args(serve_args: list[str], given: argparse.Namespace, nnodes: int, node_rank: int
+                            ) -> list[str]:
+    """Replicas over nodes (vLLM's layout): node R of ``nnodes`` runs --data-parallel-size-local
+    replicas from R x that; node 0 serves the API, the others run --headless and connect to
+    --data-parallel-address. ['M', '-dp', '4', '-dpa', 'H'], 2, 1 -> ['M', '-dp', '4', '-dpa', 'H',
+    '--data-parallel-size-local', '2', '--headless', '--data-parallel-start-rank', '2']."""
+    dp = given.data_parallel_size
+    local = given.data_parallel_size_local or dp // nnodes
+    if local * nnodes != dp:
+        per_node = f"--data-parallel-size-local {local}" if given.data_parallel_size_local else f"{dp} / {nnodes}"
+        raise ValueError(f"--nnodes {nnodes} x {per_node} replicas per node != --data-parallel-size {dp}: every node "
+                         f"runs the same number of replicas; pick --nnodes and --data-parallel-size-local whose "
+                         f"product is {dp}.")
+    if given.nnodes != 1:
+        raise ValueError(f"--nnodes {nnodes} of `deploy systemd` places data-parallel replicas on nodes; the serve "
+                         f"flag --nnodes {given.nnodes} would spread one replica's ranks over nodes: drop it.")
+    if not given.data_parallel_address:
+        raise ValueError(f"--data-parallel-size {dp} over --nnodes {nnodes} needs --data-parallel-address (the API "
+                         f"node's address, which the other nodes' replicas connect to) in the serve flags.")
+    start = node_rank * local
+    if given.data_parallel_start_rank not in (0, start):
+        raise ValueError(f"--data-parallel-start-rank {given.data_parallel_start_rank} in the serve flags differs "
+                         f"from node {node_rank}'s first replica {start} (--node-rank x --data-parallel-size-local): "
+                         f"drop it.")
+    rest = [a for a in _without_flags(serve_args, DATA_PARALLEL_NODE_FLAGS) if a != "--headless"]
+    return [*rest, "--data-parallel-size-local", str(local),
+            *(["--headless", "--data-parallel-start-rank", str(start)] if node_rank else [])]
 
 
 def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -234,7 +271,8 @@ def worker_placement(serve: argparse.Namespace, env: dict[str, str], numa_node: 
 
     kind = numa.accelerator_kind(serve.device)
     nodes, device_nodes = numa.host_device_nodes(kind) if kind else (probe.read_numa_nodes(), {})
-    workers = serve.tensor_parallel_size * serve.pipeline_parallel_size // max(serve.nnodes, 1)
+    replicas = len(local_replicas(serve))  # each runs tp x pp workers, on the next devices (replica_environments)
+    workers = replicas * serve.tensor_parallel_size * serve.pipeline_parallel_size // max(serve.nnodes, 1)
     visible = env.get(numa.VISIBLE_DEVICES_ENV[kind]) if kind else None
     placement = numa.plan_worker_nodes(kind, workers, visible, nodes, device_nodes) if kind else None
     if numa_node is not None:

@@ -88,7 +88,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_flags(parser, EngineConfig, skip=POSITIONAL)
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
+def config_from_args(args: argparse.Namespace, usage_context: str = "llm") -> EngineConfig:
+    """``usage_context``: "api_server" for `tengyun serve` (its own default step budget on CPU)."""
     if args.model and args.model_flag and args.model != args.model_flag:
         raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} disagree: pass one of them.")
-    return EngineConfig(model=args.model or args.model_flag, **dataclass_kwargs(EngineConfig, args, skip=POSITIONAL))
+    config = EngineConfig(model=args.model or args.model_flag, **dataclass_kwargs(EngineConfig, args, skip=POSITIONAL))
+    config.usage_context = usage_context
+    return config

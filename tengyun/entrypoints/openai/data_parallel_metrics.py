@@ -54,14 +54,17 @@ class DataParallelMetrics:
 
 class EngineLabelled:
     """A collector: the families of ``registries`` (one per replica, by index) merged by name, each
-    sample labelled engine="<index>" (replacing the vllm: twins' engine="0"); process_* left out."""
+    sample labelled engine="<index>" (replacing the vllm: twins' engine="0"); process_* left out.
+    ``indexes``: the replicas' global indexes where these are not 0..N-1 (a --headless node's
+    replicas 2, 3: [2, 3])."""
 
-    def __init__(self, registries: list[CollectorRegistry]):
+    def __init__(self, registries: list[CollectorRegistry], indexes: Iterable[int] | None = None):
         self.registries = registries
+        self.indexes = list(range(len(registries)) if indexes is None else indexes)
 
     def collect(self) -> Iterable[Metric]:
         merged: dict[str, Metric] = {}
-        for index, registry in enumerate(self.registries):
+        for index, registry in zip(self.indexes, self.registries, strict=True):
             for family in registry.collect():
                 if family.name.startswith("process_"):
                     continue

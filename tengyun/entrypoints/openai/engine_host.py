@@ -54,6 +54,7 @@ class EngineHost:
         self.metrics = metrics
         self.scrape_registry = metrics.registry  # what /metrics serves (several API processes: all of theirs)
         self.engine_process = engine_process  # launched before the server started; else a thread here
+        lifecycle.starting_note = getattr(engine_process, "waiting_for", None)  # replicas on other nodes
         self.limits = server.request_limits(config.max_model_len, config.max_num_seqs)
         # the base model and the LoRA adapters a request may name (--lora-modules checked by now)
         self.models = models or ServingModels.from_flags(config, server.lora_modules)

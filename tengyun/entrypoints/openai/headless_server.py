@@ -1,6 +1,9 @@
 """`tengyun serve --headless`: nodes 1..N-1 of a multi-node launch. No engine and no OpenAI API
 here: this node's ranks (executor/multiproc_executor.run_headless, in the main thread) and a
-small app on --host/--port (a uvicorn thread) that makes the node observable and supervisable:
+small app on --host/--port (a uvicorn thread) that makes the node observable and supervisable.
+A --headless data-parallel node (headless_replica_node.py) serves the same app over its replicas
+(serve_headless, build_headless_app: a node answers unavailable_reason, health_json, collectors
+and not_here):
 
     GET /health          200 while every rank of this node is alive and has joined the world;
                          503 naming the rank (or what the node waits for) otherwise
@@ -26,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import Pipe
+from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -111,6 +115,13 @@ class HeadlessNode(NodeObserver):
             return f"{describe_ranks(starting)} of node {c.node_rank} started but not yet joined the world."
         return None
 
+    def collectors(self, hostname: str) -> list:
+        return [RankCollector(self, hostname)]
+
+    def not_here(self) -> str:
+        """The 404's advice: where the API is."""
+        return f"node {self.config.node_rank} is --headless; send API requests to node 0 ({self.config.master_addr})."
+
     def health_json(self, sampler: DeviceSampler | None) -> dict:
         reason = self.unavailable_reason()
         sample = sampler.latest if sampler else None
@@ -145,10 +156,13 @@ class RankCollector:
 
 
 def build_headless_app(node: HeadlessNode, server: ServerConfig, sampler: DeviceSampler | None) -> FastAPI:
+    """``node``: a HeadlessNode, or any object answering its unavailable_reason, health_json,
+    collectors and not_here (headless_replica_node.ReplicaNode)."""
     registry = CollectorRegistry()
     ready = Gauge(PREFIX + "server_ready", "1 when /health answers 200, else 0.", registry=registry)
     ready.set_function(lambda: float(node.unavailable_reason() is None))
-    registry.register(RankCollector(node, sampler.node if sampler else socket.gethostname()))
+    for collector in node.collectors(sampler.node if sampler else socket.gethostname()):
+        registry.register(collector)
     if sampler is not None:
         registry.register(DeviceCollector(sampler))
     app = FastAPI(title="Tengyun headless node", version=__version__, docs_url=None, redoc_url=None,
@@ -164,9 +178,8 @@ def build_headless_app(node: HeadlessNode, server: ServerConfig, sampler: Device
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code in (404, 405):
-            return error_response(exc.status_code, f"No route {request.method} {request.url.path}: node "
-                                  f"{node.config.node_rank} is --headless; send API requests to node 0 "
-                                  f"({node.config.master_addr}).")
+            return error_response(exc.status_code, f"No route {request.method} {request.url.path}: "
+                                  f"{node.not_here()}")
         return error_response(exc.status_code, str(exc.detail))
 
     @app.get("/health")
@@ -196,7 +209,16 @@ def run_headless_node(config: EngineConfig, server: ServerConfig) -> int:
     from tengyun.executor.multiproc_executor import run_headless
 
     node = HeadlessNode(config)
-    sampler = DeviceSampler(platform_class(config.device_type)(), server.device_metrics_interval) \
+    return serve_headless(node, server, config.device_type, f"node {config.node_rank}",
+                          lambda: run_headless(config, node))
+
+
+def serve_headless(node, server: ServerConfig, device_type: str, name: str, run: Callable[[], int]) -> int:
+    """``node``'s app (build_headless_app) on --host/--port in a uvicorn thread while ``run()``
+    runs the node's processes here; SIGTERM / SIGINT call node.request_stop(). A non-zero exit
+    sets node.ended (503 naming it) for EXIT_LINGER_S first. -> run()'s code, 1 when the port
+    cannot be bound. ``name``: "node 1", how the log and errors call it."""
+    sampler = DeviceSampler(platform_class(device_type)(), server.device_metrics_interval) \
         if server.device_metrics_interval else None
     uv = uvicorn.Server(uvicorn.Config(
         build_headless_app(node, server, sampler), host=server.host, port=server.port, uds=server.uds,
@@ -207,18 +229,18 @@ def run_headless_node(config: EngineConfig, server: ServerConfig) -> int:
     while not uv.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     if not uv.started:
-        print(f"error: node {config.node_rank} could not serve /health on {server.host}:{server.port} (--port): "
+        print(f"error: {name} could not serve /health on {server.host}:{server.port} (--port): "
               f"see the lines above; pick a free --port.", file=sys.stderr)
         return 1
-    logger.info("Headless node %d: /health and /metrics on %s", config.node_rank,
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the line below, which supervisors and tests wait for
+        signal.signal(sig, lambda s, f: node.request_stop())
+    logger.info("Headless %s: /health and /metrics on %s", name,
                 f"unix socket {server.uds}" if server.uds else f"http://{server.host}:{server.port}")
     if sampler:
         sampler.start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, f: node.request_stop())
-    code = run_headless(config, node)
+    code = run()
     if code != 0:
-        node.ended = f"node {config.node_rank} stopped (exit {code}): see its log for the cause."
+        node.ended = f"{name} stopped (exit {code}): see its log for the cause."
         time.sleep(EXIT_LINGER_S)
     if sampler:
         sampler.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -30,6 +31,8 @@ class ServerLifecycle:
         self.engine: AsyncEngineBase | None = None  # set once loaded; warm-up runs through it
         self.ready = False  # warmed up: /health 200 unless draining or dead
         self.load_error: BaseException | None = None
+        # what start-up waits for beyond loading, for /health's 503 (data-parallel replicas on other nodes)
+        self.starting_note: Callable[[], str | None] | None = None
         self.draining = False
         self.drain_deadline = 0.0  # time.monotonic() when in-flight requests are aborted
         self.aborted_in_flight = False
@@ -86,5 +89,7 @@ class ServerLifecycle:
         if self.load_error is not None:
             return f"The engine failed to start: {self.load_error}"
         if not self.ready:
-            return "The server is starting (loading the model, warming up); retry when /health returns 200."
+            note = self.starting_note() if self.starting_note is not None else None
+            return (f"The server is starting (loading the model, warming up{f'; {note}' if note else ''}); "
+                    f"retry when /health returns 200.")
         return None

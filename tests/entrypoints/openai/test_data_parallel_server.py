@@ -125,9 +125,10 @@ def _check_same_as_one_engine(client, model: str, server_url: str, reference) ->
                 assert got[token] == pytest.approx(logprob, abs=1e-4), (i, step, token)
 
 
-def _kill_replica_1_under_two_long_requests(client, model: str, server):
+def _kill_replica_1_under_two_long_requests(client, model: str, server, kill=None):
     """Two streamed LONG-token requests, one per replica (the second goes to the less loaded), then
-    SIGKILL to replica 1's engine process (server.killed_pid) -> (threads, results, metrics then)."""
+    SIGKILL to replica 1's engine process (server.killed_pid), or ``kill()`` where given (replica 1
+    on another node) -> (threads, results, metrics then)."""
     results: dict[int, object] = {}
 
     def stream(i: int) -> None:
@@ -146,7 +147,7 @@ def _kill_replica_1_under_two_long_requests(client, model: str, server):
     both = _wait_for(lambda: _when(_samples(server.url), lambda s: _running(s, "vllm", "0") == _running(s, "vllm", "1")
                                    == 1), "each replica running one request")
     server.killed_pid = httpx.get(server.url + "/health/detail", timeout=10).json()["data_parallel"][1]["pid"]
-    os.kill(server.killed_pid, signal.SIGKILL)
+    kill() if kill is not None else os.kill(server.killed_pid, signal.SIGKILL)
     return threads, results, both
 
 
@@ -227,7 +228,8 @@ def test_replicas_start_as_fresh_interpreters_where_the_device_runtime_does_not_
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--data-parallel-size", "2", "--data-parallel-size-local", "1"), "--data-parallel-size-local 1 < "),
+    (("-dp", "2", "-dpl", "1", "--data-parallel-start-rank", "1"), "--data-parallel-start-rank 1 runs replicas "
+                                                                     "for another node's API server: add --headless"),
     (("--data-parallel-size", "2", "--disable-frontend-multiprocessing"), "--disable-frontend-multiprocessing"),
 ])
 def test_data_parallel_layouts_not_run_are_refused_naming_the_flag(start_server, flags, message):
