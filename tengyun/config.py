@@ -92,7 +92,8 @@ class EngineConfig:
         None, help="context length in tokens, prompt plus output (default: from the model's config.json)")
     max_num_seqs: int = setting(256, help="most sequences one scheduler step runs")
     max_num_batched_tokens: int | None = setting(
-        None, help="most tokens one scheduler step runs (default: from --max-model-len and --enable-chunked-prefill)")
+        None, help="most tokens one scheduler step runs (default: 2048; 512 for `tengyun serve` on CPU; at least "
+                   "--max-num-seqs, and without chunked prefill at least --max-model-len)")
     enable_prefix_caching: bool = setting(
         True, help="reuse the KV blocks of a prompt prefix an earlier request computed")
     enable_chunked_prefill: bool = setting(
@@ -182,7 +183,9 @@ class EngineConfig:
     master_addr: str = setting("127.0.0.1", group=PARALLELISM, help="node 0's address, reachable from every node")
     master_port: int | None = setting(  # None: a free port (single node only)
         None, group=PARALLELISM, help="rendezvous port on node 0 (default: a free one)")
-    headless: bool = setting(False, group=PARALLELISM, help="run this node's workers only (nodes 1..N-1)")
+    headless: bool = setting(False, group=PARALLELISM, help="run this node's workers only (nodes 1..N-1); with "
+                                                            "--data-parallel-size, this node's replicas for the API "
+                                                            "node at --data-parallel-address")
     enable_expert_parallel: bool = setting(
         False, group=PARALLELISM, help="MoE layers: divide the experts whole over the tensor-parallel ranks "
                                        "(num_experts / tp whole experts each) instead of a slice of every expert")
@@ -193,16 +196,19 @@ class EngineConfig:
                                                      "the least loaded")
     data_parallel_size_local: int | None = setting(
         None, aliases=("-dpl",), group=PARALLELISM, help="replicas on this node (default: --data-parallel-size; "
-                                                         "all of them: replicas on other nodes are not run yet)")
+                                                         "fewer: the others run on --headless nodes)")
     data_parallel_start_rank: int = setting(
         0, aliases=("-dpr",), group=PARALLELISM, help="index of this node's first replica (0: the node that "
-                                                      "serves the API)")
+                                                      "serves the API; above 0: a --headless node)")
     data_parallel_address: str | None = setting(
         None, aliases=("-dpa",), group=PARALLELISM, help="address of the node that serves the API in a multi-node "
-                                                         "data-parallel launch (unused on one node)")
+                                                         "data-parallel launch: it listens there, --headless nodes "
+                                                         "connect to it (unused on one node)")
     data_parallel_rpc_port: int | None = setting(
         None, aliases=("-dpp",), group=PARALLELISM, help="port the replicas of a multi-node data-parallel launch "
-                                                         "reach the API node on (unused on one node)")
+                                                         "reach the API node on (default 29550; + 1: the expert "
+                                                         "exchange); one node with --enable-expert-parallel: where "
+                                                         "the replicas meet (default: a free port)")
     enable_expert_load_metrics: bool = setting(
         False, group=PARALLELISM, help="export tengyun:expert_load_tokens_total{layer,expert} on /metrics: tokens "
                                        "routed to each expert of each MoE layer (docs/metrics.md); large, off by "
@@ -227,6 +233,9 @@ class EngineConfig:
     model_spec: ModelSpec | None = field(default=None, init=False, repr=False)  # the one description of the model
     quant_config: QuantConfig | None = field(default=None, init=False, repr=False)  # None: not quantised
     device_type: str = field(default="", init=False)
+    # Who runs the engine, as vLLM's UsageContext: "llm" (the offline LLM class) or "api_server"
+    # (`tengyun serve`, set by config_from_args): the platform's default step budget depends on it.
+    usage_context: str = field(default="llm", init=False)
     sizing: ResolvedSizing | None = field(default=None, init=False, repr=False)  # what `tengyun plan` resolves too
     hccl_node: Any = field(default=None, init=False, repr=False)  # ops.ranktable.HcclNode of --rank-table
     pooling: PoolingModel | None = field(default=None, init=False, repr=False)  # --runner pooling's; None: generate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -55,6 +56,21 @@ def test_auto_dtypes_resolve_as_this_cpu_serves_a_float32_checkpoint_and_freeze(
     assert config.architecture == "Qwen3ForCausalLM"
     with pytest.raises(AttributeError, match="frozen"):
         config.block_size = 32
+
+
+def test_serve_on_cpu_defaults_to_512_token_steps_the_llm_class_to_2048_never_below_max_num_seqs(tiny_checkpoints):
+    from tengyun.entrypoints.cli.engine_args import add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    model = str(tiny_checkpoints["qwen3"])
+    served = config_from_args(parser.parse_args([model]), usage_context="api_server").finalize()
+    assert served.max_num_batched_tokens == 512  # CpuPlatform.default_batched_tokens_server
+    assert config_from_args(parser.parse_args([model])).finalize().max_num_batched_tokens == 2048
+    wide = config_from_args(parser.parse_args([model, "--max-num-seqs", "1024"]), usage_context="api_server")
+    assert wide.finalize().max_num_batched_tokens == 1024  # every running decode fits one step
+    given = config_from_args(parser.parse_args([model, "--max-num-batched-tokens", "4096"]), usage_context="api_server")
+    assert given.finalize().max_num_batched_tokens == 4096  # the flag wins
 
 
 def test_kv_dtype_follows_an_explicit_model_dtype(tiny_checkpoints):

@@ -290,8 +290,17 @@ def _pickled(obj: object) -> tuple[torch.Tensor, torch.Tensor]:
 
 def all_reduce_min(value: int) -> int:
     """The smallest ``value`` over every rank (e.g. KV blocks that fit on all of them)."""
+    return _all_reduce_int(value, dist.ReduceOp.MIN)
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest ``value`` over every rank (e.g. the step budget every rank profiles)."""
+    return _all_reduce_int(value, dist.ReduceOp.MAX)
+
+
+def _all_reduce_int(value: int, op) -> int:
     if not dist.is_initialized():
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE.cpu_group)
+    dist.all_reduce(t, op=op, group=_STATE.cpu_group)
     return int(t.item())

@@ -18,6 +18,10 @@ class Platform:
     dist_backend: str = ""
     visible_devices_env: str = ""
     default_block_size: int = 16  # tokens per KV block when --block-size is not given
+    # Tokens one scheduler step runs without --max-num-batched-tokens, by usage context as vLLM
+    # sets it (the offline LLM class, the API server); 2048 is vLLM's CPU API-server default.
+    default_batched_tokens_llm: int = 2048
+    default_batched_tokens_server: int = 2048
     supports_graphs: bool = False  # decode steps can be captured and replayed (capture_graph)
     # A rank forked from the engine process can still use the device. False where detecting the
     # device (is_available, run by EngineConfig.finalize) already initialises a runtime that does

@@ -24,6 +24,15 @@ def default_block_size(device: str) -> int:
     return block_size if isinstance(block_size, int) else 16
 
 
+def default_max_num_batched_tokens(device: str, usage_context: str) -> int:
+    """Tokens per scheduler step without --max-num-batched-tokens: ``usage_context`` "llm" (the
+    offline LLM class) or "api_server" (`tengyun serve`, and `tengyun plan`, which plans for it)."""
+    platform = _platform(device)
+    if usage_context == "api_server":
+        return platform.default_batched_tokens_server
+    return platform.default_batched_tokens_llm
+
+
 def settings_problem(device: str, block_size: int, dtype: str, kv_cache_dtype: str) -> str | None:
     """Why the platform's kernels cannot run these settings, naming the flag (None: they can)."""
     return _platform(device).settings_problem(block_size, dtype, kv_cache_dtype)

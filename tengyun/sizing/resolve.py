@@ -74,7 +74,7 @@ def resolve_sizing(settings: Any, spec: ModelSpec, device: str, folder: Path | N
         device=device, dtype=dtype, kv_cache_dtype=kv_dtype,
         block_size=block_size,
         max_model_len=max_model_len, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=_max_num_batched_tokens(settings, max_model_len),
+        max_num_batched_tokens=_max_num_batched_tokens(settings, max_model_len, device),
         tp=settings.tensor_parallel_size, pp=settings.pipeline_parallel_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_memory=None if settings.kv_cache_memory is None else int(settings.kv_cache_memory),
@@ -102,11 +102,14 @@ def _max_model_len(requested: int | None, spec: ModelSpec) -> int:
     return requested or model_max
 
 
-def _max_num_batched_tokens(settings: Any, max_model_len: int) -> int:
-    """--max-num-batched-tokens, by default 2048 with chunked prefill, else at least one whole prompt."""
+def _max_num_batched_tokens(settings: Any, max_model_len: int, device: str) -> int:
+    """--max-num-batched-tokens, by default the platform's for the usage context (2048; 512 for
+    `tengyun serve` on CPU) and never below --max-num-seqs (every running decode fits a step),
+    without chunked prefill at least one whole prompt."""
     chunked, tokens = settings.enable_chunked_prefill, settings.max_num_batched_tokens
     if tokens is None:
-        tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+        default = platform_facts.default_max_num_batched_tokens(device, getattr(settings, "usage_context", "llm"))
+        tokens = max(default, settings.max_num_seqs) if chunked else max(default, max_model_len, settings.max_num_seqs)
     if not chunked and tokens < max_model_len:
         raise ValueError(
             f"--max-num-batched-tokens {tokens} is smaller than --max-model-len {max_model_len} with chunked "

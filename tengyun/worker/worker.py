@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -11,13 +12,14 @@ import torch
 
 from tengyun.config import EngineConfig
 from tengyun.distributed.parallel_state import (
-    RankInfo, all_reduce_min, get_pp_rank, get_pp_size, get_rank, get_tp_size, init_distributed,
+    RankInfo, all_reduce_max, all_reduce_min, get_pp_rank, get_pp_size, get_rank, get_tp_size, init_distributed,
 )
 from tengyun.distributed import data_parallel
 from tengyun.distributed.pipeline_stage import PipelineStage
 from tengyun.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tengyun.sizing.blocks import CacheBudget, activation_reserve, cache_capacity, check_holds_one_sequence
 from tengyun.sizing.cache import KVCacheShape, kv_cache_shape, state_shape
+from tengyun.sizing.resolve import ResolvedSizing
 from tengyun.layers.fused_moe import run_moe_exchanges_without_tokens
 from tengyun.layers.kernels import KernelBundle, bind_kernels
 from tengyun.layers.lora.manager import LoRAManager
@@ -138,19 +140,32 @@ class Worker:
         layout = CacheLayout(self.kv_shape, self.state_shape, config.block_size,
                              TORCH_DTYPES[config.kv_cache_dtype], TORCH_DTYPES[config.dtype])
         started = time.perf_counter()
-        result = run_profile_step(self.model, self.kernels, self.platform, self.device, layout, config.sizing,
+        self.step_sizing = self._profiled_sizing()
+        result = run_profile_step(self.model, self.kernels, self.platform, self.device, layout, self.step_sizing,
                                   spec.vocab_size, spec.hidden_size)
         logger.info("Profile step (%d tokens over %d sequences) in %.2f s: %s", result.shape.tokens,
                     result.shape.seqs, time.perf_counter() - started,
                     "n/a" if result.peak is None else f"{result.peak / 2**20:.1f} MiB above the weights")
         return result
 
+    def _profiled_sizing(self) -> ResolvedSizing:
+        """config.sizing with the largest step budget over the ranks, so every rank profiles (and runs
+        the profile's collectives at) one shape and reserves for it: a `tengyun serve --headless`
+        node resolves serve's default (512 tokens on CPU), a head that is the LLM class its own
+        (2048), and only the head schedules."""
+        sizing = self.config.sizing
+        budget = all_reduce_max(sizing.max_num_batched_tokens)
+        if budget != sizing.max_num_batched_tokens:
+            logger.info("Profiling %d-token steps, the largest budget over the ranks (this node resolved "
+                        "--max-num-batched-tokens %d)", budget, sizing.max_num_batched_tokens)
+        return dataclasses.replace(sizing, max_num_batched_tokens=budget)
+
     def _activation_bytes(self) -> tuple[int, str]:
         """(bytes one step takes, where the figure comes from): the profile step's peak, or the
         estimate `tengyun plan` uses where the platform cannot measure it."""
         if self.profile.peak is not None:
             return self.profile.peak, f"measured: {self.profile.meter}"
-        return activation_reserve(self.config.model_spec, self.config.sizing)
+        return activation_reserve(self.config.model_spec, self.step_sizing)
 
     @property
     def memory_reports(self) -> list[dict]:
@@ -166,7 +181,7 @@ class Worker:
         state = sum(t.numel() * t.element_size() for t in self.state_cache)
         return MemoryReport(
             rank=get_rank(), weights=self.weight_bytes, activation_peak=self.profile.peak,
-            activation_estimate=activation_reserve(config.model_spec, config.sizing)[0],
+            activation_estimate=activation_reserve(config.model_spec, self.step_sizing)[0],
             activation_used=activation, measured_by=self.profile.meter, profile_tokens=self.profile.shape.tokens,
             profile_seqs=self.profile.shape.seqs, kv_cache=self.kv_cache.numel() * self.kv_cache.element_size(),
             state_cache=state, memory_total=total, headroom=available - activation)

@@ -56,6 +56,7 @@ def plan_settings(args: argparse.Namespace, hf_config: dict, folder):
     from tengyun.sizing.resolve import resolve_sizing
 
     settings = EngineConfig(**dataclass_kwargs(EngineConfig, args, only=ENGINE_SETTINGS))  # validates the values
+    settings.usage_context = "api_server"  # a plan is for `tengyun serve`: its default step budget
     hf_config.update(apply_hf_overrides(hf_config, settings.hf_overrides))  # the config the engine reads, in place
     device = args.device or ("cpu" if settings.kv_cache_memory is not None else "npu")
     sizing = resolve_sizing(settings, ModelSpec.from_hf_config(hf_config), device, folder)

@@ -11,7 +11,9 @@ Life of the process:
     finish (aborted after --shutdown-timeout) -> exit 0.  Engine loop died: exit 1.
 
 --api-server-count N above 1: a supervisor runs N such processes on the port in front of one
-engine process (api_server_pool.py, pooled_api_server.py).
+engine process (api_server_pool.py, pooled_api_server.py). --headless: this node's ranks of a
+multi-node launch (headless_server.py), or with --data-parallel-size its replicas for another
+node's API server (headless_replica_node.py); no OpenAI API here either way.
 """
 
 from __future__ import annotations
@@ -51,13 +53,18 @@ def run_server(args: argparse.Namespace) -> int:
     from tengyun.entrypoints.cli.engine_args import config_from_args
 
     server = server_config_from_args(args)
-    config = config_from_args(args).finalize()  # fast checks first: bad flags never bind a port
+    # finalize first (fast checks): bad flags never bind a port
+    config = config_from_args(args, usage_context="api_server").finalize()
     server.finalize()  # reads --api-key-file and --chat-template: before the engine starts loading
     models = ServingModels.from_flags(config, server.lora_modules)  # --lora-modules' adapters checked
     if server.api_server_count > 1:  # a supervisor forks the engine process and N API processes
         from tengyun.entrypoints.openai.api_server_pool import run_api_server_pool
 
         return run_api_server_pool(config, server, models)
+    if config.headless and config.data_parallel_size > 1:  # replicas for another node's API server, /health, /metrics
+        from tengyun.entrypoints.openai.headless_replica_node import run_headless_replica_node
+
+        return run_headless_replica_node(config, server)
     if config.headless:  # nodes 1..N-1 of a multi-node launch: this node's ranks and /health, /metrics
         from tengyun.entrypoints.openai.headless_server import run_headless_node
 

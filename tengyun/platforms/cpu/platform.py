@@ -36,6 +36,14 @@ class CpuPlatform(Platform):
     kv_cache_in_host_memory = True
     supports_graphs = True  # TorchScript traces of small decode steps (cpu/runtime/graphs.py)
     ranks_share_host_cores = True
+    # A served step that prefills 2048 tokens holds every running decode and every prompt that
+    # arrived with it for ~1.1 s on 2 cores (SmolLM2 bf16); 512-token steps admit new prompts a
+    # few at a time at the same GEMM rate (oneDNN: ~212 GFLOP/s a core from 64 to 2048 rows), so
+    # arrivals stop coming in waves: median served TTFT 523 / 1038 ms against 1281 / 2524 at
+    # concurrency 16 / 64, same tok/s (benchmarks/README.md, "Served: 512-token steps on CPU").
+    # The offline LLM class keeps 2048: its batch arrives at once, and admitting it a few prompts
+    # a step only lengthens the tail.
+    default_batched_tokens_server = 512
 
     def __init__(self):
         self._cpu_use = CpuUse()  # device_readings' CPU use is measured between two calls
