@@ -13,25 +13,78 @@ from tengyun.platforms.cpu.platform import CpuPlatform
 from tengyun.platforms.kernel_choice import KernelQuery
 
 
+def _block_diagonal_b(slots: int, rank: int, columns: list[tuple[int, int]], dtype) -> torch.Tensor:
+    """b [slots, slices x rank, out]: slice s's rows hold only its columns, as layer.py stores a fused layer."""
+    b = torch.zeros(slots, len(columns) * rank, columns[-1][1], dtype=dtype)
+    for s, (start, end) in enumerate(columns):
+        b[:, s * rank:(s + 1) * rank, start:end] = torch.randn(slots, rank, end - start, dtype=dtype)
+    return b
+
+
 @pytest.mark.parametrize("name", list(TORCH_LORA_KERNELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_form_adds_every_tokens_own_adapter_product(name, dtype):
+@pytest.mark.parametrize("token_slots", [[2, -1, 0, 0, 2, -1, 1], [0, 0, 1, 1, 1, 2, -1], [1, 1, 1, -1, -1],
+                                         [-1, 2, 2, 2, 0, 1, 1, 1, 1, 2]],
+                         ids=["mixed", "sorted_then_base", "one_adapter_then_base", "segments_among_others"])
+@pytest.mark.parametrize("columns", [None, [(0, 24), (24, 32), (32, 40)]], ids=["one_slice", "three_slices"])
+def test_each_form_adds_every_tokens_own_adapter_product_into_the_base_output(name, dtype, token_slots, columns):
     torch.manual_seed(0)
-    slots, rows, in_, out = 3, 8, 24, 40
-    a, b = torch.randn(slots, rows, in_, dtype=dtype), torch.randn(slots, rows, out, dtype=dtype)
-    token_slots = torch.tensor([2, -1, 0, 0, 2, -1, 1])
-    x = torch.randn(len(token_slots), in_, dtype=dtype)
-    delta = TORCH_LORA_KERNELS[name]().apply(x, a, b, LoRABatch.build(token_slots, slots))
+    slots, rank, in_, out = 3, 4, 24, 40
+    a = torch.randn(slots, rank * len(columns or [0]), in_, dtype=dtype)
+    b = _block_diagonal_b(slots, rank, columns or [(0, out)], dtype)
+    token_slots = torch.tensor(token_slots)
+    x, y = torch.randn(len(token_slots), in_, dtype=dtype), torch.randn(len(token_slots), out, dtype=dtype)
+    base = y.clone()
+    batch = LoRABatch.build(token_slots, slots, min_segment_rows=3)  # runs of 3+ rows are segments
+    got = TORCH_LORA_KERNELS[name]().add(x, y, a, b, batch, columns)
+    assert got.data_ptr() == y.data_ptr()  # written into the base output, no new [T, out] tensor
     for t, slot in enumerate(token_slots.tolist()):
-        want = torch.zeros(out) if slot < 0 else (x[t].float() @ a[slot].float().t()) @ b[slot].float()
-        torch.testing.assert_close(delta[t].float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+        want = base[t].float() + (0 if slot < 0 else (x[t].float() @ a[slot].float().t()) @ b[slot].float())
+        torch.testing.assert_close(got[t].float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=0.3 if dtype == torch.bfloat16 else 1e-4)
 
 
-def test_lora_is_a_kernel_kind_and_the_cpu_picks_grouped():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_dtype_apart_from_the_model_and_odd_widths_add_the_same_product(dtype):
+    """--lora-dtype float32 under a bfloat16 model: the product is added in the slots' dtype; an
+    output 6 wide (24 bytes, not what torch._grouped_mm takes) runs the loop per slot."""
+    from tengyun.layers.lora.batch import lora_batch
+    from tengyun.layers.lora.layer import LinearLoRA
+
+    torch.manual_seed(0)
+    lora = LinearLoRA(8, 6, [(0, 4), (4, 6)], 2, 2, torch.float32, torch.device("cpu"),
+                      TORCH_LORA_KERNELS["segmented"]())
+    lora.a.normal_()
+    lora.b.copy_(_block_diagonal_b(2, 2, lora.columns, torch.float32))
+    x, y = torch.randn(3, 8, dtype=dtype), torch.randn(3, 6, dtype=dtype)
+    with lora_batch(LoRABatch.build(torch.tensor([1, -1, 0]), 2)):
+        got = lora.add(x, y.clone())
+    want = y.float()
+    for t, slot in ((0, 1), (2, 0)):
+        want[t] += (x[t].float() @ lora.a[slot].t()) @ lora.b[slot]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=0.1 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_the_batch_keeps_long_runs_as_segments_and_sorts_the_rest_by_slot_on_the_host():
+    batch = LoRABatch.build(torch.tensor([1, 1, -1, 0, 0, 0]), 2)  # no run reaches MIN_SEGMENT_ROWS
+    assert batch.segments == [] and batch.order.tolist() == [3, 4, 5, 0, 1]
+    assert batch.offsets.tolist() == [3, 5] and batch.offsets.dtype == torch.int32
+    assert batch.runs == [(0, 0, 3), (1, 3, 2)]
+    assert [(slot, rows.tolist()) for slot, rows in batch.groups] == [(0, [3, 4, 5]), (1, [0, 1])]
+    in_order = LoRABatch.build(torch.tensor([0, 0, 2, -1]), 3)
+    assert in_order.order is None and in_order.runs == [(0, 0, 2), (2, 2, 1)]
+    assert in_order.offsets.tolist() == [2, 2, 3]
+    mixed = LoRABatch.build(torch.tensor([1, 0, 0, 0, -1, 1, 1]), 2, min_segment_rows=3)
+    assert mixed.segments == [(0, 1, 3)]  # (slot, first row, rows)
+    assert mixed.order.tolist() == [0, 5, 6] and mixed.runs == [(1, 0, 3)] and mixed.offsets.tolist() == [0, 3]
+
+
+def test_lora_is_a_kernel_kind_and_the_cpu_picks_segmented():
     choice = CpuPlatform.choose_kernel("lora", KernelQuery("float32"))
-    assert choice.name == "cpu_grouped"
-    assert [c.name for c in CpuPlatform.kernel_candidates("lora")] == ["cpu_grouped", "masked_dense"]
+    assert choice.name == "cpu_segmented"
+    assert [c.name for c in CpuPlatform.kernel_candidates("lora")] == ["cpu_segmented", "cpu_grouped", "masked_dense"]
 
 
 def test_slots_evict_the_least_recently_used_adapter_a_step_does_not_need():
@@ -65,8 +118,19 @@ def test_slot_bytes_without_torch_are_what_the_manager_allocates(tiny_checkpoint
     assert manager.nbytes() == lora_slot_bytes(spec, 1, spec.num_layers, 3, 8, 2) > 0
 
 
-def test_grouped_takes_the_whole_batch_at_once_when_one_adapter_runs_every_token():
-    torch.manual_seed(0)
-    a, b, x = torch.randn(2, 4, 8), torch.randn(2, 4, 6), torch.randn(5, 8)
-    delta = TORCH_LORA_KERNELS["grouped"]().apply(x, a, b, LoRABatch.build(torch.ones(5, dtype=torch.long), 2))
-    torch.testing.assert_close(delta, (x @ a[1].t()) @ b[1])
+def test_slice_columns_are_where_the_base_layer_places_each_module(tiny_checkpoints):
+    from conftest import read_config
+    from tengyun.layers.lora.manager import lora_target_layers, slice_columns
+    from tengyun.model_spec import ModelSpec
+    from tengyun.models.registry import get_model_class
+
+    spec = ModelSpec.from_hf_config(read_config(tiny_checkpoints["qwen2"]))
+    layers = lora_target_layers(get_model_class(spec.architecture)(spec, 64, torch.float32))
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    assert slice_columns("model.layers.0.self_attn.qkv_proj", layers["model.layers.0.self_attn.qkv_proj"]) == \
+        [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    inter = spec.intermediate_size
+    assert slice_columns("model.layers.0.mlp.gate_up_proj", layers["model.layers.0.mlp.gate_up_proj"]) == \
+        [(0, inter), (inter, 2 * inter)]
+    assert slice_columns("model.layers.0.mlp.down_proj", layers["model.layers.0.mlp.down_proj"]) == \
+        [(0, spec.hidden_size)]

@@ -114,13 +114,42 @@ def test_under_preemption_and_prefix_caching_each_sequence_keeps_its_adapter(ada
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.kv_cache_usage == 0.0
 
 
-def test_tensor_parallel_2_equals_1(adapters):
-    """Real gloo ranks: A and B split as their layers are; the mixed batch gives TP 1's tokens."""
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+def test_long_prompts_on_adapters_beside_short_ones_match_peft(adapters):
+    """Prompts of 32+ tokens on an adapter run as segments (plain matmuls into their rows, slice by
+    slice) while a short prompt in the same step is grouped by slot; both equal PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tengyun.layers.lora.batch import MIN_SEGMENT_ROWS
+
     base, made, base_reference, _ = adapters
-    loras = [made[0][0], made[1][0], None, made[2][0]]
-    tp1 = [o.outputs[0].token_ids for o in _llm(base, max_loras=3).generate(PROMPTS, PARAMS, lora_request=loras)]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert MIN_SEGMENT_ROWS <= len(tokenizer(LONG_PROMPT).input_ids) <= 64 - MAX_TOKENS
+    references = []
+    for lora, _ in made[:2]:
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                          lora.lora_path).eval()
+        references.append(_reference(model, tokenizer, [LONG_PROMPT]))
+        with model.disable_adapter():
+            base_long = _reference(model, tokenizer, [LONG_PROMPT])
+    prompts = [LONG_PROMPT, LONG_PROMPT, PROMPTS[0], LONG_PROMPT]
+    loras = [made[0][0], made[1][0], made[0][0], None]
+    wanted = [references[0][0], references[1][0], made[0][1][0], base_long[0]]
+    for output, ref in zip(_llm(base).generate(prompts, PARAMS, lora_request=loras), wanted):
+        _assert_matches(output, ref)
+
+
+def test_tensor_parallel_2_equals_1(adapters):
+    """Real gloo ranks: A and B split as their layers are (each slice's columns per rank); the mixed
+    batch, a long prompt's segment among them, gives TP 1's tokens."""
+    base, made, base_reference, _ = adapters
+    prompts, loras = [*PROMPTS, LONG_PROMPT], [made[0][0], made[1][0], None, made[2][0], made[0][0]]
+    tp1 = [o.outputs[0].token_ids for o in _llm(base, max_loras=3).generate(prompts, PARAMS, lora_request=loras)]
     tp2 = _llm(base, max_loras=3, tensor_parallel_size=2)
-    assert [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, PARAMS, lora_request=loras)] == tp1
+    assert [o.outputs[0].token_ids for o in tp2.generate(prompts, PARAMS, lora_request=loras)] == tp1
     tp2.llm_engine.shutdown()
 
 

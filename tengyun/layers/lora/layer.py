@@ -20,9 +20,12 @@ from tengyun.layers.lora.batch import current_lora_batch
 
 
 class LinearLoRA:
-    def __init__(self, in_features: int, out_features: int, num_slices: int, num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, kernel):
-        rows = num_slices * max_rank
+    def __init__(self, in_features: int, out_features: int, columns: list[tuple[int, int]], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device, kernel):
+        """``columns``: each slice's output columns [first, end) on this rank, in slice order
+        (qkv_proj of SmolLM2 at TP 1: [(0, 576), (576, 768), (768, 960)])."""
+        rows = len(columns) * max_rank
+        self.columns = columns if len(columns) > 1 else None  # None: one slice over every output
         self.a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, rows, out_features, dtype=dtype, device=device)
         self.kernel = kernel  # the platform's "lora" choice (kernels.py)
@@ -37,12 +40,16 @@ class LinearLoRA:
         self.b[slot].copy_(b)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] (the base layer's output, or this rank's partial sum) plus each token's adapter
-        product from x [T, in]; y itself outside a step with adapter tokens."""
+        """y [T, out] (the base layer's fresh output, or this rank's partial sum) plus each token's
+        adapter product from x [T, in], written into y itself when y is in the slots' dtype
+        (--lora-dtype auto); y untouched outside a step with adapter tokens."""
         batch = current_lora_batch()
         if batch is None:
             return y
-        delta = self.kernel.apply(x.to(self.a.dtype), self.a, self.b, batch)
+        x = x.to(self.a.dtype)
+        if y.dtype == self.a.dtype:
+            return self.kernel.add(x, y, self.a, self.b, batch, self.columns)
+        delta = self.kernel.add(x, x.new_zeros(y.shape), self.a, self.b, batch, self.columns)
         return y + delta.to(y.dtype)
 
     def nbytes(self) -> int:

@@ -22,7 +22,7 @@ from tengyun.layers.lora.loader import AdapterWeights, load_adapter
 from tengyun.lora.peft_adapter import read_peft_adapter
 from tengyun.lora.request import LoRARequest
 from tengyun.lora.slots import AdapterSlots, HostCache
-from tengyun.lora.targets import SLICES_OF_LAYER
+from tengyun.lora.targets import SLICES_OF_LAYER, TARGETS
 from tengyun.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,17 @@ def lora_target_layers(model: nn.Module) -> dict[str, nn.Module]:
     return layers
 
 
+def slice_columns(name: str, linear: nn.Module) -> list[tuple[int, int]]:
+    """Each LoRA slice's output columns [first, end) in ``linear`` on this rank, in slice order,
+    where the base layer places that module ("...qkv_proj" -> q's, k's, v's columns)."""
+    layer = name.split(".", 3)[3]
+    columns = []
+    for target in sorted((t for t in TARGETS.values() if t.layer == layer), key=lambda t: t.slice_index):
+        parts, _ = linear._out_parts(target.shard_id)
+        columns.append((min(dst for dst, _, _ in parts), max(dst + count for dst, count, _ in parts)))
+    return columns
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, spec: ModelSpec, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
                  dtype: torch.dtype, device: torch.device, kernel):
@@ -45,7 +56,7 @@ class LoRAManager:
         self.device = device
         self.layers = lora_target_layers(model)
         for name, linear in self.layers.items():
-            linear.lora = LinearLoRA(linear.in_features, linear.out_features, SLICES_OF_LAYER[name.split(".", 3)[3]],
+            linear.lora = LinearLoRA(linear.in_features, linear.out_features, slice_columns(name, linear),
                                      max_loras, max_lora_rank, dtype, device, kernel)
         self.slots = AdapterSlots(max_loras)
         self.host: HostCache[AdapterWeights] = HostCache(max_cpu_loras)
@@ -67,7 +78,7 @@ class LoRAManager:
         slot_of = self.slots.slot_of
         per_seq = [slot_of[lora.lora_int_id] if lora is not None else -1 for lora, _ in seqs]
         token_slots = np.repeat(np.asarray(per_seq, dtype=np.int64), [n for _, n in seqs])
-        return LoRABatch.build(torch.from_numpy(token_slots).to(self.device), self.max_loras)
+        return LoRABatch.build(token_slots, self.max_loras, self.device)
 
     def _write(self, slot: int, lora: LoRARequest) -> None:
         weights = self.host.get(lora.lora_int_id, lambda: self._read(lora))
