@@ -128,9 +128,14 @@ def test_in_bfloat16_the_head_runs_its_kernel_on_the_int8_weights_and_answers_as
     dense = load_file(twin / "model.safetensors")["lm_head.weight"].double()
     x = torch.randn(1, dense.shape[1]).bfloat16()
     torch.testing.assert_close(head.compute_logits(x).double(), x.double() @ dense.t(), rtol=2 ** -7, atol=1e-2)
-    x = torch.randn(40, dense.shape[1]).bfloat16()
-    torch.testing.assert_close(head.compute_logits(x).double(), x.double() @ dense.bfloat16().double().t(),
-                               rtol=2e-2, atol=2e-2)
+    weight = dense.bfloat16().double()
+    for seed in range(6):  # its own generator: the engine's sampling leaves the global one anywhere
+        x = torch.randn(40, dense.shape[1], generator=torch.Generator().manual_seed(seed)).bfloat16().double()
+        error = (head.compute_logits(x.bfloat16()).double() - x @ weight.t()).abs()
+        # bfloat16 products summed in float32, the sum rounded to bfloat16: a few 2^-8 of the
+        # terms' magnitudes per logit (a flat atol failed logits near 0 from cancelling terms)
+        bound = 2 ** -6 * (x.abs() @ weight.abs().t())
+        assert (error <= bound).all(), f"seed {seed}: worst {(error / bound).max():.2f} of the bound"
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
     _, w8a8_model = _bf16_engine(with_head["llama", "w8a8"][0])
     assert isinstance(w8a8_model.lm_head.kernel, CpuW8A8Kernel) and w8a8_model.lm_head.scheme is not None
