@@ -44,6 +44,42 @@ def test_each_form_adds_every_tokens_own_adapter_product_into_the_base_output(na
                                    atol=0.3 if dtype == torch.bfloat16 else 1e-4)
 
 
+def _reference(x, base, a, b, token_slots) -> torch.Tensor:
+    """y + each adapter token's own (x A^T) B in float32, row by row; base-model rows (-1) untouched."""
+    want = base.float().clone()
+    for t, slot in enumerate(token_slots):
+        if slot >= 0:
+            want[t] += (x[t].float() @ a[slot].float().t()) @ b[slot].float()
+    return want
+
+
+@pytest.mark.parametrize(("token_slots", "layout"), [
+    ([-1, 1, -1], "no_pad"),  # one token on one slot between base-model tokens: rows [1]
+    ([0, 1], "in_place"),  # already in slot order from row 0, no pad: added to y[:2] without index_add_
+    ([1, 0, 1, 0], "no_pad"),  # equal counts: gathered [1, 3 | 0, 2], nothing zeroed
+    ([-1, 2, 0, 2, 0, 2], "pads"),  # slot 0: 2, slot 1: none (all pads), slot 2: 3 -> 3 slots x 3 rows
+    ([-1, 3, 0], "pads"),  # a token on slot 0, one on slot 3: slots 1 and 2 empty, 4 x 1 rows for 2
+    ([0, 3, 3, 3, 3, 3, 3], "not_padded"),  # 4 slots x 6 rows for 7: more than double, grouped instead
+], ids=["one_token", "in_place", "equal_counts", "pads_and_an_empty_slot", "empty_slots_between",
+        "too_skewed_to_pad"])
+@pytest.mark.parametrize("out", [40, 6], ids=["grouped_mm_width", "odd_width"])
+def test_the_padded_form_adds_each_tokens_product_whatever_the_padding(token_slots, layout, out):
+    torch.manual_seed(0)
+    slots, rank, in_ = 4, 4, 24
+    a, b = torch.randn(slots, rank, in_), torch.randn(slots, rank, out)
+    x, y = torch.randn(len(token_slots), in_), torch.randn(len(token_slots), out)
+    if token_slots[0] < 0:
+        x[0] = float("inf")  # a base-model row; pads read row 0, and still add nothing
+    base = y.clone()
+    batch = LoRABatch.build(torch.tensor(token_slots), slots)
+    padded = batch.padded
+    assert layout == ("not_padded" if padded is None else "in_place" if padded.rows is None
+                      else "no_pad" if padded.pads is None else "pads")
+    got = TORCH_LORA_KERNELS["padded"]().add(x, y, a, b, batch)
+    assert got.data_ptr() == y.data_ptr()
+    torch.testing.assert_close(got, _reference(x, base, a, b, token_slots), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_dtype_apart_from_the_model_and_odd_widths_add_the_same_product(dtype):
     """--lora-dtype float32 under a bfloat16 model: the product is added in the slots' dtype; an
@@ -79,12 +115,19 @@ def test_the_batch_keeps_long_runs_as_segments_and_sorts_the_rest_by_slot_on_the
     mixed = LoRABatch.build(torch.tensor([1, 0, 0, 0, -1, 1, 1]), 2, min_segment_rows=3)
     assert mixed.segments == [(0, 1, 3)]  # (slot, first row, rows)
     assert mixed.order.tolist() == [0, 5, 6] and mixed.runs == [(1, 0, 3)] and mixed.offsets.tolist() == [0, 3]
+    padded = LoRABatch.build(torch.tensor([1, -1, 0, 1, 1, 3, 0]), 4).padded  # batch.py's worked example
+    assert (padded.first_slot, padded.end_slot, padded.rows_per_slot) == (0, 4, 3)
+    assert padded.rows.tolist() == [2, 6, 0, 0, 3, 4, 0, 0, 0, 5, 0, 0]
+    assert padded.pads.squeeze(-1).tolist() == [[False, False, True], [False, False, False], [True, True, True],
+                                                [False, True, True]]
+    assert LoRABatch.build(torch.tensor([-1, -1]), 4).padded is None  # no adapter token
 
 
-def test_lora_is_a_kernel_kind_and_the_cpu_picks_segmented():
+def test_lora_is_a_kernel_kind_and_the_cpu_picks_padded():
     choice = CpuPlatform.choose_kernel("lora", KernelQuery("float32"))
-    assert choice.name == "cpu_segmented"
-    assert [c.name for c in CpuPlatform.kernel_candidates("lora")] == ["cpu_segmented", "cpu_grouped", "masked_dense"]
+    assert choice.name == "cpu_padded"
+    assert [c.name for c in CpuPlatform.kernel_candidates("lora")] == \
+        ["cpu_padded", "cpu_segmented", "cpu_grouped", "masked_dense"]
 
 
 def test_slots_evict_the_least_recently_used_adapter_a_step_does_not_need():

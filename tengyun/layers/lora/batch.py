@@ -10,6 +10,13 @@ segments, each a plain matmul pair; the other adapter tokens are sorted by slot:
     order [0, 1]                 the other adapter tokens' rows, sorted by slot (stable)
     offsets [0, 2] (2 slots)     end of each slot's rows in ``order``: slot 0 none, slot 1 rows 0-1
     runs [(1, 0, 2)]             (slot, first, count) in ``order`` of each slot present
+
+and also laid out slot by slot, each slot padded to the largest slot's count, for batched
+matmuls over the slots (PaddedRows):
+
+    token_slots [1, -1, 0, 1, 1, 3, 0] (4 slots, no segments)
+    padded: slots 0..3, 3 rows each; rows [2, 6, 0,  0, 3, 4,  0, 0, 0,  5, 0, 0]
+            pads [[F, F, T], [F, F, F], [T, T, T], [F, T, T]]   (a pad reads row 0; its product is zeroed)
 """
 
 from __future__ import annotations
@@ -25,6 +32,39 @@ import torch
 # A run this long on one adapter is cheaper as its own matmuls written into the output's rows
 # than gathered and scattered back (crossover 16-32 rows at SmolLM2's shapes, benchmarks/lora.py).
 MIN_SEGMENT_ROWS = 32
+# Padding the slots to their largest count is kept while it at most doubles the rows: beyond that
+# (e.g. 1 token on slot 0 beside 30 on slot 3) the rows are multiplied by slot (grouped) instead.
+MAX_PADDING_FACTOR = 2
+
+
+@dataclass(frozen=True)
+class PaddedRows:
+    """The sorted adapter tokens laid out as [slots, rows_per_slot] for slots first_slot..end_slot - 1
+    (the first to the last slot present; a slot in between with no token is all pads)."""
+    first_slot: int
+    end_slot: int
+    rows_per_slot: int  # the largest count of one slot, M
+    rows: torch.Tensor | None  # [P * M] int64 rows of x (pads: row 0); None when that is 0..N-1 (no pad, sorted)
+    pads: torch.Tensor | None  # [P, M, 1] bool, True on a pad (its product must be zeroed); None: no pad
+
+    @classmethod
+    def build(cls, order: np.ndarray, counts: np.ndarray, put) -> "PaddedRows | None":
+        """From ``order`` [N] (rows sorted by slot) and ``counts`` [num_slots]; None when padding would
+        more than double the rows. order [0, 3, 4, 5], counts [1, 0, 2, 1] -> slots 0..3 padded to 2."""
+        present = np.flatnonzero(counts)
+        first, end = int(present[0]), int(present[-1]) + 1
+        per_slot = int(counts.max())
+        if (end - first) * per_slot > MAX_PADDING_FACTOR * len(order):
+            return None
+        counts = counts[first:end]
+        position = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)  # index within its slot
+        rows = np.zeros((end - first, per_slot), dtype=np.int64)
+        rows[np.repeat(np.arange(end - first), counts), position] = order
+        pads = np.arange(per_slot)[None, :] >= counts[:, None]  # [P, M]
+        if not pads.any():
+            in_place = bool((rows.reshape(-1) == np.arange(rows.size)).all())
+            return cls(first, end, per_slot, None if in_place else put(rows.reshape(-1)), None)
+        return cls(first, end, per_slot, put(rows.reshape(-1)), put(pads[:, :, None]))
 
 
 @dataclass
@@ -37,6 +77,7 @@ class LoRABatch:
     order: torch.Tensor | None
     offsets: torch.Tensor  # [num_slots] int32, cumulative: slot s owns sorted rows [offsets[s-1], offsets[s])
     runs: list[tuple[int, int, int]]  # (slot, first sorted row, count) of each slot present, ascending
+    padded: PaddedRows | None  # the same rows padded per slot; None without them or when padding does not pay
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -64,7 +105,9 @@ class LoRABatch:
         def put(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device if device is not None else "cpu")
 
-        return cls(put(slots), num_slots, segments, None if in_place else put(order), put(ends.astype(np.int32)), runs)
+        padded = PaddedRows.build(order, counts, put) if count else None
+        return cls(put(slots), num_slots, segments, None if in_place else put(order), put(ends.astype(np.int32)), runs,
+                   padded)
 
     @property
     def num_sorted(self) -> int:

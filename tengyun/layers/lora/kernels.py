@@ -9,12 +9,18 @@ columns [(first, end)] (None: one slice over all of out); ``add`` writes y += B 
 adapter token (base-model tokens keep y) and returns y. Which form runs is the platform's choice
 (kernel kind "lora" in platforms/kernel_choice.py), as punica's kernels are vLLM's:
 
+    padded: segments as below; the other adapter tokens (decode) gathered once into a slot-by-slot
+        layout padded to the largest slot's count (LoRABatch.padded, laid out on the host), then one
+        torch.bmm for every slot's shrink, pad rows zeroed, one bmm for every expand and one
+        index_add_ back. At 32 decode tokens on 4 slots bmm takes both threads where
+        torch._grouped_mm takes one: the CPU's choice. Where padding would more than double the
+        rows, the step runs segmented's grouped_mm (or grouped's loop) instead.
     segmented (punica's sgmv in plain ops): a segment (a run of >= MIN_SEGMENT_ROWS rows on one
         slot, a prefill chunk) is one shrink matmul and, per slice, one addmm_ straight into its
         rows and columns of y (no zeros of the block-diagonal B, no delta tensor); the other
         adapter tokens (decode) are gathered once into slot order (LoRABatch.order, sorted on the
         host once per step), then one torch._grouped_mm for every slot's shrink, one for every
-        expand, and one index_add_ back: four ops whatever the mix. The CPU's choice.
+        expand, and one index_add_ back: four ops whatever the mix.
     grouped: segments as above, then one pair of matmuls per slot present (at most --max-loras),
         each added back by rows: the CPU's choice on a torch without _grouped_mm.
     masked_dense (bgmv's effect in two matmuls): h = x @ A_all^T [T, L*K], zeroed outside each
@@ -55,6 +61,57 @@ def grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(size * a.element_size() % 16 == 0 for size in (a.shape[2], a.shape[1], b.shape[2]))
 
 
+def add_sorted_grouped_mm(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                          batch: LoRABatch) -> None:
+    """y[order] += the other adapter tokens' products: two torch._grouped_mm over the rows in slot order."""
+    n = batch.num_sorted
+    rows = x[:n] if batch.order is None else x.index_select(0, batch.order)  # [N, in] in slot order
+    h = torch._grouped_mm(rows, a.transpose(1, 2), offs=batch.offsets)  # [N, K]
+    delta = torch._grouped_mm(h, b, offs=batch.offsets)  # [N, out]
+    if batch.order is None:
+        y[:n].add_(delta)
+    else:
+        y.index_add_(0, batch.order, delta)
+
+
+def add_per_slot(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
+    """y[rows] += the other adapter tokens' products, one matmul pair per slot present."""
+    for slot, rows in batch.groups:
+        y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot])
+
+
+def add_padded(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
+    """y[rows] += the other adapter tokens' products as two torch.bmm over the padded slots
+    (P = end_slot - first_slot slots of M rows; batch.padded is not None)."""
+    padded = batch.padded
+    slots = slice(padded.first_slot, padded.end_slot)
+    size = (padded.end_slot - padded.first_slot) * padded.rows_per_slot
+    rows = x[:size] if padded.rows is None else x.index_select(0, padded.rows)  # [P M, in]
+    h = torch.bmm(rows.reshape(-1, padded.rows_per_slot, x.shape[1]), a[slots].transpose(1, 2))  # [P, M, K]
+    if padded.pads is not None:
+        h.masked_fill_(padded.pads, 0)  # a pad reads row 0: its product must add nothing
+    delta = torch.bmm(h, b[slots]).view(size, -1)  # [P M, out]
+    if padded.rows is None:
+        y[:size].add_(delta)
+    else:
+        y.index_add_(0, padded.rows, delta)
+
+
+class PaddedLoRA:
+    name = "padded"
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
+            columns: Columns = None) -> torch.Tensor:
+        add_segments(x, y, a, b, batch, columns)
+        if batch.padded is not None:
+            add_padded(x, y, a, b, batch)
+        elif batch.num_sorted and hasattr(torch, "_grouped_mm") and grouped_mm_fits(a, b):
+            add_sorted_grouped_mm(x, y, a, b, batch)
+        elif batch.num_sorted:
+            add_per_slot(x, y, a, b, batch)
+        return y
+
+
 class SegmentedLoRA:
     name = "segmented"
 
@@ -63,16 +120,9 @@ class SegmentedLoRA:
         if not grouped_mm_fits(a, b):  # an odd width (e.g. a tensor-parallel split): the loop per slot
             return GroupedLoRA().add(x, y, a, b, batch, columns)
         add_segments(x, y, a, b, batch, columns)
-        n = batch.num_sorted
-        if not n:
-            return y
-        rows = x[:n] if batch.order is None else x.index_select(0, batch.order)  # [N, in] in slot order
-        h = torch._grouped_mm(rows, a.transpose(1, 2), offs=batch.offsets)  # [N, K]
-        delta = torch._grouped_mm(h, b, offs=batch.offsets)  # [N, out]
-        if batch.order is None:
-            y[:n].add_(delta)
-            return y
-        return y.index_add_(0, batch.order, delta)
+        if batch.num_sorted:
+            add_sorted_grouped_mm(x, y, a, b, batch)
+        return y
 
 
 class GroupedLoRA:
@@ -81,8 +131,7 @@ class GroupedLoRA:
     def add(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
             columns: Columns = None) -> torch.Tensor:
         add_segments(x, y, a, b, batch, columns)
-        for slot, rows in batch.groups:
-            y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot])
+        add_per_slot(x, y, a, b, batch)
         return y
 
 
@@ -108,4 +157,5 @@ class GatheredLoRA:
         return y.add_(torch.bmm(b[slots].transpose(1, 2), h).squeeze(-1))  # [T, out]
 
 
-TORCH_LORA_KERNELS = {kernel.name: kernel for kernel in (SegmentedLoRA, GroupedLoRA, MaskedDenseLoRA, GatheredLoRA)}
+TORCH_LORA_KERNELS = {kernel.name: kernel for kernel in (PaddedLoRA, SegmentedLoRA, GroupedLoRA, MaskedDenseLoRA,
+                                                         GatheredLoRA)}

@@ -11,7 +11,7 @@ test can turn it off.
     layer_ops:    cpu_fused (library loads) > torch
     sampler:      cpu_compiled (library loads) > torch
     moe:          torch_grouped_mm (any float dtype on CPU) > torch_loop
-    lora:         cpu_segmented (torch._grouped_mm) > cpu_grouped > masked_dense
+    lora:         cpu_padded > cpu_segmented (torch._grouped_mm) > cpu_grouped > masked_dense
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ def _compiled_sample_rows(query: KernelQuery):
     import torch
 
     return torch.ops.tengyun.sample_rows.default
+
+
+def _padded_lora(query: KernelQuery):
+    from tengyun.layers.lora.kernels import PaddedLoRA
+
+    return PaddedLoRA()
 
 
 def _segmented_lora(query: KernelQuery):
@@ -237,7 +243,9 @@ def cpu_candidates(kind: str, compiled_layout: Callable[[], bool]) -> list[Kerne
         return [KernelCandidate("torch_grouped_mm", why_not_grouped_mm, torch_grouped_moe,
                                 describe=lambda q: "torch._grouped_mm, the same GEMMs as a loop, no host read")]
     if kind == "lora":  # by slot: measured faster than masked_dense here (layers/lora/kernels.py, docs/lora.md)
-        return [KernelCandidate("cpu_segmented", why_not_grouped_mm, _segmented_lora,
+        return [KernelCandidate("cpu_padded", always, _padded_lora,
+                                describe=lambda q: "decode tokens padded per slot once per step, two torch.bmm"),
+                KernelCandidate("cpu_segmented", why_not_grouped_mm, _segmented_lora,
                                 describe=lambda q: "tokens sorted by slot once per step, two torch._grouped_mm"),
                 KernelCandidate("cpu_grouped", always, _grouped_lora)]
     return []
