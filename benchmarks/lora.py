@@ -2,8 +2,9 @@
 base model (one engine, --max-loras 4, rank 16 adapters on every q/k/v/o/gate/up/down, made with
 PEFT on the embedded SmolLM2-135M-Instruct, random non-zero B), output tokens per second, the
 median of --repeats rounds alternating base and LoRA (each LoRA form of --forms in turn, the
-order reversed every other round); then the batched product alone at SmolLM2's gate_up shape: a
-loop over requests against every form of layers/lora/kernels.py.
+order reversed every other round); then the batched products alone at SmolLM2's four LoRA layer
+shapes over its 30 layers (a decode step of 32 tokens, a 2,048-token prefill): a loop over
+requests against every form of layers/lora/kernels.py (--products-only for these alone).
 
     OMP_NUM_THREADS=2 python benchmarks/lora.py --dtype float32 --max-tokens 32
     # on a shared machine: one thread, CPU seconds, the forms side by side
@@ -73,38 +74,68 @@ def engine_rounds(args, loras: list[LoRARequest]) -> dict[str, list[float]]:
     return rates
 
 
-def product_rounds(args, dtype: torch.dtype, tokens: int) -> dict[str, float]:
-    """Milliseconds per call of the LoRA product of SmolLM2's gate_up (576 -> 2 x 1536, 2 slices)
-    for ``tokens`` tokens over 32 requests on 4 adapters."""
-    torch.manual_seed(0)
-    slots, rows, in_, out = 4, 2 * args.rank, 576, 3072
-    a, b = torch.randn(slots, rows, in_, dtype=dtype), torch.randn(slots, rows, out, dtype=dtype)
-    per_request = tokens // 32
-    token_slots = torch.arange(32).repeat_interleave(per_request) % slots
-    x = torch.randn(len(token_slots), in_, dtype=dtype)
-    batch = LoRABatch.build(token_slots, slots)
+SHAPES = {  # SmolLM2-135M's LoRA layers: (in, each slice's output columns)
+    "qkv": (576, [(0, 576), (576, 768), (768, 960)]), "o": (576, [(0, 576)]),
+    "gate_up": (576, [(0, 1536), (1536, 3072)]), "down": (1536, [(0, 576)]),
+}
 
-    def loop():  # one pair of matmuls per request
-        out_ = x.new_zeros(len(token_slots), out)
+
+def product_rounds(args, dtype: torch.dtype, tokens: int) -> dict[str, dict[str, float]]:
+    """Milliseconds per step of the LoRA products alone, per SmolLM2 layer kind summed over its 30
+    layers (each layer its own slots, as a step reads them: cold caches) and in all, for ``tokens``
+    tokens over 32 requests on 4 adapters; the forms interleaved, their order rotated every round."""
+    torch.manual_seed(0)
+    per_request, num_layers = tokens // 32, 30
+    token_slots = torch.arange(32).repeat_interleave(per_request) % args.adapters
+    batch = LoRABatch.build(token_slots, args.adapters)
+    layers = []
+    for name, (in_, columns) in SHAPES.items():
+        rows, out = len(columns) * args.rank, columns[-1][1]
+        b = torch.zeros(num_layers, args.adapters, rows, out, dtype=dtype)
+        for s, (start, end) in enumerate(columns):  # block-diagonal, as layer.py stores a fused layer
+            b[:, :, s * args.rank:(s + 1) * args.rank, start:end].normal_()
+        a = torch.randn(num_layers, args.adapters, rows, in_, dtype=dtype)
+        x, y = torch.randn(len(token_slots), in_, dtype=dtype), torch.zeros(len(token_slots), out, dtype=dtype)
+        layers += [(name, a[i], b[i], x, y, columns if len(columns) > 1 else None) for i in range(num_layers)]
+
+    def loop(x, y, a, b, batch, columns):  # one pair of matmuls per request
         for r in range(32):
             rows_ = slice(r * per_request, (r + 1) * per_request)
-            out_[rows_] = (x[rows_] @ a[r % slots].t()) @ b[r % slots]
-        return out_
+            y[rows_] += (x[rows_] @ a[r % args.adapters].t()) @ b[r % args.adapters]
+        return y
 
-    kernels = {name: cls() for name, cls in TORCH_LORA_KERNELS.items()}
     forms = {"per-request loop": loop}
-    forms.update({name: (lambda k=kernel: k.add(x, x.new_zeros(len(x), out), a, b, batch))
-                  for name, kernel in kernels.items()})
-    times = {}
-    for name, run in forms.items():
-        run()
-        samples = []
-        for _ in range(args.repeats * 5):
-            started = time.perf_counter()
-            run()
-            samples.append((time.perf_counter() - started) * 1e3)
-        times[name] = statistics.median(samples)
-    return times
+    forms.update({name: cls().add for name, cls in TORCH_LORA_KERNELS.items() if name != "gathered" or tokens <= 32})
+    samples = {name: {kind: [] for kind in [*SHAPES, "all"]} for name in forms}
+    names = list(forms)
+    for round_ in range(args.repeats * 3 + 1):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            spent = dict.fromkeys(SHAPES, 0.0)
+            for kind, a, b, x, y, columns in layers:
+                started = time.perf_counter()
+                forms[name](x, y, a, b, batch, columns)
+                spent[kind] += time.perf_counter() - started
+            if round_:  # the first round warms up
+                for kind, seconds in spent.items():
+                    samples[name][kind].append(seconds * 1e3)
+                samples[name]["all"].append(sum(spent.values()) * 1e3)
+    return {name: {kind: statistics.median(v) for kind, v in kinds.items()} for name, kinds in samples.items()}
+
+
+def engine_report(args) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        loras = make_adapters(resolve_model(None).folder, Path(folder), args.adapters, args.rank)
+        rates = engine_rounds(args, loras)
+    base_rounds = rates.pop("base")
+    base = statistics.median(base_rounds)
+    print(f"{args.requests} requests x {args.max_tokens} tokens over {args.adapters} adapters, median of "
+          f"{args.repeats} rounds; base {base:.1f} tok/s (rounds {[round(r) for r in base_rounds]})")
+    for name, rounds in rates.items():
+        rate = statistics.median(rounds)
+        paired = statistics.median(1 - r / b for r, b in zip(rounds, base_rounds))  # each round against its own base
+        print(f"  {name}: {rate:.1f} tok/s, {(1 - rate / base) * 100:.1f}% slower than the base "
+              f"(rounds {[round(r) for r in rounds]}; median per round {paired * 100:.1f}%)")
+    print(f"# load average {os.getloadavg()[0]:.2f} after the engine rounds")
 
 
 def main() -> None:
@@ -123,30 +154,22 @@ def main() -> None:
                         help="tokens per CPU second of this process (time.process_time) instead of per wall "
                              "second: steadier on a shared machine, meaningful with OMP_NUM_THREADS=1")
     parser.add_argument("--skip-products", action="store_true", help="only the engine rounds")
+    parser.add_argument("--products-only", action="store_true", help="only the products alone")
     args = parser.parse_args()
     args.clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads, {args.dtype}, {'CPU' if args.cpu_time else 'wall'} time, "
           f"load average {os.getloadavg()[0]:.2f} at the start")
-    with tempfile.TemporaryDirectory() as folder:
-        loras = make_adapters(resolve_model(None).folder, Path(folder), args.adapters, args.rank)
-        rates = engine_rounds(args, loras)
-    base_rounds = rates.pop("base")
-    base = statistics.median(base_rounds)
-    print(f"{args.requests} requests x {args.max_tokens} tokens over {args.adapters} adapters, median of "
-          f"{args.repeats} rounds; base {base:.1f} tok/s (rounds {[round(r) for r in base_rounds]})")
-    for name, rounds in rates.items():
-        rate = statistics.median(rounds)
-        paired = statistics.median(1 - r / b for r, b in zip(rounds, base_rounds))  # each round against its own base
-        print(f"  {name}: {rate:.1f} tok/s, {(1 - rate / base) * 100:.1f}% slower than the base "
-              f"(rounds {[round(r) for r in rounds]}; median per round {paired * 100:.1f}%)")
-    print(f"# load average {os.getloadavg()[0]:.2f} at the end")
+    if not args.products_only:
+        engine_report(args)
     if args.skip_products:
         return
     for tokens in (32, 32 * args.prompt_len):
         times = product_rounds(args, getattr(torch, args.dtype), tokens)
-        print(f"gate_up LoRA product, {tokens} tokens: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()))
-
+        print(f"LoRA products alone, {tokens} tokens, ms per step (120 layers; qkv / o / gate_up / down):")
+        for name, kinds in times.items():
+            print(f"  {name}: {kinds['all']:.2f} (" + " / ".join(f"{kinds[k]:.2f}" for k in SHAPES) + ")")
+    print(f"# load average {os.getloadavg()[0]:.2f} at the end")
 
 if __name__ == "__main__":
     main()

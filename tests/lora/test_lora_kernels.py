@@ -62,11 +62,12 @@ def _reference(x, base, a, b, token_slots) -> torch.Tensor:
     ([0, 3, 3, 3, 3, 3, 3], "not_padded"),  # 4 slots x 6 rows for 7: more than double, grouped instead
 ], ids=["one_token", "in_place", "equal_counts", "pads_and_an_empty_slot", "empty_slots_between",
         "too_skewed_to_pad"])
-@pytest.mark.parametrize("out", [40, 6], ids=["grouped_mm_width", "odd_width"])
-def test_the_padded_form_adds_each_tokens_product_whatever_the_padding(token_slots, layout, out):
+@pytest.mark.parametrize("columns", [[(0, 40)], [(0, 24), (24, 32), (32, 40)], [(0, 4), (4, 6)]],
+                         ids=["one_slice", "three_slices", "odd_width"])
+def test_the_padded_form_adds_each_tokens_product_whatever_the_padding(token_slots, layout, columns):
     torch.manual_seed(0)
-    slots, rank, in_ = 4, 4, 24
-    a, b = torch.randn(slots, rank, in_), torch.randn(slots, rank, out)
+    slots, rank, in_, out = 4, 4, 24, columns[-1][1]
+    a, b = torch.randn(slots, rank * len(columns), in_), _block_diagonal_b(slots, rank, columns, torch.float32)
     x, y = torch.randn(len(token_slots), in_), torch.randn(len(token_slots), out)
     if token_slots[0] < 0:
         x[0] = float("inf")  # a base-model row; pads read row 0, and still add nothing
@@ -75,7 +76,7 @@ def test_the_padded_form_adds_each_tokens_product_whatever_the_padding(token_slo
     padded = batch.padded
     assert layout == ("not_padded" if padded is None else "in_place" if padded.rows is None
                       else "no_pad" if padded.pads is None else "pads")
-    got = TORCH_LORA_KERNELS["padded"]().add(x, y, a, b, batch)
+    got = TORCH_LORA_KERNELS["padded"]().add(x, y, a, b, batch, columns if len(columns) > 1 else None)
     assert got.data_ptr() == y.data_ptr()
     torch.testing.assert_close(got, _reference(x, base, a, b, token_slots), rtol=1e-5, atol=1e-4)
 

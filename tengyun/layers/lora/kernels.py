@@ -11,10 +11,10 @@ adapter token (base-model tokens keep y) and returns y. Which form runs is the p
 
     padded: segments as below; the other adapter tokens (decode) gathered once into a slot-by-slot
         layout padded to the largest slot's count (LoRABatch.padded, laid out on the host), then one
-        torch.bmm for every slot's shrink, pad rows zeroed, one bmm for every expand and one
-        index_add_ back. At 32 decode tokens on 4 slots bmm takes both threads where
-        torch._grouped_mm takes one: the CPU's choice. Where padding would more than double the
-        rows, the step runs segmented's grouped_mm (or grouped's loop) instead.
+        torch.bmm for every slot's shrink, pad rows zeroed, one bmm per slice for every expand (only
+        the slice's block of B) and one index_add_ back. At 32 decode tokens on 4 slots bmm takes
+        both threads where torch._grouped_mm takes one: the CPU's choice. Where padding would more
+        than double the rows, the step runs segmented's grouped_mm (or grouped's loop) instead.
     segmented (punica's sgmv in plain ops): a segment (a run of >= MIN_SEGMENT_ROWS rows on one
         slot, a prefill chunk) is one shrink matmul and, per slice, one addmm_ straight into its
         rows and columns of y (no zeros of the block-diagonal B, no delta tensor); the other
@@ -80,9 +80,12 @@ def add_per_slot(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Ten
         y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot])
 
 
-def add_padded(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
-    """y[rows] += the other adapter tokens' products as two torch.bmm over the padded slots
-    (P = end_slot - first_slot slots of M rows; batch.padded is not None)."""
+def add_padded(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
+               columns: Columns) -> None:
+    """y[rows] += the other adapter tokens' products as torch.bmm over the padded slots (P =
+    end_slot - first_slot slots of M rows; batch.padded is not None): one shrink, then one expand
+    per slice reading only that slice's block of B (not the block-diagonal zeros, a third of a
+    decode step's LoRA bytes), each written into its columns of one delta."""
     padded = batch.padded
     slots = slice(padded.first_slot, padded.end_slot)
     size = (padded.end_slot - padded.first_slot) * padded.rows_per_slot
@@ -90,7 +93,14 @@ def add_padded(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     h = torch.bmm(rows.reshape(-1, padded.rows_per_slot, x.shape[1]), a[slots].transpose(1, 2))  # [P, M, K]
     if padded.pads is not None:
         h.masked_fill_(padded.pads, 0)  # a pad reads row 0: its product must add nothing
-    delta = torch.bmm(h, b[slots]).view(size, -1)  # [P M, out]
+    if columns is None:
+        delta = torch.bmm(h, b[slots]).view(size, -1)  # [P M, out]
+    else:
+        delta = h.new_empty(size, b.shape[2])
+        rank = h.shape[2] // len(columns)
+        for s, (start, end) in enumerate(columns):  # [P, M, r] x [P, r, end - start] into delta's columns
+            k = slice(s * rank, (s + 1) * rank)
+            torch.bmm(h[:, :, k], b[slots, k, start:end], out=delta.view(h.shape[0], -1, b.shape[2])[:, :, start:end])
     if padded.rows is None:
         y[:size].add_(delta)
     else:
@@ -104,7 +114,7 @@ class PaddedLoRA:
             columns: Columns = None) -> torch.Tensor:
         add_segments(x, y, a, b, batch, columns)
         if batch.padded is not None:
-            add_padded(x, y, a, b, batch)
+            add_padded(x, y, a, b, batch, columns)
         elif batch.num_sorted and hasattr(torch, "_grouped_mm") and grouped_mm_fits(a, b):
             add_sorted_grouped_mm(x, y, a, b, batch)
         elif batch.num_sorted:
