@@ -22,7 +22,7 @@ adapter token (base-model tokens keep y) and returns y. Which form runs is the p
         host once per step), then one torch._grouped_mm for every slot's shrink, one for every
         expand, and one index_add_ back: four ops whatever the mix.
     grouped: segments as above, then one pair of matmuls per slot present (at most --max-loras),
-        each added back by rows: the CPU's choice on a torch without _grouped_mm.
+        each added back by rows (padded's fallback where torch has no _grouped_mm or a width misfits).
     masked_dense (bgmv's effect in two matmuls): h = x @ A_all^T [T, L*K], zeroed outside each
         token's slot, then y += h @ B_all. L times the needed FLOPs, but two GEMMs whatever the mix,
         no gathers and no host sync: the generic form (accelerators).
