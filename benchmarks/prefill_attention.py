@@ -55,8 +55,9 @@ def time_case(args, count: int, length: int, dtype: torch.dtype) -> str:
                                      prefills=chunks) for name in backends}  # per-step state built once
     times: dict[str, list[float]] = {name: [] for name in backends}
     outputs = {}
-    picks = "paged kernel" if cpu_paged.in_kernel(chunks[0]) else "SDPA"
-    default, cpu_paged.MAX_PAGED_SEQ_LEN = cpu_paged.MAX_PAGED_SEQ_LEN, 1 << 30  # every chunk in the kernel
+    picks = "paged kernel" if cpu_paged.in_kernel(chunks[0], dtype) else "SDPA"
+    default = cpu_paged.MAX_PAGED_SEQ_LEN, cpu_paged.AMX_BF16_MAX_PAGED_SEQ_LEN
+    cpu_paged.MAX_PAGED_SEQ_LEN = cpu_paged.AMX_BF16_MAX_PAGED_SEQ_LEN = 1 << 30  # every chunk in the kernel
     try:
         for _ in range(args.repeats):
             for name, backend in backends.items():
@@ -64,7 +65,7 @@ def time_case(args, count: int, length: int, dtype: torch.dtype) -> str:
                 outputs[name] = backend.forward(q, k, v, k_cache, v_cache, metas[name], 64 ** -0.5)
                 times[name].append(time.perf_counter() - start)
     finally:
-        cpu_paged.MAX_PAGED_SEQ_LEN = default
+        cpu_paged.MAX_PAGED_SEQ_LEN, cpu_paged.AMX_BF16_MAX_PAGED_SEQ_LEN = default
     sdpa, paged = (statistics.median(times[name]) * 1e3 for name in backends)
     diff = (outputs["torch_sdpa"].float() - outputs["cpu_paged"].float()).abs().max().item()
     return (f"| {str(dtype)[6:]} | {count} x {length} | {sdpa:.2f} | {paged:.2f} | {sdpa / paged:.2f}x | "

@@ -38,6 +38,7 @@ def paths(paged: bool) -> None:
     """paged: short chunks in the kernel (the default); else every chunk through SDPA (before)."""
     cpu_paged.MAX_PAGED_QUERY = 16 if paged else 0
     cpu_paged.MAX_PAGED_SEQ_LEN = 256 if paged else 0
+    cpu_paged.AMX_BF16_MAX_PAGED_QUERY = cpu_paged.AMX_BF16_MAX_PAGED_SEQ_LEN = 32 if paged else 0
 
 
 def attention_case(batch: int, context: int, dtype: torch.dtype, block_size: int = 16):

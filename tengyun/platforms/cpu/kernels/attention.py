@@ -5,18 +5,21 @@ blocks prefetched ahead), one OpenMP task per (sequence, KV head) that attends a
 query heads together, 512 tokens at a time: every score, one softmax update, then the values with
 each V row read once for all heads. So do prefill chunks with few query tokens (a speculative
 verify's last token and drafts) or a short whole sequence (a prompt of up to MAX_PAGED_SEQ_LEN
-tokens), every query token with its causal limit, each block read once for all of a sequence's
-tokens; token i of a chunk computes exactly what a decode row of its length would. Writing K/V and
-the other prefill chunks are torch_sdpa's, unchanged. Picked by ``CpuPlatform.attention_backend``
+tokens; in bfloat16 on cores with AMX only chunks of up to 32 tokens: kernel_limits), every query
+token with its causal limit, each block read once for all of a sequence's tokens; token i of a
+chunk computes exactly what a decode row of its length would. Writing K/V and the other prefill
+chunks are torch_sdpa's, unchanged. Picked by ``CpuPlatform.attention_backend``
 only when the kernel library loads (platforms/cpu/native.py).
 """
 
 from __future__ import annotations
 
-import torch
-
+import functools
 from dataclasses import dataclass
 
+import torch
+
+from tengyun.host.probe import cpu_flags
 from tengyun.platforms.cpu import native as cpu_kernels
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
@@ -30,11 +33,33 @@ from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 # 8 x 256, bf16 11.5 vs 9.4; one prompt of 512, bf16 4.8 vs 6.0; one of 1024, 14.7 vs 35.9.
 MAX_PAGED_QUERY = 16
 MAX_PAGED_SEQ_LEN = 256
+# bfloat16 on cores with AMX: torch's SDPA multiplies on AMX tiles and wins from ~48 query tokens
+# whatever the context, so only short chunks (a verify, a prompt's last few tokens) stay here.
+# 2026-12-05, Intel Xeon VM with amx_bf16, 2 threads, SmolLM2's heads (benchmarks/prefill_attention.py,
+# SDPA / kernel ms): fresh 1 x 16 0.04 / 0.02, 1 x 32 0.04 / 0.04, 1 x 64 0.07 / 0.21, 1 x 128
+# 0.14 / 0.41, 16 x 128 1.79 / 3.33; 24 tokens after 100 cached 0.12 / 0.10, 48 after 100 0.17 / 0.18,
+# 128 after 128 0.28 / 0.70 (float32 does not use the tiles: the limits above stand).
+AMX_BF16_MAX_PAGED_QUERY = 32
+AMX_BF16_MAX_PAGED_SEQ_LEN = 32
 
 
-def in_kernel(chunk: PrefillChunk) -> bool:
+def kernel_limits(dtype: torch.dtype | None) -> tuple[int, int]:
+    """(most query tokens, longest whole sequence) of a prefill chunk the paged kernel attends for
+    this activation dtype on this CPU (None: the generic limits)."""
+    if dtype == torch.bfloat16 and _has_amx_bf16():
+        return AMX_BF16_MAX_PAGED_QUERY, AMX_BF16_MAX_PAGED_SEQ_LEN
+    return MAX_PAGED_QUERY, MAX_PAGED_SEQ_LEN
+
+
+@functools.cache
+def _has_amx_bf16() -> bool:
+    return "amx_bf16" in cpu_flags()
+
+
+def in_kernel(chunk: PrefillChunk, dtype: torch.dtype | None = None) -> bool:
     """Whether cpu_paged attends this prefill chunk in the paged kernel (else torch_sdpa's SDPA)."""
-    return chunk.query_len <= MAX_PAGED_QUERY or chunk.context_len + chunk.query_len <= MAX_PAGED_SEQ_LEN
+    max_query, max_seq_len = kernel_limits(dtype)
+    return chunk.query_len <= max_query or chunk.context_len + chunk.query_len <= max_seq_len
 
 
 @dataclass
@@ -90,7 +115,7 @@ class CpuPagedBackend(TorchSDPABackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """As torch_sdpa's, with the chunks in_kernel picks in the paged kernel (their K/V, like
         everyone's, are in the cache already: write_kv runs first)."""
-        kernel = _kernel_chunks(meta)
+        kernel = _kernel_chunks(meta, q.dtype)
         if kernel is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
@@ -106,12 +131,12 @@ class CpuPagedBackend(TorchSDPABackend):
         return out
 
 
-def _kernel_chunks(meta: AttentionMetadata) -> KernelChunks | None:
-    """meta's chunks that in_kernel picks (None: there are none), cached in meta.backend_state for
-    the step's other layers."""
+def _kernel_chunks(meta: AttentionMetadata, dtype: torch.dtype) -> KernelChunks | None:
+    """meta's chunks that in_kernel picks for ``dtype`` (None: there are none), cached in
+    meta.backend_state for the step's other layers."""
     if "kernel_chunks" not in meta.backend_state:
-        chunks = [c for c in meta.prefills if in_kernel(c)]
-        others = [c for c in meta.prefills if not in_kernel(c)]
+        chunks = [c for c in meta.prefills if in_kernel(c, dtype)]
+        others = [c for c in meta.prefills if not in_kernel(c, dtype)]
         meta.backend_state["kernel_chunks"] = _build_kernel_chunks(chunks, others) if chunks else None
     return meta.backend_state["kernel_chunks"]
 
