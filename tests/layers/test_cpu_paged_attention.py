@@ -210,6 +210,32 @@ def test_bfloat16_on_amx_cores_leaves_chunks_over_32_tokens_to_sdpa(cpu_flags_as
     assert picks(torch.bfloat16) == picks(torch.float32) == [True, True, True, True, True, True, False]
 
 
+@pytest.mark.parametrize("flags,in_the_kernel", [({"avx512f", "avx512_bf16", "amx_bf16"}, False),
+                                                  ({"avx512f", "avx512_bf16"}, True)])
+def test_the_backend_routes_a_bfloat16_prompt_by_the_cpus_limits(kernels, cpu_flags_as, flags, in_the_kernel):
+    """A fresh 40-token bfloat16 prompt: the kernel's on a CPU without AMX, SDPA's with AMX; the
+    same tokens either way."""
+    from tengyun.layers.attention.metadata import PrefillChunk
+
+    gen, bs, n, heads, kv_heads, dim = torch.Generator().manual_seed(7), 16, 40, 9, 3, 64
+    q = torch.randn(n, heads, dim, generator=gen).to(torch.bfloat16)
+    k = torch.randn(n, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(n, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    table = torch.tensor([2, 0, 1])
+    slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+    k_cache = torch.zeros(3, bs, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k, v
+    cpu_flags_as(flags)
+    metas = {name: AttentionMetadata(slot_mapping=slots, num_decode_tokens=0, prefills=[PrefillChunk(0, n, 0, table)])
+             for name in ("cpu_paged", "torch_sdpa")}
+    out = {name: get_attention_backend(name).forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+           for name, meta in metas.items()}
+    assert (metas["cpu_paged"].backend_state["kernel_chunks"] is not None) == in_the_kernel
+    torch.testing.assert_close(out["cpu_paged"], out["torch_sdpa"], atol=TOLERANCE[torch.bfloat16],
+                               rtol=TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_backend_runs_its_chunks_in_the_kernel_as_torch_sdpa_attends(kernels, dtype, cpu_flags_as):
     """One step: 2 decodes, then chunks (query tokens, cached before them): a 3-token verify over
