@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 from remote_server import MAX_MODEL_LEN, server_model  # noqa: F401 (fixture)
-from test_headless_netns import _ip, _running, _tails, _tree, _wait, namespaces  # noqa: F401 (fixture)
+from test_headless_netns import _assert_none_left, _ip, _kill_left, _tails, _tree, _wait, namespaces  # noqa: F401 (fixture)
 
 STOP_WAIT_S = 60  # far above the ~5 s keepalive bound: only a hang reaches it
 
@@ -42,12 +41,6 @@ def test_a_cut_link_to_a_headless_data_parallel_node_is_named_and_nothing_hangs(
                 f"{ns.addr[1]} closed") in logs[0].read_text()
         assert procs[1].wait(STOP_WAIT_S) == 0, _tails(logs)
         assert "replica 1 stopped" in logs[1].read_text()
-        deadline = time.monotonic() + 15
-        while _running(seen) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _running(seen), f"left behind: {_running(seen)}"
+        _assert_none_left(seen)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_left(procs)

@@ -22,7 +22,7 @@ from conftest import free_port_pair
 from remote_server import MAX_MODEL_LEN, RemoteServer, free_port, server_model  # noqa: F401 (fixtures)
 from test_data_parallel_nodes import HeadlessNode, _link
 from test_headless_node import _alive, _descendants
-from test_data_parallel_server import LONG, _samples, _wait_for, _when
+from test_data_parallel_server import _samples, _stream_long, _wait_for, _when
 
 
 def _generated(samples: dict, engine: str) -> float:
@@ -89,21 +89,13 @@ def _one_long_request_per_replica(client, model: str, head_url: str) -> tuple[li
     index -> finish reason or error, replica index -> thread index)."""
     results: dict[int, object] = {}
 
-    def stream(i: int) -> None:
-        try:
-            chunks = client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=LONG, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True})
-            results[i] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        except Exception as e:  # noqa: BLE001 - the killed replica's request fails; recorded, checked by the caller
-            results[i] = e
-
     def in_flight() -> dict[int, int]:
         detail = httpx.get(head_url + "/health/detail", timeout=10).json()["data_parallel"]
         return {int(r["engine"]): r["in_flight"] for r in detail}
 
     threads, owner = [], {}
     for i in range(3):
-        threads.append(threading.Thread(target=stream, args=(i,)))
+        threads.append(threading.Thread(target=_stream_long, args=(client, model, i, results)))
         threads[-1].start()
         now = _wait_for(lambda n=i + 1: _when(in_flight(), lambda f: sum(f.values()) == n), f"{i + 1} in flight")
         owner[next(r for r, count in now.items() if count and r not in owner)] = i

@@ -125,21 +125,23 @@ def _check_same_as_one_engine(client, model: str, server_url: str, reference) ->
                 assert got[token] == pytest.approx(logprob, abs=1e-4), (i, step, token)
 
 
+def _stream_long(client, model: str, i: int, results: dict[int, object]) -> None:
+    """Request i, streamed, LONG tokens greedy past EOS -> results[i]: its last finish reason, or the
+    exception it ended with (a killed replica's request fails; the caller checks)."""
+    try:
+        chunks = client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=LONG, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        results[i] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    except Exception as e:  # noqa: BLE001 - recorded, checked by the caller
+        results[i] = e
+
+
 def _kill_replica_1_under_two_long_requests(client, model: str, server, kill=None):
     """Two streamed LONG-token requests, one per replica (the second goes to the less loaded), then
     SIGKILL to replica 1's engine process (server.killed_pid), or ``kill()`` where given (replica 1
     on another node) -> (threads, results, metrics then)."""
     results: dict[int, object] = {}
-
-    def stream(i: int) -> None:
-        try:
-            chunks = client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=LONG, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True})
-            results[i] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        except Exception as e:  # noqa: BLE001 - the killed replica's request fails; recorded, checked by the caller
-            results[i] = e
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=_stream_long, args=(client, model, i, results)) for i in range(2)]
     threads[0].start()
     _wait_for(lambda: _when(_samples(server.url), lambda s: _running(s, "vllm", "0") + _running(s, "vllm", "1") == 1),
               "a replica running the first request")

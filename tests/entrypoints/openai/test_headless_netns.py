@@ -137,6 +137,22 @@ def _tree(pid: int) -> set[int]:
     return found
 
 
+def _assert_none_left(pids: set[int], within_s: float = 15) -> None:
+    """Every process of ``pids`` (the launched trees, read while they ran) ends within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while _running(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(pids), f"left behind: {_running(pids)}"
+
+
+def _kill_left(procs) -> None:
+    """SIGKILL whichever launched process still runs (a failed test's cleanup), and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _running(pids: set[int]) -> set[int]:
     alive = set()
     for pid in pids:
@@ -181,12 +197,6 @@ def test_nodes_in_separate_namespaces_find_each_other_by_address_and_a_cut_link_
         assert "node 1 (rank 1) lost its connection to the engine" in logs[0].read_text(), logs[0].read_text()
         assert procs[1].wait(60) == 1
         assert "closed the node link or stopped answering on it" in logs[1].read_text(), logs[1].read_text()
-        deadline = time.monotonic() + 15
-        while _running(seen) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _running(seen), f"left behind: {_running(seen)}"
+        _assert_none_left(seen)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_left(procs)
