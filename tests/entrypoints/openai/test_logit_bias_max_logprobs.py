@@ -2,7 +2,11 @@
 started with --max-logprobs 30), with vLLM's semantics: a bias is clamped to [-100, 100], a key
 that is no token id of the vocabulary is a 400; a logprob count above --max-logprobs is a 400
 naming the field and the flag; -1 (the whole vocabulary) only where --max-logprobs allows it.
-Token ids come from the offline LLM on the same checkpoint (full-vocabulary logprobs)."""
+Token ids come from the offline LLM on the same checkpoint (full-vocabulary logprobs).
+
+Both sides run without prefix caching: a prompt another test sent first would otherwise prefill only its
+uncached tail on the server (the paged kernel) while the offline LLM prefills it whole (SDPA on a CPU with
+AMX, bfloat16), and the two sums round one bfloat16 step apart in the logits."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ TOKEN = 42  # an ordinary token of the tiny vocabulary (300 tokenizer ids, 384 m
 def server(server_model, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("logit_bias_server") / "server.log"
     yield from running_server(server_model, ["--api-key", API_KEY, "--served-model-name", MODEL,
-                                             "--max-logprobs", "30"], log)
+                                             "--max-logprobs", "30", "--no-enable-prefix-caching"], log)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm(server_model):  # noqa: F811
-    return LLM(str(server_model), max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", max_logprobs=-1)
+    return LLM(str(server_model), max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", max_logprobs=-1,
+               enable_prefix_caching=False)
 
 
 def _offline(llm, **params):
