@@ -28,6 +28,7 @@ from tengyun.config import EngineConfig
 from tengyun.engine.engine_process import EngineProcessClient, launch_for_server
 from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser
 from tengyun.entrypoints.openai.cli_args import make_arg_parser, server_config_from_args
+from tengyun.host.allocator_preload import log_allocator, reexec_under_tcmalloc
 from tengyun.entrypoints.openai.draining_server import DrainingServer
 from tengyun.entrypoints.openai.engine_host import EngineHost
 from tengyun.entrypoints.openai.data_parallel_metrics import engine_metrics
@@ -56,6 +57,7 @@ def run_server(args: argparse.Namespace) -> int:
     # finalize first (fast checks): bad flags never bind a port
     config = config_from_args(args, usage_context="api_server").finalize()
     server.finalize()  # reads --api-key-file and --chat-template: before the engine starts loading
+    log_allocator(config.device)
     models = ServingModels.from_flags(config, server.lora_modules)  # --lora-modules' adapters checked
     if server.api_server_count > 1:  # a supervisor forks the engine process and N API processes
         from tengyun.entrypoints.openai.api_server_pool import run_api_server_pool
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tengyun.entrypoints.openai.api_server", description="Tengyun OpenAI-compatible server."))
     args = parser.parse_args(argv)
     try:
+        if argv is None:  # the process's own command line: it may re-execute under tcmalloc
+            reexec_under_tcmalloc(sys.argv[1:])
         return run_server(args)
     except (ValueError, FileNotFoundError, DeviceStartupError) as e:  # configuration errors: what to change
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,88 @@
+"""tcmalloc under `tengyun serve` on CPU (host/allocator_preload.py): when the server re-executes
+itself with tcmalloc preloaded, and a real server that did (same pid, tcmalloc in its memory map
+and its engine process's)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tengyun.host import allocator_preload as ap
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
+from remote_server import RemoteServer, server_model  # noqa: E402, F401 (fixture)
+
+LIB = "libtcmalloc_minimal.so.4"
+
+
+def plan(args=(), env=None, found=LIB, accelerators=False):
+    return ap.preload_env(list(args), env or {}, find=lambda: found, accelerators=lambda: accelerators)
+
+
+def test_cpu_server_preloads_tcmalloc_first_and_keeps_the_users_preloads():
+    env = plan(env={"LD_PRELOAD": "/opt/libfoo.so", "HOME": "/root"})
+    assert env["LD_PRELOAD"] == f"{LIB}:/opt/libfoo.so"
+    assert env[ap.PRELOADED_ENV] == LIB and env["HOME"] == "/root"
+    assert plan()["LD_PRELOAD"] == LIB
+
+
+@pytest.mark.parametrize("args, env, accelerators", [
+    ((), {ap.CHOICE_ENV: "system"}, False),  # the user said no
+    ((), {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, False),  # their own allocator
+    ((), {"LD_PRELOAD": "libtcmalloc.so.4"}, False),
+    ((), {ap.PRELOADED_ENV: LIB}, False),  # already re-executed: never twice
+    (("--device", "cuda"), {}, False),
+    (("--device=npu",), {}, False),
+    ((), {}, True),  # --device auto on a machine with /dev/nvidia0 or /dev/davinci0
+])
+def test_left_as_it_is(args, env, accelerators):
+    assert plan(args, env, accelerators=accelerators) is None
+
+
+def test_device_cpu_preloads_even_beside_an_accelerator():
+    assert plan(["model", "--device", "cpu"], accelerators=True)["LD_PRELOAD"] == LIB
+
+
+def test_missing_tcmalloc_runs_on_glibc_unless_required():
+    assert plan(found=None) is None
+    with pytest.raises(ValueError, match=r"TENGYUN_CPU_ALLOCATOR=tcmalloc .*apt install libtcmalloc-minimal4"):
+        plan(env={ap.CHOICE_ENV: "tcmalloc"}, found=None)
+
+
+def test_unknown_choice_names_the_variable_and_choices():
+    with pytest.raises(ValueError, match=r"\$TENGYUN_CPU_ALLOCATOR must be one of auto, tcmalloc, system; "
+                                         r"got 'jemalloc'"):
+        plan(env={ap.CHOICE_ENV: "jemalloc"})
+
+
+def test_bad_choice_exits_2_before_serving():
+    run = subprocess.run([sys.executable, "-m", "tengyun.entrypoints.cli.main", "serve", "no-such-model"],
+                         capture_output=True, text=True, timeout=120, env={"TENGYUN_CPU_ALLOCATOR": "bogus",
+                                                                           "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2 and "$TENGYUN_CPU_ALLOCATOR must be one of" in run.stderr
+
+
+def _maps_tcmalloc(pid: int) -> bool:
+    return "tcmalloc" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(ap.find_tcmalloc() is None, reason="no tcmalloc on this machine (apt install libtcmalloc-minimal4)")
+def test_a_real_server_runs_on_tcmalloc_in_the_same_process(server_model, tmp_path):  # noqa: F811
+    server = RemoteServer(server_model, [], tmp_path / "server.log", env={"TENGYUN_CPU_ALLOCATOR": "auto"})
+    try:
+        server.wait_ready()
+        assert _maps_tcmalloc(server.proc.pid)  # the pid Popen returned: re-executed in place
+        children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+        assert children and all(_maps_tcmalloc(int(pid)) for pid in children)  # the engine process
+        assert "CPU allocator: tcmalloc" in server.log()
+    finally:
+        server.stop()
+    plain = RemoteServer(server_model, [], tmp_path / "plain.log", env={"TENGYUN_CPU_ALLOCATOR": "system"})
+    try:
+        plain.wait_ready()
+        assert not _maps_tcmalloc(plain.proc.pid)
+    finally:
+        plain.stop()
