@@ -2,11 +2,11 @@
 LD_PRELOAD, the allocator vLLM's CPU guide asks its users to preload by hand.
 
 Why: torch's CPU tensors and the engine's Python objects are allocated and freed every step;
-with tcmalloc instead of glibc's malloc the same engine made 4-6% more output tokens a second
-offline and 5-10% more served at concurrency 64 (SmolLM2 bfloat16, Intel Xeon with AMX;
-benchmarks/README.md, "The allocator"). The library must already be on the machine (Debian and
-Ubuntu: `apt install libtcmalloc-minimal4`); without it the server runs on glibc's allocator and
-says how to install it.
+with tcmalloc instead of glibc's malloc, SmolLM2 in bfloat16 served at concurrency 1 made 3-11%
+more output tokens a second with a 4-10% earlier first token, and at concurrency 64 0-6% more
+offline (Intel Xeon with AMX; benchmarks/README.md, "The allocator"). The library must already be
+on the machine (Debian and Ubuntu: `apt install libtcmalloc-minimal4`); without it the server runs
+on glibc's allocator and says how to install it.
 
 $TENGYUN_CPU_ALLOCATOR: ``auto`` (default: tcmalloc where found, on CPU), ``tcmalloc`` (required:
 exit 2 when it is missing), ``system`` (never preload). A process whose LD_PRELOAD already names
@@ -107,5 +107,5 @@ def log_allocator(device: str) -> None:
     user_preloaded = any(name in os.environ.get("LD_PRELOAD", "") for name in _ALREADY)
     on_cpu = device == "cpu" or (device == "auto" and not has_accelerator_nodes())
     if on_cpu and not user_preloaded and allocator_choice(os.environ) == "auto":
-        logger.info("CPU allocator: glibc malloc; tcmalloc was not found (%s): 5-9%% more served throughput "
-                    "on CPU with it (%s=system silences this)", INSTALL_HINT, CHOICE_ENV)
+        logger.info("CPU allocator: glibc malloc; tcmalloc was not found (%s): a faster batch-1 decode and "
+                    "first token on CPU with it (%s=system silences this)", INSTALL_HINT, CHOICE_ENV)
