@@ -104,8 +104,16 @@ def log_allocator(device: str) -> None:
     if preloaded:
         logger.info("CPU allocator: tcmalloc (%s, preloaded; %s=system turns it off)", preloaded, CHOICE_ENV)
         return
-    user_preloaded = any(name in os.environ.get("LD_PRELOAD", "") for name in _ALREADY)
+    user_preloaded = next((name for name in _ALREADY if name in os.environ.get("LD_PRELOAD", "")), None)
+    if user_preloaded:
+        logger.info("CPU allocator: %s (from your LD_PRELOAD)", user_preloaded)
+        return
     on_cpu = device == "cpu" or (device == "auto" and not has_accelerator_nodes())
-    if on_cpu and not user_preloaded and allocator_choice(os.environ) == "auto":
+    if not on_cpu or allocator_choice(os.environ) != "auto":
+        return
+    library = find_tcmalloc()
+    if library:  # a server started in-process (main(argv)), not from its own command line
+        logger.info("CPU allocator: glibc malloc; %s is installed but not preloaded (LD_PRELOAD=%s)", library, library)
+    else:
         logger.info("CPU allocator: glibc malloc; tcmalloc was not found (%s): a faster batch-1 decode and "
                     "first token on CPU with it (%s=system silences this)", INSTALL_HINT, CHOICE_ENV)

@@ -65,6 +65,23 @@ def test_bad_choice_exits_2_before_serving():
     assert run.returncode == 2 and "$TENGYUN_CPU_ALLOCATOR must be one of" in run.stderr
 
 
+@pytest.mark.parametrize("env, found, line", [
+    ({ap.PRELOADED_ENV: LIB}, LIB, f"CPU allocator: tcmalloc ({LIB}, preloaded"),
+    ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, None, "CPU allocator: jemalloc (from your LD_PRELOAD)"),
+    ({}, None, "CPU allocator: glibc malloc; tcmalloc was not found (on Debian and Ubuntu: apt install"),
+    ({}, LIB, f"CPU allocator: glibc malloc; {LIB} is installed but not preloaded (LD_PRELOAD={LIB})"),
+])
+def test_the_start_up_line_names_the_allocator(monkeypatch, caplog, env, found, line):
+    monkeypatch.setattr(ap, "find_tcmalloc", lambda: found)
+    for name in ("LD_PRELOAD", ap.PRELOADED_ENV, ap.CHOICE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("INFO", logger=ap.__name__):
+        ap.log_allocator("cpu")
+    assert line in caplog.text
+
+
 def _maps_tcmalloc(pid: int) -> bool:
     return "tcmalloc" in Path(f"/proc/{pid}/maps").read_text()
 

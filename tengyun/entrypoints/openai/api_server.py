@@ -28,7 +28,6 @@ from tengyun.config import EngineConfig
 from tengyun.engine.engine_process import EngineProcessClient, launch_for_server
 from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser
 from tengyun.entrypoints.openai.cli_args import make_arg_parser, server_config_from_args
-from tengyun.host.allocator_preload import log_allocator, reexec_under_tcmalloc
 from tengyun.entrypoints.openai.draining_server import DrainingServer
 from tengyun.entrypoints.openai.engine_host import EngineHost
 from tengyun.entrypoints.openai.data_parallel_metrics import engine_metrics
@@ -36,6 +35,7 @@ from tengyun.entrypoints.openai.routes import build_app
 from tengyun.entrypoints.openai.server_config import ServerConfig
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
 from tengyun.entrypoints.openai.serving_models import ServingModels
+from tengyun.host.allocator_preload import log_allocator, reexec_under_tcmalloc
 from tengyun.platforms import platform_class
 from tengyun.platforms.startup import DeviceStartupError
 
