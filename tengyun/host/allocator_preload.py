@@ -94,7 +94,10 @@ def reexec_under_tcmalloc(serve_args: list[str]) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, list(sys.orig_argv), new_env)
+    try:
+        os.execve(sys.executable, list(sys.orig_argv), new_env)
+    except OSError as error:  # e.g. the interpreter's file replaced under a running venv: serve as it is
+        logger.warning("could not re-execute under %s (%s); serving on glibc's malloc", new_env[PRELOADED_ENV], error)
 
 
 def log_allocator(device: str) -> None:

@@ -82,6 +82,17 @@ def test_the_start_up_line_names_the_allocator(monkeypatch, caplog, env, found, 
     assert line in caplog.text
 
 
+def test_a_failed_re_execution_serves_as_it_is(monkeypatch, caplog):
+    def refuse(*args):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ap, "preload_env", lambda args, env: {**env, ap.PRELOADED_ENV: LIB})
+    monkeypatch.setattr(ap.os, "execve", refuse)
+    with caplog.at_level("WARNING", logger=ap.__name__):
+        ap.reexec_under_tcmalloc([])  # returns
+    assert f"could not re-execute under {LIB}" in caplog.text and "Permission denied" in caplog.text
+
+
 def _maps_tcmalloc(pid: int) -> bool:
     return "tcmalloc" in Path(f"/proc/{pid}/maps").read_text()
 
