@@ -7,7 +7,7 @@ import logging
 import sys
 
 from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser
-from tengyun.host import allocator_preload
+from tengyun.platforms.cpu.runtime import tcmalloc_preload
 from tengyun.platforms.startup import DeviceStartupError
 
 # name -> module exposing add_parser(subparsers) and run(args) -> int
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if argv is None and sys.argv[1:2] == ["serve"]:  # the process's own command line: it may re-execute
         try:
-            allocator_preload.reexec_under_tcmalloc(sys.argv[2:])
+            tcmalloc_preload.reexec_under_tcmalloc(sys.argv[2:])
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -35,8 +35,8 @@ from tengyun.entrypoints.openai.routes import build_app
 from tengyun.entrypoints.openai.server_config import ServerConfig
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
 from tengyun.entrypoints.openai.serving_models import ServingModels
-from tengyun.host.allocator_preload import log_allocator, reexec_under_tcmalloc
 from tengyun.platforms import platform_class
+from tengyun.platforms.cpu.runtime.tcmalloc_preload import log_allocator, reexec_under_tcmalloc
 from tengyun.platforms.startup import DeviceStartupError
 
 logger = logging.getLogger("tengyun.server")
