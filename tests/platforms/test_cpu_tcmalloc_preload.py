@@ -1,4 +1,4 @@
-"""tcmalloc under `tengyun serve` on CPU (host/allocator_preload.py): when the server re-executes
+"""tcmalloc under `tengyun serve` on CPU (platforms/cpu/runtime/tcmalloc_preload.py): when the server re-executes
 itself with tcmalloc preloaded, and a real server that did (same pid, tcmalloc in its memory map
 and its engine process's)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tengyun.host import allocator_preload as ap
+from tengyun.platforms.cpu.runtime import tcmalloc_preload as ap
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
 from remote_server import RemoteServer, server_model  # noqa: E402, F401 (fixture)

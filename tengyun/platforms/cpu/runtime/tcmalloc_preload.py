@@ -57,6 +57,18 @@ def requested_device(serve_args: list[str]) -> str:
     return "auto"
 
 
+def user_allocator(env: Mapping[str, str]) -> str | None:
+    """The allocator the user preloads themselves ("tcmalloc", "jemalloc"), if any."""
+    preload = env.get("LD_PRELOAD", "")
+    return next((name for name in _ALREADY if name in preload), None)
+
+
+def serves_on_cpu(device: str, accelerators: Callable[[], bool] = has_accelerator_nodes) -> bool:
+    """Whether a server for --device ``device`` runs on CPU: cpu, or auto with no accelerator's
+    device node."""
+    return device == "cpu" or (device == "auto" and not accelerators())
+
+
 def allocator_choice(env: Mapping[str, str]) -> str:
     choice = env.get(CHOICE_ENV, "auto").strip().lower() or "auto"
     if choice not in CHOICES:
@@ -71,11 +83,9 @@ def preload_env(serve_args: list[str], env: Mapping[str, str],
     when the process should run as it is. Raises ValueError when $TENGYUN_CPU_ALLOCATOR=tcmalloc
     and no tcmalloc is installed."""
     choice = allocator_choice(env)
-    preload = env.get("LD_PRELOAD", "")
-    if choice == "system" or PRELOADED_ENV in env or any(name in preload for name in _ALREADY):
+    if choice == "system" or PRELOADED_ENV in env or user_allocator(env):
         return None
-    device = requested_device(serve_args)
-    if device not in ("auto", "cpu") or (device == "auto" and accelerators()):
+    if not serves_on_cpu(requested_device(serve_args), accelerators):
         return None
     library = find()
     if library is None:
@@ -83,7 +93,7 @@ def preload_env(serve_args: list[str], env: Mapping[str, str],
             raise ValueError(f"${CHOICE_ENV}=tcmalloc but no tcmalloc library was found ({INSTALL_HINT}), "
                              f"or set {CHOICE_ENV}=system.")
         return None
-    return {**env, "LD_PRELOAD": ":".join(filter(None, (library, preload))), PRELOADED_ENV: library}
+    return {**env, "LD_PRELOAD": ":".join(filter(None, (library, env.get("LD_PRELOAD")))), PRELOADED_ENV: library}
 
 
 def reexec_under_tcmalloc(serve_args: list[str]) -> None:
@@ -107,12 +117,11 @@ def log_allocator(device: str) -> None:
     if preloaded:
         logger.info("CPU allocator: tcmalloc (%s, preloaded; %s=system turns it off)", preloaded, CHOICE_ENV)
         return
-    user_preloaded = next((name for name in _ALREADY if name in os.environ.get("LD_PRELOAD", "")), None)
+    user_preloaded = user_allocator(os.environ)
     if user_preloaded:
         logger.info("CPU allocator: %s (from your LD_PRELOAD)", user_preloaded)
         return
-    on_cpu = device == "cpu" or (device == "auto" and not has_accelerator_nodes())
-    if not on_cpu or allocator_choice(os.environ) != "auto":
+    if not serves_on_cpu(device) or allocator_choice(os.environ) != "auto":
         return
     library = find_tcmalloc()
     if library:  # a server started in-process (main(argv)), not from its own command line
