@@ -2,9 +2,11 @@
 at SmolLM2-135M's shapes. Prints milliseconds per call (best of 3 rounds of 30 calls).
 
 ``--small-rows``: oneDNN vs the compiled small-batch kernel on the same packed weights
-(platforms/cpu/kernels/linear.py) at 1-16 rows, through all 30 layers' four projections of SmolLM2-135M
+(platforms/cpu/kernels/linear.py) at 1-128 rows, through all 30 layers' four projections of SmolLM2-135M
 (30 separate random weights, 212 MB in bf16: streamed from memory as in a decode step, not from
-cache), median of 15 passes; the row counts where the kernel wins set MAX_SMALL_ROWS.
+cache), median of 15 passes; the row counts where the kernel wins set MAX_SMALL_ROWS. Where oneDNN
+packs bfloat16 for AMX, a third column times the AMX tile kernel (amx_packed_gemm.cpp) on the same
+weights; the row counts where it wins set AMX_TILE_ROWS.
 
     python benchmarks/linear_kernels.py
     OMP_NUM_THREADS=2 python benchmarks/linear_kernels.py --small-rows
@@ -39,12 +41,12 @@ def _ms(fn, calls: int = 30) -> float:
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 
 
-def small_rows(row_counts: tuple[int, ...] = (1, 2, 4, 8, 12, 16)) -> None:
-    from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, small_batch_kernel_fits
+def small_rows(row_counts: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)) -> None:
+    from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, amx_tiles_fit, small_batch_kernel_fits
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M's 30 x 4 layer weights")
-    print("| dtype | rows | oneDNN ms | small-batch kernel ms | speed-up | kernel GB/s |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | rows | oneDNN ms | small-batch kernel ms | speed-up | kernel GB/s | AMX tiles ms | speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
         if not small_batch_kernel_fits(dtype):
             print(f"| {dtype} | - | - | - | kernel not available on this CPU/build | - |")
@@ -55,19 +57,28 @@ def small_rows(row_counts: tuple[int, ...] = (1, 2, 4, 8, 12, 16)) -> None:
         for rows in row_counts:
             xs = {k: torch.randn(rows, k).to(dtype) for _, k in LAYER_SHAPES}
             run = functools.partial(_pass_ms, kernel, layers, xs)
-            onednn = statistics.median(run(False) for _ in range(15))
-            small = statistics.median(run(True) for _ in range(15))
+            onednn = statistics.median(run("onednn") for _ in range(15))
+            small = statistics.median(run("small") for _ in range(15))
+            tiles = "- | -"
+            if dtype == torch.bfloat16 and amx_tiles_fit() and all(w.block == 32 for w in layers[0]):
+                amx = statistics.median(run("amx") for _ in range(15))
+                tiles = f"{amx:.2f} | {onednn / amx:.2f}x"
             print(f"| {str(dtype).removeprefix('torch.')} | {rows} | {onednn:.2f} | {small:.2f} | "
-                  f"{onednn / small:.2f}x | {nbytes / small / 1e6:.0f} |")
+                  f"{onednn / small:.2f}x | {nbytes / small / 1e6:.0f} | {tiles} |")
 
 
-def _pass_ms(kernel, layers, xs: dict, small: bool) -> float:
-    """One pass through every layer's projections: the small-batch kernel or oneDNN -> ms."""
+def _pass_ms(kernel, layers, xs: dict, which: str) -> float:
+    """One pass through every layer's projections: the small-batch kernel ("small"), the AMX tile
+    kernel ("amx") or oneDNN ("onednn") -> ms."""
+    amx = torch.ops.tengyun.amx_packed_gemm.default
     start = time.perf_counter()
     for layer in layers:
         for (_, k), weight in zip(LAYER_SHAPES, layer):
-            if small:
-                kernel.apply(xs[k], weight, None)
+            if which == "small":
+                torch.ops.tengyun.packed_gemv(xs[k], weight.data_ptr, weight.out_features, weight.k_padded, None,
+                                              weight.block)
+            elif which == "amx":
+                amx(xs[k], weight.data_ptr, weight.out_features, weight.k_padded, None)
             else:
                 OneDNNPackedLinearKernel.apply(kernel, xs[k], weight.packed, None)
     return (time.perf_counter() - start) * 1e3
@@ -75,7 +86,8 @@ def _pass_ms(kernel, layers, xs: dict, small: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--small-rows", action="store_true", help="oneDNN vs the small-batch kernel, 1-16 rows")
+    parser.add_argument("--small-rows", action="store_true",
+                        help="oneDNN vs the small-batch kernel and the AMX tile kernel, 1-128 rows")
     if parser.parse_args().small_rows:
         return small_rows()
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ What is captured is the model's forward only; logits and sampling run eagerly af
 Capturing is the platform's (``Platform.capture_graph``): it runs the forward once to record
 it and returns a function that replays it and returns its output tensor (CUDA graphs; on CPU a
 TorchScript trace, platforms/cpu/runtime/graphs.py), or None for a size it cannot record, which then
-runs eager. ``Platform.graph_batch_limit`` caps the sizes (CPU: the small-batch kernel's rows).
+runs eager. ``Platform.graph_batch_limit`` caps the sizes (CPU: the rows its compiled linears take).
 """
 
 from __future__ import annotations

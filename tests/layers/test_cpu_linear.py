@@ -122,7 +122,9 @@ def test_a_weight_packed_for_amx_lowers_the_row_limit_to_4(fits, dtype, monkeypa
     block = native.prepare(weight).block
     assert native.max_small_rows == (4 if block == 32 else 16)
     monkeypatch.setattr(CpuPackedLinearKernel, "_reads_like_onednn", lambda *args: args[-1] == 32)
-    kernel, given = CpuPackedLinearKernel(dtype), CpuPackedLinearKernel(dtype, max_small_rows=16)
+    # (no AMX tiles: where they run, they take these rows before either limit applies)
+    kernel = CpuPackedLinearKernel(dtype, max_tile_rows=0)
+    given = CpuPackedLinearKernel(dtype, max_small_rows=16, max_tile_rows=0)
     assert kernel.max_small_rows == 16
     assert kernel.prepare(weight).block == 32 and given.prepare(weight).block == 32
     assert kernel.max_small_rows == 4 and given.max_small_rows == 16  # a limit given is kept

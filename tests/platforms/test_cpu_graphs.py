@@ -1,8 +1,9 @@
 """Decode graphs on CPU for real (platforms/cpu/runtime/graphs.py): TorchScript traces of the decode
 forward, replayed instead of the eager forward for decode batches up to the small-batch linear's
-rows. Every replayed step must give the eager engine's tokens and logprobs. The limit is held at
-MAX_SMALL_ROWS on every CPU here (where oneDNN packs for AMX the engine lowers it to 4:
-test_cpu_linear.py), so graphs of 8 and 16 rows are traced on such CPUs too."""
+rows (and, where oneDNN packs bfloat16 for AMX, the AMX tile kernel's). Every replayed step must
+give the eager engine's tokens and logprobs. The small-batch limit is held at MAX_SMALL_ROWS on every
+CPU here (where oneDNN packs for AMX the engine lowers it to 4: test_cpu_linear.py), so graphs of 8
+and 16 rows are traced on such CPUs too."""
 
 from __future__ import annotations
 
@@ -78,6 +79,25 @@ def test_bfloat16_traces_decode_batches_up_to_16(tiny_checkpoints):
     want = LLM(str(tiny_checkpoints["llama"]), dtype="bfloat16", enforce_eager=True, **args).generate(prompts, params)
     _same_outputs(got, want)
     assert graphs.steps[16], graphs.steps  # a 9..16-sequence decode replayed the largest graph
+
+
+def test_where_amx_tiles_run_bfloat16_traces_decode_batches_past_16(tiny_checkpoints):
+    """The AMX tile kernel (cpu/kernels/linear.py) takes up to AMX_TILE_ROWS rows as a compiled op a
+    trace holds, so the graph limit rises to it: 24 sequences decode from graphs of 24 and 16 as
+    they finish, with the eager tokens."""
+    _needs_kernel("bfloat16")
+    if not cpu_linear.amx_tiles_fit():
+        pytest.skip("no AMX tiles on this machine")
+    args = {**ARGS, "max_num_seqs": 24, "kv_cache_memory": "8MiB", "max_num_batched_tokens": 96}
+    prompts = [[(5 * i + j) % 290 + 1 for j in range(3 + i % 5)] for i in range(24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True, logprobs=3) for i in range(24)]
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="bfloat16", **args)
+    graphs = llm.llm_engine.executor.runner.decode_graphs
+    assert graphs.sizes == [1, 2, 4, 8, 16, 24]
+    got = llm.generate(prompts, params)
+    want = LLM(str(tiny_checkpoints["llama"]), dtype="bfloat16", enforce_eager=True, **args).generate(prompts, params)
+    _same_outputs(got, want)
+    assert graphs.steps[24] and graphs.steps[16], graphs.steps
 
 
 def test_a_size_that_cannot_be_traced_runs_eager(tiny_checkpoints, monkeypatch):

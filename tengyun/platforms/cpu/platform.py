@@ -119,13 +119,14 @@ class CpuPlatform(Platform):
         return trace_decode_forward(forward, state)
 
     def graph_batch_limit(self, kernels) -> int:
-        """The rows the compiled small-batch linear takes (16, cpu_linear.MAX_SMALL_ROWS): above them
-        oneDNN's packed weights run, which a trace cannot hold, and Python's share of a step is
-        small anyway. 0 without the compiled kernels, and with any attention backend but cpu_paged:
+        """The rows the compiled linears take: the small-batch kernel's (16, cpu_linear.MAX_SMALL_ROWS)
+        or, where oneDNN packs bfloat16 for AMX, the tile kernel's (64, cpu_linear.AMX_TILE_ROWS).
+        Above them oneDNN's packed weights run, which a trace cannot hold (a size whose trace fails
+        runs eager). 0 without the compiled kernels, and with any attention backend but cpu_paged:
         a trace freezes host-side logic, and only cpu_paged's decode is known to have none."""
         if kernels.attention.name != "cpu_paged":
             return 0
-        return getattr(kernels.linear, "max_small_rows", 0)
+        return max(getattr(kernels.linear, "max_small_rows", 0), getattr(kernels.linear, "max_tile_rows", 0))
 
     def graph_blocker(self, tp_size: int) -> str | None:
         return "tensor parallelism (gloo collectives are not traced)" if tp_size > 1 else None

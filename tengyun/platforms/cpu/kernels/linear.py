@@ -9,6 +9,11 @@ vocab x hidden matrix is held once. The kernel assumes oneDNN's blocked layout (
 per block, K-major inside; 32 for bfloat16 on cores with AMX, whose oneDNN kernels tile by 32);
 ``prepare`` tries each block width against oneDNN's own product and leaves a weight whose layout
 differs (another CPU, another oneDNN) to oneDNN alone.
+
+Where oneDNN packs bfloat16 for AMX, 5-64 rows (decode at batch 5-64) run a second compiled kernel on
+the same packed weight, AMX tiles with prefetch (tengyun/csrc/amx_packed_gemm.cpp): oneDNN's AMX
+path reads the weight at 10-15 GB/s at those rows, the kernel at ~20 (``benchmarks/README.md``, "AMX
+tiles for 5-64 rows"). Each weight is checked against oneDNN's product before any row runs there.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ MAX_SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 # 4 rows, 19.6 at 8, 35.8 at 16 (Qwen2.5-Coder's 16-sequence decode at 0.62x vLLM's). So the first
 # weight packed that way lowers the kernel's limit to this (unless a limit was given).
 AMX_MAX_SMALL_ROWS = 4
+# Rows past the small-batch kernel's limit, up to this many, run the AMX tile kernel on weights packed
+# for AMX; more run oneDNN. benchmarks/linear_kernels.py --small-rows, 2026-12-05, AMX VM: see
+# benchmarks/README.md, "AMX tiles for 5-64 rows".
+AMX_TILE_ROWS = 64
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest |y|
 _ROW_CHECK_CHUNK = 8192  # rows compared at a time when row_reader checks a packed copy
 
@@ -52,6 +61,7 @@ class PackedLinearWeight:
     k_padded: int  # K rounded up as oneDNN stored it
     data_ptr: int | None  # None: the layout check failed, oneDNN runs every batch
     block: int = BLOCKS[0]  # output columns per packed block
+    tiles: bool = False  # the AMX tile kernel reads it (bfloat16, 32-column blocks, K % 32 == 0, checked)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed]
@@ -67,17 +77,30 @@ def small_batch_kernel_fits(dtype: torch.dtype) -> bool:
             and bool(torch.ops.tengyun.packed_gemv_supported(name)))
 
 
-class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
-    """oneDNN for every batch, the small-batch kernel for up to ``max_small_rows`` rows. Make only
-    where small_batch_kernel_fits(dtype)."""
+def amx_tiles_fit() -> bool:
+    """Whether the compiled kernels are loaded and this CPU (and OS) runs the AMX tile kernel."""
+    from tengyun.platforms.cpu import native
 
-    def __init__(self, dtype: torch.dtype, max_small_rows: int | None = None, batch_size_hint: int = 64):
+    return native.load_error() is None and bool(torch.ops.tengyun.amx_packed_gemm_supported())
+
+
+class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
+    """oneDNN for every batch, the small-batch kernel for up to ``max_small_rows`` rows, and on weights
+    packed for AMX the tile kernel for up to ``max_tile_rows``. Make only where
+    small_batch_kernel_fits(dtype)."""
+
+    def __init__(self, dtype: torch.dtype, max_small_rows: int | None = None, batch_size_hint: int = 64,
+                 max_tile_rows: int | None = None):
         super().__init__(batch_size_hint)
         self.dtype = dtype
         self.max_small_rows = MAX_SMALL_ROWS[dtype] if max_small_rows is None else max_small_rows
         self._limit_given = max_small_rows is not None
+        self.max_tile_rows = 0  # rows the AMX tile kernel takes: set by the first weight it reads
+        self._tile_rows = AMX_TILE_ROWS if max_tile_rows is None else max_tile_rows
+        self._tiles = dtype == torch.bfloat16 and self._tile_rows > 0 and amx_tiles_fit()
         self.rejected = 0  # weights whose packed layout failed the check (tests, logs)
         self._gemv = torch.ops.tengyun.packed_gemv.default  # resolved once (~0.6 us a call)
+        self._tile_gemm = torch.ops.tengyun.amx_packed_gemm.default
 
     def prepare(self, weight: torch.Tensor) -> PackedLinearWeight:
         packed = super().prepare(weight)
@@ -89,9 +112,13 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
                 if k_padded is not None and self._reads_like_onednn(packed, ptr, out_features, k, k_padded, block):
                     if block == AMX_BLOCK and not self._limit_given and self.max_small_rows > AMX_MAX_SMALL_ROWS:
                         logger.info("oneDNN packs %s weights for AMX: the small-batch kernel takes up to %d rows, "
-                                    "oneDNN more", weight.dtype, AMX_MAX_SMALL_ROWS)
+                                    "%s", weight.dtype, AMX_MAX_SMALL_ROWS,
+                                    f"AMX tiles up to {self._tile_rows}, oneDNN more" if self._tiles else "oneDNN more")
                         self.max_small_rows = AMX_MAX_SMALL_ROWS
-                    return PackedLinearWeight(packed, out_features, k_padded, ptr, block)
+                    tiles = block == AMX_BLOCK and self._tiles_read_like_onednn(packed, ptr, out_features, k, k_padded)
+                    if tiles:
+                        self.max_tile_rows = self._tile_rows
+                    return PackedLinearWeight(packed, out_features, k_padded, ptr, block, tiles)
         self.rejected += 1
         if self.rejected == 1:
             logger.info("oneDNN packed a %s [%d, %d] weight in a layout the small-batch kernel does not "
@@ -99,10 +126,16 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         return PackedLinearWeight(packed, out_features, k, None)
 
     def apply(self, x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] -> [M, N]: the small-batch kernel when M <= max_small_rows, else oneDNN."""
-        if weight.data_ptr is not None and x.dim() == 2 and x.shape[0] <= self.max_small_rows:
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            return self._gemv(x, weight.data_ptr, weight.out_features, weight.k_padded, bias, weight.block)
+        """x [M, K] -> [M, N]: the AMX tile kernel when the weight is packed for it and M <=
+        max_tile_rows, else the small-batch kernel when M <= max_small_rows, else oneDNN."""
+        if weight.data_ptr is not None and x.dim() == 2:
+            rows = x.shape[0]
+            if weight.tiles and rows <= self.max_tile_rows:
+                x = x if x.stride(-1) == 1 else x.contiguous()
+                return self._tile_gemm(x, weight.data_ptr, weight.out_features, weight.k_padded, bias)
+            if rows <= self.max_small_rows:
+                x = x if x.stride(-1) == 1 else x.contiguous()
+                return self._gemv(x, weight.data_ptr, weight.out_features, weight.k_padded, bias, weight.block)
         return super().apply(x, weight.packed, bias)
 
     def row_reader(self, prepared: PackedLinearWeight, original: torch.Tensor) -> RowReader | None:
@@ -135,6 +168,26 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         got = torch.ops.tengyun.packed_gemv(x, ptr, out_features, k_padded, None, block).float()
         scale = want.abs().max().clamp_min(1e-30)
         return bool(((got - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype])
+
+
+    def _tiles_read_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int,
+                                k_padded: int) -> bool:
+        """The AMX tile kernel's product equals oneDNN's on 7 rows (fewer than a tile) and 37 (two
+        passes, the last group overlapping), within float32 summation order; False where the kernel
+        does not run (no AMX, K or Kpad not a multiple of 32)."""
+        if not self._tiles or k % 32 or k_padded % 32:
+            return False
+        generator = torch.Generator().manual_seed(1)
+        for rows in (7, 37):
+            x = torch.randn(rows, k, generator=generator).to(self.dtype)
+            want = super().apply(x, packed, None).float()
+            got = self._tile_gemm(x, ptr, out_features, k_padded, None).float()
+            scale = want.abs().max().clamp_min(1e-30)
+            if not bool(((got - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype]):
+                logger.info("The AMX tile kernel's product on a packed %s [%d, %d] weight differs from oneDNN's; "
+                            "its 5-%d-row batches run oneDNN", self.dtype, out_features, k, self._tile_rows)
+                return False
+        return True
 
 
 def _k_padded(packed: torch.Tensor, out_features: int, element_size: int, block: int) -> int | None:

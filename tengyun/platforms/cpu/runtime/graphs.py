@@ -10,9 +10,10 @@ intermediates afresh and keeps no addresses, only tensors (weights, caches, the 
 by reference.
 
 Two limits, both checked: oneDNN's packed weights are opaque tensors a trace cannot hold, so
-only batch sizes whose linears all run the compiled small-batch kernel (cpu/kernels/linear.py) or a
-quantised kernel are captured (a size whose trace fails is left eager); and collectives between
-tensor-parallel ranks (gloo) are not ops a trace records, so graphs stay off there.
+only batch sizes whose linears all run a compiled kernel (the small-batch or AMX tile kernel,
+cpu/kernels/linear.py) or a quantised kernel are captured (a size whose trace fails is left
+eager); and collectives between tensor-parallel ranks (gloo) are not ops a trace records, so
+graphs stay off there.
 """
 
 from __future__ import annotations
