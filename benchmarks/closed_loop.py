@@ -4,6 +4,7 @@ greedy, ignore_eos), C in flight at a time, a finished one replaced at once, as 
 on the same cores. Prints output tok/s, steps and the median step.
 
     OMP_NUM_THREADS=2 PYTHONPATH=$PWD python benchmarks/closed_loop.py --concurrency 64
+    OMP_NUM_THREADS=2 PYTHONPATH=$PWD python benchmarks/closed_loop.py --concurrency 16 --amx-tile-rows 0
     LD_PRELOAD=libtcmalloc_minimal.so.4 OMP_NUM_THREADS=2 PYTHONPATH=$PWD python benchmarks/closed_loop.py
 
 The gap between this and a served run of the same workload is what serving costs.
@@ -31,8 +32,17 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="512: `tengyun serve`'s CPU default")
+    parser.add_argument("--amx-tile-rows", type=int, default=None,
+                        help="rows the AMX tile kernel takes (cpu/kernels/linear.py AMX_TILE_ROWS; 0: off, so oneDNN "
+                             "runs 5+ rows and decode graphs stop at the small-batch kernel's 4); default: the "
+                             "engine's")
     args = parser.parse_args()
     from tengyun.models.model_source import resolve_model
+
+    if args.amx_tile_rows is not None:
+        from tengyun.platforms.cpu.kernels import linear
+
+        linear.AMX_TILE_ROWS = args.amx_tile_rows
 
     folder = str(resolve_model(MODELS[args.model], "auto").folder)
     engine = LLM(folder, max_model_len=args.input_len + args.output_len + 16, kv_cache_memory="2GiB",
@@ -61,10 +71,11 @@ def main() -> None:
                 add(str(sent))
                 sent += 1
     total = time.perf_counter() - start
-    print("| model | concurrency | budget | LD_PRELOAD | output tok/s | steps | median step ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | concurrency | budget | LD_PRELOAD | AMX tile rows | output tok/s | steps | median step ms |")
+    print("|---|---|---|---|---|---|---|---|")
     preload = os.environ.get("LD_PRELOAD") or "-"
-    print(f"| {args.model} | {args.concurrency} | {args.max_num_batched_tokens} | {preload} | "
+    tiles = "default" if args.amx_tile_rows is None else args.amx_tile_rows
+    print(f"| {args.model} | {args.concurrency} | {args.max_num_batched_tokens} | {preload} | {tiles} | "
           f"{args.num_prompts * args.output_len / total:.1f} | {len(steps)} | {statistics.median(steps) * 1e3:.1f} |")
 
 

@@ -1,4 +1,4 @@
-// Linear layers of 5 to 64 rows (decode at batch 5-64) on AMX tiles, straight from oneDNN's
+// Linear layers of 1 to 64 rows (decode at batch 1-64) on AMX tiles, straight from oneDNN's
 // prepacked bfloat16 weight.
 //
 // Where oneDNN packs bfloat16 for AMX it blocks the weight [N, K] by 32 output columns, K-major
@@ -9,9 +9,10 @@
 // half is exactly an AMX B tile (16 K-pairs x 16 columns), so the weight streams front to back
 // once, 2 KiB per step, with no repacking.
 //
-// Why not oneDNN's own AMX path: at 16-64 rows it reads the weight at 10-15 GB/s on a VM whose memory
+// Why not oneDNN's own AMX path: at 1-32 rows it reads the weight at 12-19 GB/s on a VM whose memory
 // gives ~22 (it does not prefetch ahead of its tile loads); this kernel prefetches kPrefetchBytes
-// ahead and reads at ~20 GB/s at 16 rows (benchmarks/README.md, "AMX tiles for 5-64 rows").
+// ahead and reads at 20-30 GB/s there, and at 48-64 rows runs level with oneDNN, as a compiled op
+// that decode graphs can hold (benchmarks/README.md, "AMX tiles for 1-64 rows").
 //
 // Tiles (palette 1, 64 bytes a row): 0-3 float32 sums C[row group][column half], 4-5 x rows
 // (A: up to 16 rows x 32 K), 6-7 the weight halves (B). A pass covers up to 32 rows; more rows take

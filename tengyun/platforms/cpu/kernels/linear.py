@@ -10,10 +10,12 @@ per block, K-major inside; 32 for bfloat16 on cores with AMX, whose oneDNN kerne
 ``prepare`` tries each block width against oneDNN's own product and leaves a weight whose layout
 differs (another CPU, another oneDNN) to oneDNN alone.
 
-Where oneDNN packs bfloat16 for AMX, 5-64 rows (decode at batch 5-64) run a second compiled kernel on
-the same packed weight, AMX tiles with prefetch (tengyun/csrc/amx_packed_gemm.cpp): oneDNN's AMX
-path reads the weight at 10-15 GB/s at those rows, the kernel at ~20 (``benchmarks/README.md``, "AMX
-tiles for 5-64 rows"). Each weight is checked against oneDNN's product before any row runs there.
+Where oneDNN packs bfloat16 for AMX, 1-64 rows (decode at batch 1-64) run a second compiled kernel on
+the same packed weight instead, AMX tiles with prefetch (tengyun/csrc/amx_packed_gemm.cpp): at 16-32
+rows oneDNN's AMX path reads the weight at 12-15 GB/s, the kernel at ~20; at 1-4 rows it is also
+ahead of the small-batch kernel, at 48-64 level with oneDNN, but it keeps those sizes in decode
+graphs (``benchmarks/README.md``, "AMX tiles for 1-64 rows"). Each weight is checked against
+oneDNN's product before any row runs there.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ MAX_SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 # 4 rows, 19.6 at 8, 35.8 at 16 (Qwen2.5-Coder's 16-sequence decode at 0.62x vLLM's). So the first
 # weight packed that way lowers the kernel's limit to this (unless a limit was given).
 AMX_MAX_SMALL_ROWS = 4
-# Rows past the small-batch kernel's limit, up to this many, run the AMX tile kernel on weights packed
-# for AMX; more run oneDNN. benchmarks/linear_kernels.py --small-rows, 2026-12-05, AMX VM: see
-# benchmarks/README.md, "AMX tiles for 5-64 rows".
+# Up to this many rows run the AMX tile kernel on weights packed for AMX; more run oneDNN.
+# benchmarks/linear_kernels.py --small-rows, 2026-12-05, AMX VM (benchmarks/README.md, "AMX tiles for
+# 1-64 rows"): 1.3-2.2x oneDNN from 1 to 32 rows, 0.95-1.03x at 48-64, behind from 96; 64 lets
+# decode graphs (a trace cannot hold oneDNN's weights) cover 64-sequence decodes.
 AMX_TILE_ROWS = 64
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest |y|
 _ROW_CHECK_CHUNK = 8192  # rows compared at a time when row_reader checks a packed copy
