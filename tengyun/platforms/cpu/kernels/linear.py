@@ -172,7 +172,6 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         scale = want.abs().max().clamp_min(1e-30)
         return bool(((got - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype])
 
-
     def _tiles_read_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int,
                                 k_padded: int) -> bool:
         """The AMX tile kernel's product equals oneDNN's on 7 rows (fewer than a tile) and 37 (two
