@@ -132,12 +132,11 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         """x [M, K] -> [M, N]: the AMX tile kernel when the weight is packed for it and M <=
         max_tile_rows, else the small-batch kernel when M <= max_small_rows, else oneDNN."""
         if weight.data_ptr is not None and x.dim() == 2:
-            rows = x.shape[0]
-            if weight.tiles and rows <= self.max_tile_rows:
+            tiles = weight.tiles and x.shape[0] <= self.max_tile_rows
+            if tiles or x.shape[0] <= self.max_small_rows:
                 x = x if x.stride(-1) == 1 else x.contiguous()
-                return self._tile_gemm(x, weight.data_ptr, weight.out_features, weight.k_padded, bias)
-            if rows <= self.max_small_rows:
-                x = x if x.stride(-1) == 1 else x.contiguous()
+                if tiles:
+                    return self._tile_gemm(x, weight.data_ptr, weight.out_features, weight.k_padded, bias)
                 return self._gemv(x, weight.data_ptr, weight.out_features, weight.k_padded, bias, weight.block)
         return super().apply(x, weight.packed, bias)
 
@@ -165,12 +164,9 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
     def _reads_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int, k_padded: int,
                            block: int) -> bool:
         """The kernel's product on 3 random rows equals oneDNN's, within float32 summation order."""
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(3, k, generator=generator).to(self.dtype)
-        want = super().apply(x, packed, None).float()
-        got = torch.ops.tengyun.packed_gemv(x, ptr, out_features, k_padded, None, block).float()
-        scale = want.abs().max().clamp_min(1e-30)
-        return bool(((got - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype])
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(self.dtype)
+        return self._agrees_with_onednn(packed, x, torch.ops.tengyun.packed_gemv(x, ptr, out_features, k_padded,
+                                                                                 None, block))
 
     def _tiles_read_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int,
                                 k_padded: int) -> bool:
@@ -182,14 +178,18 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         generator = torch.Generator().manual_seed(1)
         for rows in (7, 37):
             x = torch.randn(rows, k, generator=generator).to(self.dtype)
-            want = super().apply(x, packed, None).float()
-            got = self._tile_gemm(x, ptr, out_features, k_padded, None).float()
-            scale = want.abs().max().clamp_min(1e-30)
-            if not bool(((got - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype]):
+            if not self._agrees_with_onednn(packed, x, self._tile_gemm(x, ptr, out_features, k_padded, None)):
                 logger.info("The AMX tile kernel's product on a packed %s [%d, %d] weight differs from oneDNN's; "
                             "its 5-%d-row batches run oneDNN", self.dtype, out_features, k, self._tile_rows)
                 return False
         return True
+
+    def _agrees_with_onednn(self, packed: torch.Tensor, x: torch.Tensor, got: torch.Tensor) -> bool:
+        """got (a compiled kernel's x [M, K] @ W^T) equals oneDNN's product on the packed W within
+        float32 summation order: the largest difference, relative to the largest |y|."""
+        want = super().apply(x, packed, None).float()
+        scale = want.abs().max().clamp_min(1e-30)
+        return bool(((got.float() - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype])
 
 
 def _k_padded(packed: torch.Tensor, out_features: int, element_size: int, block: int) -> int | None:
