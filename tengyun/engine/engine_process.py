@@ -2,7 +2,7 @@
 
     API process (asyncio)                                engine process (its main thread)
     generate() -> sender thread --requests pipe-->       run_engine_loop: reads between steps
-    _dispatch  <- reader thread <--results pipe--        one StepResult per step
+    _dispatch  <- event loop    <--results pipe--        one StepResult per step
 
 In one process the model's step loop and the HTTP event loop take turns on the GIL: every
 torch op releases it and must win it back, and while the event loop parses a request or
@@ -14,7 +14,10 @@ device, so it shares nothing with the server but two pipes:
 - requests (API -> engine): AddRequest, AbortRequest, Shutdown. A sender thread writes them,
   so a long prompt never blocks the event loop while the engine is mid-step.
 - results (engine -> API): EngineReady or EngineStartFailed once, then StepResult per step
-  and EngineDead. A reader thread unpickles them and hands them to the event loop.
+  and EngineDead. The event loop reads them itself when the pipe is readable (add_reader), not
+  through a reader thread: a thread that hands each one over is a second wake-up, and while the
+  engine's threads hold both cores of a small machine each wake-up can wait a scheduler slice
+  (~3-4 ms seen on 2 cores, before a stream's first token went out).
 
 The engine process ignores SIGINT and SIGTERM: the API process decides when it stops (after a
 drain, with Shutdown), and it exits by itself when the API process is gone (end of file on
@@ -132,24 +135,25 @@ class EngineProcessClient(AsyncEngineBase):
         super().__init__(config, latest_stats=None)
         self.process = process
         self._requests = requests  # written by the sender thread only
-        self._results = results  # read by the reader thread only
+        self._results = results  # read on the event loop only (_read_ready)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: asyncio.Future | None = None
         self._loaded = False  # EngineReady arrived
         self._stopping = False  # shutdown() ran: the end of the results pipe is expected
         # multiprocessing's join is not thread-safe: of two threads waiting, one reaps the child
-        # and the other sees no exit code. The reader thread and shutdown() both wait.
+        # and the other sees no exit code. _gone_report (on a thread) and shutdown() both wait.
         self._process_lock = threading.Lock()
         self.start_error: BaseException | None = None  # what loading raised there (its traceback is logged there)
         self.gone = False  # its death was EngineGone: the process (or connection) ended, not the loop
 
     # ----- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the sender and reader threads; call from the event loop that will call generate()."""
+        """Start the sender thread and the results reader; call from the event loop that will call
+        generate()."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         threading.Thread(target=self._send_forever, name="tengyun-engine-send", daemon=True).start()
-        threading.Thread(target=self._read_forever, name="tengyun-engine-read", daemon=True).start()
+        self._loop.add_reader(self._results.fileno(), self._read_ready)
 
     async def wait_ready(self) -> None:
         """Until the engine process has loaded the model; raises what loading raised."""
@@ -192,15 +196,35 @@ class EngineProcessClient(AsyncEngineBase):
             except (OSError, ValueError):  # the engine process is gone: the reader reports it
                 return
 
+    def _read_ready(self) -> None:
+        """On the event loop, when the results pipe is readable: every message waiting there. The
+        engine writes a message whole, so a recv that finds its start finds the rest promptly."""
+        try:
+            while True:
+                self._on_message(self._results.recv())
+                if not self._results.poll():
+                    return
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._results.fileno())
+            if not self._stopping:  # the report may wait seconds for the exit code: not on the loop
+                threading.Thread(target=lambda: self._post(self._gone_report()), name="tengyun-engine-gone",
+                                 daemon=True).start()
+
     def _read_forever(self) -> None:
+        """On a thread of its own instead (a remote replica's socket): every message until the end."""
         while True:
             try:
                 message = self._results.recv()
             except (EOFError, OSError):
                 if not self._stopping:
-                    self._post(EngineGone(self._gone_message()))
+                    self._post(self._gone_report())
                 return
             self._post(message)
+
+    def _gone_report(self) -> EngineDead:
+        """What the results ending means while nobody asked the engine to stop (may block: it waits
+        for the exit code)."""
+        return EngineGone(self._gone_message())
 
     def _gone_message(self) -> str:
         """Why the results pipe ended while nobody asked the engine to stop."""

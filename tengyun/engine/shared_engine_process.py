@@ -110,16 +110,8 @@ class SharedEngineClient(EngineProcessClient):
     def is_healthy(self) -> bool:
         return self.dead_error is None
 
-    def _read_forever(self) -> None:
-        while True:
-            try:
-                message = self._results.recv()
-            except (EOFError, OSError):
-                if not self._stopping:
-                    self._post(EngineDead("The engine process exited unexpectedly (the server's log names its "
-                                          "exit code)."))
-                return
-            self._post(message)
+    def _gone_report(self) -> EngineDead:
+        return EngineDead("The engine process exited unexpectedly (the server's log names its exit code).")
 
 
 def _shared_engine_main(build: Callable[[Any], Any], config: Any, engine_ends: list[tuple[Connection, Connection]],

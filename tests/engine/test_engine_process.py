@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import pytest
 
@@ -42,6 +43,26 @@ def test_requests_stream_through_the_process_concurrently():
         results = await asyncio.gather(*(_texts(client, f"r{i}", 3 + i) for i in range(4)))
         assert results == [["abcdefg"[:k] for k in range(1, 4 + i)] for i in range(4)]
         assert client.num_in_flight == 0 and client.latest_stats.num_running == 0
+
+    _run(body)
+
+
+def test_results_are_read_on_the_event_loop_with_no_reader_thread():
+    """One wake-up per step result: the event loop reads the results pipe itself. A thread that
+    read them and handed each over was a second wake-up, and on a small machine whose cores the
+    engine's threads hold each one can wait a scheduler slice before a first token goes out."""
+    async def body(client):
+        loop_thread, readers = threading.get_ident(), []
+        recv = client._results.recv
+
+        def traced_recv():
+            readers.append(threading.get_ident())
+            return recv()
+
+        client._results.recv = traced_recv
+        assert await _texts(client, "r", 3) == ["a", "ab", "abc"]
+        assert readers and set(readers) == {loop_thread}
+        assert [t.name for t in threading.enumerate() if t.name.startswith("tengyun-engine")] == ["tengyun-engine-send"]
 
     _run(body)
 
