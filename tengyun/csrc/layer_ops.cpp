@@ -18,6 +18,11 @@
 //   -> q [T, Hq, D] contiguous and rotated; k rotated and v as is written to cache slot
 //   slot_mapping[t] of k_cache / v_cache [N, block_size, Hkv, D] (contiguous, qkv's dtype).
 //   Full-width neox rotary: tables [P, D / 2] float32; positions, slot_mapping [T] int64.
+// torch.ops.tengyun.qkv_to_cache_(qkv, cos_table, sin_table, positions, k_cache, v_cache,
+//                                 slot_mapping, q_heads, kv_heads) -> ()
+//   Any step's tokens (prefill chunks too): as decode_qkv_to_cache, but q and k are turned in
+//   place in qkv (whose q / k / v views attention then reads) and no q is returned: rotary_neox_at_
+//   and the two index_copy_ cache writes in one pass.
 // torch.ops.tengyun.silu_and_mul(x) -> out: x [..., 2d] -> silu(x[..., :d]) * x[..., d:].
 // torch.ops.tengyun.quantize_per_token_int8(x) -> (x_q, s_x): W8A8's activations in one pass,
 //   x [M, K] (unit last stride) -> x_q int8 [M, K], s_x float32 [M, 1], bit-equal to
@@ -63,9 +68,9 @@ struct RotaryArgs {  // one rotary_neox_ / rotary_neox_at_ call
   DType dtype;
 };
 
-struct DecodeQkvArgs {  // one decode_qkv_to_cache call
-  const void* qkv;
-  void* q_out;
+struct DecodeQkvArgs {  // one decode_qkv_to_cache or qkv_to_cache_ call
+  void* qkv;  // written only by qkv_to_cache_ (q_out nullptr)
+  void* q_out;  // nullptr: q and k turned in place in qkv
   void* k_cache;
   void* v_cache;
   const float* cos;
@@ -211,8 +216,7 @@ void rotary_neox_at_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at
 namespace {
 void check_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& slots, int64_t q_heads, int64_t kv_heads) {
-  const char* op = "decode_qkv_to_cache";
+                      const at::Tensor& slots, int64_t q_heads, int64_t kv_heads, const char* op) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == kv_heads && k_cache.device().is_cpu(),
               op, ": k_cache and v_cache must be contiguous CPU [N, block_size, Hkv, D]");
@@ -239,26 +243,43 @@ void check_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                 num_slots);
   }
 }
+
+void run_decode_qkv(const DecodeQkvArgs& a) {
+  if (a.tokens == 0) return;
+  switch (active_isa) {
+#if TY_HAVE_X86_COPIES
+    case Isa::avx512: return avx512::decode_qkv(a);
+    case Isa::avx2: return avx2::decode_qkv(a);
+#endif
+    default: return generic::decode_qkv(a);
+  }
+}
 }  // namespace
 
 at::Tensor decode_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
                                const at::Tensor& slot_mapping, int64_t q_heads, int64_t kv_heads) {
-  check_decode_qkv(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, q_heads, kv_heads);
+  check_decode_qkv(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, q_heads, kv_heads,
+                   "decode_qkv_to_cache");
   const int64_t d = k_cache.size(3);
   at::Tensor q = at::empty({qkv.size(0), q_heads, d}, qkv.options());
-  DecodeQkvArgs a{qkv.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr<float>(),
-                  sin.data_ptr<float>(), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
-                  qkv.size(0), q_heads, kv_heads, d, qkv.stride(0), dtype_of(qkv, "decode_qkv_to_cache", "qkv")};
-  if (a.tokens == 0) return q;
-  switch (active_isa) {
-#if TY_HAVE_X86_COPIES
-    case Isa::avx512: avx512::decode_qkv(a); break;
-    case Isa::avx2: avx2::decode_qkv(a); break;
-#endif
-    default: generic::decode_qkv(a);
-  }
+  DecodeQkvArgs a{const_cast<void*>(qkv.data_ptr()), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                  cos.data_ptr<float>(), sin.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                  slot_mapping.data_ptr<int64_t>(), qkv.size(0), q_heads, kv_heads, d, qkv.stride(0),
+                  dtype_of(qkv, "decode_qkv_to_cache", "qkv")};
+  run_decode_qkv(a);
   return q;
+}
+
+void qkv_to_cache_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t q_heads,
+                   int64_t kv_heads) {
+  check_decode_qkv(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, q_heads, kv_heads, "qkv_to_cache_");
+  DecodeQkvArgs a{qkv.data_ptr(), nullptr, k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr<float>(),
+                  sin.data_ptr<float>(), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+                  qkv.size(0), q_heads, kv_heads, k_cache.size(3), qkv.stride(0),
+                  dtype_of(qkv, "qkv_to_cache_", "qkv")};
+  run_decode_qkv(a);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -333,6 +354,8 @@ TORCH_LIBRARY_FRAGMENT(tengyun, m) {
   m.def("rotary_neox_at_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor positions) -> ()");
   m.def("decode_qkv_to_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int q_heads, int kv_heads) -> Tensor");
+  m.def("qkv_to_cache_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor slot_mapping, int q_heads, int kv_heads) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_per_token_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("rescale_int32(Tensor acc, Tensor s_x, Tensor s_w, ScalarType dtype) -> Tensor");
@@ -344,6 +367,7 @@ TORCH_LIBRARY_IMPL(tengyun, CPU, m) {
   m.impl("rotary_neox_", &tengyun::rotary_neox_);
   m.impl("rotary_neox_at_", &tengyun::rotary_neox_at_);
   m.impl("decode_qkv_to_cache", &tengyun::decode_qkv_to_cache);
+  m.impl("qkv_to_cache_", &tengyun::qkv_to_cache_);
   m.impl("silu_and_mul", &tengyun::silu_and_mul);
   m.impl("quantize_per_token_int8", &tengyun::quantize_per_token_int8);
   m.impl("rescale_int32", &tengyun::rescale_int32);

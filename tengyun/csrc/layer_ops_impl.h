@@ -160,20 +160,26 @@ void rotary_rows(const RotaryArgs& a) {
   });
 }
 
-// Decode tokens: q rotated into q_out [T, Hq, D]; k rotated and v copied into their cache slots.
+// Per token: k rotated and v copied into their cache slots; q rotated into q_out [T, Hq, D], or
+// (q_out nullptr) q and k rotated in place in qkv, k then copied to the cache.
 template <typename T>
 void decode_qkv_rows(const DecodeQkvArgs& a) {
   using S = typename T::S;
   const int64_t d = a.head_dim, half = d / 2, kv_row = a.kv_heads * d;
   for_rows(a.tokens, d * (a.q_heads + 2 * a.kv_heads), [&](int64_t t) {
-    const S* row = static_cast<const S*>(a.qkv) + t * a.qkv_stride;
+    S* row = static_cast<S*>(a.qkv) + t * a.qkv_stride;
     const float* cos = a.cos + a.positions[t] * half;
     const float* sin = a.sin + a.positions[t] * half;
-    S* q_out = static_cast<S*>(a.q_out) + t * a.q_heads * d;
-    for (int64_t h = 0; h < a.q_heads; ++h) rotate_head_to<T>(q_out + h * d, row + h * d, cos, sin, half);
-    const S* k = row + a.q_heads * d;
+    S* k = row + a.q_heads * d;
     S* k_dst = static_cast<S*>(a.k_cache) + a.slots[t] * kv_row;
-    for (int64_t h = 0; h < a.kv_heads; ++h) rotate_head_to<T>(k_dst + h * d, k + h * d, cos, sin, half);
+    if (a.q_out != nullptr) {
+      S* q_out = static_cast<S*>(a.q_out) + t * a.q_heads * d;
+      for (int64_t h = 0; h < a.q_heads; ++h) rotate_head_to<T>(q_out + h * d, row + h * d, cos, sin, half);
+      for (int64_t h = 0; h < a.kv_heads; ++h) rotate_head_to<T>(k_dst + h * d, k + h * d, cos, sin, half);
+    } else {
+      for (int64_t h = 0; h < a.q_heads + a.kv_heads; ++h) rotate_head<T>(row + h * d, cos, sin, half);
+      std::memcpy(k_dst, k, kv_row * sizeof(S));
+    }
     std::memcpy(static_cast<S*>(a.v_cache) + a.slots[t] * kv_row, k + kv_row, kv_row * sizeof(S));
   });
 }

@@ -47,15 +47,15 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
         self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads,
                               self.head_dim ** -0.5)
-        # Attention.decode_from_qkv computes HF's arithmetic only without q/k norms and with every
-        # channel rotated.
-        self.fuses_decode = not self.qk_norm and rotary_dim == self.head_dim
+        # Attention.from_qkv computes HF's arithmetic only without q/k norms and with every channel
+        # rotated.
+        self.fuses_qkv = not self.qk_norm and rotary_dim == self.head_dim
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x [T, hidden] -> qkv [T, (Hq + 2 Hkv) * D]
         qkv = self.qkv_proj(x)
-        if self.fuses_decode:  # decode-only steps on a backend that takes qkv whole (cpu_paged)
-            out = self.attn.decode_from_qkv(qkv, positions, self.rotary_emb.cos, self.rotary_emb.sin)
+        if self.fuses_qkv:  # on a backend that takes qkv whole (cpu_paged)
+            out = self.attn.from_qkv(qkv, positions, self.rotary_emb.cos, self.rotary_emb.sin)
             if out is not None:
                 return self.o_proj(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

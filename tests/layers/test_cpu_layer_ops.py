@@ -130,6 +130,38 @@ def test_decode_qkv_to_cache_matches_rotary_then_cache_write(fused, dtype, token
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,block_size", [(1, 9, 3, 64, 16), (128, 9, 3, 64, 16),
+                                                                        (37, 14, 2, 64, 128), (6, 5, 1, 18, 16)])
+def test_qkv_to_cache_turns_q_k_in_place_and_writes_the_cache(fused, dtype, tokens, heads, kv_heads, head_dim,
+                                                              block_size):
+    """A prefill's rotary_neox_at_ and its two cache writes (AttentionBackend.write_kv) in one op."""
+    gen = torch.Generator().manual_seed(tokens * heads * head_dim + 1)
+    rope = RotaryEmbedding(head_dim, head_dim, 1000, dict(rope_type="default", rope_theta=1e4))
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 5, generator=gen).to(dtype)[:, :width]  # strided rows
+    positions = torch.randint(0, 1000, (tokens,), generator=gen)
+    num_blocks = -(-tokens // block_size) + 2
+    caches = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    want_qkv = qkv.clone()
+    q, k, v = want_qkv.split(sizes, dim=-1)
+    fused.rotary_at(q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), rope.cos, rope.sin,
+                    positions)
+    want = caches.clone()
+    want[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k.reshape(tokens, kv_heads, head_dim))
+    want[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v.reshape(tokens, kv_heads, head_dim))
+    got = caches.clone()
+    torch.ops.tengyun.qkv_to_cache_(qkv, rope.cos, rope.sin, positions, got[0], got[1], slots, heads, kv_heads)
+    assert torch.equal(qkv, want_qkv)  # the same kernel turns q and k: the same bits
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="qkv_to_cache_: position 1000 is outside the 1000-row tables"):
+        torch.ops.tengyun.qkv_to_cache_(qkv, rope.cos, rope.sin, torch.full((tokens,), 1000), got[0], got[1],
+                                        slots, heads, kv_heads)
+    assert torch.equal(qkv, want_qkv) and torch.equal(got, want)  # checked before anything is written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 3072), (19, 2 * 4864), (2, 3, 34)])
 def test_silu_and_mul_matches_pytorch(fused, dtype, shape):
     x = (3 * torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1]))).to(dtype)

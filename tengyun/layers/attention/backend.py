@@ -36,6 +36,15 @@ class AttentionBackend:
         splits, rotates, writes and attends op by op (the same arithmetic)."""
         return None
 
+    def write_kv_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                          sin_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, num_heads: int) -> bool:
+        """Any step's tokens from the qkv projection [T, (Hq + 2 Hkv) D]: q and k turned in place
+        in qkv by full-width neox rotary at ``positions`` (rows of the float32 [P, D / 2] tables),
+        then k and v written to the cache, as rotary and write_kv would. False: this backend does
+        not; the caller does both op by op."""
+        return False
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens, already in the cache) -> [T, Hq, D]."""

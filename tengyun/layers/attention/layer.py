@@ -23,15 +23,26 @@ class Attention(nn.Module):
     def bind_kernels(self, kernels: KernelBundle) -> None:
         self.backend = kernels.attention
 
-    def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                        sin_table: torch.Tensor) -> torch.Tensor | None:
-        """A decode-only step from the qkv projection [T, (Hq + 2 Hkv) D] with full-width neox
-        rotary (tables [P, D / 2]) -> [T, Hq * D], where the backend takes it whole; else None."""
+    def from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> torch.Tensor | None:
+        """The attention of a step from the qkv projection [T, (Hq + 2 Hkv) D] with full-width neox
+        rotary (tables [P, D / 2]) -> [T, Hq * D], where the backend takes qkv whole: a decode-only
+        step as decode_from_qkv, any other with rotary and the cache writes in one call
+        (write_kv_from_qkv). None: the backend does neither; rotate and call forward instead."""
         meta = get_attention_metadata()
-        if meta.prefills or meta.num_decode_tokens != qkv.shape[0]:
+        if not meta.prefills and meta.num_decode_tokens == qkv.shape[0]:
+            out = self.backend.decode_from_qkv(qkv, positions, cos_table, sin_table, self.k_cache, self.v_cache,
+                                               meta, self.scale, self.num_heads)
+            if out is not None:
+                return out
+        if not self.backend.write_kv_from_qkv(qkv, positions, cos_table, sin_table, self.k_cache, self.v_cache,
+                                              meta, self.num_heads):
             return None
-        return self.backend.decode_from_qkv(qkv, positions, cos_table, sin_table, self.k_cache, self.v_cache, meta,
-                                            self.scale, self.num_heads)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = (x.view(-1, heads, self.head_dim) for x, heads in
+                   zip(qkv.split([q_size, kv_size, kv_size], dim=-1), (self.num_heads, self.num_kv_heads,
+                                                                       self.num_kv_heads)))
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale).flatten(1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq * D], k/v [T, Hkv * D] -> [T, Hq * D]."""

@@ -88,6 +88,7 @@ class CpuPagedBackend(TorchSDPABackend):
         # resolved once: each decode layer calls these
         self._decode_qkv = torch.ops.tengyun.decode_qkv_to_cache.default
         self._paged_decode = torch.ops.tengyun.paged_decode_attention.default
+        self._qkv_to_cache = torch.ops.tengyun.qkv_to_cache_.default
 
     def decode_from_qkv(self, qkv, positions, cos_table, sin_table, k_cache, v_cache, meta: AttentionMetadata,
                         scale: float, num_heads: int) -> torch.Tensor | None:
@@ -101,6 +102,17 @@ class CpuPagedBackend(TorchSDPABackend):
         out = torch.empty_like(q)
         self._paged_decode(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
         return out.view(q.shape[0], -1)
+
+    def write_kv_from_qkv(self, qkv, positions, cos_table, sin_table, k_cache, v_cache, meta: AttentionMetadata,
+                          num_heads: int) -> bool:
+        """Rotary and both cache writes of any step in one compiled call (layer_ops.cpp
+        qkv_to_cache_): for a 128-token prompt of SmolLM2 ~10 us a layer instead of ~65 us in
+        rotary_neox_at_ and two index_copy_. Only where the cache has qkv's dtype."""
+        if qkv.dtype != k_cache.dtype or qkv.stride(-1) != 1:
+            return False
+        self._qkv_to_cache(qkv, cos_table, sin_table, positions, k_cache, v_cache, meta.slot_mapping, num_heads,
+                           k_cache.shape[2])
+        return True
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D] over each row's first decode_seq_lens[b] tokens (padding in
