@@ -115,7 +115,7 @@ inline void prefetch_rows(const void* first, int64_t rows, int64_t row_stride_by
 // before reading it, the rows at ahead[i] (a later block, or the next span's K) go into the cache.
 struct PrefetchRows {
   const void* first;  // nullptr: nothing
-  int64_t rows;
+  int64_t rows, row_bytes;  // row_bytes: one KV head's row, or every head's (Task::whole_rows)
 };
 
 template <typename E>
@@ -123,7 +123,7 @@ struct VBlocks {
   const E* const* ptr;
   int64_t count, size, last;
   const PrefetchRows* ahead;  // nullptr: the caller prefetches
-  int64_t ahead_stride_bytes, ahead_row_bytes;
+  int64_t ahead_stride_bytes;
 };
 
 // R rows x P chunks of accumulators in registers: acc_r += sum_t p_r[t] * v_t over the blocks' rows
@@ -138,7 +138,7 @@ void values_tile(float* acc, int64_t acc_stride, const float* w, int64_t w_strid
     for (int c = 0; c < P; ++c) a[r][c] = Vec::load(acc + r * acc_stride + c * Vec::W);
   for (int64_t i = 0; i < v.count; ++i) {
     if (prefetch && v.ahead[i].first)
-      prefetch_rows(v.ahead[i].first, v.ahead[i].rows, v.ahead_stride_bytes, v.ahead_row_bytes);
+      prefetch_rows(v.ahead[i].first, v.ahead[i].rows, v.ahead_stride_bytes, v.ahead[i].row_bytes);
     const E* rows = v.ptr[i] + off;
     const float* wi = w + i * v.size;
     const int64_t n = i + 1 < v.count ? v.size : v.last;
@@ -256,32 +256,43 @@ struct Layout {  // attend_group's scratch, in floats
 struct Task {
   int64_t b, h, len, first, nq, rows, group, num_blocks;
   const int64_t* table;  // the sequence's block ids
+  // Where one thread attends all the sequence's KV heads in turn (run_typed: heads_together) and its
+  // K/V fit kWholeRowsBytes: head 0 prefetches whole cache rows (every head's), one contiguous
+  // stream per block instead of a 1-in-kv_heads stride, and the later heads prefetch nothing (their
+  // rows are in L2 by then). Else each head prefetches its own rows.
+  bool whole_rows, in_l2;
   int64_t limit(int64_t r) const { return len - (nq - 1 - r / group); }
   int64_t query_row(const Problem& p, int64_t r) const {  // row r's [head_dim] row of q / out
     return (first + r / group) * p.q_heads + h * group + r % group;
   }
 };
 
-inline Task make_task(const Problem& p, const Layout& lay, int64_t b, int64_t h) {
+constexpr int64_t kWholeRowsBytes = 512 * 1024;  // a sequence's K + V, all heads: well inside L2
+
+template <typename CacheT>
+inline Task make_task(const Problem& p, const Layout& lay, int64_t b, int64_t h, bool heads_together) {
   const int64_t first = p.query_start ? p.query_start[b] : b;  // query tokens [first, first + nq)
   const int64_t nq = p.query_start ? p.query_start[b + 1] - first : 1, len = p.seq_lens[b];
+  const bool fits = heads_together && 2 * len * p.kv_heads * p.head_dim * int64_t{sizeof(CacheT)} <= kWholeRowsBytes;
   return {b, h, len, first, nq, nq * lay.group, lay.group, (len + p.block_size - 1) / p.block_size,
-          p.block_tables + b * p.table_stride};
+          p.block_tables + b * p.table_stride, fits && h == 0, fits && h > 0};
 }
 
-// Block j's rows of KV head h in `cache` (K or V) into the cache hierarchy; nothing past the task.
+// Block j's rows of KV head h in `cache` (K or V), or every head's, to prefetch; nothing past the
+// task, nothing where head 0 brought them (Task::in_l2).
 template <typename CacheT>
 inline PrefetchRows block_rows_of(const Problem& p, const Task& task, const void* cache, int64_t j) {
-  if (j >= task.num_blocks) return {nullptr, 0};
-  return {static_cast<const CacheT*>(cache) + task.table[j] * p.block_stride + task.h * p.head_dim,
-          std::min(p.block_size, task.len - j * p.block_size)};
+  if (j >= task.num_blocks || task.in_l2) return {nullptr, 0, 0};
+  const int64_t rows = std::min(p.block_size, task.len - j * p.block_size);
+  const CacheT* block = static_cast<const CacheT*>(cache) + task.table[j] * p.block_stride;
+  if (task.whole_rows) return {block, rows, static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT))};
+  return {block + task.h * p.head_dim, rows, static_cast<int64_t>(p.head_dim * sizeof(CacheT))};
 }
 
 template <typename CacheT>
 inline void prefetch_block(const Problem& p, const Task& task, const void* cache, int64_t j) {
   const PrefetchRows rows = block_rows_of<CacheT>(p, task, cache, j);
-  if (rows.first)
-    prefetch_rows(rows.first, rows.rows, p.kv_heads * p.head_dim * sizeof(CacheT), p.head_dim * sizeof(CacheT));
+  if (rows.first) prefetch_rows(rows.first, rows.rows, p.kv_heads * p.head_dim * sizeof(CacheT), rows.row_bytes);
 }
 
 // Pass 1 over blocks [j0, j1) (one span): scores[r][t - j0 * bs] = q_r . k_t for the tokens row r
@@ -360,8 +371,7 @@ void span_values_in_place(const Problem& p, const Layout& lay, const Task& task,
     ahead[j - j0] = block_rows_of<CacheT>(p, task, a < j1 ? p.v_cache : p.k_cache, a);
   }
   const VBlocks<E> v{ptr, j1 - j0, p.block_size, std::min(p.block_size, task.len - (j1 - 1) * p.block_size), ahead,
-                     static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT)),
-                     static_cast<int64_t>(p.head_dim * sizeof(CacheT))};
+                     static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT))};
   block_values(work + lay.acc(), lay.padded, work + lay.scores(), lay.score_stride, v, p.kv_heads * p.head_dim,
                task.rows);
 }
@@ -389,7 +399,7 @@ void span_values(const Problem& p, const Layout& lay, const Task& task, int64_t 
                               work + lay.v_rows());
     const float* rows[1] = {x.data};
     block_values(acc, padded, work + lay.scores() + (j - j0) * bs, lay.score_stride,
-                 VBlocks<float>{rows, 1, n, n, nullptr, 0, 0}, x.stride, task.rows);
+                 VBlocks<float>{rows, 1, n, n, nullptr, 0}, x.stride, task.rows);
   }
 }
 
@@ -418,8 +428,8 @@ void load_queries(const Problem& p, const Layout& lay, const Task& task, float* 
 // Row r's arithmetic depends only on its own limit, so token i of a chunk equals a decode row of
 // limit(r) tokens bit for bit.
 template <typename CacheT, typename IoT>
-void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, float* work) {
-  const Task task = make_task(p, lay, b, h);
+void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, bool heads_together, float* work) {
+  const Task task = make_task<CacheT>(p, lay, b, h, heads_together);
   load_queries<IoT>(p, lay, task, work);
   for (int64_t j = 0; j < kAheadBlocks; ++j) prefetch_block<CacheT>(p, task, p.k_cache, j);
   const int64_t span_blocks = lay.span / p.block_size;
@@ -450,13 +460,17 @@ void run_typed(const Problem& p) {
 #endif
   const int64_t tasks = p.batch * p.kv_heads;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.threads, tasks)));
+  // Enough sequences to share out whole: each thread takes a sequence's KV heads in turn (Task::
+  // whole_rows). Fewer (a batch-1 decode): the heads are shared out, one task each.
+  const bool heads_together = p.kv_heads > 1 && p.batch >= 4 * threads;
+  const int chunk = heads_together ? static_cast<int>(p.kv_heads) : 1;
 #pragma omp parallel num_threads(threads)
   {
     float* work = static_cast<float*>(std::aligned_alloc(64, round_up(lay.floats() * sizeof(float), 64)));
     std::fill(work, work + lay.floats(), 0.0f);  // lanes past a row's scores are read (then masked)
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t task = 0; task < tasks; ++task)
-      attend_group<CacheT, IoT>(p, lay, task / p.kv_heads, task % p.kv_heads, work);
+      attend_group<CacheT, IoT>(p, lay, task / p.kv_heads, task % p.kv_heads, heads_together, work);
     std::free(work);
   }
 }

@@ -90,6 +90,34 @@ def test_kernel_matches_sdpa_per_sequence(isa, heads, kv_heads, dim, block_size,
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (5, 1, 24)])
+def test_a_large_batch_gives_each_sequence_what_it_gets_alone(isa, heads, kv_heads, dim, dtype):
+    """From 4 sequences per thread one thread attends a sequence's KV heads in turn, head 0
+    prefetching every head's rows (paged_attention_impl.h Task::whole_rows) where the sequence's
+    K/V fit in L2; the longest one here does not. Same bits as each sequence decoded alone."""
+    block_size, threads = 16, torch.get_num_threads()
+    gen = torch.Generator().manual_seed(heads * dim)
+    lens = torch.tensor([1, 15, 16, 17, 40, 3, 2200, 100] * threads)
+    blocks = -(-lens // block_size)
+    tables = torch.zeros(lens.numel(), int(blocks.max()), dtype=torch.int64)
+    order = torch.randperm(int(blocks.sum()), generator=gen)
+    for row, (start, n) in enumerate(zip((blocks.cumsum(0) - blocks).tolist(), blocks.tolist())):
+        tables[row, :n] = order[start:start + n]
+    k_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(lens.numel(), heads, dim, generator=gen).to(dtype)
+    together = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode_attention(together, q, k_cache, v_cache, tables, lens, dim ** -0.5)
+    for b in range(lens.numel()):
+        alone = torch.full_like(q[b:b + 1], float("nan"))
+        cpu_kernels.paged_decode_attention(alone, q[b:b + 1], k_cache, v_cache, tables[b:b + 1], lens[b:b + 1],
+                                           dim ** -0.5)
+        assert torch.equal(together[b:b + 1], alone), b
+    torch.testing.assert_close(together.float(), _reference(q, k_cache, v_cache, tables, lens, dim ** -0.5),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def _multi_query_case(heads, kv_heads, dim, block_size, dtype, seed):
     """_random_case's sequences, each with 1 .. 5 query tokens (a verify: the last token and up to
     4 drafts), flat -> (q [T, Hq, D], caches, tables, lens, query_start_loc [B + 1]); and the same
