@@ -38,10 +38,11 @@ class Attention(nn.Module):
         if not self.backend.write_kv_from_qkv(qkv, positions, cos_table, sin_table, self.k_cache, self.v_cache,
                                               meta, self.num_heads):
             return None
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = (x.view(-1, heads, self.head_dim) for x, heads in
-                   zip(qkv.split([q_size, kv_size, kv_size], dim=-1), (self.num_heads, self.num_kv_heads,
-                                                                       self.num_kv_heads)))
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)  # views, q and k turned
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale).flatten(1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
