@@ -100,7 +100,10 @@ def test_npu_layer_ops_match_the_pytorch_path(arch, request, monkeypatch):
     llm = LLM(folder, **args)
     assert all(isinstance(m.ops, NpuLayerOps) for m in layers(llm, RMSNorm) + layers(llm, RotaryEmbedding))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
-    assert set(fake.calls) == {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul"}
+    # cpu_paged takes Llama's qkv projection whole, rotary included (Attention.from_qkv); an NPU
+    # host's backend leaves the rotary to the layer ops, as the q/k-norm models do here.
+    whole = arch == "llama" and layers(llm, Attention)[0].backend.name == "cpu_paged"
+    assert set(fake.calls) == {"npu_rms_norm", "npu_add_rms_norm"} | (set() if whole else {"npu_rotary_mul"})
 
 
 def test_npu_w8a8_kernels_give_the_cpu_engines_tokens(tiny_checkpoints, tmp_path, monkeypatch):
