@@ -68,7 +68,7 @@ struct RotaryArgs {  // one rotary_neox_ / rotary_neox_at_ call
   DType dtype;
 };
 
-struct DecodeQkvArgs {  // one decode_qkv_to_cache or qkv_to_cache_ call
+struct QkvCacheArgs {  // one decode_qkv_to_cache or qkv_to_cache_ call
   void* qkv;  // written only by qkv_to_cache_ (q_out nullptr)
   void* q_out;  // nullptr: q and k turned in place in qkv
   void* k_cache;
@@ -214,7 +214,7 @@ void rotary_neox_at_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at
 }
 
 namespace {
-void check_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+void check_qkv_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& slots, int64_t q_heads, int64_t kv_heads, const char* op) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -244,14 +244,14 @@ void check_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   }
 }
 
-void run_decode_qkv(const DecodeQkvArgs& a) {
+void run_qkv_cache(const QkvCacheArgs& a) {
   if (a.tokens == 0) return;
   switch (active_isa) {
 #if TY_HAVE_X86_COPIES
-    case Isa::avx512: return avx512::decode_qkv(a);
-    case Isa::avx2: return avx2::decode_qkv(a);
+    case Isa::avx512: return avx512::qkv_cache(a);
+    case Isa::avx2: return avx2::qkv_cache(a);
 #endif
-    default: return generic::decode_qkv(a);
+    default: return generic::qkv_cache(a);
   }
 }
 }  // namespace
@@ -259,27 +259,26 @@ void run_decode_qkv(const DecodeQkvArgs& a) {
 at::Tensor decode_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
                                const at::Tensor& slot_mapping, int64_t q_heads, int64_t kv_heads) {
-  check_decode_qkv(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, q_heads, kv_heads,
-                   "decode_qkv_to_cache");
+  check_qkv_cache(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, q_heads, kv_heads,
+                  "decode_qkv_to_cache");
   const int64_t d = k_cache.size(3);
   at::Tensor q = at::empty({qkv.size(0), q_heads, d}, qkv.options());
-  DecodeQkvArgs a{const_cast<void*>(qkv.data_ptr()), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                  cos.data_ptr<float>(), sin.data_ptr<float>(), positions.data_ptr<int64_t>(),
-                  slot_mapping.data_ptr<int64_t>(), qkv.size(0), q_heads, kv_heads, d, qkv.stride(0),
-                  dtype_of(qkv, "decode_qkv_to_cache", "qkv")};
-  run_decode_qkv(a);
+  QkvCacheArgs a{qkv.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                 cos.data_ptr<float>(), sin.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                 slot_mapping.data_ptr<int64_t>(), qkv.size(0), q_heads, kv_heads, d, qkv.stride(0),
+                 dtype_of(qkv, "decode_qkv_to_cache", "qkv")};
+  run_qkv_cache(a);
   return q;
 }
 
 void qkv_to_cache_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t q_heads,
                    int64_t kv_heads) {
-  check_decode_qkv(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, q_heads, kv_heads, "qkv_to_cache_");
-  DecodeQkvArgs a{qkv.data_ptr(), nullptr, k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr<float>(),
-                  sin.data_ptr<float>(), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
-                  qkv.size(0), q_heads, kv_heads, k_cache.size(3), qkv.stride(0),
-                  dtype_of(qkv, "qkv_to_cache_", "qkv")};
-  run_decode_qkv(a);
+  check_qkv_cache(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, q_heads, kv_heads, "qkv_to_cache_");
+  QkvCacheArgs a{qkv.data_ptr(), nullptr, k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr<float>(),
+                 sin.data_ptr<float>(), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+                 qkv.size(0), q_heads, kv_heads, k_cache.size(3), qkv.stride(0), dtype_of(qkv, "qkv_to_cache_", "qkv")};
+  run_qkv_cache(a);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {

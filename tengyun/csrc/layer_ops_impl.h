@@ -163,7 +163,7 @@ void rotary_rows(const RotaryArgs& a) {
 // Per token: k rotated and v copied into their cache slots; q rotated into q_out [T, Hq, D], or
 // (q_out nullptr) q and k rotated in place in qkv, k then copied to the cache.
 template <typename T>
-void decode_qkv_rows(const DecodeQkvArgs& a) {
+void qkv_cache_rows(const QkvCacheArgs& a) {
   using S = typename T::S;
   const int64_t d = a.head_dim, half = d / 2, kv_row = a.kv_heads * d;
   for_rows(a.tokens, d * (a.q_heads + 2 * a.kv_heads), [&](int64_t t) {
@@ -204,9 +204,9 @@ inline void rotary(const RotaryArgs& a) {
   return a.dtype == DType::bf16 ? rotary_rows<BF16>(a) : rotary_rows<F16>(a);
 }
 
-inline void decode_qkv(const DecodeQkvArgs& a) {
-  if (a.dtype == DType::f32) return decode_qkv_rows<F32>(a);
-  return a.dtype == DType::bf16 ? decode_qkv_rows<BF16>(a) : decode_qkv_rows<F16>(a);
+inline void qkv_cache(const QkvCacheArgs& a) {
+  if (a.dtype == DType::f32) return qkv_cache_rows<F32>(a);
+  return a.dtype == DType::bf16 ? qkv_cache_rows<BF16>(a) : qkv_cache_rows<F16>(a);
 }
 
 inline void silu_and_mul(DType dtype, void* out, const void* x, int64_t rows, int64_t d, int64_t x_stride) {

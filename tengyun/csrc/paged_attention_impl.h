@@ -115,7 +115,7 @@ inline void prefetch_rows(const void* first, int64_t rows, int64_t row_stride_by
 // before reading it, the rows at ahead[i] (a later block, or the next span's K) go into the cache.
 struct PrefetchRows {
   const void* first;  // nullptr: nothing
-  int64_t rows, row_bytes;  // row_bytes: one KV head's row, or every head's (Task::whole_rows)
+  int64_t rows, row_bytes;  // row_bytes: one KV head's row, or every head's (Task::shared_rows)
 };
 
 template <typename E>
@@ -260,7 +260,7 @@ struct Task {
   // K/V fit kWholeRowsBytes: head 0 prefetches whole cache rows (every head's), one contiguous
   // stream per block instead of a 1-in-kv_heads stride, and the later heads prefetch nothing (their
   // rows are in L2 by then). Else each head prefetches its own rows.
-  bool whole_rows, in_l2;
+  bool shared_rows;
   int64_t limit(int64_t r) const { return len - (nq - 1 - r / group); }
   int64_t query_row(const Problem& p, int64_t r) const {  // row r's [head_dim] row of q / out
     return (first + r / group) * p.q_heads + h * group + r % group;
@@ -275,17 +275,17 @@ inline Task make_task(const Problem& p, const Layout& lay, int64_t b, int64_t h,
   const int64_t nq = p.query_start ? p.query_start[b + 1] - first : 1, len = p.seq_lens[b];
   const bool fits = heads_together && 2 * len * p.kv_heads * p.head_dim * int64_t{sizeof(CacheT)} <= kWholeRowsBytes;
   return {b, h, len, first, nq, nq * lay.group, lay.group, (len + p.block_size - 1) / p.block_size,
-          p.block_tables + b * p.table_stride, fits && h == 0, fits && h > 0};
+          p.block_tables + b * p.table_stride, fits};
 }
 
 // Block j's rows of KV head h in `cache` (K or V), or every head's, to prefetch; nothing past the
-// task, nothing where head 0 brought them (Task::in_l2).
+// task, nothing where head 0 brought them (Task::shared_rows).
 template <typename CacheT>
 inline PrefetchRows block_rows_of(const Problem& p, const Task& task, const void* cache, int64_t j) {
-  if (j >= task.num_blocks || task.in_l2) return {nullptr, 0, 0};
+  if (j >= task.num_blocks || (task.shared_rows && task.h > 0)) return {nullptr, 0, 0};
   const int64_t rows = std::min(p.block_size, task.len - j * p.block_size);
   const CacheT* block = static_cast<const CacheT*>(cache) + task.table[j] * p.block_stride;
-  if (task.whole_rows) return {block, rows, static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT))};
+  if (task.shared_rows) return {block, rows, static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT))};
   return {block + task.h * p.head_dim, rows, static_cast<int64_t>(p.head_dim * sizeof(CacheT))};
 }
 
@@ -461,7 +461,7 @@ void run_typed(const Problem& p) {
   const int64_t tasks = p.batch * p.kv_heads;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.threads, tasks)));
   // Enough sequences to share out whole: each thread takes a sequence's KV heads in turn (Task::
-  // whole_rows). Fewer (a batch-1 decode): the heads are shared out, one task each.
+  // shared_rows). Fewer (a batch-1 decode): the heads are shared out, one task each.
   const bool heads_together = p.kv_heads > 1 && p.batch >= 4 * threads;
   const int chunk = heads_together ? static_cast<int>(p.kv_heads) : 1;
 #pragma omp parallel num_threads(threads)

@@ -94,7 +94,7 @@ def test_kernel_matches_sdpa_per_sequence(isa, heads, kv_heads, dim, block_size,
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (5, 1, 24)])
 def test_a_large_batch_gives_each_sequence_what_it_gets_alone(isa, heads, kv_heads, dim, dtype):
     """From 4 sequences per thread one thread attends a sequence's KV heads in turn, head 0
-    prefetching every head's rows (paged_attention_impl.h Task::whole_rows) where the sequence's
+    prefetching every head's rows (paged_attention_impl.h Task::shared_rows) where the sequence's
     K/V fit in L2; the longest one here does not. Same bits as each sequence decoded alone."""
     block_size, threads = 16, torch.get_num_threads()
     gen = torch.Generator().manual_seed(heads * dim)
