@@ -102,6 +102,7 @@ def test_a_sudden_slowdown_brings_the_next_probe_forward():
 
 def test_omp_num_threads_fixes_the_count_and_says_so(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="tengyun.platforms.cpu.runtime.threads")
+    monkeypatch.setenv("TENGYUN_CPU_OMP_THREADS_BIND", "nobind")  # bound threads: test_cpu_thread_binding.py
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert model_step_threads(world_size=1, threads=2) is None
     assert "OpenMP: 2 threads, fixed: OMP_NUM_THREADS=2 fixes the count" in caplog.text
@@ -213,4 +214,5 @@ def test_the_engine_steps_through_the_tuner_unless_omp_num_threads_is_set(tiny_c
         decisions = [r.message for r in caplog.records if r.message.startswith("OpenMP threads ")]
         assert len(decisions) == 1 and "a start-up check" in decisions[0]  # probes come 32+ steps later
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("TENGYUN_CPU_OMP_THREADS_BIND", "nobind")
     assert LLM(folder, **args).llm_engine.executor.step_threads is None

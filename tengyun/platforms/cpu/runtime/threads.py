@@ -38,6 +38,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
+from tengyun.platforms.cpu.runtime.thread_binding import ThreadBinding, model_thread_binding
+
 logger = logging.getLogger(__name__)
 
 USER_THREADS_ENV = "OMP_NUM_THREADS"
@@ -203,24 +205,31 @@ class StepThreads:
     """``with step_threads(num_tokens): run_step()`` in the thread that runs the model: applies the
     tuner's count to that thread's OpenMP pool (torch.set_num_threads is per calling thread once
     that thread has run a parallel op) and times the step for the tuner. Before the first step
-    it times each candidate count on a fixed workload (``time_counts``) to start from the best."""
+    it times each candidate count on a fixed workload (``time_counts``) to start from the best.
+    Without a tuner the count stays as it is. With a ``binding`` (runtime/thread_binding.py) the
+    pool's threads are placed for the count, and the model thread is pinned for the step."""
 
-    def __init__(self, tuner: ThreadTuner, get_threads: Callable[[], int], set_threads: Callable[[int], None],
-                 time_counts: Callable[[list[int], Callable[[int], None]], dict[int, float]] = time_thread_counts):
-        self.tuner, self._get, self._set = tuner, get_threads, set_threads
-        self._time_counts: Callable | None = time_counts
+    def __init__(self, tuner: ThreadTuner | None, get_threads: Callable[[], int], set_threads: Callable[[int], None],
+                 time_counts: Callable[[list[int], Callable[[int], None]], dict[int, float]] = time_thread_counts,
+                 binding: ThreadBinding | None = None):
+        self.tuner, self._get, self._set, self.binding = tuner, get_threads, set_threads, binding
+        self._time_counts: Callable | None = time_counts if tuner is not None else None
 
     @contextlib.contextmanager
     def __call__(self, tokens: int) -> Iterator[None]:
         if self._time_counts is not None:
             self.tuner.start_from(self._time_counts(self.tuner.candidates(), self._set))
             self._time_counts = None
-        threads = self.tuner.next_threads(tokens)
+        threads = self.tuner.next_threads(tokens) if self.tuner is not None else self._get()
         if self._get() != threads:
             self._set(threads)
+        if self.binding is not None:
+            self.binding.apply(threads)
         started = time.perf_counter()
-        yield
-        self.tuner.record(threads, time.perf_counter() - started, tokens)
+        with self.binding.pinned() if self.binding is not None else contextlib.nullcontext():
+            yield
+        if self.tuner is not None:
+            self.tuner.record(threads, time.perf_counter() - started, tokens)
 
 
 def release_openmp_pool() -> bool:
@@ -245,11 +254,14 @@ def release_openmp_pool() -> bool:
 
 
 def model_step_threads(world_size: int, threads: int | None = None) -> StepThreads | None:
-    """The per-step thread tuner for a CPU worker that starts from ``threads`` (torch's count when
-    None), or None where the count stays fixed; logs which."""
+    """The per-step thread count and placement for a CPU worker that starts from ``threads``
+    (torch's count when None): a tuner where the count may change, a binding where threads are
+    bound (thread_binding.py), None where neither applies; logs which. Raises ValueError for a
+    binding setting that cannot be met."""
     import torch
 
     threads = threads or torch.get_num_threads()
+    binding = model_thread_binding(threads, world_size)
     if user_thread_count() is not None:
         reason = f"{USER_THREADS_ENV}={os.environ[USER_THREADS_ENV]} fixes the count"
     elif world_size > 1:
@@ -260,6 +272,8 @@ def model_step_threads(world_size: int, threads: int | None = None) -> StepThrea
         logger.info("OpenMP: %s (the cores torch found), tuned at run time: a count that runs steps "
                     "faster replaces it when other processes take cores (set %s to fix the count)",
                     _threads(threads), USER_THREADS_ENV)
-        return StepThreads(ThreadTuner(threads), torch.get_num_threads, torch.set_num_threads)
+        return StepThreads(ThreadTuner(threads), torch.get_num_threads, torch.set_num_threads, binding=binding)
     logger.info("OpenMP: %s, fixed: %s", _threads(threads), reason)
-    return None
+    if binding is None:
+        return None
+    return StepThreads(None, torch.get_num_threads, torch.set_num_threads, binding=binding)
