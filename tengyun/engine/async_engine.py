@@ -67,6 +67,9 @@ class StepResult:
     stats: Any  # EngineStats after the step
     rejected: dict[str, Exception] = field(default_factory=dict)  # request_id -> add_request error
     progress: list[RequestProgress] = field(default_factory=list)  # every request the step changed
+    # Requests whose outputs here left out prompt and prompt_token_ids in transit: the receiver has
+    # them from the request's first output (engine/prompt_elision.py); empty within a process
+    elided_prompts: frozenset[str] = frozenset()
 
 
 @dataclass

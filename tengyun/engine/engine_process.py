@@ -44,6 +44,7 @@ from tengyun.tokenizer import class_path
 from tengyun.engine.async_engine import (
     AbortRequest, AddRequest, AsyncEngineBase, EngineDead, Shutdown, StepResult, receive_messages, run_engine_loop,
 )
+from tengyun.engine.prompt_elision import PromptKeeper, PromptSender
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class EngineProcessClient(AsyncEngineBase):
         self._process_lock = threading.Lock()
         self.start_error: BaseException | None = None  # what loading raised there (its traceback is logged there)
         self.gone = False  # its death was EngineGone: the process (or connection) ended, not the loop
+        self._prompts = PromptKeeper()  # prompts the engine sends once per request (prompt_elision.py)
 
     # ----- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -253,7 +255,7 @@ class EngineProcessClient(AsyncEngineBase):
                 self._ready.done() or self._ready.set_exception(RuntimeError(message.message))
                 self._dispatch(message)
         else:
-            self._dispatch(message)
+            self._dispatch(self._prompts.restore(message))
 
 
 # ----- the engine process ---------------------------------------------------------------------
@@ -300,8 +302,9 @@ def _engine_process_main(build: Callable[[Any], Any], config: Any, requests: Con
         return
     _send_result(results, EngineReady(engine.get_stats(), os.getpid(), class_path(getattr(engine, "tokenizer", None)),
                                       engine.memory_reports))
+    prompts = PromptSender()  # the API process's EngineProcessClient keeps them (PromptKeeper)
     run_engine_loop(engine, lambda block: _receive(engine, requests, block),
-                    lambda message: _send_result(results, message))
+                    lambda message: _send_result(results, prompts.slim(message)))
 
 
 def _receive(engine: Any, requests: Connection, block: bool) -> list:
