@@ -47,6 +47,10 @@ def test_auto_takes_the_first_logical_cpu_of_each_physical_core(tmp_path):
     assert planned_cpus(2, 1, [0, 1, 2, 3], ("", "auto"), sysfs) == ([0, 1], "auto (the default): one core each")
     cpus, why = planned_cpus(3, 1, [0, 1, 2, 3], ("", "auto"), sysfs)
     assert cpus is None and "3 threads, 2 cores this process may use" in why
+    # Fewer threads than cores: a data-parallel replica's share; the other replicas hold the rest.
+    cpus, why = planned_cpus(1, 1, [0, 1, 2, 3], ("", "auto"), sysfs)
+    assert cpus is None and "1 thread, 2 cores this process may use; a CPU list binds them anyway" in why
+    assert planned_cpus(1, 1, [0, 1, 2, 3], (BIND_ENV, "1"), sysfs)[0] == [1]
     assert one_cpu_per_core([0, 1], tmp_path / "missing") == [0, 1]  # no topology: the list as it is
 
 

@@ -17,7 +17,10 @@ starts between steps (an offline ``LLM`` user's, a test's) inherit what it had, 
 ``TENGYUN_CPU_OMP_THREADS_BIND`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` is read when it is unset):
 
 - ``auto`` (default): the first logical CPU of each physical core the process may use, in order,
-  where there are at least as many cores as threads; else no binding (a log line says why);
+  where there are exactly as many such cores as threads; else no binding (a log line says why):
+  more threads would share cores, and fewer mean the other cores are someone else's (data-parallel
+  replicas on one host each take cores / replicas threads of the same cores, and binding would
+  stack them all on the first ones);
 - ``nobind``: threads go where Linux puts them, as before 2026-12-05;
 - a CPU list, ``0-3`` or ``0,2,4-5``: thread i on the i-th CPU listed; CPUs the process may not use,
   or fewer CPUs than threads, are errors that name the variable.
@@ -101,10 +104,10 @@ def planned_cpus(threads: int, world_size: int, allowed: list[int] | None = None
         return None, f"{where}: OpenMP threads unbound ({world_size} ranks share this host's cores)"
     if value == "auto":
         cores = one_cpu_per_core(allowed, sys_cpu)
-        if len(cores) < threads:
-            return None, (f"{where}: OpenMP threads unbound ({threads} threads, {len(cores)} cores this process "
-                          "may use)")
-        return cores[:threads], f"{where}: one core each"
+        if len(cores) != threads:  # more: threads would share cores; fewer: other engines' (data parallel)
+            return None, (f"{where}: OpenMP threads unbound ({_count(threads, 'thread')}, "
+                          f"{_count(len(cores), 'core')} this process may use; a CPU list binds them anyway)")
+        return cores, f"{where}: one core each"
     cpus = parse_cpu_list(value, name)
     outside = [cpu for cpu in cpus if cpu not in allowed]
     if outside:
@@ -114,6 +117,10 @@ def planned_cpus(threads: int, world_size: int, allowed: list[int] | None = None
         raise ValueError(f"{name}={value!r} lists {len(cpus)} CPUs for {threads} OpenMP threads: list at least "
                          f"{threads}, or set OMP_NUM_THREADS={len(cpus)}")
     return cpus[:threads], f"{where}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def format_cpus(cpus: list[int]) -> str:
