@@ -5,8 +5,9 @@ Unbound, Linux moves the model's OpenMP threads between cores. Served, the API p
 client wake on these cores after every step; the scheduler then may stack two OpenMP threads on one
 core for a time slice, and every op's closing barrier waits for the one that is not running. SmolLM2
 in bfloat16 served at concurrency 64 on 2 vCPUs (Intel Xeon with AMX): decode steps of 64 sequences
-took 51-53 ms in the engine against 44 ms with no server around them; bound, 49 ms, and output
-tok/s went 875-890 -> 930 (benchmarks/README.md, "Bound OpenMP threads").
+took 51-53 ms in the engine against 44 ms with no server around them, 49 ms with the threads bound
+(GOMP_CPU_AFFINITY); this binding made 900-910 output tok/s against 866-872 unbound, alternated
+(benchmarks/README.md, "Bound OpenMP threads").
 
 How: the pool's worker threads (1 .. n-1) are pinned once (and again whenever the thread count
 changes) by ``torch.ops.tengyun.set_openmp_worker_affinity``, which runs in each of them. Thread 0 is
