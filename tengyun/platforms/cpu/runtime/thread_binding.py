@@ -9,11 +9,11 @@ took 51-53 ms in the engine against 44 ms with no server around them, 49 ms with
 (GOMP_CPU_AFFINITY); this binding made 900-910 output tok/s against 866-872 unbound, alternated
 (benchmarks/README.md, "Bound OpenMP threads").
 
-How: the pool's worker threads (1 .. n-1) are pinned once (and again whenever the thread count
-changes) by ``torch.ops.tengyun.set_openmp_worker_affinity``, which runs in each of them. Thread 0 is
-the model thread itself, which also runs the engine's Python between steps: it is pinned only for
-the step (``ThreadBinding.pinned``) and gets its own affinity back after, so threads and processes it
-starts between steps (an offline ``LLM`` user's, a test's) inherit what it had, not one CPU.
+How: before each step the pool's worker threads (1 .. n-1) are placed by
+``torch.ops.tengyun.set_openmp_worker_affinity``, which runs in each of them. Thread 0 is the model
+thread itself, which also runs the engine's Python between steps: it is pinned only for the step
+(``ThreadBinding.step``) and gets its own affinity back after, so threads and processes it starts
+between steps (an offline ``LLM`` user's, a test's) inherit what it had, not one CPU.
 
 ``TENGYUN_CPU_OMP_THREADS_BIND`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` is read when it is unset):
 
@@ -136,29 +136,25 @@ def format_cpus(cpus: list[int]) -> str:
 
 
 class ThreadBinding:
-    """The model thread's pool on ``cpus`` (thread i on cpus[i]); call ``apply(threads)`` in the model
-    thread after every change of its thread count, and run each step inside ``pinned()``."""
+    """The model thread's pool on ``cpus`` (thread i on cpus[i]): run each step inside
+    ``step(threads)`` in the model thread."""
 
     def __init__(self, cpus: list[int]):
         self.cpus = cpus
-        self._applied: int | None = None  # the thread count the workers were placed for
 
-    def apply(self, threads: int) -> None:
-        """Place the pool's workers for ``threads`` threads: pinned at the planned count, else free
-        over every planned CPU. A no-op when already placed for that count."""
-        if threads == self._applied:
-            return
+    @contextlib.contextmanager
+    def step(self, threads: int) -> Iterator[None]:
+        """Place the pool's workers for ``threads`` threads (pinned at the planned count, else free
+        over every planned CPU), and at the planned count pin the calling (model) thread to cpus[0]
+        for the block, giving it its own affinity back after. The workers are placed every step
+        (3.4 us on the AMX VM): a pool that libgomp started afresh since the last one (another
+        engine built in this thread releases it, runtime/threads.py) would otherwise start its
+        threads from a pinned model thread, all on cpus[0]."""
         import torch
 
         if threads > 1:
             torch.ops.tengyun.set_openmp_worker_affinity(threads, self.cpus, threads == len(self.cpus))
-        self._applied = threads
-
-    @contextlib.contextmanager
-    def pinned(self) -> Iterator[None]:
-        """The calling (model) thread on cpus[0] for the block, when its count is the planned one;
-        its affinity as before after it."""
-        if self._applied != len(self.cpus):
+        if threads != len(self.cpus):
             yield
             return
         before = os.sched_getaffinity(0)

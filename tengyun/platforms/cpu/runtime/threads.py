@@ -223,10 +223,8 @@ class StepThreads:
         threads = self.tuner.next_threads(tokens) if self.tuner is not None else self._get()
         if self._get() != threads:
             self._set(threads)
-        if self.binding is not None:
-            self.binding.apply(threads)
         started = time.perf_counter()
-        with self.binding.pinned() if self.binding is not None else contextlib.nullcontext():
+        with self.binding.step(threads) if self.binding is not None else contextlib.nullcontext():
             yield
         if self.tuner is not None:
             self.tuner.record(threads, time.perf_counter() - started, tokens)
