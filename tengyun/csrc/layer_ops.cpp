@@ -215,8 +215,8 @@ void rotary_neox_at_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at
 
 namespace {
 void check_qkv_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& slots, int64_t q_heads, int64_t kv_heads, const char* op) {
+                     const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slots, int64_t q_heads, int64_t kv_heads, const char* op) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == kv_heads && k_cache.device().is_cpu(),
               op, ": k_cache and v_cache must be contiguous CPU [N, block_size, Hkv, D]");
