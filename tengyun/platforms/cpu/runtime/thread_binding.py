@@ -9,8 +9,9 @@ took 51-53 ms in the engine against 44 ms with no server around them, 49 ms with
 (GOMP_CPU_AFFINITY); this binding made 900-910 output tok/s against 866-872 unbound, alternated
 (benchmarks/README.md, "Bound OpenMP threads").
 
-How: before each step the pool's worker threads (1 .. n-1) are placed by
-``torch.ops.tengyun.set_openmp_worker_affinity``, which runs in each of them. Thread 0 is the model
+How: the pool's worker threads (1 .. n-1) are placed by ``torch.ops.tengyun.set_openmp_worker_affinity``,
+which runs in each of them, before the first step and again after the count changes or a pool is
+released. Thread 0 is the model
 thread itself, which also runs the engine's Python between steps: it is pinned only for the step
 (``ThreadBinding.step``) and gets its own affinity back after, so threads and processes it starts
 between steps (an offline ``LLM`` user's, a test's) inherit what it had, not one CPU.
@@ -135,25 +136,39 @@ def format_cpus(cpus: list[int]) -> str:
     return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
+_pool_generation = 0  # OpenMP pools released in this process (runtime/threads.py release_openmp_pool)
+
+
+def pool_released() -> None:
+    """A thread's OpenMP pool ended: libgomp starts new threads in its next parallel region, which
+    every binding must place again."""
+    global _pool_generation
+    _pool_generation += 1
+
+
 class ThreadBinding:
     """The model thread's pool on ``cpus`` (thread i on cpus[i]): run each step inside
     ``step(threads)`` in the model thread."""
 
     def __init__(self, cpus: list[int]):
         self.cpus = cpus
+        self._placed: tuple[int, int] | None = None  # (thread count, pool generation) the workers were placed for
 
     @contextlib.contextmanager
     def step(self, threads: int) -> Iterator[None]:
         """Place the pool's workers for ``threads`` threads (pinned at the planned count, else free
         over every planned CPU), and at the planned count pin the calling (model) thread to cpus[0]
-        for the block, giving it its own affinity back after. The workers are placed every step
-        (3.4 us on the AMX VM): a pool that libgomp started afresh since the last one (another
-        engine built in this thread releases it, runtime/threads.py) would otherwise start its
-        threads from a pinned model thread, all on cpus[0]."""
-        import torch
+        for the block, giving it its own affinity back after. Workers are placed again whenever the
+        count changes or a pool was released since (another engine built in this thread releases
+        it): a new pool's threads would otherwise start from the pinned model thread, all on
+        cpus[0]. Placing them every step instead measured slower served (906 and 940 against 947
+        and 942 output tok/s, SmolLM2 at concurrency 64, AMX VM, alternated)."""
+        if self._placed != (threads, _pool_generation):
+            import torch
 
-        if threads > 1:
-            torch.ops.tengyun.set_openmp_worker_affinity(threads, self.cpus, threads == len(self.cpus))
+            if threads > 1:
+                torch.ops.tengyun.set_openmp_worker_affinity(threads, self.cpus, threads == len(self.cpus))
+            self._placed = (threads, _pool_generation)
         if threads != len(self.cpus):
             yield
             return

@@ -38,7 +38,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
-from tengyun.platforms.cpu.runtime.thread_binding import ThreadBinding, model_thread_binding
+from tengyun.platforms.cpu.runtime.thread_binding import ThreadBinding, model_thread_binding, pool_released
 
 logger = logging.getLogger(__name__)
 
@@ -246,9 +246,12 @@ def release_openmp_pool() -> bool:
     if runtime is None:
         return False
     try:
-        return ctypes.CDLL(runtime).omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+        released = ctypes.CDLL(runtime).omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
     except (OSError, AttributeError):
         return False
+    if released:
+        pool_released()
+    return released
 
 
 def model_step_threads(world_size: int, threads: int | None = None) -> StepThreads | None:
