@@ -16,7 +16,9 @@
 //
 // Tiles (palette 1, 64 bytes a row): 0-3 float32 sums C[row group][column half], 4-5 x rows
 // (A: up to 16 rows x 32 K), 6-7 the weight halves (B). A pass covers up to 32 rows; more rows take
-// more passes over the block, which L2 then holds. Row groups past M start at M - 16 instead
+// more passes over the block, which L2 then holds. While a block takes P passes, each step of them
+// also prefetches 1/P-th of the next block into L2, so memory keeps streaming through the passes
+// that read L2. Row groups past M start at M - 16 instead
 // (rows computed twice, bit for bit the same, stored twice) so every tile is full; fewer than 16
 // rows configure the A and C tiles to M rows.
 //
@@ -57,8 +59,13 @@ namespace {
 constexpr int64_t kStepBytes = 2048;  // one 32-deep K step of a 32-column block: 16 lines of 128 bytes
 // How far ahead of its tile loads each step prefetches, on every pass. 2026-12-05, AMX VM, 212 MB of
 // SmolLM2 projections at 16 rows: 0 -> 10.2 ms, 2048 -> 10.1, 8192 -> 9.9, 16384 -> 9.0-9.8 (T1 / T2
-// hints: no better). Without it the second of two passes (33-64 rows) leaves memory idle.
+// hints: no better).
 constexpr int64_t kPrefetchBytes = 16384;
+// 33-64 rows read each block twice, the second time from L2, where memory sat idle: spreading the
+// next block's prefetch over both passes (into L2; T2 the same) took SmolLM2's projections at 64
+// rows from 16.4 to 15.4 ms and at 128 from 21.4 to 19.3, Qwen2.5-Coder's at 64 from 51.7 to 49.7
+// (2026-12-05, AMX VM, alternated, median of 15 and 9). A pass after the first then skips the L1
+// prefetch ahead, which would only fetch its own block again.
 
 struct TileConfig {  // ldtilecfg's 64-byte operand
   uint8_t palette = 1;
@@ -98,10 +105,13 @@ TY_AMX_TARGET void store_block(const GemmArgs& a, const float (&c)[2][16][32], i
   }
 }
 
-// One 32-column block `wb`, G (1 or 2) row groups at r0[0], r0[G - 1]: every K step loads both
-// weight halves once and multiplies them with each group's x rows.
+// Pass `pass` of `passes` over one 32-column block `wb`, G (1 or 2) row groups at r0[0], r0[G - 1]:
+// every K step loads both weight halves once and multiplies them with each group's x rows. `next`:
+// the block after it (nullptr: none, or a single pass), whose lines this pass's steps prefetch
+// share by share (pass p, step s: the (p * steps + s)-th of passes * steps equal shares).
 template <int G>
-TY_AMX_TARGET void block_pass(const GemmArgs& a, const uint8_t* wb, int rows, const int64_t (&r0)[2], int64_t n0) {
+TY_AMX_TARGET void block_pass(const GemmArgs& a, const uint8_t* wb, int rows, const int64_t (&r0)[2], int64_t n0,
+                              const uint8_t* next, int64_t pass, int64_t passes) {
   _tile_zero(0);
   _tile_zero(1);
   if (G == 2) {
@@ -112,10 +122,19 @@ TY_AMX_TARGET void block_pass(const GemmArgs& a, const uint8_t* wb, int rows, co
   const int64_t x_bytes = a.x_stride * 2;
   const uint8_t* x0 = reinterpret_cast<const uint8_t*>(a.x + r0[0] * a.x_stride);
   const uint8_t* x1 = reinterpret_cast<const uint8_t*>(a.x + r0[G - 1] * a.x_stride);
+  const int64_t next_lines = a.k_pad, shares = passes * steps;  // the next block: k_pad lines of 64 bytes
   for (int64_t s = 0; s < steps; ++s) {
     const uint8_t* ws = wb + s * kStepBytes;
-    for (int64_t line = 0; line < kStepBytes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + line), _MM_HINT_T0);
+    if (next == nullptr || pass == 0) {
+      for (int64_t line = 0; line < kStepBytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + line), _MM_HINT_T0);
+      }
+    }
+    if (next != nullptr) {
+      const int64_t share = pass * steps + s;
+      for (int64_t l = share * next_lines / shares, end = (share + 1) * next_lines / shares; l < end; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
+      }
     }
     _tile_loadd(6, ws, 128);
     _tile_loadd(7, ws + 64, 128);
@@ -148,16 +167,17 @@ TY_AMX_TARGET void gemm_blocks(const GemmArgs& a, int64_t b0, int64_t b1) {
     config.rows[t] = t < 6 ? rows : 16;  // x rows and sums: M rows below 16; weight: 16 K-pairs
   }
   _tile_loadconfig(&config);
-  const int64_t groups = (a.m + 15) / 16;
+  const int64_t groups = (a.m + 15) / 16, passes = (groups + 1) / 2;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = a.w + b * a.k_pad * 64;
+    const uint8_t* next = passes > 1 && b + 1 < b1 ? wb + a.k_pad * 64 : nullptr;
     for (int64_t g = 0; g < groups; g += 2) {
       const int64_t r0[2] = {std::max<int64_t>(0, std::min(g * 16, a.m - 16)),
                              std::max<int64_t>(0, std::min((g + 1) * 16, a.m - 16))};
       if (g + 1 < groups) {
-        block_pass<2>(a, wb, rows, r0, b * 32);
+        block_pass<2>(a, wb, rows, r0, b * 32, next, g / 2, passes);
       } else {
-        block_pass<1>(a, wb, rows, r0, b * 32);
+        block_pass<1>(a, wb, rows, r0, b * 32, next, g / 2, passes);
       }
     }
   }

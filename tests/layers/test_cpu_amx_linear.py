@@ -1,6 +1,7 @@
 """The AMX tile kernel on oneDNN's bfloat16 weights packed for AMX (tengyun/csrc/amx_packed_gemm.cpp,
 platforms/cpu/kernels/linear.py) against F.linear in float32: fewer rows than a tile, a whole tile,
-row groups whose last one overlaps the one before, two passes over a block; output counts that are
+row groups whose last one overlaps the one before, two and four passes over a block (each pass
+prefetching a share of the next block); output counts that are
 not multiples of the 16-column half or the 32-column block; with and without bias; strided rows;
 the weight laid out by hand (whatever this CPU's oneDNN picks) and as oneDNN packs it here; the
 routing by row count, and the weights the kernel must leave to the others (K not a multiple of 32).
@@ -28,7 +29,7 @@ def tiles(kernels):  # noqa: F811
 
 
 @pytest.mark.parametrize("out_features,in_features", [(100, 64), (32, 576), (960, 576), (17, 96)])
-@pytest.mark.parametrize("rows", [1, 5, 16, 21, 32, 37, 64])
+@pytest.mark.parametrize("rows", [1, 5, 16, 21, 32, 37, 64, 100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiles_on_a_weight_laid_out_by_hand_match_f_linear(tiles, out_features, in_features, rows, with_bias):
     gen = torch.Generator().manual_seed(out_features + rows)
