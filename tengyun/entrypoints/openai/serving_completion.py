@@ -154,9 +154,12 @@ class OpenAIServingCompletion(OpenAIServing):
     def _delta_choice(self, request: CompletionRequest, c: CompletionOutput, state: StreamedChoice, k: int,
                       echo_len: int = 0) -> CompletionResponseChoice | None:
         """The chunk of choice k for what it received since its last chunk (c: this step's DELTA,
-        already in `state`); None when nothing changed. Text offsets count from the start of the
-        answer, which holds ``echo_len`` characters of echoed prompt."""
-        if not c.text and c.finish_reason is None and not (request.logprobs is not None and state.has_unsent_tokens):
+        already in `state`); None when the step made no token, no text and no finish. A step that
+        made a token whose text is held back (a stop string's possible start, an incomplete
+        character) sends a chunk with empty text, as vLLM's completions do: a client counting
+        chunks counts tokens. Text offsets count from the start of the answer, which holds
+        ``echo_len`` characters of echoed prompt."""
+        if not c.text and not c.token_ids and c.finish_reason is None:
             return None
         new_tokens, new_logprobs = state.take()
         logprobs = None

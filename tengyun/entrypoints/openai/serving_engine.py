@@ -240,7 +240,7 @@ class OpenAIServing:
 
 class StreamedChoice:
     """One choice of a stream, fed the engine's DELTA outputs: the tokens (and logprobs) received
-    but not sent yet (a step whose text is held back may send nothing), and counts so far."""
+    but not sent yet (in chat a step whose text is held back sends nothing), and counts so far."""
 
     def __init__(self) -> None:
         self.num_tokens = 0  # received

@@ -69,6 +69,24 @@ def test_plus_100_makes_the_token_every_token(client, llm):
     assert chat.choices[0].message.content == tokenizer.decode([TOKEN] * STEPS)
 
 
+def test_a_streamed_completion_sends_a_chunk_for_every_token_while_text_is_held_back(client, llm):
+    """vLLM's completions stream sends a chunk for every step that made a token, with empty text while
+    the text is held back (here: each token's text could begin the stop string until the next one
+    comes), so a client counting chunks counts tokens, and its first token's time is when the token
+    came, not when its text did. Chat leaves such steps out, as vLLM does."""
+    text = llm.get_tokenizer().decode([TOKEN])
+    assert text and "~" not in text
+    forced = dict(logit_bias={str(TOKEN): 100}, stop=[text + "~"], **GREEDY)
+    kw = dict(prompt=PROMPT, **forced)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [c.text for c in chunks] == [""] + [text] * (STEPS - 2) + [text * 2]
+    assert [c.finish_reason for c in chunks] == [None] * (STEPS - 1) + ["length"]
+    assert "".join(c.text for c in chunks) == client.completions.create(**kw).choices[0].text == text * STEPS
+    deltas = [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in client.chat.completions.create(
+        messages=MESSAGES, stream=True, **forced) if c.choices]
+    assert deltas == [("", None)] + [(text, None)] * (STEPS - 2) + [(text * 2, "length")]
+
+
 def test_minus_100_on_the_greedy_token_takes_the_runner_up(client, llm):
     unbiased = _offline(llm, logprobs=-1)
     first = unbiased.token_ids[0]
