@@ -75,7 +75,10 @@ class ResponsesRequest(RequestBody):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM's extra, as on chat
+    top_k: int | None = None  # vLLM's extras, as on chat: top_k, repetition_penalty, logit_bias, ignore_eos
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
     seed: int | None = None
     stream: bool = False
     store: bool = True

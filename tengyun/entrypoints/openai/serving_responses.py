@@ -95,8 +95,11 @@ class OpenAIServingResponses:
     def cancel(self, response_id: str) -> ResponsesResponse:
         """A background run still queued or in progress stops and is "cancelled"; anything else is a 400."""
         entry = self.get(response_id)
+        if not entry.response.background:
+            raise RequestError("Cannot cancel a synchronous response.")  # vLLM's words
         if entry.response.status not in ("queued", "in_progress"):
-            raise RequestError("Cannot cancel a synchronous response.")
+            raise RequestError(f"Response {response_id} is already {entry.response.status}: only a queued or "
+                               f"in-progress background response can be cancelled.")
         entry.response = entry.response.model_copy(update={"status": "cancelled"})
         if entry.task is not None:
             entry.task.cancel()  # aborts its engine request
@@ -224,9 +227,11 @@ def _chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatComple
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
              for t in request.function_tools()]
     body: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream}
-    for name in ("temperature", "top_p", "top_k", "seed", "user", "request_id"):
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "logit_bias", "seed", "user", "request_id"):
         if getattr(request, name) is not None:
             body[name] = getattr(request, name)
+    if request.ignore_eos:
+        body["ignore_eos"] = True
     if request.max_output_tokens is not None:
         body["max_completion_tokens"] = request.max_output_tokens
     if request.stream:

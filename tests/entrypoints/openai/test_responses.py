@@ -162,6 +162,22 @@ def test_background_runs_after_the_answer_and_is_retrieved(client):
     assert response.output_text == whole.output_text and response.usage.output_tokens == whole.usage.output_tokens
     with pytest.raises(openai.BadRequestError, match="background can only be used when `store` is true"):
         client.responses.create(model=MODEL, input="x", background=True, store=False)
+    with pytest.raises(openai.BadRequestError, match=f"Response {queued.id} is already {response.status}: only"):
+        client.responses.cancel(queued.id)
+
+
+def test_vllms_sampling_extras_reach_the_engine_as_on_chat(client):
+    """ignore_eos, logit_bias and repetition_penalty (vLLM's ResponsesRequest extras): the answer
+    equals chat's with the same fields."""
+    extras = {"ignore_eos": True, "logit_bias": {"42": 100}, "repetition_penalty": 1.0}
+    response = client.responses.create(model=MODEL, input="The quick brown fox", max_output_tokens=7, temperature=0,
+                                       extra_body=extras)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The quick brown fox"}],
+                                          max_tokens=7, temperature=0, extra_body=extras)
+    assert response.usage.output_tokens == chat.usage.completion_tokens == 7
+    assert response.output_text == chat.choices[0].message.content and response.status == "incomplete"
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.responses.create(model=MODEL, input="x", extra_body={"logit_bias": {"1000000": 1}})
 
 
 def test_background_stream_runs_on_without_its_reader_and_replays_after_a_sequence_number(client):
@@ -181,7 +197,7 @@ def test_background_stream_runs_on_without_its_reader_and_replays_after_a_sequen
     with pytest.raises(openai.BadRequestError, match="no events to replay"):
         list(client.responses.retrieve(whole.id, stream=True))
     story = client.responses.create(model=MODEL, input="A long story", max_output_tokens=1500, background=True,
-                                    stream=True, extra_body={"temperature": 1.0})
+                                    stream=True, extra_body={"temperature": 1.0, "ignore_eos": True})
     reader = iter(story)
     story_id = next(reader).response.id
     assert client.responses.cancel(story_id).status == "cancelled"
@@ -191,7 +207,7 @@ def test_background_stream_runs_on_without_its_reader_and_replays_after_a_sequen
 
 def test_cancel_stops_a_background_response_and_frees_its_sequence(client, server):
     queued = client.responses.create(model=MODEL, input="A long story", max_output_tokens=1500, background=True,
-                                     extra_body={"temperature": 1.0})
+                                     extra_body={"temperature": 1.0, "ignore_eos": True})
     assert client.responses.cancel(queued.id).status == "cancelled"
     assert client.responses.retrieve(queued.id).status == "cancelled"
     for _ in range(600):  # the engine drops the sequence (no KV blocks held)
