@@ -61,11 +61,11 @@ constexpr int64_t kStepBytes = 2048;  // one 32-deep K step of a 32-column block
 // SmolLM2 projections at 16 rows: 0 -> 10.2 ms, 2048 -> 10.1, 8192 -> 9.9, 16384 -> 9.0-9.8 (T1 / T2
 // hints: no better).
 constexpr int64_t kPrefetchBytes = 16384;
-// 33-64 rows read each block twice, the second time from L2, where memory sat idle: spreading the
-// next block's prefetch over both passes (into L2; T2 the same) took SmolLM2's projections at 64
-// rows from 16.4 to 15.4 ms and at 128 from 21.4 to 19.3, Qwen2.5-Coder's at 64 from 51.7 to 49.7
-// (2026-12-05, AMX VM, alternated, median of 15 and 9). A pass after the first then skips the L1
-// prefetch ahead, which would only fetch its own block again.
+// 33 rows and more read each block once per 32 rows, from L2 after the first pass, while memory sat
+// idle: spreading the next block's prefetch over the passes (into L2; T2 the same) took SmolLM2's
+// projections at 64 rows from 16.4 to 15.4 ms and at 128 from 21.4 to 19.3, Qwen2.5-Coder's at 64
+// from 51.7 to 49.7 (2026-12-05, AMX VM, alternated, median of 15 and 9). A pass after the first
+// then skips the L1 prefetch ahead, which would only fetch its own block again.
 
 struct TileConfig {  // ldtilecfg's 64-byte operand
   uint8_t palette = 1;
