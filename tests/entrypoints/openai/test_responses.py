@@ -176,8 +176,9 @@ def test_vllms_sampling_extras_reach_the_engine_as_on_chat(client):
                                           max_tokens=7, temperature=0, extra_body=extras)
     assert response.usage.output_tokens == chat.usage.completion_tokens == 7
     assert response.output_text == chat.choices[0].message.content and response.status == "incomplete"
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.responses.create(model=MODEL, input="x", extra_body={"logit_bias": {"1000000": 1}})
+    for field, value in (("logit_bias", {"1000000": 1}), ("repetition_penalty", 0)):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.responses.create(model=MODEL, input="x", extra_body={field: value})
 
 
 def test_background_stream_runs_on_without_its_reader_and_replays_after_a_sequence_number(client):
