@@ -11,10 +11,10 @@ took 51-53 ms in the engine against 44 ms with no server around them, 49 ms with
 
 How: the pool's worker threads (1 .. n-1) are placed by ``torch.ops.tengyun.set_openmp_worker_affinity``,
 which runs in each of them, before the first step and again after the count changes or a pool is
-released. Thread 0 is the model
-thread itself, which also runs the engine's Python between steps: it is pinned only for the step
-(``ThreadBinding.step``) and gets its own affinity back after, so threads and processes it starts
-between steps (an offline ``LLM`` user's, a test's) inherit what it had, not one CPU.
+released. Thread 0 is the model thread itself, which also runs the engine's Python between steps:
+it is pinned only for the step (``ThreadBinding.step``) and gets its own affinity back after, so
+threads and processes it starts between steps (an offline ``LLM`` user's, a test's) inherit what it
+had, not one CPU.
 
 ``TENGYUN_CPU_OMP_THREADS_BIND`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` is read when it is unset):
 
