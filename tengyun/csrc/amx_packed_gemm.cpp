@@ -11,16 +11,14 @@
 //
 // Why not oneDNN's own AMX path: at 1-32 rows it reads the weight at 12-19 GB/s on a VM whose memory
 // gives ~22 (it does not prefetch ahead of its tile loads); this kernel prefetches kPrefetchBytes
-// ahead and reads at 20-30 GB/s there, and at 48-64 rows runs level with oneDNN, as a compiled op
-// that decode graphs can hold (benchmarks/README.md, "AMX tiles for 1-64 rows").
+// ahead and reads at 20-30 GB/s there, and at 48-64 rows runs level with oneDNN or ahead, as a
+// compiled op that decode graphs can hold (benchmarks/README.md, "AMX tiles for 1-64 rows").
 //
 // Tiles (palette 1, 64 bytes a row): 0-3 float32 sums C[row group][column half], 4-5 x rows
 // (A: up to 16 rows x 32 K), 6-7 the weight halves (B). A pass covers up to 32 rows; more rows take
-// more passes over the block, which L2 then holds. While a block takes P passes, each step of them
-// also prefetches 1/P-th of the next block into L2, so memory keeps streaming through the passes
-// that read L2. Row groups past M start at M - 16 instead
-// (rows computed twice, bit for bit the same, stored twice) so every tile is full; fewer than 16
-// rows configure the A and C tiles to M rows.
+// more passes over the block, which L2 then holds (only the first prefetches). Row groups past M
+// start at M - 16 instead (rows computed twice, bit for bit the same, stored twice) so every tile is
+// full; fewer than 16 rows configure the A and C tiles to M rows.
 //
 // The layout is oneDNN's choice: tengyun/platforms/cpu/kernels/linear.py compares this kernel's
 // product with oneDNN's on every packed weight before any row runs here.
@@ -57,15 +55,20 @@ namespace {
 #define TY_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 constexpr int64_t kStepBytes = 2048;  // one 32-deep K step of a 32-column block: 16 lines of 128 bytes
-// How far ahead of its tile loads each step prefetches, on every pass. 2026-12-05, AMX VM, 212 MB of
-// SmolLM2 projections at 16 rows: 0 -> 10.2 ms, 2048 -> 10.1, 8192 -> 9.9, 16384 -> 9.0-9.8 (T1 / T2
-// hints: no better).
+// How far ahead of its tile loads the first pass over a block prefetches, and how densely: one line
+// in kPrefetchEvery (the hardware's adjacent-line and stream prefetchers fetch the rest). Prefetch
+// instructions are not free beside tile loads: with the data in L1/L2, one 32-row K step (4 tile
+// loads, 4 tile multiplies) took ~30 ns, and ~60 with 16-48 prefetches beside it (2026-12-06, AMX VM,
+// a standalone loop). So a step prefetches 8 lines, not its 32, and passes after the first, which
+// read the block again from L2, prefetch nothing (the next block's lines spread over them, tried on
+// 2026-12-05, cost more than they saved once the first pass prefetched sparsely). 212 MB of SmolLM2
+// projections, 2 threads, median of 13 (every line and next-block shares -> one line in 4): 1 row
+// 7.50 -> 7.18 ms, 4: 7.22 -> 6.58, 16: 8.04 -> 7.41, 32: 9.46 -> 9.17, 64: 14.37 -> 12.45;
+// Qwen2.5-Coder's 716 MB at 64 rows 49.1 -> 41.9 (benchmarks/README.md, "Sparser prefetch").
+// Distance: 8 KiB the same, 32 KiB slower; one line in 8 the same as one in 4. Inside the model's
+// 64-sequence decode step the gain did not show beyond the VM's spread (medians 38.5 against 39.2 ms).
 constexpr int64_t kPrefetchBytes = 16384;
-// 33 rows and more read each block once per 32 rows, from L2 after the first pass, while memory sat
-// idle: spreading the next block's prefetch over the passes (into L2; T2 the same) took SmolLM2's
-// projections at 64 rows from 16.4 to 15.4 ms and at 128 from 21.4 to 19.3, Qwen2.5-Coder's at 64
-// from 51.7 to 49.7 (2026-12-05, AMX VM, alternated, median of 15 and 9). A pass after the first
-// then skips the L1 prefetch ahead, which would only fetch its own block again.
+constexpr int64_t kPrefetchEvery = 4;
 
 struct TileConfig {  // ldtilecfg's 64-byte operand
   uint8_t palette = 1;
@@ -105,13 +108,12 @@ TY_AMX_TARGET void store_block(const GemmArgs& a, const float (&c)[2][16][32], i
   }
 }
 
-// Pass `pass` of `passes` over one 32-column block `wb`, G (1 or 2) row groups at r0[0], r0[G - 1]:
-// every K step loads both weight halves once and multiplies them with each group's x rows. `next`:
-// the block after it (nullptr: none, or a single pass), whose lines this pass's steps prefetch
-// share by share (pass p, step s: the (p * steps + s)-th of passes * steps equal shares).
+// One pass over a 32-column block `wb`, G (1 or 2) row groups at r0[0], r0[G - 1]: every K step loads
+// both weight halves once and multiplies them with each group's x rows; the first pass (`prefetch`)
+// also prefetches the weight kPrefetchBytes ahead.
 template <int G>
 TY_AMX_TARGET void block_pass(const GemmArgs& a, const uint8_t* wb, int rows, const int64_t (&r0)[2], int64_t n0,
-                              const uint8_t* next, int64_t pass, int64_t passes) {
+                              bool prefetch) {
   _tile_zero(0);
   _tile_zero(1);
   if (G == 2) {
@@ -122,18 +124,11 @@ TY_AMX_TARGET void block_pass(const GemmArgs& a, const uint8_t* wb, int rows, co
   const int64_t x_bytes = a.x_stride * 2;
   const uint8_t* x0 = reinterpret_cast<const uint8_t*>(a.x + r0[0] * a.x_stride);
   const uint8_t* x1 = reinterpret_cast<const uint8_t*>(a.x + r0[G - 1] * a.x_stride);
-  const int64_t next_lines = a.k_pad, shares = passes * steps;  // the next block: k_pad lines of 64 bytes
   for (int64_t s = 0; s < steps; ++s) {
     const uint8_t* ws = wb + s * kStepBytes;
-    if (next == nullptr || pass == 0) {
-      for (int64_t line = 0; line < kStepBytes; line += 64) {
+    if (prefetch) {
+      for (int64_t line = 0; line < kStepBytes; line += 64 * kPrefetchEvery) {
         _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + line), _MM_HINT_T0);
-      }
-    }
-    if (next != nullptr) {
-      const int64_t share = pass * steps + s;
-      for (int64_t l = share * next_lines / shares, end = (share + 1) * next_lines / shares; l < end; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
       }
     }
     _tile_loadd(6, ws, 128);
@@ -167,17 +162,16 @@ TY_AMX_TARGET void gemm_blocks(const GemmArgs& a, int64_t b0, int64_t b1) {
     config.rows[t] = t < 6 ? rows : 16;  // x rows and sums: M rows below 16; weight: 16 K-pairs
   }
   _tile_loadconfig(&config);
-  const int64_t groups = (a.m + 15) / 16, passes = (groups + 1) / 2;
+  const int64_t groups = (a.m + 15) / 16;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = a.w + b * a.k_pad * 64;
-    const uint8_t* next = passes > 1 && b + 1 < b1 ? wb + a.k_pad * 64 : nullptr;
     for (int64_t g = 0; g < groups; g += 2) {
       const int64_t r0[2] = {std::max<int64_t>(0, std::min(g * 16, a.m - 16)),
                              std::max<int64_t>(0, std::min((g + 1) * 16, a.m - 16))};
       if (g + 1 < groups) {
-        block_pass<2>(a, wb, rows, r0, b * 32, next, g / 2, passes);
+        block_pass<2>(a, wb, rows, r0, b * 32, g == 0);
       } else {
-        block_pass<1>(a, wb, rows, r0, b * 32, next, g / 2, passes);
+        block_pass<1>(a, wb, rows, r0, b * 32, g == 0);
       }
     }
   }
