@@ -73,9 +73,11 @@ from tengyun.ops.bench_timeline import histogram_totals, timeline  # noqa: E402
 compare = compare_module()
 SERVED_NAME = "bench-model"
 SYSTEMS = ("tengyun", "vllm", "llamacpp")
-# Also runnable (--systems): Tengyun at vLLM's CPU API-server step budget, beside its own default (512 on
-# CPU since 027e313; docs/operations.md "The step budget"), to attribute what that default changes.
-EXTRA_SYSTEMS = {"tengyun-2048": ["--max-num-batched-tokens", "2048"]}
+# Also runnable (--systems): Tengyun at vLLM's CPU API-server step budget, and at 1536 (where oneDNN's AMX
+# rate per row jumps for SmolLM2's shapes), beside its own default (512 on CPU since 027e313;
+# docs/operations.md "The step budget"), to attribute what that default changes.
+EXTRA_SYSTEMS = {"tengyun-2048": ["--max-num-batched-tokens", "2048"],
+                 "tengyun-1536": ["--max-num-batched-tokens", "1536"]}
 GGUF_TYPE = {"bfloat16": "bf16", "float32": "f32"}
 CLIENT_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms")
