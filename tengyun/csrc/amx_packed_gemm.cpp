@@ -1,5 +1,5 @@
-// Linear layers of 1 to 64 rows (decode at batch 1-64) on AMX tiles, straight from oneDNN's
-// prepacked bfloat16 weight.
+// Linear layers of 1 to 128 rows (decode at batch 1-128, short prompts) on AMX tiles, straight from
+// oneDNN's prepacked bfloat16 weight.
 //
 // Where oneDNN packs bfloat16 for AMX it blocks the weight [N, K] by 32 output columns, K-major
 // inside a block (packed_gemv.cpp has the general form):
@@ -11,7 +11,7 @@
 //
 // Why not oneDNN's own AMX path: at 1-32 rows it reads the weight at 12-19 GB/s on a VM whose memory
 // gives ~22 (it does not prefetch ahead of its tile loads); this kernel prefetches kPrefetchBytes
-// ahead and reads at 20-30 GB/s there, and at 48-64 rows runs level with oneDNN or ahead, as a
+// ahead and reads at 20-30 GB/s there, and at 48-128 rows runs level with oneDNN or ahead, as a
 // compiled op that decode graphs can hold (benchmarks/README.md, "AMX tiles for 1-64 rows").
 //
 // Tiles (palette 1, 64 bytes a row): 0-3 float32 sums C[row group][column half], 4-5 x rows

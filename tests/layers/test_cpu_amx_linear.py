@@ -79,6 +79,23 @@ def test_weights_onednn_packs_for_amx_run_tiles_up_to_the_limit_and_onednn_past_
     assert torch.equal(kernel.apply(x, prepared, bias), onednn)
 
 
+def test_the_tiles_take_128_rows_and_decode_graphs_stop_at_64_sequences():
+    """A 128-token prompt runs the tile kernel (1.1-1.3x oneDNN at 72-128 rows), while decode graphs
+    are still captured up to 64 sequences only (CpuPlatform.graph_batch_limit)."""
+    from types import SimpleNamespace
+
+    from tengyun.platforms.cpu.platform import CpuPlatform
+
+    kernel, prepared = _packed_for_amx(torch.randn(64, 96).to(BF16))
+    assert prepared.tiles and (kernel.max_tile_rows, kernel.graph_rows) == (128, 64)
+    tile_gemm, calls = kernel._tile_gemm, []
+    kernel._tile_gemm = lambda *args: calls.append(args[0].shape[0]) or tile_gemm(*args)
+    kernel.apply(torch.randn(128, 96).to(BF16), prepared, None)
+    assert calls == [128]  # the prompt's 128 rows ran the tile kernel, not oneDNN
+    bundle = SimpleNamespace(attention=SimpleNamespace(name="cpu_paged"), linear=kernel)
+    assert CpuPlatform.graph_batch_limit(CpuPlatform.__new__(CpuPlatform), bundle) == 64
+
+
 def test_within_the_limit_the_tiles_run_and_not_the_small_batch_kernel():
     weight = torch.randn(64, 96).to(BF16)
     kernel, prepared = _packed_for_amx(weight)

@@ -10,11 +10,12 @@ per block, K-major inside; 32 for bfloat16 on cores with AMX, whose oneDNN kerne
 ``prepare`` tries each block width against oneDNN's own product and leaves a weight whose layout
 differs (another CPU, another oneDNN) to oneDNN alone.
 
-Where oneDNN packs bfloat16 for AMX, 1-64 rows (decode at batch 1-64) run a second compiled kernel on
-the same packed weight instead, AMX tiles with prefetch (tengyun/csrc/amx_packed_gemm.cpp): at 16-32
-rows oneDNN's AMX path reads the weight at 12-15 GB/s, the kernel at ~20; at 1-4 rows it is also
-ahead of the small-batch kernel, at 48-64 level with oneDNN, but it keeps those sizes in decode
-graphs (``benchmarks/README.md``, "AMX tiles for 1-64 rows"). Each weight is checked against
+Where oneDNN packs bfloat16 for AMX, 1-128 rows (decode at batch 1-128, prompts of up to 128 tokens)
+run a second compiled kernel on the same packed weight instead, AMX tiles with prefetch
+(tengyun/csrc/amx_packed_gemm.cpp): at 16-32 rows oneDNN's AMX path reads the weight at 12-15 GB/s,
+the kernel at ~20; at 1-4 rows it is also ahead of the small-batch kernel, at 72-128 1.1-1.3x oneDNN,
+and it keeps decodes of up to 64 sequences in decode graphs (``benchmarks/README.md``, "AMX tiles for
+1-64 rows" and "Sparser prefetch"). Each weight is checked against
 oneDNN's product before any row runs there.
 """
 
@@ -48,9 +49,14 @@ MAX_SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 AMX_MAX_SMALL_ROWS = 4
 # Up to this many rows run the AMX tile kernel on weights packed for AMX; more run oneDNN.
 # benchmarks/linear_kernels.py --small-rows, 2026-12-05, AMX VM (benchmarks/README.md, "AMX tiles for
-# 1-64 rows"): 1.3-2.2x oneDNN from 1 to 32 rows, 0.95-1.03x at 48-64, behind from 96; 64 lets
-# decode graphs (a trace cannot hold oneDNN's weights) cover 64-sequence decodes.
-AMX_TILE_ROWS = 64
+# 1-64 rows"): 1.3-2.2x oneDNN from 1 to 32 rows, 0.95-1.03x at 48-64, behind from 96. Once the kernel
+# prefetched sparsely (2026-12-06, "Sparser prefetch"), 72-128 rows ran 1.1-1.3x oneDNN (SmolLM2's
+# projections at 128 rows 20.4 against 22.9 ms, Qwen2.5-Coder's 61.6 against 73.8), and a 128-token
+# Qwen2.5-Coder prompt prefilled in 94.8 against 103 ms.
+AMX_TILE_ROWS = 128
+# Decode graphs (a trace cannot hold oneDNN's weights) cover decodes of up to this many sequences where
+# the tile kernel runs: 64, as before the tile kernel took 128 rows (more sizes to trace, not measured).
+AMX_GRAPH_ROWS = 64
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest |y|
 _ROW_CHECK_CHUNK = 8192  # rows compared at a time when row_reader checks a packed copy
 
@@ -99,6 +105,7 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         self.max_small_rows = MAX_SMALL_ROWS[dtype] if max_small_rows is None else max_small_rows
         self._limit_given = max_small_rows is not None
         self.max_tile_rows = 0  # rows the AMX tile kernel takes: set by the first weight it reads
+        self.graph_rows = 0  # of those, the rows decode graphs are captured for
         self._tile_rows = AMX_TILE_ROWS if max_tile_rows is None else max_tile_rows
         self._tiles = dtype == torch.bfloat16 and self._tile_rows > 0 and amx_tiles_fit()
         self.rejected = 0  # weights whose packed layout failed the check (tests, logs)
@@ -121,6 +128,7 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
                     tiles = block == AMX_BLOCK and self._tiles_read_like_onednn(packed, ptr, out_features, k, k_padded)
                     if tiles:
                         self.max_tile_rows = self._tile_rows
+                        self.graph_rows = min(self._tile_rows, AMX_GRAPH_ROWS)
                     return PackedLinearWeight(packed, out_features, k_padded, ptr, block, tiles)
         self.rejected += 1
         if self.rejected == 1:
