@@ -6,6 +6,7 @@ on another node, say), for DEAD_LINGER_S before the exit, so probes and scrapers
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from typing import Any
@@ -32,6 +33,10 @@ class DrainingServer(uvicorn.Server):
         return cls(uvicorn.Config(app, host=server.host, port=server.port, uds=server.uds,
                                   log_level=server.uvicorn_log_level, access_log=not server.disable_uvicorn_access_log,
                                   timeout_graceful_shutdown=5, lifespan="on"), lifecycle, **extra)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        log_http_parser(self.config.http_protocol_class)
+        await super().startup(sockets)
 
     def outcome(self) -> int:
         """The exit code once serve() returned; why it is not 0 printed to stderr."""
@@ -65,3 +70,14 @@ class DrainingServer(uvicorn.Server):
             self.exit_code = code
             return True
         return should_exit
+
+
+def log_http_parser(protocol_class: type) -> None:
+    """Which HTTP/1.1 implementation uvicorn serves with: httptools (a C parser, its choice when
+    installed) or h11 (pure Python), which costs the API process more CPU for every streamed chunk."""
+    if protocol_class.__name__ == "H11Protocol":
+        logger.warning("HTTP/1.1: uvicorn's h11 (pure Python; httptools is not installed): each streamed "
+                       "token costs the API process more CPU, which it takes from the engine on a small "
+                       "machine. `pip install httptools` to serve with the C parser.")
+    else:
+        logger.info("HTTP/1.1: uvicorn's %s", protocol_class.__name__)

@@ -127,6 +127,29 @@ def test_the_api_process_of_a_cpu_server_never_loads_torch(start_server):  # noq
     assert _maps_torch(engine) and not _maps_torch(server.proc.pid)
 
 
+def test_the_api_process_parses_http_with_httptools_and_says_so(start_server):  # noqa: F811
+    """uvicorn serves with httptools' C parser (a dependency), not pure-Python h11: the API process
+    maps the parser's extension, streams a completion through it, and its log names the protocol."""
+    server = start_server().wait_ready()
+    body = {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and len(events) == 9 and events[-1] == "data: [DONE]"
+    with open(f"/proc/{server.proc.pid}/maps") as maps:
+        assert "httptools/parser" in maps.read()
+    assert "HTTP/1.1: uvicorn's HttpToolsProtocol" in server.log()
+
+
+def test_serving_with_h11_warns_naming_the_package(caplog):
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from tengyun.entrypoints.openai.draining_server import log_http_parser
+
+    with caplog.at_level("INFO", logger="tengyun.server"):
+        log_http_parser(H11Protocol)
+    assert caplog.records[-1].levelname == "WARNING" and "pip install httptools" in caplog.text
+
+
 def test_start_up_failure_exits_2_naming_the_flag(start_server):  # noqa: F811
     server = start_server("--kv-cache-memory", "16KiB")
     assert server.wait_exit() == 2
