@@ -28,7 +28,7 @@ from tengyun.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_beam_search import beam_search_params
 from tengyun.entrypoints.openai.serving_engine import (
-    SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
+    SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse_error, sse_model, token_text,
 )
 from tengyun.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from tengyun.entrypoints.openai.tool_parsers.named_call import NamedCallParser
@@ -150,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         exclude = None if request.include_usage_in_stream else {"usage"}
         try:
             async for response in chunks:
-                yield sse(response.model_dump(exclude=exclude))
+                yield sse_model(response, exclude)
         except Exception as e:
             yield sse_error(e)
         finally:

@@ -18,7 +18,7 @@ from tengyun.entrypoints.openai.completion_embeds import load_prompt_embeds
 from tengyun.entrypoints.openai.request_limits import check_sequence_counts
 from tengyun.entrypoints.openai.serving_beam_search import beam_search_params, one_event_stream
 from tengyun.entrypoints.openai.serving_engine import (
-    SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse, sse_error, token_text,
+    SSE_DONE, OpenAIServing, StreamedChoice, sampled_then_ranked, sse_error, sse_model, token_text,
 )
 from tengyun.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
@@ -106,7 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage = self.usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
             response = CompletionStreamResponse(id=request_id, created=created, model=self.response_name(request.model),
                                                 choices=[choice] if choice else [], usage=usage)
-            return sse(response.model_dump(exclude=exclude))
+            return sse_model(response, exclude)
 
         try:
             async for i, output in self.merged(streams):

@@ -315,6 +315,12 @@ def sse(payload: Any) -> str:
     return f"data: {body}\n\n"
 
 
+def sse_model(model: Any, exclude: set[str] | None = None) -> str:
+    """One server-sent event of a pydantic response: its compact JSON from pydantic's own encoder
+    (as vLLM sends chunks), ~2x faster per streamed token than model_dump + json.dumps."""
+    return f"data: {model.model_dump_json(exclude=exclude).translate(_LINE_BREAKS)}\n\n"
+
+
 SSE_DONE = "data: [DONE]\n\n"
 
 

@@ -322,3 +322,19 @@ def test_sse_events_stay_one_line_for_any_line_splitter():
     event = sse({"text": "a\u2028b\x85c\u2029d 中文"})
     assert event.splitlines() == [event.removesuffix("\n\n"), ""]
     assert json.loads(event.removeprefix("data: "))["text"] == "a\u2028b\x85c\u2029d 中文"
+
+
+@pytest.mark.parametrize("exclude", [None, {"usage"}])
+def test_streamed_chunks_are_compact_json_of_the_response_on_one_line(exclude):
+    """A stream chunk is pydantic's own compact JSON (as vLLM sends it): the fields model_dump
+    gives, none excluded that was not asked, every line separator escaped."""
+    from tengyun.entrypoints.openai.protocol import CompletionResponseChoice, CompletionStreamResponse, UsageInfo
+    from tengyun.entrypoints.openai.serving_engine import sse_model
+
+    text = "a\u2028b\x85c\u2029d 中文"
+    chunk = CompletionStreamResponse(id="cmpl-1", created=1, model="m", usage=UsageInfo(prompt_tokens=3),
+                                     choices=[CompletionResponseChoice(index=0, text=text, finish_reason="length")])
+    event = sse_model(chunk, exclude)
+    assert event.startswith('data: {"id":"cmpl-1","object":"text_completion",') and event.endswith("}\n\n")
+    assert event.splitlines() == [event.removesuffix("\n\n"), ""]
+    assert json.loads(event.removeprefix("data: ")) == chunk.model_dump(exclude=exclude)
