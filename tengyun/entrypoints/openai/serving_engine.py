@@ -317,7 +317,8 @@ def sse(payload: Any) -> str:
 
 def sse_model(model: Any, exclude: set[str] | None = None) -> str:
     """One server-sent event of a pydantic response: its compact JSON from pydantic's own encoder
-    (as vLLM sends chunks), ~2x faster per streamed token than model_dump + json.dumps."""
+    (as vLLM sends chunks). A completion chunk built and encoded: 10.4 us, against 16.9 with
+    model_dump + json.dumps (benchmarks/README.md, "The API process's HTTP parser")."""
     return f"data: {model.model_dump_json(exclude=exclude).translate(_LINE_BREAKS)}\n\n"
 
 
