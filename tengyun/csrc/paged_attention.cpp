@@ -3,7 +3,9 @@
 // (the group of query heads x the chunk's tokens) together, 512 tokens at a time: the scores of
 // every row (each K block widened to float32 once when 16-bit), one softmax update per row, then
 // the values with each V row read (and widened in registers) once for all rows; blocks prefetched
-// two ahead into L2 (paged_attention_impl.h). With bfloat16 q and cache on a CPU with AVX512_BF16 the
+// two ahead into L2 (paged_attention_impl.h). Spread over the threads (paged_attention_threads.h):
+// from 4 sequences per thread each thread takes whole sequences and streams the next one's rows
+// into L2 meanwhile; fewer, a chunk's query tokens go in pieces of equal causal work. With bfloat16 q and cache on a CPU with AVX512_BF16 the
 // scores are vdpbf16ps dot products of the rows as they lie (products exact in float32, float32
 // sums: the float32 path's precision, another summation order).
 //
@@ -31,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -38,6 +41,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_isa.h"
 #include "half_convert.h"

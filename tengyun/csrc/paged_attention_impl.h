@@ -95,28 +95,7 @@ inline void block_scores(const float* q, Rows k, int64_t n, int64_t padded, floa
 
 #include "paged_attention_bf16.h"  // 16-bit V loads, bfloat16 dot-product scores
 
-// Into L2, not L1 (prefetcht0): 1.3-1.65x the decode attention's speed on this EPYC, float32 and
-// bfloat16 (benchmarks/decode_attention_bandwidth.py; prefetcht2 the same, prefetchnta no gain).
-inline void prefetch_line(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));  // not __builtin_prefetch: GCC deleted loops of those here
-#else
-  __builtin_prefetch(p, 0, 3);
-#endif
-}
-
-inline void prefetch_rows(const void* first, int64_t rows, int64_t row_stride_bytes, int64_t row_bytes) {
-  const char* base = static_cast<const char*>(first);
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line(base + t * row_stride_bytes + b);
-}
-
-// A span's V rows read in place: block i's first row at ptr[i] (`size` rows each, the last `last`);
-// before reading it, the rows at ahead[i] (a later block, or the next span's K) go into the cache.
-struct PrefetchRows {
-  const void* first;  // nullptr: nothing
-  int64_t rows, row_bytes;  // row_bytes: one KV head's row, or every head's (Task::shared_rows)
-};
+#include "paged_attention_prefetch.h"  // prefetch_line / prefetch_rows, PrefetchRows, NextRows
 
 template <typename E>
 struct VBlocks {
@@ -124,6 +103,7 @@ struct VBlocks {
   int64_t count, size, last;
   const PrefetchRows* ahead;  // nullptr: the caller prefetches
   int64_t ahead_stride_bytes;
+  NextRows* next;  // nullptr, or a step of the next sequence's rows at each block (with ahead's)
 };
 
 // R rows x P chunks of accumulators in registers: acc_r += sum_t p_r[t] * v_t over the blocks' rows
@@ -139,6 +119,7 @@ void values_tile(float* acc, int64_t acc_stride, const float* w, int64_t w_strid
   for (int64_t i = 0; i < v.count; ++i) {
     if (prefetch && v.ahead[i].first)
       prefetch_rows(v.ahead[i].first, v.ahead[i].rows, v.ahead_stride_bytes, v.ahead[i].row_bytes);
+    if (prefetch && v.next) v.next->step();
     const E* rows = v.ptr[i] + off;
     const float* wi = w + i * v.size;
     const int64_t n = i + 1 < v.count ? v.size : v.last;
@@ -261,6 +242,8 @@ struct Task {
   // stream per block instead of a 1-in-kv_heads stride, and the later heads prefetch nothing (their
   // rows are in L2 by then). Else each head prefetches its own rows.
   bool shared_rows;
+  bool prefetched;  // its whole rows came in while the thread's previous sequence ran: no own prefetch
+  NextRows* next;  // nullptr, or the thread's next sequence, a step per block of each pass
   int64_t limit(int64_t r) const { return len - (nq - 1 - r / group); }
   int64_t query_row(const Problem& p, int64_t r) const {  // row r's [head_dim] row of q / out
     return (first + r / group) * p.q_heads + h * group + r % group;
@@ -270,19 +253,36 @@ struct Task {
 constexpr int64_t kWholeRowsBytes = 512 * 1024;  // a sequence's K + V, all heads: well inside L2
 
 template <typename CacheT>
-inline Task make_task(const Problem& p, const Layout& lay, int64_t b, int64_t h, bool heads_together) {
-  const int64_t first = p.query_start ? p.query_start[b] : b;  // query tokens [first, first + nq)
-  const int64_t nq = p.query_start ? p.query_start[b + 1] - first : 1, len = p.seq_lens[b];
-  const bool fits = heads_together && 2 * len * p.kv_heads * p.head_dim * int64_t{sizeof(CacheT)} <= kWholeRowsBytes;
+inline bool whole_rows_fit(const Problem& p, int64_t b) {
+  return 2 * p.seq_lens[b] * p.kv_heads * p.head_dim * int64_t{sizeof(CacheT)} <= kWholeRowsBytes;
+}
+
+// Query tokens [q0, q1) of sequence b's (a decode: [0, 1)), attended as a chunk of their own: the
+// chunk's tokens after q1 drop out of the context, so each row keeps its causal limit.
+struct Piece {
+  int64_t b, q0, q1;
+};
+
+inline int64_t query_count(const Problem& p, int64_t b) {
+  return p.query_start ? p.query_start[b + 1] - p.query_start[b] : 1;
+}
+
+template <typename CacheT>
+inline Task make_task(const Problem& p, const Layout& lay, Piece piece, int64_t h, bool heads_together,
+                      bool prefetched, NextRows* next) {
+  const int64_t b = piece.b, nq = piece.q1 - piece.q0;  // query tokens [first, first + nq)
+  const int64_t first = (p.query_start ? p.query_start[b] : b) + piece.q0;
+  const int64_t len = p.seq_lens[b] - (query_count(p, b) - piece.q1);
+  const bool fits = heads_together && whole_rows_fit<CacheT>(p, b);
   return {b, h, len, first, nq, nq * lay.group, lay.group, (len + p.block_size - 1) / p.block_size,
-          p.block_tables + b * p.table_stride, fits};
+          p.block_tables + b * p.table_stride, fits, fits && prefetched, next};
 }
 
 // Block j's rows of KV head h in `cache` (K or V), or every head's, to prefetch; nothing past the
 // task, nothing where head 0 brought them (Task::shared_rows).
 template <typename CacheT>
 inline PrefetchRows block_rows_of(const Problem& p, const Task& task, const void* cache, int64_t j) {
-  if (j >= task.num_blocks || (task.shared_rows && task.h > 0)) return {nullptr, 0, 0};
+  if (j >= task.num_blocks || (task.shared_rows && (task.h > 0 || task.prefetched))) return {nullptr, 0, 0};
   const int64_t rows = std::min(p.block_size, task.len - j * p.block_size);
   const CacheT* block = static_cast<const CacheT*>(cache) + task.table[j] * p.block_stride;
   if (task.shared_rows) return {block, rows, static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT))};
@@ -305,6 +305,7 @@ void span_scores(const Problem& p, const Layout& lay, const Task& task, int64_t 
     const int64_t ahead = j + kAheadBlocks;
     if (ahead < j1) prefetch_block<CacheT>(p, task, p.k_cache, ahead);
     else if (j0 + ahead - j1 < j1) prefetch_block<CacheT>(p, task, p.v_cache, j0 + ahead - j1);
+    if (task.next) task.next->step();
     const int64_t n = std::min(bs, task.len - j * bs);
 #if TY_ISA == 512
     if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
@@ -371,7 +372,7 @@ void span_values_in_place(const Problem& p, const Layout& lay, const Task& task,
     ahead[j - j0] = block_rows_of<CacheT>(p, task, a < j1 ? p.v_cache : p.k_cache, a);
   }
   const VBlocks<E> v{ptr, j1 - j0, p.block_size, std::min(p.block_size, task.len - (j1 - 1) * p.block_size), ahead,
-                     static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT))};
+                     static_cast<int64_t>(p.kv_heads * p.head_dim * sizeof(CacheT)), task.next};
   block_values(work + lay.acc(), lay.padded, work + lay.scores(), lay.score_stride, v, p.kv_heads * p.head_dim,
                task.rows);
 }
@@ -394,12 +395,13 @@ void span_values(const Problem& p, const Layout& lay, const Task& task, int64_t 
   for (int64_t j = j0; j < j1; ++j) {  // rows widened and padded into a copy, a block at a time
     const int64_t ahead = j + kAheadBlocks;
     prefetch_block<CacheT>(p, task, ahead < j1 ? p.v_cache : p.k_cache, ahead);
+    if (task.next) task.next->step();
     const int64_t n = std::min(bs, task.len - j * bs);
     const Rows x = block_rows(v_cache + task.table[j] * p.block_stride, n, row_stride, dim, padded,
                               work + lay.v_rows());
     const float* rows[1] = {x.data};
     block_values(acc, padded, work + lay.scores() + (j - j0) * bs, lay.score_stride,
-                 VBlocks<float>{rows, 1, n, n, nullptr, 0}, x.stride, task.rows);
+                 VBlocks<float>{rows, 1, n, n, nullptr, 0, nullptr}, x.stride, task.rows);
   }
 }
 
@@ -428,8 +430,9 @@ void load_queries(const Problem& p, const Layout& lay, const Task& task, float* 
 // Row r's arithmetic depends only on its own limit, so token i of a chunk equals a decode row of
 // limit(r) tokens bit for bit.
 template <typename CacheT, typename IoT>
-void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, bool heads_together, float* work) {
-  const Task task = make_task<CacheT>(p, lay, b, h, heads_together);
+void attend_group(const Problem& p, const Layout& lay, Piece piece, int64_t h, bool heads_together, bool prefetched,
+                  NextRows* next, float* work) {
+  const Task task = make_task<CacheT>(p, lay, piece, h, heads_together, prefetched, next);
   load_queries<IoT>(p, lay, task, work);
   for (int64_t j = 0; j < kAheadBlocks; ++j) prefetch_block<CacheT>(p, task, p.k_cache, j);
   const int64_t span_blocks = lay.span / p.block_size;
@@ -441,53 +444,10 @@ void attend_group(const Problem& p, const Layout& lay, int64_t b, int64_t h, boo
   }
   const float* acc = work + lay.acc();
   for (int64_t r = 0; r < task.rows; ++r) {
-    IoT* out = static_cast<IoT*>(p.out) + ((task.first + r / task.group) * p.q_heads + h * task.group +
-                                           r % task.group) * p.head_dim;
+    IoT* out = static_cast<IoT*>(p.out) + task.query_row(p, r) * p.head_dim;
     const float sum = work[lay.run_sum() + r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // len 0 (padding): zeros
     write_row(out, acc + r * lay.padded, p.head_dim, lay.paired, inv);
   }
 }
 
-// Every (sequence, KV head) pair, spread over torch's OpenMP threads.
-template <typename CacheT, typename IoT>
-void run_typed(const Problem& p) {
-  Layout lay(p);
-#if TY_ISA == 512
-  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
-  lay.dot_bf16 = std::is_same_v<CacheT, c10::BFloat16> && std::is_same_v<IoT, c10::BFloat16> && has_bf16_dot &&
-                 p.head_dim % 32 == 0 && p.head_dim <= 128;
-  lay.paired = std::is_same_v<CacheT, c10::BFloat16> && p.head_dim % 32 == 0;
-#endif
-  const int64_t tasks = p.batch * p.kv_heads;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.threads, tasks)));
-  // Enough sequences to share out whole: each thread takes a sequence's KV heads in turn (Task::
-  // shared_rows). Fewer (a batch-1 decode): the heads are shared out, one task each.
-  const bool heads_together = p.kv_heads > 1 && p.batch >= 4 * threads;
-  const int chunk = heads_together ? static_cast<int>(p.kv_heads) : 1;
-#pragma omp parallel num_threads(threads)
-  {
-    float* work = static_cast<float*>(std::aligned_alloc(64, round_up(lay.floats() * sizeof(float), 64)));
-    std::fill(work, work + lay.floats(), 0.0f);  // lanes past a row's scores are read (then masked)
-#pragma omp for schedule(dynamic, chunk)
-    for (int64_t task = 0; task < tasks; ++task)
-      attend_group<CacheT, IoT>(p, lay, task / p.kv_heads, task % p.kv_heads, heads_together, work);
-    std::free(work);
-  }
-}
-
-template <typename CacheT>
-void run_cache(const Problem& p) {
-  switch (p.io_type) {
-    case DType::f32: return run_typed<CacheT, float>(p);
-    case DType::bf16: return run_typed<CacheT, c10::BFloat16>(p);
-    case DType::f16: return run_typed<CacheT, c10::Half>(p);
-  }
-}
-
-inline void run(const Problem& p) {
-  switch (p.cache_type) {
-    case DType::f32: return run_cache<float>(p);
-    case DType::bf16: return run_cache<c10::BFloat16>(p);
-    case DType::f16: return run_cache<c10::Half>(p);
-  }
-}
+#include "paged_attention_threads.h"  // the work of a call spread over the threads: run()

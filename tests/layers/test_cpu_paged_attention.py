@@ -93,9 +93,10 @@ def test_kernel_matches_sdpa_per_sequence(isa, heads, kv_heads, dim, block_size,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (5, 1, 24)])
 def test_a_large_batch_gives_each_sequence_what_it_gets_alone(isa, heads, kv_heads, dim, dtype):
-    """From 4 sequences per thread one thread attends a sequence's KV heads in turn, head 0
-    prefetching every head's rows (paged_attention_impl.h Task::shared_rows) where the sequence's
-    K/V fit in L2; the longest one here does not. Same bits as each sequence decoded alone."""
+    """From 4 sequences per thread one thread attends a sequence's KV heads in turn while the next
+    sequence it claimed streams into L2 (paged_attention_impl.h attend_sequences, NextRows) where
+    both sequences' K/V fit; the longest one here does not, so its neighbours neither stream it nor
+    are streamed after it. Same bits as each sequence decoded alone."""
     block_size, threads = 16, torch.get_num_threads()
     gen = torch.Generator().manual_seed(heads * dim)
     lens = torch.tensor([1, 15, 16, 17, 40, 3, 2200, 100] * threads)
@@ -116,6 +117,33 @@ def test_a_large_batch_gives_each_sequence_what_it_gets_alone(isa, heads, kv_hea
         assert torch.equal(together[b:b + 1], alone), b
     torch.testing.assert_close(together.float(), _reference(q, k_cache, v_cache, tables, lens, dim ** -0.5),
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_batch_of_verify_chunks_gives_each_what_it_gets_alone(isa, dtype):
+    """Several query tokens per sequence (speculative verifies) in a batch large enough for whole
+    sequences per thread and the next one streamed in: each chunk's rows are the bits it gets alone."""
+    heads, kv_heads, dim, block_size, threads = 9, 3, 64, 16, torch.get_num_threads()
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.tensor([5, 33, 16, 300, 2, 130] * 2 * threads)
+    counts = torch.tensor([1, 4, 3, 5, 2, 3] * 2 * threads)
+    blocks = -(-lens // block_size)
+    tables = torch.zeros(lens.numel(), int(blocks.max()), dtype=torch.int64)
+    order = torch.randperm(int(blocks.sum()), generator=gen)
+    for row, (start, n) in enumerate(zip((blocks.cumsum(0) - blocks).tolist(), blocks.tolist())):
+        tables[row, :n] = order[start:start + n]
+    k_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    q = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
+    together = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode_attention(together, q, k_cache, v_cache, tables, lens, dim ** -0.5, starts)
+    for b in range(lens.numel()):
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        alone = torch.full_like(q[rows], float("nan"))
+        cpu_kernels.paged_decode_attention(alone, q[rows], k_cache, v_cache, tables[b:b + 1], lens[b:b + 1],
+                                           dim ** -0.5, torch.tensor([0, int(counts[b])]))
+        assert torch.equal(together[rows], alone), b
 
 
 def _multi_query_case(heads, kv_heads, dim, block_size, dtype, seed):
@@ -153,6 +181,28 @@ def _assert_chunks_are_decode_rows(q, k_cache, v_cache, tables, lens, starts, ro
     torch.testing.assert_close(out, rows, atol=0, rtol=0)
     torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, row_tables, row_lens, scale),
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (5, 1, 24)])
+@pytest.mark.parametrize("lens,counts", [([128], [128]), ([340], [300]), ([560, 48], [500, 48])])
+def test_a_few_long_chunks_split_in_pieces_are_decode_rows(isa, heads, kv_heads, dim, dtype, lens, counts):
+    """With fewer sequences than the threads can share out whole, each chunk's query tokens are
+    attended in pieces of about equal causal work (paged_attention_threads.h split_queries): a
+    fresh 128-token prompt, 300 tokens after 40 cached, and 500 after 60 (across the 512-token span
+    edge) beside a 48-token prompt equal decode rows bit for bit, and SDPA."""
+    block_size = 16
+    gen = torch.Generator().manual_seed(sum(lens) + heads)
+    lens, counts = torch.tensor(lens), torch.tensor(counts)
+    per_seq = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(lens.numel() * per_seq, generator=gen).view(-1, per_seq)
+    k_cache = torch.randn(tables.numel(), block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(tables.numel(), block_size, kv_heads, dim, generator=gen).to(dtype)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    q = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
+    row_lens = torch.cat([lens[b] - torch.arange(n - 1, -1, -1) for b, n in enumerate(counts.tolist())])
+    _assert_chunks_are_decode_rows(q, k_cache, v_cache, tables, lens, starts, tables.repeat_interleave(counts, dim=0),
+                                   row_lens, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

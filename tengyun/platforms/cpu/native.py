@@ -40,7 +40,8 @@ COMPILED = [CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "pa
                                      "moe_grouped.cpp", "thread_affinity.cpp")]
 SOURCES = [*COMPILED, *(CSRC / name for name in ("cpu_isa.h", "paged_attention_impl.h", "paged_attention_vec.h",
                                                  "layer_ops_impl.h", "half_convert.h", "sampling_impl.h",
-                                                 "paged_attention_bf16.h"))]
+                                                 "paged_attention_bf16.h", "paged_attention_prefetch.h",
+                                                 "paged_attention_threads.h"))]
 # -O3 and OpenMP only: no -march (see the module docstring). libgomp.so.1 resolves to the copy torch
 # already loaded, so the kernel's threads are torch's threads (torch.set_num_threads applies).
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
