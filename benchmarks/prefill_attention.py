@@ -24,7 +24,7 @@ from tengyun.platforms.cpu.kernels import attention as cpu_paged
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.platforms.attention_backends import get_attention_backend
 
-CASES = [(16, 128), (8, 256), (4, 512), (1, 128), (1, 512), (1, 1024)]  # (prompts, tokens each)
+CASES = [(16, 128), (8, 256), (4, 512), (1, 128), (1, 512), (1, 1024), (1, 2048)]  # (prompts, tokens each)
 
 
 def prefill_case(count: int, length: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int):
@@ -56,8 +56,10 @@ def time_case(args, count: int, length: int, dtype: torch.dtype) -> str:
     times: dict[str, list[float]] = {name: [] for name in backends}
     outputs = {}
     picks = "paged kernel" if cpu_paged.in_kernel(chunks[0], dtype) else "SDPA"
-    default = cpu_paged.MAX_PAGED_SEQ_LEN, cpu_paged.AMX_BF16_MAX_PAGED_SEQ_LEN
-    cpu_paged.MAX_PAGED_SEQ_LEN = cpu_paged.AMX_BF16_MAX_PAGED_SEQ_LEN = 1 << 30  # every chunk in the kernel
+    names = ("MAX_PAGED_SEQ_LEN", "FLOAT32_MAX_PAGED_SEQ_LEN", "AMX_BF16_MAX_PAGED_SEQ_LEN")
+    default = [getattr(cpu_paged, name) for name in names]
+    for name in names:
+        setattr(cpu_paged, name, 1 << 30)  # every chunk in the kernel
     try:
         for _ in range(args.repeats):
             for name, backend in backends.items():
@@ -65,7 +67,8 @@ def time_case(args, count: int, length: int, dtype: torch.dtype) -> str:
                 outputs[name] = backend.forward(q, k, v, k_cache, v_cache, metas[name], 64 ** -0.5)
                 times[name].append(time.perf_counter() - start)
     finally:
-        cpu_paged.MAX_PAGED_SEQ_LEN, cpu_paged.AMX_BF16_MAX_PAGED_SEQ_LEN = default
+        for name, value in zip(names, default):
+            setattr(cpu_paged, name, value)
     sdpa, paged = (statistics.median(times[name]) * 1e3 for name in backends)
     diff = (outputs["torch_sdpa"].float() - outputs["cpu_paged"].float()).abs().max().item()
     return (f"| {str(dtype)[6:]} | {count} x {length} | {sdpa:.2f} | {paged:.2f} | {sdpa / paged:.2f}x | "

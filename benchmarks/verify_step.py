@@ -32,13 +32,15 @@ from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk  #
 from tengyun.platforms.attention_backends import get_attention_backend  # noqa: E402
 
 K = 4
+DEFAULT_LIMITS = {name: getattr(cpu_paged, name) for name in (
+    "MAX_PAGED_QUERY", "MAX_PAGED_SEQ_LEN", "FLOAT32_MAX_PAGED_SEQ_LEN", "AMX_BF16_MAX_PAGED_QUERY",
+    "AMX_BF16_MAX_PAGED_SEQ_LEN")}
 
 
 def paths(paged: bool) -> None:
     """paged: short chunks in the kernel (the default); else every chunk through SDPA (before)."""
-    cpu_paged.MAX_PAGED_QUERY = 16 if paged else 0
-    cpu_paged.MAX_PAGED_SEQ_LEN = 256 if paged else 0
-    cpu_paged.AMX_BF16_MAX_PAGED_QUERY = cpu_paged.AMX_BF16_MAX_PAGED_SEQ_LEN = 32 if paged else 0
+    for name, value in DEFAULT_LIMITS.items():
+        setattr(cpu_paged, name, value if paged else 0)
 
 
 def attention_case(batch: int, context: int, dtype: torch.dtype, block_size: int = 16):

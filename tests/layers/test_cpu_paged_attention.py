@@ -271,21 +271,22 @@ def cpu_flags_as(monkeypatch):
 def test_bfloat16_on_amx_cores_leaves_chunks_over_32_tokens_to_sdpa(cpu_flags_as):
     """With AMX, torch's SDPA multiplies bfloat16 on tiles and wins from ~48 query tokens, so the
     kernel keeps only chunks of up to 32; float32, and bfloat16 without AMX, keep the generic limits
-    (16 query tokens, or a whole sequence of up to 256)."""
+    (16 query tokens, or a whole sequence of up to 512 in float32, 1024 in bfloat16)."""
     from tengyun.platforms.cpu.kernels.attention import in_kernel
     from tengyun.layers.attention.metadata import PrefillChunk
 
-    chunks = [(3, 20), (32, 200), (33, 0), (40, 0), (128, 128), (200, 0), (300, 0)]
+    chunks = [(3, 20), (32, 200), (33, 0), (40, 0), (128, 128), (200, 0), (300, 300), (600, 400), (900, 200)]
 
     def picks(dtype):
         return [in_kernel(PrefillChunk(0, n, context, torch.zeros(1, dtype=torch.int64)), dtype)
                 for n, context in chunks]
 
     cpu_flags_as({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"})
-    assert picks(torch.bfloat16) == [True, True, False, False, False, False, False]
-    assert picks(torch.float32) == [True, True, True, True, True, True, False]
+    assert picks(torch.bfloat16) == [True, True, False, False, False, False, False, False, False]
+    assert picks(torch.float32) == [True, True, True, True, True, True, False, False, False]
     cpu_flags_as({"avx512f", "avx512_bf16"})
-    assert picks(torch.bfloat16) == picks(torch.float32) == [True, True, True, True, True, True, False]
+    assert picks(torch.bfloat16) == [True, True, True, True, True, True, True, True, False]
+    assert picks(torch.float32) == [True, True, True, True, True, True, False, False, False]
 
 
 @pytest.mark.parametrize("flags,in_the_kernel", [({"avx512f", "avx512_bf16", "amx_bf16"}, False),
@@ -317,7 +318,7 @@ def test_the_backend_routes_a_bfloat16_prompt_by_the_cpus_limits(kernels, cpu_fl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_backend_runs_its_chunks_in_the_kernel_as_torch_sdpa_attends(kernels, dtype, cpu_flags_as):
     """One step: 2 decodes, then chunks (query tokens, cached before them): a 3-token verify over
-    20 cached tokens, a 20-token chunk after 240 (torch_sdpa's path), a 2-token fresh prompt, a
+    20 cached tokens, a 20-token chunk after 1100 (torch_sdpa's path), a 2-token fresh prompt, a
     5-token verify ending inside a block, a 40-token fresh prompt and a 30-token chunk after 60
     (short sequences: the kernel's; the generic limits, as on a CPU without AMX). The kernel's rows
     are not contiguous. Every token equals torch_sdpa's."""
@@ -325,11 +326,11 @@ def test_the_backend_runs_its_chunks_in_the_kernel_as_torch_sdpa_attends(kernels
     from tengyun.layers.attention.metadata import PrefillChunk
 
     gen, bs, heads, kv_heads, dim = torch.Generator().manual_seed(5), 16, 14, 2, 64
-    k_cache = torch.randn(160, bs, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(160, bs, kv_heads, dim, generator=gen).to(dtype)
-    tables = torch.randperm(160, generator=gen).view(8, 20)  # one row of blocks per sequence
+    k_cache = torch.randn(576, bs, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(576, bs, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(576, generator=gen).view(8, 72)  # one row of blocks per sequence
     decode_lens = torch.tensor([7, 33])
-    chunks = [(3, 20), (20, 240), (2, 0), (5, 28), (40, 0), (30, 60)]
+    chunks = [(3, 20), (20, 1100), (2, 0), (5, 28), (40, 0), (30, 60)]
     cpu_flags_as({"avx512f", "avx512_bf16"})
     assert [in_kernel(PrefillChunk(0, n, context, tables[0]), dtype) for n, context in chunks] == [
         True, False, True, True, True, True]

@@ -5,7 +5,8 @@ blocks prefetched ahead), one OpenMP task per (sequence, KV head) that attends a
 query heads together, 512 tokens at a time: every score, one softmax update, then the values with
 each V row read once for all heads. So do prefill chunks with few query tokens (a speculative
 verify's last token and drafts) or a short whole sequence (a prompt of up to MAX_PAGED_SEQ_LEN
-tokens; in bfloat16 on cores with AMX only chunks of up to 32 tokens: kernel_limits), every query
+tokens, FLOAT32_MAX_PAGED_SEQ_LEN in float32; in bfloat16 on cores with AMX only chunks of up to 32
+tokens: kernel_limits), every query
 token with its causal limit, each block read once for all of a sequence's tokens; token i of a
 chunk computes exactly what a decode row of its length would. Writing K/V and the other prefill
 chunks are torch_sdpa's, unchanged. Picked by ``CpuPlatform.attention_backend``
@@ -25,14 +26,17 @@ from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.layers.attention.torch_sdpa import TorchSDPABackend
 
 # A prefill chunk runs in the paged kernel when it has at most MAX_PAGED_QUERY query tokens, or when
-# its whole sequence (cached context + query) is at most MAX_PAGED_SEQ_LEN tokens. Longer ones are
-# matmul-bound, where torch's SDPA (flash kernel) over gathered K/V is faster: the kernel does a
-# decode row's work per query token and parallelises over sequences x KV heads only. Measured
-# (benchmarks/README.md "Prefill attention of short prompts"), SmolLM2's heads, 2 threads, 16-token
-# blocks: 16 fresh prompts of 128 tokens, bf16 8.1 ms in SDPA vs 4.9 ms here (fp32 6.7 vs 5.9);
-# 8 x 256, bf16 11.5 vs 9.4; one prompt of 512, bf16 4.8 vs 6.0; one of 1024, 14.7 vs 35.9.
+# its whole sequence (cached context + query) is at most MAX_PAGED_SEQ_LEN tokens (float32:
+# FLOAT32_MAX_PAGED_SEQ_LEN). Longer ones are matmul-bound, where torch's SDPA (flash kernel) over
+# gathered K/V is faster: the kernel does a decode row's work per query token. Since a few chunks
+# are attended in pieces of their query tokens (paged_attention_threads.h), one prompt keeps both
+# threads busy. Measured 2026-12-06, AMD EPYC VM (avx512_bf16, no AMX), 2 threads, SmolLM2's heads,
+# 16-token blocks (benchmarks/prefill_attention.py, SDPA / kernel ms): bfloat16 1 x 512 4.42 / 2.49,
+# 1 x 1024 12.57 / 10.05, 2 x 1024 24.99 / 19.87, 1 x 2048 42.92 / 41.78; float32 1 x 512 4.37 /
+# 3.51, 1 x 768 7.46 / 7.68, 2 x 1024 23.79 / 24.09.
 MAX_PAGED_QUERY = 16
-MAX_PAGED_SEQ_LEN = 256
+MAX_PAGED_SEQ_LEN = 1024
+FLOAT32_MAX_PAGED_SEQ_LEN = 512
 # bfloat16 on cores with AMX: torch's SDPA multiplies on AMX tiles and wins from ~48 query tokens
 # whatever the context, so only short chunks (a verify, a prompt's last few tokens) stay here.
 # 2026-12-05, Intel Xeon VM with amx_bf16, 2 threads, SmolLM2's heads (benchmarks/prefill_attention.py,
@@ -48,6 +52,8 @@ def kernel_limits(dtype: torch.dtype | None) -> tuple[int, int]:
     this activation dtype on this CPU (None: the generic limits)."""
     if dtype == torch.bfloat16 and _has_amx_bf16():
         return AMX_BF16_MAX_PAGED_QUERY, AMX_BF16_MAX_PAGED_SEQ_LEN
+    if dtype == torch.float32:
+        return MAX_PAGED_QUERY, FLOAT32_MAX_PAGED_SEQ_LEN
     return MAX_PAGED_QUERY, MAX_PAGED_SEQ_LEN
 
 
