@@ -54,15 +54,29 @@ def test_the_tuner_goes_back_to_all_threads_when_the_core_frees():
 
 
 def test_a_count_within_the_margin_does_not_replace_the_current_one():
-    tuner = ThreadTuner(2, warmup_steps=0, margin=0.05)
+    tuner = ThreadTuner(2, warmup_steps=0, margin=0.05, fewer_margin=0.05)
     run_steps(tuner, {2: 1.0, 1: 0.97}, steps=4)
     assert tuner.threads == 2
     run_steps(tuner, {2: 1.0, 1: 0.9}, steps=64 + 4)
     assert tuner.threads == 1
+    run_steps(tuner, {2: 0.97, 1: 1.0}, steps=32 + 4)
+    assert tuner.threads == 1
+    run_steps(tuner, {2: 0.9, 1: 1.0}, steps=64 + 4)
+    assert tuner.threads == 2
+
+
+def test_fewer_threads_must_win_by_more_since_prefill_runs_at_the_count_too():
+    """A decode step 10% faster on 1 thread (a small model at batch 1 on quiet cores) keeps 2: the
+    prefill chunks, never probed, run at the chosen count; a busy core's 1.5x does move it."""
+    tuner = ThreadTuner(2, warmup_steps=0)
+    run_steps(tuner, {2: 1.1, 1: 1.0}, steps=4 + 64 + 4 + 128 + 4)
+    assert tuner.threads == 2
+    run_steps(tuner, {2: 1.5, 1: 1.0}, steps=256 + 4)
+    assert tuner.threads == 1
 
 
 def test_many_cores_probe_one_count_either_side():
-    tuner = ThreadTuner(8, probe_pairs=1, warmup_steps=0, first_interval=1)
+    tuner = ThreadTuner(8, probe_pairs=1, warmup_steps=0, first_interval=1, fewer_margin=0.05)
     ms_per_token = {n: 1.0 + abs(n - 5) for n in range(1, 9)}  # 5 threads is fastest
     assert run_steps(tuner, ms_per_token, steps=2) == [7, 8]  # 9 is beyond the cores
     assert tuner.threads == 7

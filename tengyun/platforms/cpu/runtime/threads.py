@@ -17,7 +17,12 @@ tell):
 
 Probe schedule, 2 cores, at 2 threads: [1, 2, 1, 2] (alternating, so drift in the load hits
 both counts); the faster count by seconds per scheduled token wins if it beats the current
-one by ``margin``. Only steps of at most ``max_probe_tokens`` tokens take part (decode steps:
+one by ``margin``, a count below the current one by ``fewer_margin``: the count also runs the
+prefill chunks, which no probe times and which on quiet cores run about twice as fast on 2
+threads as on 1, while a small decode step can run a little faster on fewer threads there
+(SmolLM2 at batch 1, AMD EPYC VM, 2026-12-06: 1 thread 10.0-11.6 ms a token, 2 threads 11.0-12.7;
+the move to 1 thread then made a 128-token prompt's first token 124 ms instead of 96). A busy
+core slows the higher count far more (2 threads 1.9x slower a token than 1, "A busy core"). Only steps of at most ``max_probe_tokens`` tokens take part (decode steps:
 a prefill chunk at the slower count costs more than a probe wins back), and a probe whose
 step sizes differ by more than ``size_tolerance`` restarts (batch sizes changed). After a probe
 that keeps the count the next one waits twice as long (``first_interval`` .. ``max_interval``
@@ -55,10 +60,11 @@ class ThreadTuner:
 
     def __init__(self, max_threads: int, probe_pairs: int = 2, warmup_steps: int = 2, first_interval: int = 32,
                  max_interval: int = 1024, margin: float = 0.05, size_tolerance: float = 1.25, jump: float = 1.5,
-                 max_probe_tokens: int = 256):
+                 max_probe_tokens: int = 256, fewer_margin: float = 0.25):
         self.max_threads = max_threads
         self.threads = max_threads  # the chosen count, run outside probes
         self.probe_pairs, self.margin, self.size_tolerance, self.jump = probe_pairs, margin, size_tolerance, jump
+        self.fewer_margin = fewer_margin  # what a count below the current one must win by
         self.first_interval, self.max_interval = first_interval, max_interval
         # Larger steps (prefill chunks) never run at a trial count: one of them at the slower
         # count would cost more than the probe can win back (1.3 s of SmolLM2 prefill at 2048 tokens).
@@ -134,9 +140,11 @@ class ThreadTuner:
         self._outliers = 0
 
     def _choose(self, seconds: dict[int, float], what: str) -> bool:
-        """Move to the count with the lowest time unless it beats ours by less than margin -> moved."""
+        """Move to the count with the lowest time unless it beats ours by less than margin
+        (fewer_margin for a lower count) -> moved."""
         best, current = min(seconds, key=seconds.get), self.threads
-        if best == current or seconds[best] >= seconds[current] * (1 - self.margin):
+        margin = self.fewer_margin if best < current else self.margin
+        if best == current or seconds[best] >= seconds[current] * (1 - margin):
             logger.debug("OpenMP threads stay %d: %s, %s", current, _describe(seconds), what)
             return False
         now = time.monotonic()
