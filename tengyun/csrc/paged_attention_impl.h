@@ -237,10 +237,11 @@ struct Layout {  // attend_group's scratch, in floats
 struct Task {
   int64_t b, h, len, first, nq, rows, group, num_blocks;
   const int64_t* table;  // the sequence's block ids
-  // Where one thread attends all the sequence's KV heads in turn (run_typed: heads_together) and its
-  // K/V fit kWholeRowsBytes: head 0 prefetches whole cache rows (every head's), one contiguous
-  // stream per block instead of a 1-in-kv_heads stride, and the later heads prefetch nothing (their
-  // rows are in L2 by then). Else each head prefetches its own rows.
+  // Where one thread attends all the sequence's KV heads in turn (attend_sequences) and its K/V fit
+  // kWholeRowsBytes: head 0 prefetches whole cache rows (every head's), one contiguous stream per
+  // block instead of a 1-in-kv_heads stride, unless they were streamed in while the thread's
+  // previous sequence ran (prefetched), and the later heads prefetch nothing (their rows are in L2
+  // by then). Else each head prefetches its own rows.
   bool shared_rows;
   bool prefetched;  // its whole rows came in while the thread's previous sequence ran: no own prefetch
   NextRows* next;  // nullptr, or the thread's next sequence, a step per block of each pass
