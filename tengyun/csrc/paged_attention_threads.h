@@ -56,19 +56,31 @@ inline std::vector<Piece> split_queries(const Problem& p, int64_t split) {
   return pieces;
 }
 
+// The scratch of a thread (Layout) holds its largest task's rows: a piece's, not its whole chunk's
+// (a fresh 1024-token prompt of SmolLM2 on 2 threads, 3 pieces of 591, 246 and 187 tokens: 1,773
+// rows, 4.7 MB a thread, instead of 3,072 rows and 8.1 MB).
+inline Problem sized_for(const Problem& p, const std::vector<Piece>& pieces) {
+  Problem sized = p;
+  if (!pieces.empty()) {
+    sized.max_query_len = 1;
+    for (const Piece& piece : pieces) sized.max_query_len = std::max(sized.max_query_len, piece.q1 - piece.q0);
+  }
+  return sized;
+}
+
 template <typename CacheT, typename IoT>
 void run_typed(const Problem& p) {
-  Layout lay(p);
+  const int64_t threads = std::max<int64_t>(1, p.threads);
+  const bool heads_together = p.kv_heads > 1 && p.batch >= 4 * threads;
+  std::vector<Piece> pieces;
+  if (!heads_together) pieces = split_queries(p, (4 * threads + p.batch * p.kv_heads - 1) / (p.batch * p.kv_heads));
+  Layout lay(sized_for(p, pieces));
 #if TY_ISA == 512
   static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
   lay.dot_bf16 = std::is_same_v<CacheT, c10::BFloat16> && std::is_same_v<IoT, c10::BFloat16> && has_bf16_dot &&
                  p.head_dim % 32 == 0 && p.head_dim <= 128;
   lay.paired = std::is_same_v<CacheT, c10::BFloat16> && p.head_dim % 32 == 0;
 #endif
-  const int64_t threads = std::max<int64_t>(1, p.threads);
-  const bool heads_together = p.kv_heads > 1 && p.batch >= 4 * threads;
-  std::vector<Piece> pieces;
-  if (!heads_together) pieces = split_queries(p, (4 * threads + p.batch * p.kv_heads - 1) / (p.batch * p.kv_heads));
   const int64_t tasks = heads_together ? p.batch * p.kv_heads : static_cast<int64_t>(pieces.size()) * p.kv_heads;
   std::atomic<int64_t> claims{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min(threads, tasks)))

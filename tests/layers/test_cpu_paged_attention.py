@@ -90,6 +90,19 @@ def test_kernel_matches_sdpa_per_sequence(isa, heads, kv_heads, dim, block_size,
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def _shuffled_cache(lens, block_size, kv_heads, dim, dtype, gen):
+    """(tables [B, most blocks], k_cache, v_cache): each sequence's blocks drawn at random from one
+    shared cache of random K/V, exactly as many as its length needs."""
+    blocks = -(-lens // block_size)
+    tables = torch.zeros(lens.numel(), int(blocks.max()), dtype=torch.int64)
+    order = torch.randperm(int(blocks.sum()), generator=gen)
+    for row, (start, n) in enumerate(zip((blocks.cumsum(0) - blocks).tolist(), blocks.tolist())):
+        tables[row, :n] = order[start:start + n]
+    k_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
+    return tables, k_cache, v_cache
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (5, 1, 24)])
 def test_a_large_batch_gives_each_sequence_what_it_gets_alone(isa, heads, kv_heads, dim, dtype):
@@ -100,13 +113,7 @@ def test_a_large_batch_gives_each_sequence_what_it_gets_alone(isa, heads, kv_hea
     block_size, threads = 16, torch.get_num_threads()
     gen = torch.Generator().manual_seed(heads * dim)
     lens = torch.tensor([1, 15, 16, 17, 40, 3, 2200, 100] * threads)
-    blocks = -(-lens // block_size)
-    tables = torch.zeros(lens.numel(), int(blocks.max()), dtype=torch.int64)
-    order = torch.randperm(int(blocks.sum()), generator=gen)
-    for row, (start, n) in enumerate(zip((blocks.cumsum(0) - blocks).tolist(), blocks.tolist())):
-        tables[row, :n] = order[start:start + n]
-    k_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
+    tables, k_cache, v_cache = _shuffled_cache(lens, block_size, kv_heads, dim, dtype, gen)
     q = torch.randn(lens.numel(), heads, dim, generator=gen).to(dtype)
     together = torch.full_like(q, float("nan"))
     cpu_kernels.paged_decode_attention(together, q, k_cache, v_cache, tables, lens, dim ** -0.5)
@@ -127,13 +134,7 @@ def test_a_large_batch_of_verify_chunks_gives_each_what_it_gets_alone(isa, dtype
     gen = torch.Generator().manual_seed(7)
     lens = torch.tensor([5, 33, 16, 300, 2, 130] * 2 * threads)
     counts = torch.tensor([1, 4, 3, 5, 2, 3] * 2 * threads)
-    blocks = -(-lens // block_size)
-    tables = torch.zeros(lens.numel(), int(blocks.max()), dtype=torch.int64)
-    order = torch.randperm(int(blocks.sum()), generator=gen)
-    for row, (start, n) in enumerate(zip((blocks.cumsum(0) - blocks).tolist(), blocks.tolist())):
-        tables[row, :n] = order[start:start + n]
-    k_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(int(blocks.sum()), block_size, kv_heads, dim, generator=gen).to(dtype)
+    tables, k_cache, v_cache = _shuffled_cache(lens, block_size, kv_heads, dim, dtype, gen)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     q = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
     together = torch.full_like(q, float("nan"))

@@ -3,14 +3,15 @@
 Decodes read their K/V blocks in place from the paged cache (no gather copy; float32 accumulation,
 blocks prefetched ahead), one OpenMP task per (sequence, KV head) that attends all the KV head's
 query heads together, 512 tokens at a time: every score, one softmax update, then the values with
-each V row read once for all heads. So do prefill chunks with few query tokens (a speculative
+each V row read once for all heads (from 4 sequences per thread a thread takes whole sequences
+and streams the next one's K/V into L2 meanwhile; fewer, a chunk's query tokens go in pieces of
+equal work, so one prompt keeps every thread busy). So do prefill chunks with few query tokens (a speculative
 verify's last token and drafts) or a short whole sequence (a prompt of up to MAX_PAGED_SEQ_LEN
 tokens, FLOAT32_MAX_PAGED_SEQ_LEN in float32; in bfloat16 on cores with AMX only chunks of up to 32
-tokens: kernel_limits), every query
-token with its causal limit, each block read once for all of a sequence's tokens; token i of a
-chunk computes exactly what a decode row of its length would. Writing K/V and the other prefill
-chunks are torch_sdpa's, unchanged. Picked by ``CpuPlatform.attention_backend``
-only when the kernel library loads (platforms/cpu/native.py).
+tokens: kernel_limits), every query token with its causal limit, each block read once for all of a
+sequence's tokens; token i of a chunk computes exactly what a decode row of its length would.
+Writing K/V and the other prefill chunks are torch_sdpa's, unchanged. Picked by
+``CpuPlatform.attention_backend`` only when the kernel library loads (platforms/cpu/native.py).
 """
 
 from __future__ import annotations

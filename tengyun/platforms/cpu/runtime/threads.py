@@ -20,14 +20,15 @@ both counts); the faster count by seconds per scheduled token wins if it beats t
 one by ``margin``, a count below the current one by ``fewer_margin``: the count also runs the
 prefill chunks, which no probe times and which on quiet cores run about twice as fast on 2
 threads as on 1, while a small decode step can run a little faster on fewer threads there
-(SmolLM2 at batch 1, AMD EPYC VM, 2026-12-06: 1 thread 10.0-11.6 ms a token, 2 threads 11.0-12.7;
-the move to 1 thread then made a 128-token prompt's first token 124 ms instead of 96). A busy
-core slows the higher count far more (2 threads 1.9x slower a token than 1, "A busy core"). Only steps of at most ``max_probe_tokens`` tokens take part (decode steps:
-a prefill chunk at the slower count costs more than a probe wins back), and a probe whose
-step sizes differ by more than ``size_tolerance`` restarts (batch sizes changed). After a probe
-that keeps the count the next one waits twice as long (``first_interval`` .. ``max_interval``
-steps); a change, or a step ``jump``x slower or faster per token than the count measured at
-its last probe, brings the next probe forward.
+(SmolLM2 at batch 1, AMD EPYC VM, 2026-12-06: 1 thread 10.0-11.6 ms a token, 2 threads
+11.0-12.7; after a move to 1 thread the server prefilled a 128-token prompt in 124 ms, against
+85-96 on 2). A busy core slows the higher count far more (2 threads 1.9x slower a token than 1,
+benchmarks/README.md "A busy core"). Only steps of at most ``max_probe_tokens`` tokens take part
+(decode steps: a prefill chunk at the slower count costs more than a probe wins back), and a
+probe whose step sizes differ by more than ``size_tolerance`` restarts (batch sizes changed).
+After a probe that keeps the count the next one waits twice as long (``first_interval`` ..
+``max_interval`` steps); a change, or a step ``jump``x slower or faster per token than the count
+measured at its last probe, brings the next probe forward.
 
 OMP_NUM_THREADS set by the user fixes the count (no tuning); so does a multi-rank worker,
 whose step times include waiting for the other ranks.
