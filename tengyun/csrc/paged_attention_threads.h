@@ -33,11 +33,12 @@ void attend_sequences(const Problem& p, const Layout& lay, std::atomic<int64_t>&
   }
 }
 
-constexpr int64_t kMinPieceTokens = 16;  // query tokens a piece holds at least: each re-reads its context
+constexpr int64_t kMinPieceTokens = 16;  // query tokens per piece, on average at least: each re-reads its context
 
-// Each sequence's query tokens in up to `split` pieces of about equal causal work (token i of n
-// after ctx cached tokens sees ctx + i + 1 keys), kMinPieceTokens or more each: a 128-token prompt
-// of SmolLM2 (3 KV heads) on 2 threads, 3 pieces of 74, 31 and 23 tokens.
+// Each sequence's query tokens in up to `split` pieces, and no more than n / kMinPieceTokens, of
+// about equal causal work (token i of n after ctx cached tokens sees ctx + i + 1 keys; the later
+// pieces are the shorter): a 128-token prompt of SmolLM2 (3 KV heads) on 2 threads, 3 pieces of
+// 74, 31 and 23 tokens.
 inline std::vector<Piece> split_queries(const Problem& p, int64_t split) {
   std::vector<Piece> pieces;
   for (int64_t b = 0; b < p.batch; ++b) {
