@@ -24,11 +24,11 @@ struct PrefetchRows {
   int64_t rows, row_bytes;  // row_bytes: one KV head's row, or every head's (Task::shared_rows)
 };
 
-// Where a thread attends whole sequences (run_typed: heads_together), the sequence it takes next:
-// its whole cache rows (every KV head's, K then V), a few rows at each block step of the current
-// sequence, so memory is read while the current one computes and the next one's heads all find
-// their rows in L2. Without it head 0 of each sequence waited for all of them (its scores and
-// values read in bursts) and the other heads read from L2 with memory idle.
+// Where a thread attends whole sequences (paged_attention_threads.h attend_sequences), the sequence
+// it takes next: its whole cache rows (every KV head's, K then V), a few rows at each block step of
+// the current sequence, so memory is read while the current one computes and the next one's heads
+// all find their rows in L2. Without it head 0 of each sequence waited for all of them (its scores
+// and values read in bursts) and the other heads read from L2 with memory idle.
 struct NextRows {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -36,16 +36,15 @@ struct NextRows {
   int64_t len = 0, block_size = 0, row_bytes = 0, block_bytes = 0;
   int64_t done = 0, per_step = 0;  // rows issued of 2 * len (K's, then V's); rows per step
 
-  // Sequence b's rows, spread over `steps` calls of step().
-  void start(const void* k_cache, const void* v_cache, const int64_t* b_table, int64_t b_len, int64_t bs,
-             int64_t row, int64_t block, int64_t steps) {
-    k = static_cast<const char*>(k_cache);
-    v = static_cast<const char*>(v_cache);
-    table = b_table;
-    len = b_len;
-    block_size = bs;
-    row_bytes = row;
-    block_bytes = block;
+  // Sequence b's rows (cache elements of elem_bytes), spread over `steps` calls of step().
+  void start(const Problem& p, int64_t b, int64_t elem_bytes, int64_t steps) {
+    k = static_cast<const char*>(p.k_cache);
+    v = static_cast<const char*>(p.v_cache);
+    table = p.block_tables + b * p.table_stride;
+    len = p.seq_lens[b];
+    block_size = p.block_size;
+    row_bytes = p.kv_heads * p.head_dim * elem_bytes;
+    block_bytes = p.block_stride * elem_bytes;
     done = 0;
     per_step = (2 * len + steps - 1) / std::max<int64_t>(steps, 1);
   }

@@ -13,7 +13,6 @@
 // kWholeRowsBytes: a long sequence's own heads prefetch its rows as before.
 template <typename CacheT, typename IoT>
 void attend_sequences(const Problem& p, const Layout& lay, std::atomic<int64_t>& claims, float* work) {
-  const int64_t row_bytes = p.kv_heads * p.head_dim * sizeof(CacheT), block_bytes = p.block_stride * sizeof(CacheT);
   NextRows stream;
   bool prefetched = false;
   for (int64_t b = claims.fetch_add(1); b < p.batch;) {
@@ -21,8 +20,7 @@ void attend_sequences(const Problem& p, const Layout& lay, std::atomic<int64_t>&
     const bool streams = following < p.batch && whole_rows_fit<CacheT>(p, following) && whole_rows_fit<CacheT>(p, b);
     if (streams) {
       const int64_t steps = 2 * p.kv_heads * ((p.seq_lens[b] + p.block_size - 1) / p.block_size);
-      stream.start(p.k_cache, p.v_cache, p.block_tables + following * p.table_stride, p.seq_lens[following],
-                   p.block_size, row_bytes, block_bytes, steps);
+      stream.start(p, following, sizeof(CacheT), steps);
     }
     for (int64_t h = 0; h < p.kv_heads; ++h)
       attend_group<CacheT, IoT>(p, lay, Piece{b, 0, query_count(p, b)}, h, true, prefetched,
