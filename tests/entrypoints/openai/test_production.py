@@ -63,11 +63,15 @@ def test_two_instances_behind_nginx_stream_balance_and_survive_a_kill(server_mod
                                                        "ignore_eos": True, "temperature": 0})
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(chunks) > 50
     assert arrivals[-1] - arrivals[0] > 0.5 * (arrivals[-1] - sent)
-    # Not one burst: several separate arrivals. The tiny model's steps take well under a millisecond
-    # and a chunk goes out for each of the 300 tokens, so many chunks share a read: 5-11 gaps > 1 ms
-    # of 299 measured (28-33 of 131 when a step whose text was held back sent no chunk). A proxy that
-    # holds the whole answer gives one; `proxy_buffering off` itself is checked in the config above.
-    assert sum(b - a > 0.001 for a, b in zip(arrivals, arrivals[1:])) >= 4
+    # Not a few bursts: the chunks arrive at the engine's pace. The pace depends on the machine: on
+    # an AMD EPYC VM a chunk came every 0.56-0.60 ms, and only 2-5 of 299 gaps passed the fixed 1 ms
+    # this test once counted. So a gap counts when it is over a quarter of the stream's mean gap:
+    # 243-279 of 299 did on that VM.
+    # A proxy that holds the whole answer gives one such gap. nginx streams here even with
+    # `proxy_buffering on` (254-261 gaps), since the server also sends `X-Accel-Buffering: no`;
+    # the config line itself is checked above.
+    mean_gap = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+    assert sum(b - a > mean_gap / 4 for a, b in zip(arrivals, arrivals[1:])) >= len(arrivals) // 10
     assert "".join(c["choices"][0]["text"] for c in chunks) == completion_text(instances[0], 300)
 
     # Non-streamed answers through nginx equal the instances' own.
