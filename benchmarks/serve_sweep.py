@@ -26,8 +26,12 @@ all of them:
   histograms, so its API CPU is all its CPU and its server timeline is empty. Its threads poll for
   work (its default `--poll 50`), so other jobs on the cores cost it most: 3.5 output tok/s at
   concurrency 1 in a smoke run at load 6-9, where a request on the free machine decoded at ~78.
-- The client: `vllm bench serve --backend openai --dataset-name random` with the same seed and
-  the HF folder as its tokenizer, so every server gets the same prompt text (`--ignore-eos`,
+- The client: `vllm bench serve --backend openai --dataset-name random` with the concurrency as
+  its seed and the HF folder as its tokenizer, so every server gets the same prompt text at a
+  concurrency and no run replays the prompts of an earlier one on the same server: both servers
+  cache prefixes, and with one seed for all, the 256 prompts at 64 had 7 of their 8 blocks cached
+  from the run at 16 (sweeps before 2026-12-06 10:50 did that; `prefix_cache` in each run's
+  record counts the prompt tokens the server found cached, 0 now) (`--ignore-eos`,
   `--temperature 0`: greedy on every server, as the client no longer sends a temperature unless
   told; all requests at once up to the concurrency). llama-server re-tokenises the text with the
   GGUF's copy of the same vocabulary (128 prompt tokens in its log). The client runs through
@@ -53,6 +57,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -106,21 +111,29 @@ def client_command(ctx: dict, folder: str, port: int, concurrency: int, result: 
             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", folder,
             "--served-model-name", SERVED_NAME, "--dataset-name", "random", "--random-input-len",
             str(ctx["input_len"]), "--random-output-len", str(ctx["output_len"]), "--ignore-eos",
-            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--seed", "0",
+            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--seed", str(concurrency),
             "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
-def scrape(system: str, port: int) -> dict:
-    """vLLM's phase histograms from the server's /metrics; llama-server exports none of them."""
+def scrape(system: str, port: int) -> str:
+    """The server's /metrics text; '' for llama-server, which exports none of vLLM's metrics."""
     import httpx
 
     if system == "llamacpp":
-        return {}
+        return ""
     try:
-        return histogram_totals(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text)
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     except httpx.HTTPError:
-        return {}
+        return ""
+
+
+def prefix_cache(before: str, after: str) -> dict[str, float]:
+    """{"hits", "queries"}: prompt tokens found cached / looked up during the run (vLLM's counters,
+    summed over label sets)."""
+    def total(text: str, name: str) -> float:
+        return sum(float(m) for m in re.findall(rf"^vllm:prefix_cache_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return {name: total(after, name) - total(before, name) for name in ("hits", "queries")}
 
 
 def client_run(ctx: dict, system: str, server: subprocess.Popen, folder: str, port: int, concurrency: int,
@@ -139,10 +152,12 @@ def client_run(ctx: dict, system: str, server: subprocess.Popen, folder: str, po
     stats = sampler.stop()
     time.sleep(0.5)  # the last request's histograms are observed just after its last chunk
     share = process_cpu.run_share(cpu_before, process_cpu.snapshot(server.pid))
+    metrics_after = scrape(system, port)
     record.update({"load_after": compare.loadavg(), "other_cpu_cores": stats["other_cpu_cores"],
                    "api_cpu_s": share[0].cpu_s, "engine_cpu_s": sum(p.cpu_s for p in share[1:]),
                    "server_cpu": [{"pid": p.pid, "command": p.command, "cpu_s": p.cpu_s} for p in share],
-                   "server_timeline": timeline(metrics_before, scrape(system, port))})
+                   "server_timeline": timeline(histogram_totals(metrics_before), histogram_totals(metrics_after)),
+                   "prefix_cache": prefix_cache(metrics_before, metrics_after)})
     if client.returncode or not result.exists():
         return {**record, "error": f"vllm bench serve exit {client.returncode}: {output[-1500:]}"}
     answer = json.loads(result.read_text())
