@@ -1,4 +1,4 @@
-// Small-batch linear layers (a few rows, decode at batch 1) straight from oneDNN's prepacked weight.
+// Small-batch linear layers (decode batches of 1-64 rows) straight from oneDNN's prepacked weight.
 //
 // oneDNN's fp32/bf16 inner-product weight, as torch.ops.mkldnn._reorder_linear_weight packs it on
 // AVX-512 cores, is blocked by B output columns, K-major inside a block:
@@ -9,7 +9,10 @@
 // (Npad: N rounded up to a multiple of B; padding is zero). That is the ideal layout for y = x W^T with a few x
 // rows: each step broadcasts x[k] (bf16: the pair x[k], x[k + 1]) and multiplies 16 output columns
 // per vector, so the weight streams once, front to back, at memory speed, with no horizontal sums.
-// oneDNN's own M = 1 path runs at ~36 GB/s here, this at ~50 (benchmarks/README.md).
+// oneDNN's own M = 1 path runs at ~36 GB/s here, this at ~50 (benchmarks/README.md). More than 4 rows
+// take a pass of 4 rows each over a run of columns (a block's, up to 64), the later passes from L2;
+// meanwhile they stream the next run into L2 (Ahead), so memory and arithmetic overlap: 16-64 rows of
+// SmolLM2's projections ran 1.27-1.65x oneDNN on an AMD EPYC (64 rows at ~395 GFLOP/s on 2 cores).
 //
 // The layout is oneDNN's choice, not a contract: tengyun/platforms/cpu/kernels/linear.py checks every packed
 // weight against oneDNN's own product before it routes any row through this kernel, and keeps oneDNN
@@ -42,7 +45,7 @@ namespace tengyun {
 namespace {
 
 constexpr int64_t kGroup = 16;  // output columns per vector (one zmm of float32 sums)
-constexpr int kMaxRows = 4;     // x rows per pass over the weight (register budget: 4 x 4 sums)
+constexpr int kMaxRows = 4;     // x rows per pass over a run of columns (register budget: 4 x 4 sums)
 // Each of a tile's 64-byte column-group streams prefetches this far ahead of its load: a block is
 // read front to back, and the hardware prefetcher alone streamed ~14 GB/s on an AMX VM whose
 // memory reads ~22 GB/s (benchmarks/README.md).
@@ -56,6 +59,20 @@ struct GemvArgs {
   int64_t rows, n, k, k_pad, x_stride;
   int64_t block;  // output columns per packed block: 32 or 64
 };
+
+// While passes after the first read a run of columns again from L2, the run after it streams into
+// L2: each pass prefetches its share of the next run's K steps (step s when s % passes == pass).
+struct Ahead {
+  const char* next = nullptr;  // the next run's first byte; nullptr: prefetch nothing
+  int lines = 0;               // 64-byte lines of the next run per K step (its column groups)
+  int64_t row_bytes = 0;       // bytes per K step of a block: block * 4 (a float32, or a bf16 pair)
+  int64_t pass = 0, passes = 1;
+};
+
+// Runs up to this size prefetch the next. Qwen2.5-0.5B's 24 layers at 16 rows (2026-12-06, AMD EPYC,
+// 1 MiB L2): 41-46 ms without Ahead, 33-36 with it, whether its down projection's 608 KiB runs
+// prefetched too or not; much larger runs fit L2 neither alone nor two at a time, and skip it.
+constexpr int64_t kAheadMaxRunBytes = 1 << 20;
 
 #if TY_HAVE_X86_COPIES
 #define TY_GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -93,7 +110,7 @@ TY_GEMV_TARGET inline void store_tile(const GemvArgs& a, __m512 (&acc)[M][G], in
 
 // Columns [n0, n0 + 16 G) of one block (n0 % B + 16 G <= B), rows [r0, r0 + M).
 template <int M, int G>
-TY_GEMV_TARGET void tile_f32(const GemvArgs& a, int64_t r0, int64_t n0) {
+TY_GEMV_TARGET void tile_f32(const GemvArgs& a, int64_t r0, int64_t n0, const Ahead& ahead) {
   const float* x = static_cast<const float*>(a.x) + r0 * a.x_stride;
   const int64_t block = a.block;
   const float* w = static_cast<const float*>(a.w) + (n0 / block) * a.k_pad * block + n0 % block;
@@ -101,7 +118,12 @@ TY_GEMV_TARGET void tile_f32(const GemvArgs& a, int64_t r0, int64_t n0) {
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
+  int64_t due = ahead.next != nullptr ? ahead.pass : a.k;
   for (int64_t k = 0; k < a.k; ++k, w += block) {
+    if (k == due) {
+      for (int l = 0; l < ahead.lines; ++l) _mm_prefetch(ahead.next + k * ahead.row_bytes + l * 64, _MM_HINT_T1);
+      due += ahead.passes;
+    }
     __m512 xs[M];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) xs[m] = _mm512_set1_ps(x[m * a.x_stride + k]);
@@ -116,36 +138,57 @@ TY_GEMV_TARGET void tile_f32(const GemvArgs& a, int64_t r0, int64_t n0) {
   store_tile<float, M, G>(a, acc, r0, n0);
 }
 
+// x[m][2p, 2p + 1] as one 32-bit pair, broadcast by the load itself (no shuffle port).
+TY_GEMV_TARGET inline __m512bh pair_at(const uint16_t* x) {
+  uint32_t pair;
+  std::memcpy(&pair, x, sizeof pair);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+}
+
 template <int M, int G>
-TY_GEMV_TARGET void tile_bf16(const GemvArgs& a, int64_t r0, int64_t n0) {
+TY_GEMV_TARGET void tile_bf16(const GemvArgs& a, int64_t r0, int64_t n0, const Ahead& ahead) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + r0 * a.x_stride;
   const int64_t block = a.block;
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + (n0 / block) * a.k_pad * block + (n0 % block) * 2;
   __m512 acc[M][G];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
-  const int64_t pairs = (a.k + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p, w += 2 * block) {
-    __m512i xs[M];
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {
-      uint32_t pair = x[m * a.x_stride + 2 * p];
-      if (2 * p + 1 < a.k) pair |= static_cast<uint32_t>(x[m * a.x_stride + 2 * p + 1]) << 16;
-      xs[m] = _mm512_set1_epi32(static_cast<int>(pair));
+  const int64_t whole_pairs = a.k / 2;
+  int64_t due = ahead.next != nullptr ? ahead.pass : whole_pairs;
+  for (int64_t p = 0; p < whole_pairs; ++p, w += 2 * block) {
+    if (p == due) {
+      for (int l = 0; l < ahead.lines; ++l) _mm_prefetch(ahead.next + p * ahead.row_bytes + l * 64, _MM_HINT_T1);
+      due += ahead.passes;
     }
+    __m512bh wv[G];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
       _mm_prefetch(reinterpret_cast<const char*>(w + g * 2 * kGroup) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + g * 2 * kGroup));
+      wv[g] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + g * 2 * kGroup));
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xs = pair_at(x + m * a.x_stride + 2 * p);
 #pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], reinterpret_cast<__m512bh>(xs[m]), wv);
+      for (int g = 0; g < G; ++g) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], xs, wv[g]);
+    }
+  }
+  if (a.k % 2) {  // the last k alone: the high half of its x pair is zero, whatever the padding holds
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xs = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[m * a.x_stride + a.k - 1]));
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + g * 2 * kGroup));
+        acc[m][g] = _mm512_dpbf16_ps(acc[m][g], xs, wv);
+      }
     }
   }
   store_tile<uint16_t, M, G>(a, acc, r0, n0);
 }
 
-using TileFn = void (*)(const GemvArgs&, int64_t, int64_t);
+using TileFn = void (*)(const GemvArgs&, int64_t, int64_t, const Ahead&);
 
 template <int M>
 TileFn pick_tile(bool bf16, int groups) {
@@ -163,15 +206,31 @@ TileFn tile_for(bool bf16, int rows, int groups) {
   }
 }
 
+// Byte offset of column n0's first K step in the packed weight.
+int64_t column_offset(const GemvArgs& a, bool bf16, int64_t n0) {
+  const int64_t elem = bf16 ? 2 : 4;
+  return (n0 / a.block) * a.k_pad * a.block * elem + (n0 % a.block) * 4;
+}
+
 // Column groups [u0, u1) (16 columns each), every row: runs of up to B / 16 groups inside one block.
 void gemv_groups(const GemvArgs& a, bool bf16, int64_t u0, int64_t u1) {
   const int64_t per_block = a.block / kGroup;
+  const int64_t passes = (a.rows + kMaxRows - 1) / kMaxRows;
+  const int64_t run_bytes = a.k_pad * a.block * (bf16 ? 2 : 4);
+  const bool prefetch_next = passes > 1 && run_bytes <= kAheadMaxRunBytes;
   for (int64_t u = u0; u < u1;) {
     const int64_t end = std::min(u1, (u / per_block + 1) * per_block);
     const int groups = static_cast<int>(end - u);
-    for (int64_t r = 0; r < a.rows; r += kMaxRows) {
+    Ahead ahead;
+    if (prefetch_next && end < u1) {
+      ahead.next = static_cast<const char*>(a.w) + column_offset(a, bf16, end * kGroup);
+      ahead.lines = static_cast<int>(std::min(u1, (end / per_block + 1) * per_block) - end);
+      ahead.row_bytes = a.block * 4;
+      ahead.passes = passes;
+    }
+    for (int64_t r = 0; r < a.rows; r += kMaxRows, ++ahead.pass) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.rows - r));
-      tile_for(bf16, rows, groups)(a, r, u * kGroup);
+      tile_for(bf16, rows, groups)(a, r, u * kGroup, ahead);
     }
     u = end;
   }

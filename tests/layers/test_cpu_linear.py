@@ -18,7 +18,8 @@ from tengyun.layers.kernels import bind_kernels
 from tengyun.layers.linear import ReplicatedLinear
 from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
 from tengyun.platforms.cpu.platform import CpuPlatform
-from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, PackedLinearWeight, small_batch_kernel_fits
+from tengyun.platforms.cpu.kernels.linear import (MAX_SMALL_ROWS, CpuPackedLinearKernel, PackedLinearWeight,
+                                                  small_batch_kernel_fits)
 from tengyun.worker.worker import weight_bytes
 
 from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
@@ -42,14 +43,15 @@ def _reference(x, weight, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 577), (17, 33), (64, 2), (3, 7)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 16])  # 12, 16: several 4-row passes over each block
+# 12-64: several 4-row passes over each block, the later ones prefetching the next block
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 16, 37, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_kernel_matches_f_linear(fits, dtype, out_features, in_features, rows, with_bias):
     gen = torch.Generator().manual_seed(out_features * in_features + rows)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
     x = torch.randn(rows, 2 * in_features, generator=gen).to(dtype)[:, ::2]  # strided rows: copied first
-    kernel = CpuPackedLinearKernel(dtype, max_small_rows=16)
+    kernel = CpuPackedLinearKernel(dtype, max_small_rows=64)
     prepared = kernel.prepare(weight)
     assert prepared.data_ptr is not None and kernel.rejected == 0  # the layout check passed
     out = kernel.apply(x, prepared, bias)
@@ -111,6 +113,27 @@ def test_rows_past_the_limit_run_onednn_and_agree(fits, dtype):
                                          prepared.block).shape == (0, 200)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decodes_of_up_to_64_sequences_run_the_small_batch_kernel(fits, dtype, monkeypatch):
+    """Where oneDNN packs 64-column blocks, the kernel takes up to 64 rows by default (1.16-1.65x
+    oneDNN from 16 to 64 rows on an AMD EPYC, benchmarks/README.md), so decode graphs cover 64
+    sequences; the 65th row goes to oneDNN."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(200, 96, generator=gen).to(dtype)
+    kernel = CpuPackedLinearKernel(dtype, max_tile_rows=0)
+    prepared = kernel.prepare(weight)
+    if prepared.block != 64:
+        pytest.skip("oneDNN packs this dtype in 32-column blocks here (AMX)")
+    onednn_rows = []
+    monkeypatch.setattr(OneDNNPackedLinearKernel, "apply", lambda self, x, w, b: onednn_rows.append(len(x)))
+    x = torch.randn(65, 96, generator=gen).to(dtype)
+    torch.testing.assert_close(kernel.apply(x[:64], prepared, None).float(), _reference(x[:64], weight, None),
+                               **TOLERANCE[dtype])
+    assert onednn_rows == []
+    kernel.apply(x, prepared, None)
+    assert onednn_rows == [65]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_a_weight_packed_for_amx_lowers_the_row_limit_to_4(fits, dtype, monkeypatch):
     """oneDNN's AMX kernels multiply 16 rows for the cost of one pass; the small kernel passes per 4
@@ -120,12 +143,12 @@ def test_a_weight_packed_for_amx_lowers_the_row_limit_to_4(fits, dtype, monkeypa
     weight = torch.randn(128, 64, generator=gen).to(dtype)
     native = CpuPackedLinearKernel(dtype)
     block = native.prepare(weight).block
-    assert native.max_small_rows == (4 if block == 32 else 16)
+    assert native.max_small_rows == (4 if block == 32 else MAX_SMALL_ROWS[dtype])
     monkeypatch.setattr(CpuPackedLinearKernel, "_reads_like_onednn", lambda *args: args[-1] == 32)
     # (no AMX tiles: where they run, they take these rows before either limit applies)
     kernel = CpuPackedLinearKernel(dtype, max_tile_rows=0)
     given = CpuPackedLinearKernel(dtype, max_small_rows=16, max_tile_rows=0)
-    assert kernel.max_small_rows == 16
+    assert kernel.max_small_rows == MAX_SMALL_ROWS[dtype]
     assert kernel.prepare(weight).block == 32 and given.prepare(weight).block == 32
     assert kernel.max_small_rows == 4 and given.max_small_rows == 16  # a limit given is kept
     x = torch.randn(5, 64, generator=gen).to(dtype)  # 5 rows: past the limit, so oneDNN runs them

@@ -35,12 +35,15 @@ logger = logging.getLogger(__name__)
 # bfloat16 decode on oneDNN: SmolLM2 batch-1 steps of 25 ms instead of 12 (2026-12-02, benchmarks/README.md).
 BLOCKS = (64, 32)
 AMX_BLOCK = 32
-# At most this many rows run the small-batch kernel; more run oneDNN. benchmarks/linear_kernels.py
-# --small-rows (2026-12-01 17:25): bfloat16 1.18-1.20x oneDNN at 8, 12 and 16 rows; float32
-# 1.01-1.11x from 1 to 16 rows (never slower). Float32 was held at 2 after Qwen2.5-0.5B's 16-sequence
-# decode gained nothing from 16 on that day's machine; on 2026-12-02's its TPOT fell from 144 / 157 to
-# 134 / 127 ms (runs interleaved; the limit also lets 3-16-sequence fp32 decodes replay a graph).
-MAX_SMALL_ROWS = {torch.float32: 16, torch.bfloat16: 16}
+# At most this many rows run the small-batch kernel; more run oneDNN. Up to 16 (2026-12-01/02:
+# bfloat16 1.18-1.20x oneDNN at 8-16 rows, float32 1.01-1.11x at 1-16) until the kernel's later passes
+# over a block streamed the next block into L2 (packed_gemv.cpp, Ahead); then on an AMD EPYC
+# (2026-12-06, `benchmarks/linear_kernels.py --small-rows`, 2 threads) SmolLM2's projections ran
+# 1.27-1.65x oneDNN in bfloat16 from 16 to 64 rows (64: 34.2 against 44.0 ms) and 1.14-1.28x in float32,
+# Qwen2.5-Coder's 1.05-1.25x with its LM head, and 96-512 rows about level. So 64: decode graphs
+# (a trace holds no oneDNN weight) now cover batches of up to 64. Not measured on the AMX machine
+# type, where bfloat16 packs in 32-column blocks and takes AMX_MAX_SMALL_ROWS instead.
+MAX_SMALL_ROWS = {torch.float32: 64, torch.bfloat16: 64}
 # Where oneDNN packs bfloat16 for AMX (32-column blocks), its AMX tiles multiply 8-16 rows for the
 # cost of one pass over the weight, while the kernel makes a pass per 4 rows: --small-rows on
 # 2026-12-03's AMX VM, oneDNN 17.4-18.1 ms at every count from 1 to 16, the kernel 12.1-12.2 at 1 and
