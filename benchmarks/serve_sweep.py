@@ -30,7 +30,7 @@ all of them:
   its seed and the HF folder as its tokenizer, so every server gets the same prompt text at a
   concurrency and no run replays the prompts of an earlier one on the same server: both servers
   cache prefixes, and with one seed for all, the 256 prompts at 64 had 7 of their 8 blocks cached
-  from the run at 16 (sweeps before 2026-12-06 10:50 did that; `prefix_cache` in each run's
+  from the run at 16 (sweeps before 2026-12-06 10:36 did that; `prefix_cache` in each run's
   record counts the prompt tokens the server found cached, 0 now) (`--ignore-eos`,
   `--temperature 0`: greedy on every server, as the client no longer sends a temperature unless
   told; all requests at once up to the concurrency). llama-server re-tokenises the text with the

@@ -138,7 +138,7 @@ TY_GEMV_TARGET void tile_f32(const GemvArgs& a, int64_t r0, int64_t n0, const Ah
   store_tile<float, M, G>(a, acc, r0, n0);
 }
 
-// x[m][2p, 2p + 1] as one 32-bit pair, broadcast by the load itself (no shuffle port).
+// x[m][2p, 2p + 1], read as one 32-bit pair and broadcast to the 16 lanes.
 TY_GEMV_TARGET inline __m512bh pair_at(const uint16_t* x) {
   uint32_t pair;
   std::memcpy(&pair, x, sizeof pair);

@@ -115,7 +115,7 @@ def test_rows_past_the_limit_run_onednn_and_agree(fits, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decodes_of_up_to_64_sequences_run_the_small_batch_kernel(fits, dtype, monkeypatch):
-    """Where oneDNN packs 64-column blocks, the kernel takes up to 64 rows by default (1.16-1.65x
+    """Where oneDNN packs 64-column blocks, the kernel takes up to 64 rows by default (1.3-1.65x
     oneDNN from 16 to 64 rows on an AMD EPYC, benchmarks/README.md), so decode graphs cover 64
     sequences; the 65th row goes to oneDNN."""
     gen = torch.Generator().manual_seed(5)
