@@ -15,10 +15,10 @@ KV of ``take_copies()`` before the step's forward pass).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
+from tengyun.engine.free_block_queue import FreeBlockQueue
 from tengyun.engine.sequence import Sequence
 
 _NO_PARENT = 0
@@ -64,9 +64,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # ref_count == 0 blocks; the front is evicted first. Hashed blocks join at the back.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks: list[Block] = []  # blocks[i] is block i, for every id taken at least once
+        self.free_queue = FreeBlockQueue(num_blocks)  # ref_count == 0 blocks; the front is evicted first
         self.hash_to_block: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next step
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -135,7 +134,7 @@ class BlockManager:
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free_queue[block_id]
+                self.free_queue.remove(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
         if num_new_tokens:
@@ -166,9 +165,10 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self.free_queue[block_id] = None
                 if block.block_hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
+                    self.free_queue.push_front(block_id)
+                else:
+                    self.free_queue.push_back(block_id)
         seq.block_table.clear()
 
     def roll_back(self, seq: Sequence) -> None:
@@ -179,8 +179,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count == 0 and block.block_hash is None, f"rolled back block {block_id} is shared"
-            self.free_queue[block_id] = None
-            self.free_queue.move_to_end(block_id, last=False)
+            self.free_queue.push_front(block_id)
         del seq.block_table[keep:]
 
     # ----- internals --------------------------------------------------------------------
@@ -204,7 +203,9 @@ class BlockManager:
         self.pending_copies.append((src.block_id, dst))
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
+        block_id = self.free_queue.pop_front()
+        if block_id == len(self.blocks):  # never used: ids leave that run in increasing order
+            self.blocks.append(Block(block_id))
         block = self.blocks[block_id]
         if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
             del self.hash_to_block[block.block_hash]
