@@ -153,11 +153,13 @@ class Platform:
         reports them (NPU: hccn_tool); None where there is no such tool."""
         return None
 
-    def capture_graph(self, forward, state=()):
+    def capture_graph(self, forward, state=(), first=True):
         """Record ``forward() -> Tensor`` once; return a function that replays it and returns its
         output tensor (the same one, values updated, or a fresh one); None where this batch size
         cannot be recorded (it then runs eager). ``state``: the tensors forward writes in place
-        (caches), for a recorder that must know them. Only where supports_graphs."""
+        (caches), for a recorder that must know them. ``first``: the first size of the model's
+        captures (later ones may skip warming up what is built once per model). Only where
+        supports_graphs."""
         raise NotImplementedError(f"{self.device_type} has no graph capture")
 
     def graph_batch_limit(self, kernels) -> int:

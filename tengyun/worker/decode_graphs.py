@@ -67,7 +67,7 @@ class DecodeGraphs:
         state = written_state(model)
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: later captures reuse its memory
-                replay = capture(lambda size=size: self._forward(size), state)
+                replay = capture(lambda size=size: self._forward(size), state, first=size == self.sizes[-1])
                 if replay is not None:  # None: the platform cannot record this size; it runs eager
                     self.replays[size] = replay
         self.sizes = sorted(self.replays)

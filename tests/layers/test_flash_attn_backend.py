@@ -117,7 +117,8 @@ def test_decode_graphs_replay_flash_attn_decodes(tmp_path_factory, tiny_tokenize
     # roundings can flip near-tied tokens).
     reference = [o.outputs[0].token_ids for o in LLM(folder, **args, enforce_eager=True).generate(prompts, params)]
     monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
-    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(): (forward(), forward)[1])
+    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(), first=True:
+                        (forward(), forward)[1])
     monkeypatch.setattr(CpuPlatform, "graph_batch_limit", lambda self, kernels: 512)  # the stand-in records any size
     llm = LLM(folder, **args)
     graphs = llm.llm_engine.executor.runner.decode_graphs

@@ -149,7 +149,8 @@ def test_one_token_prompt_chunks_in_graph_replayed_decode_steps_match_hf(tiny_ch
     from tengyun.platforms.cpu.platform import CpuPlatform
 
     monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
-    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(): (forward(), forward)[1])
+    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(), first=True:
+                        (forward(), forward)[1])
     monkeypatch.setattr(CpuPlatform, "graph_batch_limit", lambda self, kernels: 512)  # the stand-in records any size
     monkeypatch.setattr(TorchSDPABackend, "supports_decode_graphs", True)
     folder = tiny_checkpoints["llama"]

@@ -156,11 +156,13 @@ def test_a_trace_replays_writes_to_the_state_it_is_given():
         cache[slot] = cache[slot] + x
         return x * 2
 
-    replay = trace_decode_forward(forward, [cache])  # 2 warm-up runs, the trace, 1 first replay
-    assert cache[1].tolist() == [4.0] * 3
+    replay = trace_decode_forward(forward, [cache])  # 1 warm-up run, the trace, 1 first replay
+    assert cache[1].tolist() == [3.0] * 3
     x.fill_(10.0)  # a static input changed between replays
     assert replay().tolist() == [[20.0] * 3]
-    assert cache[1].tolist() == [14.0] * 3 and cache[0].tolist() == [0.0] * 3
+    assert cache[1].tolist() == [13.0] * 3 and cache[0].tolist() == [0.0] * 3
+    trace_decode_forward(forward, [cache], warm_ups=0)  # a later size: the trace and 1 first replay
+    assert cache[1].tolist() == [33.0] * 3
 
 
 def test_a_forward_that_cannot_be_traced_gives_none():

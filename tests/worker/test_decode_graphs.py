@@ -25,14 +25,15 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture
 def cpu_graphs(monkeypatch):
-    recorded = []
+    recorded = []  # per capture: (its output, whether it was the first)
 
-    def capture(forward):
-        recorded.append(forward())  # record once, as a CUDA capture runs the forward once
+    def capture(forward, first):
+        recorded.append((forward(), first))  # record once, as a CUDA capture runs the forward once
         return forward  # replay: the same forward over the same static buffers
 
     monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
-    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(): capture(forward))
+    monkeypatch.setattr(CpuPlatform, "capture_graph", lambda self, forward, state=(), first=True:
+                        capture(forward, first))
     monkeypatch.setattr(CpuPlatform, "graph_batch_limit", lambda self, kernels: 512)  # the stand-in records any size
     monkeypatch.setattr(TorchSDPABackend, "supports_decode_graphs", True)
     return recorded
@@ -54,6 +55,8 @@ def test_graph_replay_gives_the_eager_tokens(tiny_checkpoints, tiny_hybrid_check
     worker = graphs_llm.llm_engine.executor
     graphs = worker.runner.decode_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 6] and len(cpu_graphs) == 4
+    # Captured largest first; only that one is told it is the first (the CPU trace warms up for it alone).
+    assert [first for _, first in cpu_graphs] == [True, False, False, False]
     got = graphs_llm.generate(_prompts(), params)
 
     eager = LLM(folder, **ARGS, enforce_eager=True)

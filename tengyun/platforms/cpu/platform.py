@@ -113,10 +113,10 @@ class CpuPlatform(Platform):
             logger.debug("No OpenMP runtime answered omp_pause_resource_all; the building thread keeps its pool")
         return model_step_threads(world_size)
 
-    def capture_graph(self, forward, state=()):
+    def capture_graph(self, forward, state=(), first=True):
         from tengyun.platforms.cpu.runtime.graphs import trace_decode_forward
 
-        return trace_decode_forward(forward, state)
+        return trace_decode_forward(forward, state, warm_ups=1 if first else 0)
 
     def graph_batch_limit(self, kernels) -> int:
         """The rows the compiled linears take: the small-batch kernel's (16, cpu_linear.MAX_SMALL_ROWS)

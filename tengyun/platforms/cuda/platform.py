@@ -87,9 +87,10 @@ class CudaPlatform(Platform):
 
         torch.cuda.set_device(device)
 
-    def capture_graph(self, forward, state=()):
-        """CUDA graph: warm up on a side stream (lazy init, autotuning), then capture; all graphs
-        share one memory pool, captured largest batch first so smaller ones fit inside it."""
+    def capture_graph(self, forward, state=(), first=True):
+        """CUDA graph: warm up on a side stream (lazy init, autotuning, which is per shape: every
+        size warms up, ``first`` or not), then capture; all graphs share one memory pool, captured
+        largest batch first so smaller ones fit inside it."""
         import torch
 
         stream = torch.cuda.Stream()
