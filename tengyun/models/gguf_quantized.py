@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from tengyun.layers.gguf_kernels import dequantize_blocks, q4_0_as_q8_0, q5_0_as_q8_0
+from tengyun.models.gguf_reader import gguf_reader
 from tengyun.quantization.config import QuantizationError
 from tengyun.quantization.gguf import AS_Q8_0, SUPPORTED_TYPES, quantization_config, unsupported_type_message
 
@@ -69,10 +70,8 @@ def kept_types(gguf_file: Path) -> dict[str, str]:
     type: its modules run as shards (LinearBase.use_shard_schemes). MoE experts' gate and up mixing
     types are left out (FusedMoE stacks them as one tensor): they load dense (dequantized to
     --dtype). A log line names both kinds. Refuses, before converting, an unsupported type."""
-    import gguf
-
     types: dict[str, str] = {}
-    for tensor in gguf.GGUFReader(str(gguf_file)).tensors:
+    for tensor in gguf_reader(gguf_file).tensors:
         type_name = tensor.tensor_type.name
         if tensor.name in _VOCAB and (type_name in SUPPORTED_TYPES or type_name in AS_Q8_0):
             types[tensor.name] = "Q8_0" if type_name in AS_Q8_0 else type_name
@@ -123,10 +122,9 @@ def _row_order(processor, gguf_name: str, rows: int, parsed: dict, key_map: dict
 def _reading(gguf_file: Path, parsed: dict, skeleton, keep: bool):
     """(the file's reader, kept_types (keep) or {}, transformers' tensor processor and GGUF -> HF
     name map)."""
-    import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    reader = gguf.GGUFReader(str(gguf_file))
+    reader = gguf_reader(gguf_file)
     architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
     return reader, kept_types(gguf_file) if keep else {}, processor, get_gguf_hf_weights_map(skeleton, processor)

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tengyun.models.gguf_reader import shared_readers
+
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "gguf")
@@ -265,7 +267,8 @@ def convert_gguf(gguf_file: Path, keep_quantized: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
     try:
         start = time.perf_counter()
-        n_tensors = _write_hf_folder(gguf_file, tmp, keep_quantized)
+        with shared_readers():  # the header is parsed once, not by each step (models/gguf_reader.py)
+            n_tensors = _write_hf_folder(gguf_file, tmp, keep_quantized)
         for p in [tmp, *tmp.iterdir()]:  # mkdtemp and safetensors leave owner-only modes
             p.chmod(0o755 if p.is_dir() else 0o644)
         try:
@@ -288,9 +291,9 @@ def convert_gguf(gguf_file: Path, keep_quantized: bool = False) -> Path:
 def _gguf_config(config, gguf_file: Path):
     """transformers' config of a .gguf, with the fields its mapping misses (_GGUF_CONFIG_EXTRA) read
     from the file's metadata."""
-    import gguf
+    from tengyun.models.gguf_reader import gguf_reader
 
-    fields = gguf.GGUFReader(str(gguf_file)).fields
+    fields = gguf_reader(gguf_file).fields
     arch = str(bytes(fields["general.architecture"].parts[-1]), "utf-8")
     for key, attribute in _GGUF_CONFIG_EXTRA.items():
         field = fields.get(f"{arch}.{key}")

@@ -1,0 +1,42 @@
+"""A conversion parses a .gguf header once (models/gguf_reader.py): one reader per file inside
+shared_readers(), a fresh one outside it, and a file rewritten meanwhile is parsed again."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tengyun.models.gguf_reader import gguf_reader, shared_readers
+
+
+def _write_gguf(path, rows: int):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.arange(rows * 4, dtype=np.float32).reshape(rows, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_one_reader_per_file_inside_the_scope_and_a_fresh_one_outside(tmp_path):
+    a, b = _write_gguf(tmp_path / "a.gguf", 2), _write_gguf(tmp_path / "b.gguf", 3)
+    assert gguf_reader(a) is not gguf_reader(a)
+    with shared_readers():
+        first = gguf_reader(a)
+        assert gguf_reader(a) is first and gguf_reader(b) is not first
+        with shared_readers():  # nested: the outer scope's readers
+            assert gguf_reader(a) is first
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+    with shared_readers():
+        assert gguf_reader(a) is not first
+
+
+def test_a_file_rewritten_inside_the_scope_is_parsed_again(tmp_path):
+    path = _write_gguf(tmp_path / "a.gguf", 2)
+    with shared_readers():
+        before = gguf_reader(path)
+        _write_gguf(path, 5)
+        after = gguf_reader(path)
+        assert after is not before and list(after.tensors[0].shape) == [4, 5]
