@@ -1,7 +1,7 @@
 """One parsed .gguf header per file while a conversion runs.
 
 gguf.GGUFReader parses the whole header on construction: ~2 s for SmolLM2-135M's (49,152 vocabulary
-strings, each a numpy memmap slice), more for Qwen2.5's 151,646. A conversion asks for it from
+strings, each a numpy memmap slice), more for Qwen2.5's larger vocabulary. A conversion asks for it from
 several places (the kept types, the config's extra fields, the tensor stream); inside
 ``shared_readers()`` they get one reader per file, and outside it each call parses afresh (a
 reader maps the whole file, so none is kept past the conversion).
