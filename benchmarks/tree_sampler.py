@@ -36,7 +36,7 @@ def _descendants(roots: list[int], table) -> set[int]:
     return found
 
 
-def _machine_busy_jiffies() -> int:
+def machine_busy_jiffies() -> int:
     user, nice, system, idle, iowait, irq, softirq, steal = map(int, open("/proc/stat").readline().split()[1:9])
     return user + nice + system + irq + softirq + steal
 
@@ -61,7 +61,7 @@ class TreeSampler:
         self._our_jiffies = 0
         self._rss_at_pss = 0  # the tree's RSS when PSS was last read
         self._stop = threading.Event()
-        self._start = (time.monotonic(), _machine_busy_jiffies())
+        self._start = (time.monotonic(), machine_busy_jiffies())
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
@@ -90,7 +90,7 @@ class TreeSampler:
         self._stop.set()
         self._thread.join()
         seconds = time.monotonic() - self._start[0]
-        machine = (_machine_busy_jiffies() - self._start[1]) / CLK_TCK
+        machine = (machine_busy_jiffies() - self._start[1]) / CLK_TCK
         ours = self._our_jiffies / CLK_TCK
         return {"peak_rss_mib": self.peak_rss / 2**20, "peak_pss_mib": self.peak_pss / 2**20,
                 "our_cpu_cores": ours / seconds,
