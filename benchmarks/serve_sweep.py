@@ -41,7 +41,7 @@ all of them:
   choice and `usage` read as two, so output tokens come from the server's count, not from
   re-tokenising the text.
 Between servers the sweep waits until the stopped one's processes are gone and the cores are quiet
-(compare.wait_quiet), so no server starts, or times its thread check, beside the last one exiting.
+(tree_sampler.wait_quiet), so no server starts, or times its thread check, beside the last one exiting.
 Beside the client's numbers, each run records the CPU seconds of the server's API process (the
 tree's root) and of every other process under it (engine, workers), read from /proc around the
 client run, the server's own per-request timeline (queue / prefill / decode / TTFT means from

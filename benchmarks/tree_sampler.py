@@ -1,5 +1,6 @@
 """Sampling a benchmarked process tree while it runs (benchmarks/compare and quant.py): peak
-RSS and PSS of the measured tree and the CPU other processes took meanwhile."""
+RSS and PSS of the measured tree and the CPU other processes took meanwhile; and waiting, between
+two servers, until the machine is quiet (wait_quiet)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,32 @@ def _pss_bytes(pid: int) -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
     except (OSError, StopIteration):
         return 0
+
+
+def busy_cores(interval_s: float = 1.0) -> float:
+    """Cores' worth of CPU time the whole machine spent busy over the next ``interval_s``."""
+    started, busy = time.monotonic(), machine_busy_jiffies()
+    time.sleep(interval_s)
+    return (machine_busy_jiffies() - busy) / CLK_TCK / (time.monotonic() - started)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_quiet(pgid: int, timeout_s: float = 60.0, max_busy: float = 0.2) -> float | None:
+    """Wait until no process of the stopped server's group ``pgid`` is left and the cores are quiet
+    (at most ``max_busy`` cores busy over a second), so the next server does not start, nor time
+    its thread check, while the last one's processes still exit (killed engines free GiBs of
+    memory for seconds after SIGKILL) -> None, or after ``timeout_s`` the cores still busy."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    while time.monotonic() < deadline:
+        if busy_cores() <= max_busy:
+            return None
+    return busy_cores()
