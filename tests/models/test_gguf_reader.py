@@ -1,16 +1,16 @@
 """A conversion parses a .gguf header once (models/gguf_reader.py): one reader per file inside
-shared_readers(), a fresh one outside it, and a file rewritten meanwhile is parsed again."""
+shared_readers(), ours and transformers' alike, a fresh one outside it, and a file rewritten
+meanwhile is parsed again."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
 from tengyun.models.gguf_reader import gguf_reader, shared_readers
 
 
 def _write_gguf(path, rows: int):
-    import gguf
-
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("token_embd.weight", np.arange(rows * 4, dtype=np.float32).reshape(rows, 4))
     writer.write_header_to_file()
@@ -40,3 +40,29 @@ def test_a_file_rewritten_inside_the_scope_is_parsed_again(tmp_path):
         _write_gguf(path, 5)
         after = gguf_reader(path)
         assert after is not before and list(after.tensors[0].shape) == [4, 5]
+
+
+def test_transformers_loading_inside_the_scope_parses_no_header_of_its_own(tmp_path, monkeypatch):
+    """transformers' GGUF loaders build ``gguf.GGUFReader(path)`` (imported by name when they run):
+    inside the scope that is the shared reader; outside it, and for a writable mode, the class."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parsed.append((str(path), mode))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    path = _write_gguf(tmp_path / "a.gguf", 2)
+    with shared_readers():
+        ours = gguf_reader(path)
+        for _ in range(3):  # as a conversion does: config, tensors, tokenizer
+            assert load_gguf_checkpoint(str(path), return_tensors=False)["config"]["model_type"] == "llama"
+        assert gguf.GGUFReader(str(path)) is ours
+        assert isinstance(gguf.GGUFReader(str(path), "c"), CountingReader)  # writable: its own reader
+    assert parsed == [(str(path), "r"), (str(path), "c")]
+    assert gguf.GGUFReader is CountingReader
+    load_gguf_checkpoint(str(path), return_tensors=False)
+    assert len(parsed) == 3
