@@ -9,6 +9,9 @@ import gc
 import pytest
 import torch
 
+from hf_reference import hf_from_gguf
+from real_model_limits import REAL_MODEL_LIMITS
+
 from tengyun import LLM, BeamSearchParams
 from tengyun.models.model_source import smollm2_gguf
 
@@ -19,11 +22,7 @@ WIDTH, MAX_TOKENS = 3, 24
 
 def hf_beams(prompt_text: str):
     """(prompt ids, {(length_penalty, eos on): [(tokens up to the first EOS, cumulative logprob)]})."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, gguf_file=gguf.name).eval()
+    tokenizer, model = hf_from_gguf(smollm2_gguf(), dtype=torch.float32)
     eos = tokenizer.eos_token_id
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}], tokenize=False,
                                          add_generation_prompt=True)
@@ -49,7 +48,8 @@ def hf_beams(prompt_text: str):
 
 def test_smollm2_beams_match_hf():
     prompt, eos, reference = hf_beams("What is the capital of France?")
-    llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32", max_model_len=512, kv_cache_memory="256MiB")
+    llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32", max_model_len=512, kv_cache_memory="256MiB",
+              **REAL_MODEL_LIMITS)
     # EOS on, length_penalty 1: the best beam ends with EOS in both ("The capital of France is Paris."),
     # scored alike; lower beams may differ (HF divides by the generated length, vLLM by the whole).
     best = llm.beam_search([{"prompt_token_ids": prompt}],

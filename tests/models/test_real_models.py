@@ -8,7 +8,8 @@ import gc
 import pytest
 import torch
 
-from hf_reference import hf_greedy_with_logprobs
+from hf_reference import hf_from_gguf, hf_greedy_with_logprobs
+from real_model_limits import REAL_MODEL_LIMITS
 
 from tengyun import LLM, SamplingParams
 from tengyun.models.model_source import qwen_coder_gguf, smollm2_gguf
@@ -29,11 +30,7 @@ MODELS = {
 
 
 def _hf_greedy(gguf_path, prompts):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = dict(gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs).eval()
+    tokenizer, model = hf_from_gguf(gguf_path, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never mask EOS
     results = []
     with torch.no_grad():
@@ -50,7 +47,7 @@ def _hf_greedy(gguf_path, prompts):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_real_model_matches_hf_greedy_and_knows_paris(model):
     reference = _hf_greedy(MODELS[model](), PROMPTS)
-    llm = LLM(model, dtype="float32", max_model_len=512, kv_cache_memory="256MiB")
+    llm = LLM(model, dtype="float32", max_model_len=512, kv_cache_memory="256MiB", **REAL_MODEL_LIMITS)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     for output, (ref_prompt_ids, ref_tokens) in zip(outputs, reference):
@@ -79,13 +76,10 @@ BF16_MAX_LOGPROB_DIFF, BF16_MEAN_LOGPROB_DIFF = 0.4, 0.06
 
 def _hf_bf16_greedy_with_logprobs(gguf_path, prompts):
     """Per prompt: (prompt ids, HF's bf16 greedy tokens, HF's logprob of each)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import GgufConfig
 
-    kwargs = dict(gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     # Dequantized into a dense bf16 model: computed in bf16 (left packed, HF would compute in fp32).
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.bfloat16,
-                                                 quantization_config=GgufConfig(dequantize=True), **kwargs).eval()
+    tokenizer, model = hf_from_gguf(gguf_path, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True))
     assert next(model.parameters()).dtype == torch.bfloat16
     results = hf_greedy_with_logprobs(model, tokenizer, prompts, BF16_TOKENS)
     del model
@@ -96,7 +90,7 @@ def _hf_bf16_greedy_with_logprobs(gguf_path, prompts):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_real_model_in_bfloat16_matches_hf_in_bfloat16(model):
     reference = _hf_bf16_greedy_with_logprobs(MODELS[model](), BF16_PROMPTS)
-    llm = LLM(model, max_model_len=512, kv_cache_memory="256MiB", dtype="bfloat16")
+    llm = LLM(model, max_model_len=512, kv_cache_memory="256MiB", **REAL_MODEL_LIMITS, dtype="bfloat16")
     greedy = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
     outputs = [o.outputs[0].token_ids for o in llm.generate(BF16_PROMPTS, greedy)]
     assert [out[0] for out in outputs] == [tokens[0] for _, tokens, _ in reference]

@@ -24,6 +24,7 @@ from tengyun.layers.gguf_kernels import (  # noqa: E402
 )
 from tengyun.layers.quant_kernels import reference_kernel  # noqa: E402
 from tengyun.models.gguf_quantized import kept_types  # noqa: E402
+from tengyun.models.gguf_reader import shared_readers  # noqa: E402
 from tengyun.models.model_source import convert_gguf, qwen_coder_gguf, smollm2_gguf  # noqa: E402
 from tengyun.platforms.cpu.platform import CpuPlatform  # noqa: E402
 from tengyun.platforms.cpu.kernels.gguf import (  # noqa: E402
@@ -338,18 +339,19 @@ def assert_read_as_transformers_reads(monkeypatch, gguf_file, keep_quantized: bo
 
     from tengyun.models import gguf_quantized, model_source
 
-    config = model_source._gguf_config(AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name),
-                                       gguf_file)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    full = hf_gguf.load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton,
-                                        torch_dtype=torch.float32)["tensors"]
-    calls = []
-    real_load = hf_gguf.load_gguf_checkpoint
-    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", lambda *a, **k: calls.append(k["return_tensors"])
-                        or real_load(*a, **k))
-    kept = {} if keep_quantized else None
-    streamed = dict(model_source._read_tensors(gguf_file, skeleton, kept))
+    with shared_readers():  # the header parsed once for all these loaders, as in a conversion
+        config = model_source._gguf_config(AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name),
+                                           gguf_file)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        full = hf_gguf.load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton,
+                                            torch_dtype=torch.float32)["tensors"]
+        calls = []
+        real_load = hf_gguf.load_gguf_checkpoint
+        monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", lambda *a, **k: calls.append(k["return_tensors"])
+                            or real_load(*a, **k))
+        kept = {} if keep_quantized else None
+        streamed = dict(model_source._read_tensors(gguf_file, skeleton, kept))
     assert calls == [False]
     assert {gguf_quantized.skeleton_name(name) for name in streamed} == set(full)
     for name, tensor in streamed.items():

@@ -11,7 +11,8 @@ import gc
 import pytest
 import torch
 
-from hf_reference import hf_greedy_with_logprobs
+from hf_reference import hf_from_gguf, hf_greedy_with_logprobs
+from real_model_limits import REAL_MODEL_LIMITS
 from test_gguf import _plan
 
 from tengyun import LLM, SamplingParams
@@ -24,7 +25,7 @@ PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):", "长城是中
            "Once upon a time, in a small village", "The three primary colors are", "Water boils at",
            "import numpy as np\n\n", "Photosynthesis is the process"]
 TOKENS = 24
-ENGINE = dict(max_model_len=256, kv_cache_memory="64MiB", quantization="gguf")
+ENGINE = dict(max_model_len=256, kv_cache_memory="64MiB", quantization="gguf", **REAL_MODEL_LIMITS)
 # Measured 2026-12-01 over the 8 x 24 positions (printed by the test): bfloat16 kept quantised
 # agrees with HF fp32's greedy token at 0.938 (top-1, teacher-forced), logprob of HF's token off
 # by at most 0.27, 0.028 on average; float32 gives HF's tokens on all 8 prompts. Qwen2.5-Coder in
@@ -34,10 +35,7 @@ BF16_MIN_TOP1, BF16_MAX_LOGPROB_DIFF, BF16_MEAN_LOGPROB_DIFF = 0.85, 0.6, 0.06
 
 def _hf_reference(path) -> list[tuple[list[int], list[int], list[float]]]:
     """Per prompt: (prompt ids, HF fp32 greedy tokens from the GGUF, HF's logprob of each)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer, model = hf_from_gguf(path, dtype=torch.float32)
     results = hf_greedy_with_logprobs(model, tokenizer, PROMPTS, TOKENS)
     del model
     gc.collect()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+from real_model_limits import REAL_MODEL_LIMITS
 
 from tengyun import LLM, SamplingParams
 from tengyun.models.model_source import resolve_model
@@ -20,7 +21,7 @@ PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):", "Once upon a 
            "The three primary colors are", "Water boils at", "import numpy as np\n\n",
            "The capital of Japan is", "Photosynthesis is the process"]
 TOKENS = 24
-ENGINE = dict(max_model_len=256, kv_cache_memory="64MiB")
+ENGINE = dict(max_model_len=256, kv_cache_memory="64MiB", **REAL_MODEL_LIMITS)
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "qwen2.5-coder": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 GROUP = {"smollm2": 64, "qwen2.5-coder": 128}  # the largest of 128 / 64 dividing every layer's inputs
 # Stated floors under the figures measured (printed by the test), of 192 positions:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+from real_model_limits import REAL_MODEL_LIMITS
 
 from tengyun import LLM, SamplingParams
 
@@ -29,7 +30,8 @@ def test_real_model_greedy_tokens_identical_with_ngram_speculation(model):
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outputs = {}
     for spec in (None, NGRAM):
-        llm = LLM(model, max_model_len=512, kv_cache_memory="256MiB", dtype="float32", speculative_config=spec)
+        llm = LLM(model, max_model_len=512, kv_cache_memory="256MiB", **REAL_MODEL_LIMITS, dtype="float32",
+                  speculative_config=spec)
         outputs[spec is not None] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         stats = llm.llm_engine.scheduler.spec_stats
         del llm

@@ -1,0 +1,9 @@
+"""Engine limits for the tests that run the real small models (SmolLM2-135M, Qwen2.5-Coder-0.5B).
+
+Their runs hold at most 8 sequences and 512 tokens in a step, and the engine sizes its start-up
+work by these limits: decode graphs for batches 1-8 (11 sizes up to 64 by default), and a
+profile step of 512 tokens over 8 sequences (by default 2048 over 256: ~9 s for Qwen2.5-Coder in
+float32, and a sort of 256 rows of its 151,936 logits).
+"""
+
+REAL_MODEL_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=512)
