@@ -144,13 +144,37 @@ def test_a_start_up_check_chooses_the_count_the_first_steps_run_with(caplog):
     for _ in range(2):
         with step_threads(2048):
             pass
-    assert checked == [([1, 2], threading.get_ident())]  # once, before the first step, in its thread
+    # before the first step, in its thread; twice, since it moves to fewer threads
+    assert checked == [([1, 2], threading.get_ident())] * 2
     assert tuner.threads == 1
     assert "OpenMP threads 2 -> 1: 1 thread 10.00 ms, 2 threads 50.00 ms, a start-up check" in caplog.text
     tuner = ThreadTuner(2, first_interval=8)
     tuner.start_from({1: 0.020, 2: 0.011})  # kept: the first probe comes after twice the interval
     assert tuner.threads == 2
     assert run_steps(tuner, {2: 1.0, 1: 1.6}, steps=17) == [2] * 16 + [1]
+
+
+def test_the_start_up_check_times_again_before_moving_to_fewer_threads_and_keeps_the_faster_times():
+    """A burst of load during the first timing (the server's API process at its warm-up request)
+    must not start the engine on fewer threads: each count keeps the faster of two timings."""
+    def timings(*results):
+        calls = []
+
+        def time_counts(counts, set_threads):
+            calls.append(counts)
+            return results[len(calls) - 1]
+        return calls, time_counts
+
+    for results, threads, times in [
+        (({1: 0.010, 2: 0.050}, {1: 0.011, 2: 0.006}), 2, 2),  # a burst, gone 50 ms later: stays
+        (({1: 0.010, 2: 0.050}, {1: 0.009, 2: 0.040}), 1, 2),  # still busy: moves
+        (({1: 0.010, 2: 0.006},), 2, 1),  # nothing to confirm: timed once
+    ]:
+        calls, time_counts = timings(*results)
+        tuner = ThreadTuner(2)
+        with StepThreads(tuner, lambda: 2, lambda n: None, time_counts=time_counts)(2048):
+            pass
+        assert (tuner.threads, len(calls)) == (threads, times)
 
 
 def test_the_start_up_check_times_every_count_it_is_given():

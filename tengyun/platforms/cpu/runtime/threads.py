@@ -10,8 +10,8 @@ measured, not guessed (a core busy with a niced process costs little, and /proc/
 tell):
 
 - before the first step, ``time_thread_counts`` times a fixed matmul + element-wise workload
-  at the current count and one fewer (~30 ms), because the first steps are often the largest
-  (prefill) and no probe runs those at a trial count;
+  at the current count and one fewer (~30 ms; a move to fewer is timed again 50 ms later), because
+  the first steps are often the largest (prefill) and no probe runs those at a trial count;
 - then ``ThreadTuner`` times decode steps at the current count and its neighbours now and
   then, and keeps the fastest.
 
@@ -53,6 +53,7 @@ OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")  # file name prefixes
 OMP_PAUSE_SOFT = 1
 INFO_EVERY_S = 60.0  # changes log at INFO at most this often, the others at DEBUG
 MAX_RESTARTS = 4  # probes cut short by a change of step size before one is skipped
+CONFIRM_PAUSE_S = 0.05  # before the start-up check times the counts again (StepThreads._start_up_times)
 
 
 class ThreadTuner:
@@ -140,12 +141,17 @@ class ThreadTuner:
         self._reference = (self._probe_tokens, medians[self.threads])
         self._outliers = 0
 
-    def _choose(self, seconds: dict[int, float], what: str) -> bool:
-        """Move to the count with the lowest time unless it beats ours by less than margin
-        (fewer_margin for a lower count) -> moved."""
+    def preferred(self, seconds: dict[int, float]) -> int:
+        """The count these times (per count) would move to: the fastest, unless it beats the current
+        one by less than margin (fewer_margin for a lower count); else the current one."""
         best, current = min(seconds, key=seconds.get), self.threads
         margin = self.fewer_margin if best < current else self.margin
-        if best == current or seconds[best] >= seconds[current] * (1 - margin):
+        return current if seconds[best] >= seconds[current] * (1 - margin) else best
+
+    def _choose(self, seconds: dict[int, float], what: str) -> bool:
+        """Move to the preferred count -> moved."""
+        best, current = self.preferred(seconds), self.threads
+        if best == current:
             logger.debug("OpenMP threads stay %d: %s, %s", current, _describe(seconds), what)
             return False
         now = time.monotonic()
@@ -227,7 +233,7 @@ class StepThreads:
     @contextlib.contextmanager
     def __call__(self, tokens: int) -> Iterator[None]:
         if self._time_counts is not None:
-            self.tuner.start_from(self._time_counts(self.tuner.candidates(), self._set))
+            self.tuner.start_from(self._start_up_times())
             self._time_counts = None
         threads = self.tuner.next_threads(tokens) if self.tuner is not None else self._get()
         if self._get() != threads:
@@ -237,6 +243,21 @@ class StepThreads:
             yield
         if self.tuner is not None:
             self.tuner.record(threads, time.perf_counter() - started, tokens)
+
+    def _start_up_times(self) -> dict[int, float]:
+        """Seconds per candidate count on the fixed workload. Times that would move to fewer threads
+        are taken again after CONFIRM_PAUSE_S, and each count keeps its faster time: the first step
+        overlaps work in the server's API process (the warm-up request's first step: its main thread ran
+        10-20 ms of a 37-42 ms check, by /proc's counters), and a tiny model's server started at 1
+        thread in 9 of 20 starts with one timing, in 2 of 20 with the second (AMD EPYC VM, 2 cores,
+        nothing else running, 2026-12-06)."""
+        counts = self.tuner.candidates()
+        seconds = self._time_counts(counts, self._set)
+        if self.tuner.preferred(seconds) < self.tuner.threads:
+            time.sleep(CONFIRM_PAUSE_S)
+            again = self._time_counts(counts, self._set)
+            seconds = {n: min(seconds[n], again[n]) for n in counts}
+        return seconds
 
 
 def release_openmp_pool() -> bool:
