@@ -247,10 +247,10 @@ class StepThreads:
     def _start_up_times(self) -> dict[int, float]:
         """Seconds per candidate count on the fixed workload. Times that would move to fewer threads
         are taken again after CONFIRM_PAUSE_S, and each count keeps its faster time: the first step
-        overlaps work in the server's API process (the warm-up request's first step: its main thread ran
-        10-20 ms of a 37-42 ms check, by /proc's counters), and a tiny model's server started at 1
-        thread in 9 of 20 starts with one timing, in 2 of 20 with the second (AMD EPYC VM, 2 cores,
-        nothing else running, 2026-12-06)."""
+        (the warm-up request's) overlaps work in the server's API process, whose main thread was
+        running at 2 of the 10 ms clock ticks in a 37-42 ms check (/proc/*/task/*/stat), and a tiny
+        model's server started on 1 thread in 9 of 20 starts with one timing, in 2 of 20 with the
+        second (AMD EPYC VM, 2 cores, nothing else running, 2026-12-06)."""
         counts = self.tuner.candidates()
         seconds = self._time_counts(counts, self._set)
         if self.tuner.preferred(seconds) < self.tuner.threads:
