@@ -4,6 +4,7 @@ and its engine process's)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,35 @@ def test_a_real_server_runs_on_tcmalloc_in_the_same_process(server_model, tmp_pa
         assert not _maps_tcmalloc(plain.proc.pid)
     finally:
         plain.stop()
+
+
+def _api_server_command(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """`python -m tengyun.entrypoints.openai.api_server ARGS` with PYTHONPROFILEIMPORTTIME: every
+    process it runs as (before and after re-executing) writes one stderr line per module imported."""
+    clean = {k: v for k, v in os.environ.items() if k not in (ap.PRELOADED_ENV, ap.CHOICE_ENV, "LD_PRELOAD")}
+    return subprocess.run([sys.executable, "-m", "tengyun.entrypoints.openai.api_server", *args],
+                          env={**clean, "PYTHONPROFILEIMPORTTIME": "1", **env}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _imports_of(module: str, stderr: str) -> int:
+    return sum(line.startswith("import time:") and line.split("|")[-1].strip() == module
+               for line in stderr.splitlines())
+
+
+@pytest.mark.skipif(ap.find_tcmalloc() is None, reason="no tcmalloc on this machine (apt install libtcmalloc-minimal4)")
+def test_python_m_api_server_re_executes_before_importing_the_server(tmp_path):
+    missing = str(tmp_path / "no-model")  # re-executes, imports the server, then exits 2 naming the folder
+    done = _api_server_command([missing], TENGYUN_CPU_ALLOCATOR="auto")
+    assert done.returncode == 2 and "no-model" in done.stderr
+    assert _imports_of("tengyun.platforms.cpu.runtime.tcmalloc_preload", done.stderr) == 2  # it re-executed
+    assert _imports_of("tengyun.entrypoints.openai.routes", done.stderr) == 1  # the server's modules once
+    plain = _api_server_command([missing], TENGYUN_CPU_ALLOCATOR="system")
+    assert _imports_of("tengyun.platforms.cpu.runtime.tcmalloc_preload", plain.stderr) == 1
+
+
+def test_python_m_api_server_with_a_bad_allocator_choice_exits_2_naming_it(tmp_path):
+    done = _api_server_command([str(tmp_path / "no-model")], TENGYUN_CPU_ALLOCATOR="jemalloc")
+    assert done.returncode == 2
+    assert "error: $TENGYUN_CPU_ALLOCATOR must be one of auto, tcmalloc, system; got 'jemalloc'" in done.stderr
+    assert _imports_of("tengyun.entrypoints.openai.routes", done.stderr) == 0

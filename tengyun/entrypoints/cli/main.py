@@ -28,11 +28,7 @@ SUBCOMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if argv is None and sys.argv[1:2] == ["serve"]:  # the process's own command line: it may re-execute
-        try:
-            tcmalloc_preload.reexec_under_tcmalloc(sys.argv[2:])
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        tcmalloc_preload.reexec_or_exit(sys.argv[2:])
     parser = FlexibleArgumentParser(prog="tengyun", description="Tengyun LLM inference and serving.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     modules = {name: importlib.import_module(path) for name, path in SUBCOMMANDS.items()}

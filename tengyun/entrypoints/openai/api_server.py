@@ -18,10 +18,17 @@ node's API server (headless_replica_node.py); no OpenAI API here either way.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # its own command line: re-execute under tcmalloc before the server's imports
+    # (~0.7 s on 2 cores), which the re-executed process would otherwise make a second time
+    from tengyun.platforms.cpu.runtime.tcmalloc_preload import reexec_or_exit
+
+    reexec_or_exit(sys.argv[1:])
+
 import argparse
 import asyncio
 import logging
-import sys
 
 from tengyun import __version__
 from tengyun.config import EngineConfig
@@ -36,7 +43,7 @@ from tengyun.entrypoints.openai.server_config import ServerConfig
 from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
 from tengyun.entrypoints.openai.serving_models import ServingModels
 from tengyun.platforms import platform_class
-from tengyun.platforms.cpu.runtime.tcmalloc_preload import log_allocator, reexec_under_tcmalloc
+from tengyun.platforms.cpu.runtime.tcmalloc_preload import log_allocator
 from tengyun.platforms.startup import DeviceStartupError
 
 logger = logging.getLogger("tengyun.server")
@@ -96,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tengyun.entrypoints.openai.api_server", description="Tengyun OpenAI-compatible server."))
     args = parser.parse_args(argv)
     try:
-        if argv is None:  # the process's own command line: it may re-execute under tcmalloc
-            reexec_under_tcmalloc(sys.argv[1:])
         return run_server(args)
     except (ValueError, FileNotFoundError, DeviceStartupError) as e:  # configuration errors: what to change
         print(f"error: {e}", file=sys.stderr)

@@ -110,6 +110,16 @@ def reexec_under_tcmalloc(serve_args: list[str]) -> None:
         logger.warning("could not re-execute under %s (%s); serving on glibc's malloc", new_env[PRELOADED_ENV], error)
 
 
+def reexec_or_exit(serve_args: list[str]) -> None:
+    """reexec_under_tcmalloc for a command's own command line, before it imports the server: a
+    bad $TENGYUN_CPU_ALLOCATOR (ValueError) is printed as ``error: ...`` and exits 2, as a bad flag."""
+    try:
+        reexec_under_tcmalloc(serve_args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def log_allocator(device: str) -> None:
     """One line at start-up of a server for --device ``device``: which allocator it runs on, and
     how to get tcmalloc where it is missing."""
