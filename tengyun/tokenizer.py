@@ -7,6 +7,7 @@ import json
 import logging
 from typing import Any
 
+from tengyun.tokenizer_classes import record_class, recorded_class
 from tengyun.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -21,23 +22,42 @@ def get_tokenizer(config: EngineConfig, same_class_as: str | None = None) -> Any
     """AutoTokenizer's tokenizer for the model. ``same_class_as``: the class AutoTokenizer picked
     in the engine process (class_path); the API process loads that class directly, which gives the
     same tokenizer without importing torch (AutoTokenizer imports transformers' configuration
-    module, which imports torch: ~180 MiB the front end does not need). Remote code, a class
-    outside transformers or any failure: AutoTokenizer. None with --skip-tokenizer-init."""
+    module, which imports torch: ~180 MiB the front end does not need). Without it, the class
+    AutoTokenizer chose for this folder at an earlier start (tokenizer_classes), loaded directly
+    too. Remote code, a class outside transformers or any failure: AutoTokenizer, whose choice is
+    then recorded. None with --skip-tokenizer-init."""
     if getattr(config, "skip_tokenizer_init", False):
         return None
-    if same_class_as and not config.trust_remote_code:
-        tokenizer = _load_class(same_class_as, config)
+    if not config.trust_remote_code:
+        chosen = same_class_as or recorded_class(config.tokenizer_path)
+        tokenizer = _load_class(chosen, config) if chosen else None
         if tokenizer is not None:
             return tokenizer
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(config.tokenizer_path), trust_remote_code=config.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer_path),
+                                                  trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"Could not load a tokenizer from {config.tokenizer_path}: {e}. Pass --tokenizer with a "
             f"folder holding tokenizer.json (or tokenizer.model / vocab.json + merges.txt)."
         ) from e
+    if not config.trust_remote_code:
+        record_class(config.tokenizer_path, class_path(tokenizer))
+    return tokenizer
+
+
+def import_tokenizer_library(config: EngineConfig) -> None:
+    """Import transformers' fast-tokenizer side ahead of get_tokenizer (~0.6-1 s, no torch): the
+    API process does it in a thread while the engine process loads, so its get_tokenizer after
+    the engine is ready takes milliseconds. A failure is left for get_tokenizer to report."""
+    if getattr(config, "skip_tokenizer_init", False):
+        return
+    try:
+        from transformers import PreTrainedTokenizerFast  # noqa: F401 - loads the tokenizers library too
+    except ImportError:
+        return
 
 
 def _load_class(path: str, config: EngineConfig) -> Any:

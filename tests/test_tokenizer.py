@@ -1,16 +1,20 @@
 """The API process's tokenizer: the class AutoTokenizer picked in the engine process, loaded
 directly (tokenizer.get_tokenizer's ``same_class_as``), so the front end imports neither torch
 nor transformers' model configuration; the same tokenizer as AutoTokenizer's, and AutoTokenizer
-wherever that class cannot be used."""
+wherever that class cannot be used. The engine's: AutoTokenizer's choice recorded per folder
+(tokenizer_classes), loaded directly at later starts."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 
+from tengyun import tokenizer_classes
 from tengyun.tokenizer import class_path, get_tokenizer
 
 
@@ -61,3 +65,48 @@ def test_loading_by_class_imports_no_torch(tiny_checkpoints):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[1:] == ["False", "False"]
+
+
+def _start(folder, cache) -> list[str]:
+    """A fresh process's get_tokenizer(folder) with TENGYUN_CACHE_DIR=cache (an engine's start):
+    [class name, whether AutoConfig imported a model type's configuration module, token ids]."""
+    script = (f"import sys; from types import SimpleNamespace; from tengyun.tokenizer import get_tokenizer\n"
+              f"t = get_tokenizer(SimpleNamespace(tokenizer_path={str(folder)!r}, trust_remote_code=False))\n"
+              f"auto_config = any(m.startswith('transformers.models.') and '.configuration_' in m "
+              f"for m in sys.modules)\n"
+              f"print(type(t).__name__, auto_config, t.encode('Hello, world: <|endoftext|> too.'))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TENGYUN_CACHE_DIR": str(cache)})
+    assert out.returncode == 0, out.stderr
+    name, auto_config, ids = out.stdout.strip().split(" ", 2)
+    return [name, auto_config, ids]
+
+
+def test_a_later_start_loads_the_recorded_class_without_autoconfig(tiny_checkpoints, tmp_path):
+    folder = shutil.copytree(tiny_checkpoints["qwen2"], tmp_path / "model")
+    first = _start(folder, tmp_path / "cache")
+    assert first[1] == "True"  # AutoTokenizer, which read the config through AutoConfig
+    assert len(list((tmp_path / "cache" / tokenizer_classes.RECORDS).iterdir())) == 1  # its choice, recorded
+    second = _start(folder, tmp_path / "cache")
+    assert second == [first[0], "False", first[2]]  # the same tokenizer, no model configuration imported
+    os.utime(folder / "tokenizer_config.json", ns=(1, 1))  # an edited file: AutoTokenizer decides again
+    assert _start(folder, tmp_path / "cache")[1] == "True"
+
+
+def test_a_recorded_class_that_no_longer_loads_falls_back_and_is_recorded_again(tiny_checkpoints, tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setenv("TENGYUN_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoints["llama"]
+    path = tokenizer_classes.record_path(folder)
+    path.parent.mkdir(parents=True)
+    path.write_text("transformers:NoSuchTokenizer\n")
+    auto = _auto(folder)
+    assert type(get_tokenizer(_config(folder))) is type(auto)
+    assert tokenizer_classes.recorded_class(folder) == class_path(auto)
+
+
+def test_remote_code_is_never_recorded(tiny_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("TENGYUN_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoints["qwen2"]
+    get_tokenizer(_config(folder, trust_remote_code=True))
+    assert tokenizer_classes.recorded_class(folder) is None and not (tmp_path / tokenizer_classes.RECORDS).exists()

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tengyun.cache_dir import cache_dir
 from tengyun.models.gguf_reader import shared_readers
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,6 @@ class ModelSource:
     tokenizer_folder: Path  # loadable by transformers.AutoTokenizer.from_pretrained
     load_format: str  # "safetensors" | "dummy"
     default_name: str  # default served model name
-
-
-def cache_dir() -> Path:
-    """$TENGYUN_CACHE_DIR, else ~/.cache/tengyun."""
-    env = os.environ.get("TENGYUN_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tengyun"
 
 
 def resolve_model(

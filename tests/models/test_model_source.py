@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from hf_reference import hf_from_gguf
 
+from tengyun.cache_dir import cache_dir
 from tengyun.models import model_source
 from tengyun.models.loader import safetensors_files
 from tengyun.models.model_source import (
@@ -25,7 +26,6 @@ from tengyun.models.model_source import (
     QWEN_CODER_SHA256,
     SMOLLM2_HUB_ID,
     ModelSource,
-    cache_dir,
     qwen_coder_gguf,
     resolve_model,
 )

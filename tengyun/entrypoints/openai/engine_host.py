@@ -39,7 +39,7 @@ from tengyun.generation_config import sampling_defaults
 from tengyun.platforms import platform_class
 from tengyun.pooling_params import PoolingParams
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
-from tengyun.tokenizer import get_tokenizer
+from tengyun.tokenizer import get_tokenizer, import_tokenizer_library
 
 logger = logging.getLogger("tengyun.server")
 
@@ -98,7 +98,9 @@ class EngineHost:
         try:
             logger.info("Loading %s (served as %r) ...", self.config.model_path, self.config.served_model_name)
             started = time.perf_counter()
+            library = self._tokenizer_library_imported()
             engine = await self._loaded_engine()
+            await library
             tokenizer = await _in_daemon_thread(get_tokenizer, self.config, engine.tokenizer_class)  # own copy
             self.lifecycle.engine_started(engine)
             await self._warm_up(engine, tokenizer)
@@ -126,6 +128,16 @@ class EngineHost:
                                       self.frontend, models=self.models, **self.server.chat_options())
         self.pooling = OpenAIServingScore(engine, self.worker, name, template, self.sampling_defaults, self.limits,
                                           self.frontend)
+
+    def _tokenizer_library_imported(self) -> asyncio.Future:
+        """Done once transformers' tokenizer side is imported here: begun in a thread while the
+        engine process loads (the API process is idle then, and get_tokenizer after it waited
+        ~0.6-1 s for this import); at once with an engine in this process, whose load imports it."""
+        if self.engine_process is None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return asyncio.ensure_future(_in_daemon_thread(import_tokenizer_library, self.config))
 
     async def _loaded_engine(self) -> AsyncEngineBase:
         """The started engine once its model is loaded: the engine process launched before the

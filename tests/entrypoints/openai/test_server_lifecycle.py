@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -81,6 +82,47 @@ def test_dead_engine_loop_fails_the_request_and_exits_nonzero(start_server, tmp_
     assert_error(r, 503, "injected device failure")
     assert server.wait_exit() == 1
     assert "The engine loop died: RuntimeError: injected device failure" in server.log()
+
+
+LOAD_WHEN_FILE_EXISTS = """
+import os, sys, time
+from tengyun.engine import engine_process
+
+real_build = engine_process._build_llm_engine  # what the forked engine process runs first
+
+def build(config):
+    while not os.path.exists(os.environ["LOAD_FILE"]):
+        time.sleep(0.05)
+    return real_build(config)
+
+engine_process._build_llm_engine = build
+from tengyun.entrypoints.openai.api_server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_api_process_imports_its_tokenizer_library_while_the_engine_loads(start_server, tmp_path):  # noqa: F811
+    load_file = tmp_path / "load"
+    server = start_server(python_code=LOAD_WHEN_FILE_EXISTS, env={"LOAD_FILE": str(load_file)})
+    maps = Path(f"/proc/{server.proc.pid}/maps")
+    deadline = time.monotonic() + 60
+    while "tokenizers.abi3" not in maps.read_text() and time.monotonic() < deadline:  # its Rust library
+        time.sleep(0.1)
+    assert "tokenizers.abi3" in maps.read_text()  # while the engine process has not begun to load
+    assert _health(server, deadline) == 503
+    load_file.touch()
+    server.wait_ready()
+
+
+def _health(server, deadline: float) -> int:
+    """/health's status once the port answers."""
+    while True:
+        try:
+            return httpx.get(server.url + "/health", timeout=30).status_code
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def test_the_engine_runs_in_its_own_process_which_dying_gives_503_and_exit_1(start_server):  # noqa: F811
