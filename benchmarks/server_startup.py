@@ -1,26 +1,40 @@
-"""How often a server's start-up thread check moves it to fewer OpenMP threads.
+"""A server's start: seconds until /health turns 200, and how often its start-up thread check
+moves it to fewer OpenMP threads.
 
-    python benchmarks/startup_threads.py MODEL_FOLDER [--starts 5] [--repo DIR ...]
+    python benchmarks/server_startup.py MODEL_FOLDER [--starts 5] [--repo DIR ...]
 
 Starts `python -m tengyun.entrypoints.openai.api_server MODEL_FOLDER` (the server tests' flags:
 --kv-cache-memory 64MiB --max-model-len 256) from each --repo checkout in turn (blocks of
---starts, alternating, two rounds), polls /health every 50 ms until 200, stops it, and counts the
-starts whose log has "OpenMP threads 2 -> 1 ... a start-up check". Prints one line per checkout.
+--starts, alternating, two rounds), polls /health every 50 ms until 200, stops it. Prints one
+line per checkout: the seconds from Popen to /health 200 (median, min, max), the server's own
+"Ready in" figure (from its engine's load to ready, median), and the starts whose log has
+"OpenMP threads 2 -> 1 ... a start-up check".
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 MOVED = "a start-up check"
+READY = re.compile(r"Ready in ([0-9.]+) s")
+
+
+@dataclass
+class Start:
+    seconds: float  # Popen to /health 200, as the client saw it
+    ready_in: float  # the server's "Ready in" line
+    moved: bool  # its start-up check moved to fewer threads
 
 
 def _free_port() -> int:
@@ -29,16 +43,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_once(repo: Path, model: str, log: Path) -> bool:
-    """One start of the server in ``repo`` -> whether its start-up check moved to fewer threads."""
+def start_once(repo: Path, model: str, log: Path) -> Start:
+    """One start of the server in ``repo``, stopped once /health is 200."""
     port = _free_port()
     with open(log, "wb") as out:
+        began = time.monotonic()
         proc = subprocess.Popen([str(repo / ".venv/bin/python"), "-m", "tengyun.entrypoints.openai.api_server", model,
                                  "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "64MiB",
                                  "--max-model-len", "256", "--disable-uvicorn-access-log"],
                                 cwd=repo, stdout=out, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 120
+            deadline = began + 120
             while time.monotonic() < deadline and proc.poll() is None:
                 try:
                     if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
@@ -48,10 +63,21 @@ def start_once(repo: Path, model: str, log: Path) -> bool:
                 time.sleep(0.05)
             else:
                 sys.exit(f"the server in {repo} did not turn /health 200:\n{log.read_text(errors='replace')}")
+            seconds = time.monotonic() - began
         finally:
             proc.terminate()
             proc.wait()
-    return any("OpenMP threads" in line and MOVED in line for line in log.read_text(errors="replace").splitlines())
+    text = log.read_text(errors="replace")
+    moved = any("OpenMP threads" in line and MOVED in line for line in text.splitlines())
+    return Start(seconds, float(READY.search(text).group(1)), moved)
+
+
+def summary(repo: Path, starts: list[Start]) -> str:
+    seconds = [s.seconds for s in starts]
+    ready_in = statistics.median(s.ready_in for s in starts)
+    return (f"{repo}: /health 200 after {statistics.median(seconds):.2f} s median ({min(seconds):.2f}-"
+            f"{max(seconds):.2f}) over {len(starts)} starts; 'Ready in' {ready_in:.1f} s median; "
+            f"moved to fewer threads in {sum(s.moved for s in starts)}")
 
 
 def main() -> None:
@@ -61,13 +87,13 @@ def main() -> None:
     parser.add_argument("--repo", action="append", type=Path, help="checkouts to compare (default: this one)")
     args = parser.parse_args()
     repos = args.repo or [Path(__file__).resolve().parent.parent]
-    moved = {repo: 0 for repo in repos}
+    starts: dict[Path, list[Start]] = {repo: [] for repo in repos}
     log = Path(tempfile.mkdtemp()) / "server.log"
     for _ in range(2):
         for repo in repos:
-            moved[repo] += sum(start_once(repo, args.model, log) for _ in range(args.starts))
+            starts[repo] += [start_once(repo, args.model, log) for _ in range(args.starts)]
     for repo in repos:
-        print(f"{repo}: moved to fewer threads in {moved[repo]} of {2 * args.starts} starts")
+        print(summary(repo, starts[repo]))
 
 
 if __name__ == "__main__":
