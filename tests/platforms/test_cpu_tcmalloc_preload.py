@@ -137,7 +137,7 @@ def test_python_m_api_server_re_executes_before_importing_the_server(tmp_path):
     done = _api_server_command([missing], TENGYUN_CPU_ALLOCATOR="auto")
     assert done.returncode == 2 and "no-model" in done.stderr
     assert _imports_of("tengyun.platforms.cpu.runtime.tcmalloc_preload", done.stderr) == 2  # it re-executed
-    assert _imports_of("tengyun.entrypoints.openai.routes", done.stderr) == 1  # the server's modules once
+    assert _imports_of("tengyun.entrypoints.openai.cli_args", done.stderr) == 1  # the server's modules once
     plain = _api_server_command([missing], TENGYUN_CPU_ALLOCATOR="system")
     assert _imports_of("tengyun.platforms.cpu.runtime.tcmalloc_preload", plain.stderr) == 1
 
@@ -146,4 +146,4 @@ def test_python_m_api_server_with_a_bad_allocator_choice_exits_2_naming_it(tmp_p
     done = _api_server_command([str(tmp_path / "no-model")], TENGYUN_CPU_ALLOCATOR="jemalloc")
     assert done.returncode == 2
     assert "error: $TENGYUN_CPU_ALLOCATOR must be one of auto, tcmalloc, system; got 'jemalloc'" in done.stderr
-    assert _imports_of("tengyun.entrypoints.openai.routes", done.stderr) == 0
+    assert _imports_of("tengyun.entrypoints.openai.cli_args", done.stderr) == 0

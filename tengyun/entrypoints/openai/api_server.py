@@ -1,8 +1,8 @@
 """`tengyun serve` / `python -m tengyun.entrypoints.openai.api_server`: the OpenAI-compatible
 HTTP server (FastAPI + uvicorn) in front of AsyncLLMEngine. This module only wires the parts:
 
-    ServerConfig + EngineConfig (flags, cli_args.py)
-      -> EngineMetrics (one registry) -> ServerLifecycle (server_lifecycle.py)
+    ServerConfig + EngineConfig (flags, cli_args.py) -> the engine process, forked
+      -> http_server.py (imported after the fork): EngineMetrics (one registry) -> ServerLifecycle
       -> EngineHost (engine_host.py) -> the app (routes.py) -> DrainingServer (draining_server.py)
 
 Life of the process:
@@ -27,34 +27,15 @@ if __name__ == "__main__":  # its own command line: re-execute under tcmalloc be
     reexec_or_exit(sys.argv[1:])
 
 import argparse
-import asyncio
 import logging
 
-from tengyun import __version__
-from tengyun.config import EngineConfig
-from tengyun.engine.engine_process import EngineProcessClient, launch_for_server
+from tengyun.engine.engine_process import launch_for_server
 from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser
 from tengyun.entrypoints.openai.cli_args import make_arg_parser, server_config_from_args
-from tengyun.entrypoints.openai.draining_server import DrainingServer
-from tengyun.entrypoints.openai.engine_host import EngineHost
-from tengyun.entrypoints.openai.data_parallel_metrics import engine_metrics
-from tengyun.entrypoints.openai.routes import build_app
-from tengyun.entrypoints.openai.server_config import ServerConfig
-from tengyun.entrypoints.openai.server_lifecycle import ServerLifecycle
 from tengyun.entrypoints.openai.serving_models import ServingModels
 from tengyun.platforms import platform_class
 from tengyun.platforms.cpu.runtime.tcmalloc_preload import log_allocator
 from tengyun.platforms.startup import DeviceStartupError
-
-logger = logging.getLogger("tengyun.server")
-
-
-def build_host(config: EngineConfig, server: ServerConfig, engine_process: EngineProcessClient | None = None,
-               models: ServingModels | None = None, host_class: type[EngineHost] = EngineHost) -> EngineHost:
-    """The server's parts for a finalized EngineConfig; build_app(host) puts routes in front."""
-    metrics = engine_metrics(config, vllm_aliases=not server.disable_vllm_metric_aliases,
-                             show_hidden_for=server.show_hidden_metrics_for_version)
-    return host_class(config, server, ServerLifecycle(server, metrics.registry), metrics, engine_process, models)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -81,20 +62,12 @@ def run_server(args: argparse.Namespace) -> int:
     engine_process = launch_for_server(config, platform_class(config.device_type).fork_safe,
                                        server.disable_frontend_multiprocessing)  # first: one thread here
     try:
-        return _serve(config, server, engine_process, models)
+        from tengyun.entrypoints.openai.http_server import serve_http  # after the fork: its load overlaps this import
+
+        return serve_http(config, server, engine_process, models)
     finally:
         if engine_process is not None:
             engine_process.shutdown()
-
-
-def _serve(config: EngineConfig, server: ServerConfig, engine_process: EngineProcessClient | None,
-           models: ServingModels) -> int:
-    host = build_host(config, server, engine_process, models)
-    uvicorn_server = DrainingServer.for_app(build_app(host), server, host.lifecycle)
-    logger.info("Tengyun %s starting on %s (/health turns 200 when the model is ready)", __version__,
-                f"unix socket {server.uds}" if server.uds else f"http://{server.host}:{server.port}")
-    asyncio.run(uvicorn_server.serve())
-    return uvicorn_server.outcome()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 from tengyun.engine.client_router import METRICS_OWNER
 from tengyun.engine.engine_process import _die_with_parent
 from tengyun.engine.shared_engine_process import SharedEngineClient, SharedEngineLaunch
-from tengyun.entrypoints.openai.api_server import build_host
+from tengyun.entrypoints.openai.http_server import build_host
 from tengyun.entrypoints.openai.draining_server import DrainingServer
 from tengyun.entrypoints.openai.engine_host import EngineHost
 from tengyun.entrypoints.openai.multiprocess_metrics import merged_registry

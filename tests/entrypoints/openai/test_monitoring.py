@@ -80,7 +80,8 @@ def _cpu_labels():
 
 def test_starting_server_reports_loading_and_counts_its_503s(server_model):  # noqa: F811
     from tengyun.config import EngineConfig
-    from tengyun.entrypoints.openai.api_server import build_app, build_host
+    from tengyun.entrypoints.openai.http_server import build_host
+    from tengyun.entrypoints.openai.routes import build_app
     from tengyun.entrypoints.openai.server_config import ServerConfig
 
     config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
@@ -176,7 +177,7 @@ def test_device_metrics_interval_zero_turns_the_gauges_off_and_negative_is_refus
     from prometheus_client import generate_latest
 
     from tengyun.config import EngineConfig
-    from tengyun.entrypoints.openai.api_server import build_host
+    from tengyun.entrypoints.openai.http_server import build_host
     from tengyun.entrypoints.openai.cli_args import check_server_args, make_arg_parser
     from tengyun.entrypoints.openai.routes import health_json
     from tengyun.entrypoints.openai.server_config import ServerConfig
@@ -192,7 +193,8 @@ def test_device_metrics_interval_zero_turns_the_gauges_off_and_negative_is_refus
 
 def test_an_internal_error_counts_as_a_5xx_response(server_model):  # noqa: F811
     from tengyun.config import EngineConfig
-    from tengyun.entrypoints.openai.api_server import build_app, build_host
+    from tengyun.entrypoints.openai.http_server import build_host
+    from tengyun.entrypoints.openai.routes import build_app
     from tengyun.entrypoints.openai.server_config import ServerConfig
 
     class Failing:

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -125,6 +127,15 @@ def _health(server, deadline: float) -> int:
             time.sleep(0.1)
 
 
+def test_the_http_side_is_imported_after_the_engine_process_is_forked():
+    """api_server forks the engine, then imports http_server: FastAPI and uvicorn's ~0.45 s of
+    imports overlap the engine's load instead of delaying its start."""
+    script = ("import sys, tengyun.entrypoints.openai.api_server\n"
+              "print([m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_the_engine_runs_in_its_own_process_which_dying_gives_503_and_exit_1(start_server):  # noqa: F811
     server = start_server().wait_ready()
     pid = int(re.search(r"Engine: in process (\d+)", server.log()).group(1))
@@ -200,7 +211,8 @@ def test_start_up_failure_exits_2_naming_the_flag(start_server):  # noqa: F811
 
 def test_health_is_503_until_warm_and_after_the_engine_dies(server_model):  # noqa: F811
     from tengyun.config import EngineConfig
-    from tengyun.entrypoints.openai.api_server import build_app, build_host
+    from tengyun.entrypoints.openai.http_server import build_host
+    from tengyun.entrypoints.openai.routes import build_app
     from tengyun.entrypoints.openai.server_config import ServerConfig
 
     config = EngineConfig(model=str(server_model), kv_cache_memory="8MiB", max_model_len=256).finalize()
