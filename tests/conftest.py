@@ -6,10 +6,17 @@ import ast
 import functools
 import inspect
 import json
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
+
+# An engine a test builds without --kv-cache-memory gets 256 MiB of KV cache instead of the 4 GiB
+# default: allocating and zeroing 4 GiB per engine, beside the test process's other engines, cost
+# six such files 36.5 s where 256 MiB costs 16.7 (2026-12-06, AMD VM); no such test needs more. The
+# real-model and server tests name their own size; test_config checks the default without it.
+os.environ.setdefault("TENGYUN_CPU_KVCACHE_SPACE", "0.25")
 
 TINY_VOCAB = 384
 CORPUS = [

@@ -36,6 +36,11 @@ def test_sizes_parse_with_units():
     assert parse_size(1024, "x") == 1024
 
 
+def test_kv_budget_is_4_gib_without_the_flag_or_env_var(monkeypatch):
+    monkeypatch.delenv("TENGYUN_CPU_KVCACHE_SPACE", raising=False)  # tests/conftest.py sets it for the suite
+    assert EngineConfig().kv_cache_budget_bytes() == 4 * 2**30
+
+
 def test_kv_budget_env_var(monkeypatch):
     monkeypatch.setenv("TENGYUN_CPU_KVCACHE_SPACE", "2")
     assert EngineConfig().kv_cache_budget_bytes() == 2 * 2**30
