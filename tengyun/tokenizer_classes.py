@@ -31,8 +31,9 @@ _WEIGHTS = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # large, and not re
 def record_path(folder: Path) -> Path | None:
     """Where the record for ``folder`` lives, or None when the folder cannot be listed."""
     try:
-        files = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns) for entry in os.scandir(folder)
-                       if entry.is_file() and not entry.name.endswith(_WEIGHTS))
+        stats = [(entry.name, entry.stat()) for entry in os.scandir(folder)
+                 if entry.is_file() and not entry.name.endswith(_WEIGHTS)]
+        files = sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats)
         transformers_version = version("transformers")
     except (OSError, PackageNotFoundError):
         return None

@@ -98,9 +98,10 @@ class EngineHost:
         try:
             logger.info("Loading %s (served as %r) ...", self.config.model_path, self.config.served_model_name)
             started = time.perf_counter()
-            library = self._tokenizer_library_imported()
+            library = self._tokenizer_library_import()
             engine = await self._loaded_engine()
-            await library
+            if library is not None:
+                await library
             tokenizer = await _in_daemon_thread(get_tokenizer, self.config, engine.tokenizer_class)  # own copy
             self.lifecycle.engine_started(engine)
             await self._warm_up(engine, tokenizer)
@@ -129,14 +130,12 @@ class EngineHost:
         self.pooling = OpenAIServingScore(engine, self.worker, name, template, self.sampling_defaults, self.limits,
                                           self.frontend)
 
-    def _tokenizer_library_imported(self) -> asyncio.Future:
-        """Done once transformers' tokenizer side is imported here: begun in a thread while the
-        engine process loads (the API process is idle then, and get_tokenizer after it waited
-        ~0.6-1 s for this import); at once with an engine in this process, whose load imports it."""
+    def _tokenizer_library_import(self) -> asyncio.Future | None:
+        """transformers' tokenizer side imported here in a thread while the engine process loads
+        (the API process is idle then, and get_tokenizer after it waited ~0.6-1 s for this
+        import); None with an engine in this process, whose own load imports it."""
         if self.engine_process is None:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
+            return None
         return asyncio.ensure_future(_in_daemon_thread(import_tokenizer_library, self.config))
 
     async def _loaded_engine(self) -> AsyncEngineBase:
