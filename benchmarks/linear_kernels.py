@@ -8,8 +8,14 @@ cache), median of 15 passes; the row counts where the kernel wins set MAX_SMALL_
 packs bfloat16 for AMX, a third column times the AMX tile kernel (amx_packed_gemm.cpp) on the same
 weights; the row counts where it wins set AMX_TILE_ROWS.
 
+``--bf16-weights``: where oneDNN packs no bfloat16 weight (AVX2 without AVX-512), the three ways a
+layer can run: F.linear in bfloat16 (what bfloat16 ran before the compiled kernel), the compiled
+bfloat16-weight kernel (platforms/cpu/kernels/bf16_weights.py) and oneDNN's packed float32 (what
+``--dtype float32`` runs: twice the bytes), through the same 30 layers, 1-512 rows.
+
     python benchmarks/linear_kernels.py
     OMP_NUM_THREADS=2 python benchmarks/linear_kernels.py --small-rows
+    OMP_NUM_THREADS=2 python benchmarks/linear_kernels.py --bf16-weights
 """
 
 from __future__ import annotations
@@ -84,12 +90,52 @@ def _pass_ms(kernel, layers, xs: dict, which: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def bf16_weights(row_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)) -> None:
+    from tengyun.platforms.cpu.kernels.bf16_weights import CpuBf16WeightKernel, bf16_weight_kernel_fits
+
+    if not bf16_weight_kernel_fits():
+        raise SystemExit("the compiled bfloat16-weight kernel does not run here (no AVX2, or not built)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M's 30 x 4 layer weights")
+    print("| rows | F.linear bf16 ms | bf16-weight kernel ms | speed-up | kernel GB/s | kernel GFLOP/s "
+          "| oneDNN fp32 ms | kernel / fp32 |")
+    print("|---|---|---|---|---|---|---|---|")
+    weights = [[torch.randn(n, k).to(torch.bfloat16) * 0.02 for n, k in LAYER_SHAPES] for _ in range(30)]
+    bf16_kernel, onednn = CpuBf16WeightKernel(), OneDNNPackedLinearKernel()
+    packed32 = [[onednn.prepare(w.float()) for w in layer] for layer in weights]
+    nbytes = 30 * sum(n * k for n, k in LAYER_SHAPES) * 2
+    for rows in row_counts:
+        flops = 2 * rows * nbytes // 2
+        xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}
+        xs32 = {k: x.float() for k, x in xs.items()}
+        passes = 15 if rows <= 64 else 5
+
+        def timed(apply, layers, inputs, passes=passes) -> float:
+            def one() -> float:
+                start = time.perf_counter()
+                for layer in layers:
+                    for (_, k), weight in zip(LAYER_SHAPES, layer):
+                        apply(inputs[k], weight, None)
+                return (time.perf_counter() - start) * 1e3
+            return statistics.median(one() for _ in range(passes))
+
+        dense = timed(F.linear, weights, xs)
+        kernel = timed(bf16_kernel.apply, weights, xs)
+        fp32 = timed(onednn.apply, packed32, xs32)
+        print(f"| {rows} | {dense:.2f} | {kernel:.2f} | {dense / kernel:.2f}x | {nbytes / kernel / 1e6:.0f} | "
+              f"{flops / kernel / 1e6:.0f} | {fp32:.2f} | {fp32 / kernel:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small-rows", action="store_true",
                         help="oneDNN vs the small-batch kernel and the AMX tile kernel, 1-128 rows")
-    if parser.parse_args().small_rows:
+    parser.add_argument("--bf16-weights", action="store_true",
+                        help="F.linear bf16 vs the bf16-weight kernel vs oneDNN fp32, 1-512 rows (AVX2)")
+    args = parser.parse_args()
+    if args.small_rows:
         return small_rows()
+    if args.bf16_weights:
+        return bf16_weights()
     torch.manual_seed(0)
     kernel = OneDNNPackedLinearKernel()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

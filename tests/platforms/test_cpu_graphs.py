@@ -14,8 +14,11 @@ import torch
 
 from tengyun import LLM, SamplingParams
 from tengyun.platforms.cpu.platform import CpuPlatform
+from tengyun.platforms.cpu.kernels import choice
 from tengyun.platforms.cpu.kernels import linear as cpu_linear
-from tengyun.platforms.cpu.kernels.linear import MAX_SMALL_ROWS, small_batch_kernel_fits
+from tengyun.platforms.cpu.kernels.bf16_weights import bf16_weight_kernel_fits
+from tengyun.platforms.cpu.kernels.linear import MAX_SMALL_ROWS
+from tengyun.platforms.kernel_choice import KernelQuery, choose
 
 ARGS = dict(block_size=8, max_model_len=96, kv_cache_memory="2MiB", max_num_seqs=6, max_num_batched_tokens=40)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -45,7 +48,10 @@ def _same_outputs(got, want) -> None:
 
 
 def _needs_kernel(dtype: str) -> None:
-    if not small_batch_kernel_fits(DTYPES[dtype]):
+    """The CPU's linear for dtype is a compiled op a trace holds: the small-batch kernel, or for
+    bfloat16 on cores where oneDNN packs none (AVX2) the bfloat16-weight kernel."""
+    chosen = choose("linear", CpuPlatform.kernel_candidates("linear"), KernelQuery(dtype)).name
+    if chosen not in ("cpu_packed_small_batch", "cpu_bf16_weights"):
         pytest.skip(f"no compiled small-batch {dtype} linear on this machine: graphs are off")
 
 
@@ -79,6 +85,24 @@ def test_bfloat16_traces_decode_batches_up_to_16(tiny_checkpoints):
     want = LLM(str(tiny_checkpoints["llama"]), dtype="bfloat16", enforce_eager=True, **args).generate(prompts, params)
     _same_outputs(got, want)
     assert graphs.steps[16], graphs.steps  # a 9..16-sequence decode replayed the largest graph
+
+
+def test_bfloat16_weight_kernel_traces_decode_steps_with_the_eager_tokens(tiny_checkpoints, monkeypatch):
+    """Where oneDNN packs no bfloat16 weight (AVX2 cores; made so here on any CPU), bfloat16 linears
+    run the compiled bfloat16-weight kernel, an op a trace holds: decode graphs are captured and
+    replay the eager engine's tokens."""
+    if not bf16_weight_kernel_fits():
+        pytest.skip("this CPU does not run the AVX2 bfloat16-weight kernel")
+    monkeypatch.setattr(choice, "_why_not_small_batch", lambda q: "held off by the test")
+    monkeypatch.setattr(choice, "_why_not_onednn", lambda q: "held off by the test")
+    folder = str(tiny_checkpoints["qwen2"])
+    llm = LLM(folder, dtype="bfloat16", **ARGS)
+    assert type(llm.llm_engine.executor.kernels.linear).__name__ == "CpuBf16WeightKernel"
+    graphs = llm.llm_engine.executor.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 6]
+    got = llm.generate(_prompts(), _params())
+    _same_outputs(got, LLM(folder, dtype="bfloat16", enforce_eager=True, **ARGS).generate(_prompts(), _params()))
+    assert all(graphs.steps[s] for s in graphs.sizes), graphs.steps
 
 
 def test_where_amx_tiles_run_bfloat16_traces_decode_batches_past_16(tiny_checkpoints):

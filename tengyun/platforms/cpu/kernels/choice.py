@@ -6,7 +6,8 @@ whether the compiled quant kernel (quant_layout.py) runs here, asked through the
 test can turn it off.
 
     attention:    cpu_paged (library loads) > torch_sdpa
-    linear:       cpu_packed_small_batch (AVX-512 [+BF16]) > onednn_packed (fp32/bf16) > dense
+    linear:       cpu_packed_small_batch (AVX-512 [+BF16]) > onednn_packed (fp32/bf16)
+                  > cpu_bf16_weights (bf16 where oneDNN packs none: AVX2) > dense
     quant_linear: cpu_w8a8 > cpu_gguf > cpu_int8_layout > cpu_int4pack > reference
     layer_ops:    cpu_fused (library loads) > torch
     sampler:      cpu_compiled (library loads) > torch
@@ -107,6 +108,22 @@ def _small_batch_linear(query: KernelQuery):
     from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel
 
     return CpuPackedLinearKernel(torch_dtype(query.dtype))
+
+
+def _why_not_bf16_weights(query: KernelQuery) -> str | None:
+    from tengyun.platforms.cpu.kernels.bf16_weights import bf16_weight_kernel_fits
+
+    if query.dtype != "bfloat16":
+        return f"bfloat16 weights only, not {query.dtype}"
+    if reason := _library_error(query):
+        return reason
+    return None if bf16_weight_kernel_fits() else "this CPU lacks AVX2 + FMA"
+
+
+def _bf16_weight_linear(query: KernelQuery):
+    from tengyun.platforms.cpu.kernels.bf16_weights import CpuBf16WeightKernel
+
+    return CpuBf16WeightKernel()
 
 
 def _onednn_linear(query: KernelQuery):
@@ -231,7 +248,9 @@ def cpu_candidates(kind: str, compiled_layout: Callable[[], bool]) -> list[Kerne
         return [KernelCandidate("cpu_paged", _library_error, lambda q: "cpu_paged", describe=_paged_detail)]
     if kind == "linear":
         return [KernelCandidate("cpu_packed_small_batch", _why_not_small_batch, _small_batch_linear),
-                KernelCandidate("onednn_packed", _why_not_onednn, _onednn_linear)]
+                KernelCandidate("onednn_packed", _why_not_onednn, _onednn_linear),
+                KernelCandidate("cpu_bf16_weights", _why_not_bf16_weights, _bf16_weight_linear,
+                                describe=lambda q: "bfloat16 weights widened in registers, float32 FMA (AVX2)")]
     if kind == "quant_linear":
         return [_w8a8_candidate(), _gguf_candidate(compiled_layout), _int8_layout_candidate(compiled_layout),
                 _int4pack_candidate(compiled_layout)]
