@@ -124,6 +124,22 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().float()
 
 
+@pytest.mark.parametrize("rows", [64, 32])
+def test_unpack_int4_reads_both_row_block_widths(rows):
+    """torch packs int4 weights in blocks of 64 output rows where its kernels run AVX-512 and 32 where
+    they run AVX2: byte j of each K run holds row j low and row rows / 2 + j high. Laid out by hand
+    here, and read back from torch's own packing on this CPU (whichever width it uses)."""
+    from tengyun.platforms.cpu.kernels import gguf as cpu_gguf
+
+    q = torch.randint(0, 16, (2 * rows, 8), generator=torch.Generator().manual_seed(rows), dtype=torch.uint8)
+    blocks = q.view(2, rows, 8).transpose(1, 2)  # [row blocks, k, rows]
+    packed = (blocks[..., :rows // 2] | (blocks[..., rows // 2:] << 4)).reshape(2 * rows, 4)
+    assert torch.equal(cpu_gguf.unpack_int4(packed, rows), q)
+    assert cpu_gguf._unpack_rows() in (64, 32)
+    mine = torch.randint(0, 16, (128, 64), dtype=torch.int32)
+    assert torch.equal(cpu_gguf.unpack_int4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(mine, 1)).int(), mine)
+
+
 @pytest.mark.parametrize("type_name", PER_32)
 def test_cpu_int4_planes_compute_the_blocks_with_bf16_scales(type_name):
     """torch's int4 matmul takes (n - 8) * scale + zero with scale and zero in bfloat16 (Q8_0 as

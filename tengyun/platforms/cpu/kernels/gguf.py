@@ -24,8 +24,9 @@ reference's dequantization at every step tripled Qwen2.5-Coder's decode time. Fl
 and layers whose outputs are not a multiple of 16 run the dequantizing reference (torch's int4
 matmul in float32 measured ~20x slower than in bfloat16; docs/quantization.md).
 
-torch's CPU int4 layout (torch 2.13, checked at first use by ``_unpack_layout_holds``): for each
-64 output rows, K runs of 32 bytes; byte j of run k holds n[row j, k] low and n[row 32 + j, k] high.
+torch's CPU int4 layout (torch 2.13, found at first use by ``_unpack_rows``): for each R output rows,
+K runs of R / 2 bytes; byte j of run k holds n[row j, k] low and n[row R / 2 + j, k] high. R is 64 where
+torch's kernels run AVX-512 and 32 where they run AVX2 (four float vectors either way).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ GROUP = 32
 # Single thread, 1536 x 576 Q4_1 layer (ms): 256 tokens int4 4.4 vs unpack + bf16 matmul ~2.4;
 # 64 tokens int4 0.63 vs ~1.8; 2048 tokens int4 47 vs ~18 (docs/quantization.md).
 DEQUANTIZE_FROM_TOKENS = 256
-_UNPACK_ROWS = 64
+_UNPACK_ROWS = (64, 32)  # the row-block widths torch's int4 layout is tried in (module docstring)
 
 
 def int4pack_fits(scheme: LinearScheme, dtype: str, out: int) -> bool:
@@ -108,8 +109,8 @@ class CpuGgufInt4PackKernel(GgufReferenceKernel):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         planes = [(prepared[f"int4pack{i}"], prepared[f"scales_and_zeros{i}"])
                   for i in range(2) if f"int4pack{i}" in prepared]
-        if x2.shape[0] >= DEQUANTIZE_FROM_TOKENS and planes[0][0].shape[0] % _UNPACK_ROWS == 0 \
-                and _unpack_layout_holds():
+        rows = _unpack_rows()
+        if x2.shape[0] >= DEQUANTIZE_FROM_TOKENS and rows is not None and planes[0][0].shape[0] % rows == 0:
             y = F.linear(x2, unpacked_weight(planes))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, planes[0][0], GROUP, planes[0][1])
@@ -171,11 +172,15 @@ class CpuGgufDequantizedKernel(GgufReferenceKernel):
         return F.linear(x, prepared["weight"], bias)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """torch's CPU int4pack uint8 [out, in / 2] (out a multiple of 64) -> q uint8 [out, in]."""
+def unpack_int4(packed: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """torch's CPU int4pack uint8 [out, in / 2] (out a multiple of ``rows``, the layout's row-block
+    width, by default the one this torch packs in: _unpack_rows) -> q uint8 [out, in]."""
+    rows = rows or _unpack_rows()
+    if rows is None:
+        raise RuntimeError("this torch packs int4 weights in a layout unpack_int4 does not read")
     out, in_ = packed.shape[0], packed.shape[1] * 2
-    runs = packed.view(out // _UNPACK_ROWS, in_, _UNPACK_ROWS // 2)  # [row blocks, k, j]
-    q = torch.cat([runs & 0x0F, runs >> 4], dim=2)  # [row blocks, k, 64 rows]
+    runs = packed.view(out // rows, in_, rows // 2)  # [row blocks, k, j]
+    q = torch.cat([runs & 0x0F, runs >> 4], dim=2)  # [row blocks, k, rows]
     return q.transpose(1, 2).reshape(out, in_)
 
 
@@ -193,12 +198,15 @@ def unpacked_weight(planes: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Te
 
 
 @functools.cache
-def _unpack_layout_holds() -> bool:
-    """Does this torch pack as unpack_int4 reads? (Else prefill keeps torch's int4 matmul.)"""
+def _unpack_rows() -> int | None:
+    """The row-block width this torch packs int4 weights in, of _UNPACK_ROWS: the one unpack_int4
+    reads back exactly; None when none does (then prefill keeps torch's int4 matmul)."""
     seeded = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (_UNPACK_ROWS * 2, 2 * GROUP), dtype=torch.int32, generator=seeded)
+    q = torch.randint(0, 16, (max(_UNPACK_ROWS) * 2, 2 * GROUP), dtype=torch.int32, generator=seeded)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    return tuple(packed.shape) == (q.shape[0], q.shape[1] // 2) and torch.equal(unpack_int4(packed).int(), q)
+    if tuple(packed.shape) != (q.shape[0], q.shape[1] // 2):
+        return None
+    return next((rows for rows in _UNPACK_ROWS if torch.equal(unpack_int4(packed, rows).int(), q)), None)
 
 
 def gguf_kernel(scheme: LinearScheme, dtype: torch.dtype, compiled: bool = False):
