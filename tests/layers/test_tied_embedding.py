@@ -76,6 +76,29 @@ def test_a_tied_head_frees_the_embeddings_weight_and_serves_its_lookups(fits, dt
                                rtol=2 ** -7, atol=2e-2)
 
 
+def test_the_bfloat16_weight_kernel_multiplies_the_embeddings_own_weight(kernels, monkeypatch):  # noqa: F811
+    """Where oneDNN packs no bfloat16 weight (AVX2; made so here), a tied head multiplies the loaded
+    weight itself: one vocab x hidden matrix for both, as tied_head_copy tells the plan."""
+    from tengyun.platforms.cpu.kernels import choice
+    from tengyun.platforms.cpu.kernels.bf16_weights import bf16_weight_kernel_fits
+
+    if not bf16_weight_kernel_fits():
+        pytest.skip("this CPU does not run the AVX2 bfloat16-weight kernel")
+    monkeypatch.setattr(choice, "_why_not_small_batch", lambda q: "held off by the test")
+    monkeypatch.setattr(choice, "_why_not_onednn", lambda q: "held off by the test")
+    vocab, hidden = 197, 48
+    pair, weight = _tied_pair(vocab, hidden, torch.bfloat16)
+    bind_kernels(pair, CpuPlatform().kernels("bfloat16", 16, "float32"))
+    assert type(pair.head.kernel).__name__ == "CpuBf16WeightKernel"
+    assert pair.head.kernel_weight.data_ptr() == pair.embed.weight.data_ptr()
+    assert weight_bytes(pair) == vocab * hidden * 2
+    ids = _ids(vocab, 20, 0)
+    assert torch.equal(pair.embed(ids), F.embedding(ids, weight))
+    x = torch.randn(3, hidden).to(torch.bfloat16)
+    torch.testing.assert_close(pair.head.compute_logits(x).float(), F.linear(x.float(), weight.float()),
+                               rtol=2 ** -7, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fallback", ["kernels absent", "layout rejected"])
 def test_without_the_packed_rows_the_embedding_keeps_its_copy(kernels, monkeypatch, dtype, fallback):  # noqa: F811
@@ -123,9 +146,12 @@ def test_engine_tokens_and_logprobs_are_unchanged_with_one_copy(kernels, tiny_ch
 
 
 def test_the_plan_counts_the_tied_copy_only_where_the_embedding_keeps_one(monkeypatch):
-    monkeypatch.setattr("tengyun.platforms.cpu.platform.cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    avx512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+    monkeypatch.setattr("tengyun.platforms.cpu.platform.cpu_flags", lambda: avx512)
     assert not CpuPlatform.tied_head_copy("float32", 1) and not CpuPlatform.tied_head_copy("bfloat16", 1)
     assert CpuPlatform.tied_head_copy("bfloat16", 2)  # vocab shards: each embedding shard keeps its rows
     assert CpuPlatform.tied_head_copy("float16", 1)
-    monkeypatch.setattr("tengyun.platforms.cpu.platform.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("tengyun.platforms.cpu.platform.cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert CpuPlatform.tied_head_copy("float32", 1)
+    # no oneDNN bfloat16 packing on AVX2: the head multiplies the embedding's own weight, any TP
+    assert not CpuPlatform.tied_head_copy("bfloat16", 1) and not CpuPlatform.tied_head_copy("bfloat16", 2)

@@ -62,8 +62,13 @@ class CpuPlatform(Platform):
     def tied_head_copy(cls, dtype: str, tp: int) -> bool:
         """One copy where the packed head serves the embedding's lookups (ParallelLMHead.bind_kernels):
         TP = 1, float32 on AVX-512 cores or bfloat16 on AVX512-BF16 ones (the compiled kernels'
-        small-batch path, cpu/kernels/linear.py; built by `make setup`). Elsewhere two copies."""
+        small-batch path, cpu/kernels/linear.py; built by `make setup`). bfloat16 where oneDNN packs
+        none (AVX2 cores): the head multiplies the loaded weight itself (cpu/kernels/bf16_weights.py,
+        or F.linear), one copy at any TP. Elsewhere two copies. A guess from the CPU's flags, for the
+        plan: the kernels actually chosen decide the bytes."""
         flags = cpu_flags()
+        if dtype == "bfloat16" and not onednn_packs_bf16(flags):
+            return False
         served = {"float32": "avx512f" in flags, "bfloat16": "avx512_bf16" in flags}.get(dtype, False)
         return not (tp == 1 and served)
 
@@ -188,6 +193,12 @@ class CpuPlatform(Platform):
         cpu_s = probe.process_tree_cpu_s(pid)
         use = None if cpu_s is None else self._cpu_use.ratio(cpu_s, time.monotonic(), len(probe.allowed_cpus()))
         return [cpu_reading(process_tree_rss(pid), parse_meminfo(probe.meminfo()), use)]
+
+
+def onednn_packs_bf16(flags: frozenset[str]) -> bool:
+    """Does oneDNN reorder bfloat16 weights on these cores (torch's mkldnn_reorder_linear_weight
+    needs AVX512 BW/VL/DQ or AVX-NE-CONVERT, and refuses elsewhere)?"""
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 
 def native_bf16() -> bool:
