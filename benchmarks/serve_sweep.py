@@ -49,8 +49,8 @@ vLLM's histograms on /metrics, which Tengyun and vLLM export), and the CPU other
 meanwhile. Results: benchmarks/results/serve-sweep-STAMP.json, a PNG per model of output tok/s
 and median TTFT against concurrency, a new dated section at the end of benchmarks/README.md (its
 markers `compare:serve-sweep-STAMP`), and the lead slot of this machine type at the top of that
-page (`compare:lead-served-amx` or `compare:lead-served-no-amx`, replaced). `--no-readme` prints
-both instead (smoke runs).
+page (`compare:lead-served-amx`, `compare:lead-served-no-amx` or `compare:lead-served-avx2`,
+replaced). `--no-readme` prints both instead (smoke runs).
 """
 
 from __future__ import annotations

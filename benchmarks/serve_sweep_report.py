@@ -18,8 +18,11 @@ BASELINES = ("vllm", "llamacpp")  # what Tengyun is compared against, in this or
 
 
 def machine_type(machine: dict) -> str:
-    """The lead slot a machine's sweep fills: `amx` (Intel Xeon with AMX tiles) or `no-amx`."""
-    return "amx" if "amx_tile" in machine["isa"] else "no-amx"
+    """The lead slot a machine's sweep fills: `amx` (Intel Xeon with AMX tiles), `no-amx` (AVX-512
+    without AMX) or `avx2` (no AVX-512)."""
+    if "amx_tile" in machine["isa"]:
+        return "amx"
+    return "no-amx" if "avx512f" in machine["isa"] else "avx2"
 
 
 def anchor(heading: str) -> str:
