@@ -102,6 +102,7 @@ def bf16_weights(row_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256
     weights = [[torch.randn(n, k).to(torch.bfloat16) * 0.02 for n, k in LAYER_SHAPES] for _ in range(30)]
     bf16_kernel, onednn = CpuBf16WeightKernel(), OneDNNPackedLinearKernel()
     packed32 = [[onednn.prepare(w.float()) for w in layer] for layer in weights]
+    packed16 = [[bf16_kernel.prepare(w) for w in layer] for layer in weights]
     nbytes = 30 * sum(n * k for n, k in LAYER_SHAPES) * 2
     for rows in row_counts:
         flops = 2 * rows * nbytes // 2
@@ -119,7 +120,7 @@ def bf16_weights(row_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256
             return statistics.median(one() for _ in range(passes))
 
         dense = timed(F.linear, weights, xs)
-        kernel = timed(bf16_kernel.apply, weights, xs)
+        kernel = timed(bf16_kernel.apply, packed16, xs)
         fp32 = timed(onednn.apply, packed32, xs32)
         print(f"| {rows} | {dense:.2f} | {kernel:.2f} | {dense / kernel:.2f}x | {nbytes / kernel / 1e6:.0f} | "
               f"{flops / kernel / 1e6:.0f} | {fp32:.2f} | {fp32 / kernel:.2f}x |")

@@ -27,7 +27,8 @@
 // torch.ops.tengyun.packed_rows(ids, weight_ptr, out_features, k, k_padded, dtype, block=64) -> rows
 //   ids [T] int32/int64 in [0, out_features); rows [T, k] in dtype (float32 or bfloat16): row n of
 //   the packed [N, K] weight, copied bit for bit (a tied LM head's packed weight serves the
-//   embedding lookups, so the plain copy can go). Plain C++: runs on any CPU.
+//   embedding lookups, so the plain copy can go). Plain C++: runs on any CPU. block may also be 16:
+//   bf16_weight_gemm.cpp's packing (the same layout in 16-column blocks).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -321,7 +322,7 @@ void gather_packed_rows(const int64_t* ids, int64_t count, const void* weight, b
 
 at::Tensor packed_rows(const at::Tensor& ids, int64_t weight_ptr, int64_t out_features, int64_t k, int64_t k_padded,
                        at::ScalarType dtype, int64_t block) {
-  TORCH_CHECK(block == 32 || block == 64, "packed_rows: block must be 32 or 64, got ", block);
+  TORCH_CHECK(block == 16 || block == 32 || block == 64, "packed_rows: block must be 16, 32 or 64, got ", block);
   TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && (ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt),
               "packed_rows: ids must be a CPU [T] int32 or int64 tensor");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "packed_rows: dtype must be float32 or bfloat16");

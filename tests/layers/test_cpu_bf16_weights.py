@@ -1,9 +1,10 @@
 """The bfloat16-weight linear kernel for cores without bfloat16 arithmetic (tengyun/csrc/bf16_weight_gemm.cpp,
 platforms/cpu/kernels/bf16_weights.py) against F.linear in float32 on the same bfloat16 weight
-(exact widening): bfloat16 and float32 x, K not a multiple of the 8-lane vector, output counts that
-are not multiples of a tile, 1 row to two 64-row blocks, strided rows, with and without bias; its
-errors; and the kernel choice on a CPU where oneDNN packs no bfloat16 weight. Its AVX2 copy runs on
-AVX-512 CPUs too, so this runs wherever the kernels build."""
+(exact widening): bfloat16 and float32 x, odd K, output counts that are not multiples of the
+16-column block, 1 row to three 64-row blocks, strided rows, with and without bias; the packing; the
+tied embedding's rows read from the packed copy; its errors; and the kernel choice on a CPU where
+oneDNN packs no bfloat16 weight. Its AVX2 copy runs on AVX-512 CPUs too, so this runs
+wherever the kernels build."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tengyun.platforms.cpu.kernels import bf16_weights, choice
-from tengyun.platforms.cpu.kernels.bf16_weights import MAX_KERNEL_ROWS, CpuBf16WeightKernel, bf16_weight_kernel_fits
+from tengyun.platforms.cpu.kernels import choice
+from tengyun.platforms.cpu.kernels.bf16_weights import CpuBf16WeightKernel, bf16_weight_kernel_fits, pack_weight
 from tengyun.platforms.kernel_choice import KernelQuery, choose
 
 from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
@@ -33,8 +34,7 @@ def _reference(x, weight, bias):
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 577), (17, 33), (5, 7)])
-# 1-4: one pass; 5-64: several 4-row passes over each weight tile; 130: three 64-row blocks (the raw
-# op; the layer widens the weight above MAX_KERNEL_ROWS)
+# 1-4: one pass; 5-64: several 4-row passes over each weight block; 130: three 64-row blocks
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64, 130])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_f_linear(fits, x_dtype, out_features, in_features, rows, with_bias):
@@ -44,31 +44,36 @@ def test_kernel_matches_f_linear(fits, x_dtype, out_features, in_features, rows,
     x = torch.randn(rows, 2 * in_features, generator=gen).to(x_dtype)[:, ::2]  # strided rows: copied first
     kernel = CpuBf16WeightKernel()
     prepared = kernel.prepare(weight)
-    assert prepared.data_ptr() == weight.data_ptr()  # the loaded weight itself, no copy
     out = kernel.apply(x, prepared, bias)
     assert out.dtype == x_dtype and out.shape == (rows, out_features)
     torch.testing.assert_close(out.float(), _reference(x, weight, bias), **TOLERANCE[x_dtype])
     # the raw op on row views of one tensor (unit last stride, any row stride)
     wide = torch.randn(rows, in_features + 3, generator=gen).to(x_dtype)[:, :in_features]
-    raw = torch.ops.tengyun.bf16_weight_gemm(wide, weight, bias)
+    raw = torch.ops.tengyun.bf16_weight_gemm(wide, prepared.packed, out_features, bias)
     torch.testing.assert_close(raw.float(), _reference(wide, weight, bias), **TOLERANCE[x_dtype])
 
 
-@pytest.mark.parametrize("chunk", [bf16_weights.WIDEN_CHUNK_ELEMENTS, 33 * 7])
-def test_more_rows_widen_the_weight_in_chunks(fits, monkeypatch, chunk):
-    """Above MAX_KERNEL_ROWS the weight is widened and F.linear runs in float32, a chunk of weight
-    rows at a time (7 rows of 33 here: 100 outputs in 15 chunks, the last one short)."""
-    monkeypatch.setattr(bf16_weights, "WIDEN_CHUNK_ELEMENTS", chunk)
-    gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(100, 33, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(100, generator=gen).to(torch.bfloat16)
-    x = torch.randn(MAX_KERNEL_ROWS + 1, 33, generator=gen).to(torch.bfloat16)
-    want, calls, linear = _reference(x, weight, bias), [], F.linear
-    monkeypatch.setattr(F, "linear", lambda *a: calls.append(a[1].shape) or linear(*a))
-    out = CpuBf16WeightKernel().apply(x, weight, bias)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), want, **TOLERANCE[torch.bfloat16])
-    assert calls == ([(100, 33)] if chunk > 3300 else [(7, 33)] * 14 + [(2, 33)])
+@pytest.mark.parametrize("out_features,in_features", [(100, 33), (16, 2), (3, 1), (49, 64)])
+def test_packing_places_each_weight_and_unpacks_exactly(out_features, in_features):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    packed = pack_weight(weight)
+    assert packed.shape == (-(-out_features // 16), -(-in_features // 2), 16, 2)
+    n, k = out_features - 1, in_features - 1
+    assert packed[n // 16, k // 2, n % 16, k % 2] == weight[n, k]
+    unpacked = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * 16, packed.shape[1] * 2)
+    assert torch.equal(unpacked[:out_features, :in_features], weight)
+    assert not unpacked[out_features:].any() and not unpacked[:, in_features:].any()  # zero padding
+
+
+def test_a_tied_embedding_reads_rows_from_the_packed_copy(fits):
+    weight = torch.randn(197, 33, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    kernel = CpuBf16WeightKernel()
+    prepared = kernel.prepare(weight)
+    read = kernel.row_reader(prepared, weight)
+    ids = torch.tensor([[0, 196], [15, 16]])
+    assert torch.equal(read(ids), F.embedding(ids, weight))
+    assert torch.equal(read(torch.arange(197)), weight)
+    assert kernel.row_reader(prepared, weight.float()) is None  # not the weight it packed
 
 
 def test_bfloat16_results_round_to_nearest_even(fits):
@@ -76,7 +81,7 @@ def test_bfloat16_results_round_to_nearest_even(fits):
     sums agree (a sum of one product has one order)."""
     weight = torch.randn(64, 1).to(torch.bfloat16)
     x = torch.randn(3, 1).to(torch.bfloat16)
-    got = torch.ops.tengyun.bf16_weight_gemm(x, weight, None)
+    got = torch.ops.tengyun.bf16_weight_gemm(x, pack_weight(weight), 64, None)
     want = (x.float() @ weight.float().T).to(torch.bfloat16)
     assert torch.equal(got, want)
 
@@ -84,28 +89,31 @@ def test_bfloat16_results_round_to_nearest_even(fits):
 def test_leading_dimensions_and_zero_rows(fits):
     weight = torch.randn(10, 16).to(torch.bfloat16)
     kernel = CpuBf16WeightKernel()
+    prepared = kernel.prepare(weight)
     x = torch.randn(2, 3, 16).to(torch.bfloat16)
-    out = kernel.apply(x, kernel.prepare(weight), None)
+    out = kernel.apply(x, prepared, None)
     assert out.shape == (2, 3, 10)
     torch.testing.assert_close(out.float(), _reference(x, weight, None), **TOLERANCE[torch.bfloat16])
-    assert kernel.apply(torch.zeros(0, 16, dtype=torch.bfloat16), weight, None).shape == (0, 10)
+    assert kernel.apply(torch.zeros(0, 16, dtype=torch.bfloat16), prepared, None).shape == (0, 10)
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(weight=torch.zeros(4, 8)), "weight must be a contiguous bfloat16"),
-    (dict(weight=torch.zeros(4, 9, dtype=torch.bfloat16)), r"with x's K \(8\)"),
+    (dict(packed=pack_weight(torch.zeros(4, 8, dtype=torch.bfloat16)).float()), "packed must be a contiguous bfloat16"),
+    (dict(packed=pack_weight(torch.zeros(4, 10, dtype=torch.bfloat16))), r"N = 4 and x's K = 8"),
+    (dict(n=17), r"N = 17"),
     (dict(x=torch.zeros(2, 8, dtype=torch.float16)), "x must be a CPU float32 or bfloat16"),
     (dict(bias=torch.zeros(3, dtype=torch.bfloat16)), "bias must be a contiguous"),
 ])
 def test_op_names_what_is_wrong(fits, bad, match):
-    args = dict(x=torch.zeros(2, 8, dtype=torch.bfloat16), weight=torch.zeros(4, 8, dtype=torch.bfloat16), bias=None)
+    args = dict(x=torch.zeros(2, 8, dtype=torch.bfloat16), packed=pack_weight(torch.zeros(4, 8, dtype=torch.bfloat16)),
+                n=4, bias=None)
     args.update(bad)
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.tengyun.bf16_weight_gemm(args["x"], args["weight"], args["bias"])
+        torch.ops.tengyun.bf16_weight_gemm(args["x"], args["packed"], args["n"], args["bias"])
 
 
 def test_prepare_refuses_other_weights(fits):
-    with pytest.raises(ValueError, match="bfloat16 weights"):
+    with pytest.raises(ValueError, match="2-D bfloat16 weights"):
         CpuBf16WeightKernel().prepare(torch.zeros(4, 8))
 
 

@@ -76,9 +76,10 @@ def test_a_tied_head_frees_the_embeddings_weight_and_serves_its_lookups(fits, dt
                                rtol=2 ** -7, atol=2e-2)
 
 
-def test_the_bfloat16_weight_kernel_multiplies_the_embeddings_own_weight(kernels, monkeypatch):  # noqa: F811
-    """Where oneDNN packs no bfloat16 weight (AVX2; made so here), a tied head multiplies the loaded
-    weight itself: one vocab x hidden matrix for both, as tied_head_copy tells the plan."""
+def test_the_bfloat16_weight_kernels_packed_copy_serves_the_lookups(kernels, monkeypatch):  # noqa: F811
+    """Where oneDNN packs no bfloat16 weight (AVX2; made so here), a tied head's packed copy (16-column
+    blocks) serves the embedding's lookups bit for bit and the plain weight is freed: one vocab x
+    hidden matrix for both, as tied_head_copy tells the plan."""
     from tengyun.platforms.cpu.kernels import choice
     from tengyun.platforms.cpu.kernels.bf16_weights import bf16_weight_kernel_fits
 
@@ -90,10 +91,10 @@ def test_the_bfloat16_weight_kernel_multiplies_the_embeddings_own_weight(kernels
     pair, weight = _tied_pair(vocab, hidden, torch.bfloat16)
     bind_kernels(pair, CpuPlatform().kernels("bfloat16", 16, "float32"))
     assert type(pair.head.kernel).__name__ == "CpuBf16WeightKernel"
-    assert pair.head.kernel_weight.data_ptr() == pair.embed.weight.data_ptr()
-    assert weight_bytes(pair) == vocab * hidden * 2
-    ids = _ids(vocab, 20, 0)
-    assert torch.equal(pair.embed(ids), F.embedding(ids, weight))
+    assert pair.embed.weight.numel() == 0 and pair.head.weight.numel() == 0
+    assert weight_bytes(pair) == (-(-vocab // 16) * 16) * hidden * 2  # the packed copy only (197 -> 208 rows)
+    for ids in (_ids(vocab, 20, 0), torch.arange(vocab), _ids(vocab, 6, 1).view(2, 3)):
+        assert torch.equal(pair.embed(ids), F.embedding(ids, weight))
     x = torch.randn(3, hidden).to(torch.bfloat16)
     torch.testing.assert_close(pair.head.compute_logits(x).float(), F.linear(x.float(), weight.float()),
                                rtol=2 ** -7, atol=2e-2)
@@ -153,5 +154,5 @@ def test_the_plan_counts_the_tied_copy_only_where_the_embedding_keeps_one(monkey
     assert CpuPlatform.tied_head_copy("float16", 1)
     monkeypatch.setattr("tengyun.platforms.cpu.platform.cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert CpuPlatform.tied_head_copy("float32", 1)
-    # no oneDNN bfloat16 packing on AVX2: the head multiplies the embedding's own weight, any TP
-    assert not CpuPlatform.tied_head_copy("bfloat16", 1) and not CpuPlatform.tied_head_copy("bfloat16", 2)
+    # no oneDNN bfloat16 packing on AVX2: the bfloat16-weight kernel's packed copy serves the lookups
+    assert not CpuPlatform.tied_head_copy("bfloat16", 1) and CpuPlatform.tied_head_copy("bfloat16", 2)

@@ -62,14 +62,13 @@ class CpuPlatform(Platform):
     def tied_head_copy(cls, dtype: str, tp: int) -> bool:
         """One copy where the packed head serves the embedding's lookups (ParallelLMHead.bind_kernels):
         TP = 1, float32 on AVX-512 cores or bfloat16 on AVX512-BF16 ones (the compiled kernels'
-        small-batch path, cpu/kernels/linear.py; built by `make setup`). bfloat16 where oneDNN packs
-        none (AVX2 cores): the head multiplies the loaded weight itself (cpu/kernels/bf16_weights.py,
-        or F.linear), one copy at any TP. Elsewhere two copies. A guess from the CPU's flags, for the
-        plan: the kernels actually chosen decide the bytes."""
+        small-batch path, cpu/kernels/linear.py; built by `make setup`), or bfloat16 on AVX2 cores
+        where oneDNN packs none (the bfloat16-weight kernel's packed copy, cpu/kernels/bf16_weights.py).
+        Elsewhere two copies. A guess from the CPU's flags, for the plan: the kernels actually chosen
+        decide the bytes."""
         flags = cpu_flags()
-        if dtype == "bfloat16" and not onednn_packs_bf16(flags):
-            return False
-        served = {"float32": "avx512f" in flags, "bfloat16": "avx512_bf16" in flags}.get(dtype, False)
+        bf16_served = "avx512_bf16" in flags or ({"avx2", "fma"} <= flags and not onednn_packs_bf16(flags))
+        served = {"float32": "avx512f" in flags, "bfloat16": bf16_served}.get(dtype, False)
         return not (tp == 1 and served)
 
     @classmethod

@@ -3,33 +3,32 @@
 There oneDNN does not pack a bfloat16 weight (its reorder needs AVX512 BW/VL/DQ or AVX-NE-CONVERT)
 and F.linear's own bfloat16 GEMM ran at ~19 GFLOP/s on 2 cores of an AMD EPYC without AVX-512,
 against ~135 for float32 (2026-12-07, benchmarks/README.md "An AVX2 machine"). The compiled kernel
-(tengyun/csrc/bf16_weight_gemm.cpp) keeps the weight as loaded, bfloat16 [N, K], widens it to
-float32 in registers and sums in float32: a decode step streams half the bytes float32 would, and
-batches of up to MAX_KERNEL_ROWS rows run it. Larger ones (prefill steps) widen the weight to float32
-and run F.linear's float32 GEMM, which is faster there than the kernel's register-only widening.
+(tengyun/csrc/bf16_weight_gemm.cpp) reads the weight packed once in 16-column blocks of K pairs,
+widens it to float32 in registers and sums in float32: a decode step streams half the bytes float32
+would, and every batch (decode or prefill) runs it: 2.2x oneDNN float32 at 1-4 rows, level at
+64-256, ~0.8x at 512.
 
-The weight is the loaded tensor itself (no copy), so a tied embedding reads its rows as before.
+A tied LM head's packed weight also serves the embedding's lookups (packed_gemv.cpp's packed_rows
+reads the same layout in 16-column blocks), so the vocab x hidden matrix is held once at TP = 1.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from tengyun.layers.linear_kernel import DenseLinearKernel
+from tengyun.layers.linear_kernel import DenseLinearKernel, RowReader
 
+logger = logging.getLogger(__name__)
+
+BLOCK = 16  # output columns per packed block (bf16_weight_gemm.cpp)
 # Decode graphs (cpu/runtime/graphs.py) are captured for decodes of up to this many sequences:
 # every batch runs the compiled op, which a trace holds, as with the small-batch kernel's 64.
 GRAPH_ROWS = 64
-# Up to this many rows run the compiled kernel; more widen the weight and run F.linear in float32.
-# `benchmarks/linear_kernels.py --bf16-weights` and a widening variant, 2026-12-07, AMD EPYC without
-# AVX-512 (avx2 fma), 2 threads, SmolLM2's 30 x 4 projections: the kernel 15.4 ms at 1 row (oneDNN
-# float32 26.7, F.linear bfloat16 17.3), 128.9 at 64 rows against 149.8 widened, even at 128-256
-# (256.6 / 252.9, 464.4 / 463.4), behind at 512 (1205.5 against 818.9).
-MAX_KERNEL_ROWS = 128
-# The widened path converts at most this many weight elements at a time (128 MiB of float32), so a
-# large LM head does not need a float32 copy of itself at once.
-WIDEN_CHUNK_ELEMENTS = 1 << 25
+_ROW_CHECK_CHUNK = 8192  # rows compared at a time when row_reader checks the packed copy
 
 
 def bf16_weight_kernel_fits() -> bool:
@@ -39,39 +38,67 @@ def bf16_weight_kernel_fits() -> bool:
     return native.load_error() is None and bool(torch.ops.tengyun.bf16_weight_gemm_supported())
 
 
-class CpuBf16WeightKernel(DenseLinearKernel):
-    """y = x W^T + b for bfloat16 W [N, K] as loaded, any number of rows, float32 sums. Make only
-    where bf16_weight_kernel_fits()."""
+@dataclass(frozen=True)
+class PackedBf16Weight:
+    """A bfloat16 [N, K] weight packed for bf16_weight_gemm: [ceil(N / 16), ceil(K / 2), 16, 2]."""
 
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 [N, K] -> [ceil(N / 16), ceil(K / 2), 16, 2], zero padded: element (n, k) at
+    [n // 16, k // 2, n % 16, k % 2] (bf16_weight_gemm.cpp)."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, k % 2, 0, -n % BLOCK))
+    return padded.view(-1, BLOCK, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class CpuBf16WeightKernel(DenseLinearKernel):
+    """y = x W^T + b for a bfloat16 W [N, K], packed once; any number of rows, float32 sums. Make
+    only where bf16_weight_kernel_fits()."""
+
+    frees_original = True
     graph_rows = GRAPH_ROWS
 
     def __init__(self):
         self._gemm = torch.ops.tengyun.bf16_weight_gemm.default  # resolved once
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        if weight.dtype != torch.bfloat16:
-            raise ValueError(f"CpuBf16WeightKernel multiplies bfloat16 weights; got {weight.dtype}")
-        return weight.contiguous()
+    def prepare(self, weight: torch.Tensor) -> PackedBf16Weight:
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError(f"CpuBf16WeightKernel multiplies 2-D bfloat16 weights; got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        return PackedBf16Weight(pack_weight(weight), weight.shape[0], weight.shape[1])
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] (bfloat16 or float32) -> [..., N] in x's dtype."""
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > MAX_KERNEL_ROWS:
-            y = _widened_linear(rows, weight, bias)
-        else:
-            y = self._gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, bias)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        return self._gemm(rows, weight.packed, weight.out_features, bias).view(*x.shape[:-1], weight.out_features)
 
+    def row_reader(self, prepared: PackedBf16Weight, original: torch.Tensor) -> RowReader | None:
+        """ids [T] -> rows [T, K] read from the packed copy, once every row read back equals
+        ``original`` [N, K] bit for bit; None where one differs."""
+        if original.dtype != torch.bfloat16 or tuple(original.shape) != (prepared.out_features,
+                                                                          prepared.in_features):
+            return None
+        packed_rows = torch.ops.tengyun.packed_rows.default
+        n, k = original.shape
 
-def _widened_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [M, K] @ weight [N, K]^T (+ bias) in float32, the weight widened WIDEN_CHUNK_ELEMENTS at a
-    time; [M, N] in rows' dtype."""
-    x32 = rows.float()
-    step = max(1, WIDEN_CHUNK_ELEMENTS // weight.shape[1])
-    if step >= weight.shape[0]:
-        return F.linear(x32, weight.float(), None if bias is None else bias.float()).to(rows.dtype)
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype)
-    for n0 in range(0, weight.shape[0], step):
-        part = None if bias is None else bias[n0:n0 + step].float()
-        out[:, n0:n0 + step] = F.linear(x32, weight[n0:n0 + step].float(), part)
-    return out
+        def read(ids: torch.Tensor) -> torch.Tensor:
+            rows = packed_rows(ids.reshape(-1), prepared.packed.data_ptr(), n, k, prepared.packed.shape[1] * 2,
+                               torch.bfloat16, BLOCK)
+            return rows.view(*ids.shape, k)
+
+        for start in range(0, n, _ROW_CHECK_CHUNK):
+            ids = torch.arange(start, min(start + _ROW_CHECK_CHUNK, n))
+            if not torch.equal(read(ids), original[start:start + len(ids)]):
+                logger.info("The packed bfloat16 [%d, %d] weight does not read back row for row; the tied "
+                            "embedding keeps its own copy", n, k)
+                return None
+        return read
+
