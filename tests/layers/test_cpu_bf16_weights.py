@@ -49,7 +49,7 @@ def test_kernel_matches_f_linear(fits, x_dtype, out_features, in_features, rows,
     torch.testing.assert_close(out.float(), _reference(x, weight, bias), **TOLERANCE[x_dtype])
     # the raw op on row views of one tensor (unit last stride, any row stride)
     wide = torch.randn(rows, in_features + 3, generator=gen).to(x_dtype)[:, :in_features]
-    raw = torch.ops.tengyun.bf16_weight_gemm(wide, prepared.packed, out_features, bias)
+    raw = torch.ops.tengyun.bf16_weight_gemm(wide, pack_weight(weight), out_features, bias)  # padded too
     torch.testing.assert_close(raw.float(), _reference(wide, weight, bias), **TOLERANCE[x_dtype])
 
 
@@ -66,13 +66,13 @@ def test_packing_places_each_weight_and_unpacks_exactly(out_features, in_feature
 
 
 def test_a_tied_embedding_reads_rows_from_the_packed_copy(fits):
-    weight = torch.randn(197, 33, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    weight = torch.randn(208, 34, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     kernel = CpuBf16WeightKernel()
     prepared = kernel.prepare(weight)
     read = kernel.row_reader(prepared, weight)
-    ids = torch.tensor([[0, 196], [15, 16]])
+    ids = torch.tensor([[0, 207], [15, 16]])
     assert torch.equal(read(ids), F.embedding(ids, weight))
-    assert torch.equal(read(torch.arange(197)), weight)
+    assert torch.equal(read(torch.arange(208)), weight)
     assert kernel.row_reader(prepared, weight.float()) is None  # not the weight it packed
 
 
@@ -110,6 +110,18 @@ def test_op_names_what_is_wrong(fits, bad, match):
     args.update(bad)
     with pytest.raises(RuntimeError, match=match):
         torch.ops.tengyun.bf16_weight_gemm(args["x"], args["packed"], args["n"], args["bias"])
+
+
+@pytest.mark.parametrize("shape", [(100, 64), (64, 33)])
+def test_a_weight_the_blocks_would_pad_stays_as_loaded(fits, shape):
+    """N not a multiple of 16, or odd K: no padded copy (the plan counts N x K x 2 bytes); F.linear
+    multiplies the loaded weight."""
+    weight = torch.randn(*shape).to(torch.bfloat16)
+    kernel = CpuBf16WeightKernel()
+    prepared = kernel.prepare(weight)
+    assert prepared is weight and kernel.row_reader(prepared, weight) is None
+    x = torch.randn(3, shape[1]).to(torch.bfloat16)
+    assert torch.equal(kernel.apply(x, prepared, None), F.linear(x, weight))
 
 
 def test_prepare_refuses_other_weights(fits):

@@ -102,7 +102,12 @@ def test_kept_experts_in_bfloat16_follow_the_dequantized_bfloat16_run(moe_gguf):
     differ by that rounding (logprobs up to ~0.08 apart measured), so on this tiny model's flat
     distributions a greedy token can flip at a near-tie: each step is compared teacher-forced
     instead, the reference's prompt and answer fed to the kept engine (prompt_logprobs), every
-    answer token's logprob within 0.2 of the reference's."""
+    answer token's logprob within 0.2 of the reference's; within 0.3 where the compiled quant kernel
+    does not run (AVX2 cores: torch's int4 matmul per expert), where 0.264 was measured (2026-12-07,
+    AMD EPYC without AVX-512, token 3 of a prompt; the same with F.linear for the dense layers)."""
+    from tengyun.platforms.cpu.kernels.quant_layout import quant_gemv_fits
+
+    tolerance = 0.2 if quant_gemv_fits() else 0.3
     path, _ = moe_gguf
     dense = _tengyun(path, dtype="bfloat16")
     llm = LLM(str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=128)
@@ -114,7 +119,7 @@ def test_kept_experts_in_bfloat16_follow_the_dequantized_bfloat16_run(moe_gguf):
     for prompt, reference, out in zip(_prompts(), dense, forced):
         for i, token in enumerate(reference.token_ids):
             kept = out.prompt_logprobs[len(prompt) + i][token].logprob
-            assert abs(kept - reference.logprobs[i][token].logprob) < 0.2, (i, token)
+            assert abs(kept - reference.logprobs[i][token].logprob) < tolerance, (i, token)
 
 
 def test_kept_experts_under_tp2_over_gloo_give_the_single_process_tokens(moe_gguf, hf_tokens):

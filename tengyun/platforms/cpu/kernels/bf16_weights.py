@@ -68,14 +68,22 @@ class CpuBf16WeightKernel(DenseLinearKernel):
     def __init__(self):
         self._gemm = torch.ops.tengyun.bf16_weight_gemm.default  # resolved once
 
-    def prepare(self, weight: torch.Tensor) -> PackedBf16Weight:
+    def prepare(self, weight: torch.Tensor) -> PackedBf16Weight | torch.Tensor:
+        """The packed copy; the weight itself (F.linear multiplies it) where N is not a multiple of 16
+        or K is odd, so that no layer holds padding (`tengyun plan` counts N x K x 2 bytes): small
+        layers such as a MoE router of 8 experts."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             raise ValueError(f"CpuBf16WeightKernel multiplies 2-D bfloat16 weights; got {weight.dtype} "
                              f"{tuple(weight.shape)}")
+        if weight.shape[0] % BLOCK or weight.shape[1] % 2:
+            return weight
         return PackedBf16Weight(pack_weight(weight), weight.shape[0], weight.shape[1])
 
-    def apply(self, x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] (bfloat16 or float32) -> [..., N] in x's dtype."""
+    def apply(self, x: torch.Tensor, weight: PackedBf16Weight | torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] (bfloat16; float32 on packed weights) -> [..., N] in x's dtype."""
+        if isinstance(weight, torch.Tensor):  # left unpacked by prepare
+            return F.linear(x, weight.to(x.dtype), bias)
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         return self._gemm(rows, weight.packed, weight.out_features, bias).view(*x.shape[:-1], weight.out_features)
@@ -83,8 +91,8 @@ class CpuBf16WeightKernel(DenseLinearKernel):
     def row_reader(self, prepared: PackedBf16Weight, original: torch.Tensor) -> RowReader | None:
         """ids [T] -> rows [T, K] read from the packed copy, once every row read back equals
         ``original`` [N, K] bit for bit; None where one differs."""
-        if original.dtype != torch.bfloat16 or tuple(original.shape) != (prepared.out_features,
-                                                                          prepared.in_features):
+        if not isinstance(prepared, PackedBf16Weight) or original.dtype != torch.bfloat16 \
+                or tuple(original.shape) != (prepared.out_features, prepared.in_features):
             return None
         packed_rows = torch.ops.tengyun.packed_rows.default
         n, k = original.shape
