@@ -128,6 +128,8 @@ def test_a_rank_holding_some_experts_sums_only_theirs():
     call as zeros and add nothing."""
     scheme = w8a8_scheme()
     layer = quantised_layer(scheme, torch.float32, CpuPlatform().quant_linear_kernel(scheme, torch.float32))
+    if not layer.quant_grouped:  # AVX2 cores: no W8A8 kernel groups experts (per-expert lists instead)
+        pytest.skip("the W8A8 kernel does not group experts on this CPU")
     x, logits = _inputs(torch.float32, 11)
     weights, ids = layer.moe_kernel.route(logits, TOP_K, True)
     full = layer._local_experts(x, weights, ids)
