@@ -14,21 +14,18 @@ reads the same layout in 16-column blocks), so the vocab x hidden matrix is held
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tengyun.layers.linear_kernel import DenseLinearKernel, RowReader
-
-logger = logging.getLogger(__name__)
+from tengyun.platforms.cpu.kernels.linear import checked_packed_row_reader
 
 BLOCK = 16  # output columns per packed block (bf16_weight_gemm.cpp)
 # Decode graphs (cpu/runtime/graphs.py) are captured for decodes of up to this many sequences:
 # every batch runs the compiled op, which a trace holds, as with the small-batch kernel's 64.
 GRAPH_ROWS = 64
-_ROW_CHECK_CHUNK = 8192  # rows compared at a time when row_reader checks the packed copy
 
 
 def bf16_weight_kernel_fits() -> bool:
@@ -94,19 +91,5 @@ class CpuBf16WeightKernel(DenseLinearKernel):
         if not isinstance(prepared, PackedBf16Weight) or original.dtype != torch.bfloat16 \
                 or tuple(original.shape) != (prepared.out_features, prepared.in_features):
             return None
-        packed_rows = torch.ops.tengyun.packed_rows.default
-        n, k = original.shape
-
-        def read(ids: torch.Tensor) -> torch.Tensor:
-            rows = packed_rows(ids.reshape(-1), prepared.packed.data_ptr(), n, k, prepared.packed.shape[1] * 2,
-                               torch.bfloat16, BLOCK)
-            return rows.view(*ids.shape, k)
-
-        for start in range(0, n, _ROW_CHECK_CHUNK):
-            ids = torch.arange(start, min(start + _ROW_CHECK_CHUNK, n))
-            if not torch.equal(read(ids), original[start:start + len(ids)]):
-                logger.info("The packed bfloat16 [%d, %d] weight does not read back row for row; the tied "
-                            "embedding keeps its own copy", n, k)
-                return None
-        return read
-
+        return checked_packed_row_reader(prepared.packed.data_ptr(), original, prepared.packed.shape[1] * 2, BLOCK,
+                                         "The packed bfloat16")

@@ -156,21 +156,8 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         ``original`` [N, K] bit for bit; None where the layout check failed or a row differs."""
         if prepared.data_ptr is None or original.dtype != self.dtype or original.dim() != 2:
             return None
-        out_features, k = original.shape
-        packed_rows = torch.ops.tengyun.packed_rows.default
-
-        def read(ids: torch.Tensor) -> torch.Tensor:
-            rows = packed_rows(ids.reshape(-1), prepared.data_ptr, out_features, k, prepared.k_padded, self.dtype,
-                               prepared.block)
-            return rows.view(*ids.shape, k)
-
-        for start in range(0, out_features, _ROW_CHECK_CHUNK):
-            ids = torch.arange(start, min(start + _ROW_CHECK_CHUNK, out_features))
-            if not torch.equal(read(ids), original[start:start + len(ids)]):
-                logger.info("oneDNN's packed %s [%d, %d] weight does not read back row for row; the tied "
-                            "embedding keeps its own copy", self.dtype, out_features, k)
-                return None
-        return read
+        return checked_packed_row_reader(prepared.data_ptr, original, prepared.k_padded, prepared.block,
+                                         f"oneDNN's packed {self.dtype}")
 
     def _reads_like_onednn(self, packed: torch.Tensor, ptr: int, out_features: int, k: int, k_padded: int,
                            block: int) -> bool:
@@ -201,6 +188,27 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         want = super().apply(x, packed, None).float()
         scale = want.abs().max().clamp_min(1e-30)
         return bool(((got.float() - want).abs().max() / scale) <= _CHECK_TOLERANCE[self.dtype])
+
+
+def checked_packed_row_reader(data_ptr: int, original: torch.Tensor, k_padded: int, block: int,
+                              what: str) -> RowReader | None:
+    """ids [T] -> rows [T, K] copied by packed_gemv.cpp's packed_rows out of a weight packed in
+    ``block``-column blocks of K (pairs for bfloat16) at ``data_ptr``, once every row read back
+    equals ``original`` [N, K] bit for bit; None (and one log line naming ``what``) where one differs."""
+    out_features, k = original.shape
+    packed_rows = torch.ops.tengyun.packed_rows.default
+
+    def read(ids: torch.Tensor) -> torch.Tensor:
+        rows = packed_rows(ids.reshape(-1), data_ptr, out_features, k, k_padded, original.dtype, block)
+        return rows.view(*ids.shape, k)
+
+    for start in range(0, out_features, _ROW_CHECK_CHUNK):
+        ids = torch.arange(start, min(start + _ROW_CHECK_CHUNK, out_features))
+        if not torch.equal(read(ids), original[start:start + len(ids)]):
+            logger.info("%s [%d, %d] weight does not read back row for row; the tied embedding keeps its "
+                        "own copy", what, out_features, k)
+            return None
+    return read
 
 
 def _k_padded(packed: torch.Tensor, out_features: int, element_size: int, block: int) -> int | None:
