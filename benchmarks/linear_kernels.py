@@ -4,9 +4,10 @@ at SmolLM2-135M's shapes. Prints milliseconds per call (best of 3 rounds of 30 c
 ``--small-rows``: oneDNN vs the compiled small-batch kernel on the same packed weights
 (platforms/cpu/kernels/linear.py) at 1-128 rows, through all 30 layers' four projections of SmolLM2-135M
 (30 separate random weights, 212 MB in bf16: streamed from memory as in a decode step, not from
-cache), median of 15 passes; the row counts where the kernel wins set MAX_SMALL_ROWS. Where oneDNN
-packs bfloat16 for AMX, a third column times the AMX tile kernel (amx_packed_gemm.cpp) on the same
-weights; the row counts where it wins set AMX_TILE_ROWS.
+cache; ``--shapes qwen2.5-coder``: its 24 layers and LM head, 988 MB), median of 15 passes; the row
+counts where the kernel wins set MAX_SMALL_ROWS. Where oneDNN packs bfloat16 for AMX, a third column
+times the AMX tile kernel (amx_packed_gemm.cpp) on the same weights; the row counts where it wins set
+AMX_TILE_ROWS.
 
 ``--bf16-weights``: where oneDNN packs no bfloat16 weight (AVX2 without AVX-512), the three ways a
 layer can run: F.linear in bfloat16 (what bfloat16 ran before the compiled kernel), the compiled
@@ -15,6 +16,7 @@ bfloat16-weight kernel (platforms/cpu/kernels/bf16_weights.py) and oneDNN's pack
 
     python benchmarks/linear_kernels.py
     OMP_NUM_THREADS=2 python benchmarks/linear_kernels.py --small-rows
+    OMP_NUM_THREADS=2 python benchmarks/linear_kernels.py --small-rows --shapes qwen2.5-coder --rows 64,128,256,512
     OMP_NUM_THREADS=2 python benchmarks/linear_kernels.py --bf16-weights
 """
 
@@ -45,12 +47,21 @@ def _ms(fn, calls: int = 30) -> float:
 
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+# --small-rows --shapes: each model's decoder layers [(N, K) for qkv, o, gate_up, down] and count, and
+# its LM head (N, K) (tied to the embedding in both, so one pass over it per step).
+MODEL_SHAPES = {
+    "smollm2": (LAYER_SHAPES, 30, None),
+    "qwen2.5-coder": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24, (151936, 896)),
+}
+SMALL_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def small_rows(row_counts: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)) -> None:
+def small_rows(row_counts: tuple[int, ...] = SMALL_ROWS, shapes: str = "smollm2") -> None:
     from tengyun.platforms.cpu.kernels.linear import CpuPackedLinearKernel, amx_tiles_fit, small_batch_kernel_fits
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M's 30 x 4 layer weights")
+    layer_shapes, num_layers, head = MODEL_SHAPES[shapes]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {shapes}'s {num_layers} x "
+          f"{len(layer_shapes)} layer weights{' and its LM head' if head else ''}")
     print("| dtype | rows | oneDNN ms | small-batch kernel ms | speed-up | kernel GB/s | AMX tiles ms | speed-up |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
@@ -58,15 +69,18 @@ def small_rows(row_counts: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64
             print(f"| {dtype} | - | - | - | kernel not available on this CPU/build | - |")
             continue
         kernel = CpuPackedLinearKernel(dtype, max_small_rows=1 << 30)
-        layers = [[kernel.prepare(torch.randn(n, k).to(dtype) * 0.02) for n, k in LAYER_SHAPES] for _ in range(30)]
-        nbytes = 30 * sum(n * k for n, k in LAYER_SHAPES) * torch.finfo(dtype).bits // 8
+        layers = [[(k, kernel.prepare(torch.randn(n, k).to(dtype) * 0.02)) for n, k in layer_shapes]
+                  for _ in range(num_layers)]  # [(K, packed weight)] per layer
+        if head:
+            layers.append([(head[1], kernel.prepare(torch.randn(*head).to(dtype) * 0.02))])
+        nbytes = sum(w.out_features * k for layer in layers for k, w in layer) * torch.finfo(dtype).bits // 8
         for rows in row_counts:
-            xs = {k: torch.randn(rows, k).to(dtype) for _, k in LAYER_SHAPES}
+            xs = {k: torch.randn(rows, k).to(dtype) for _, k in [*layer_shapes, *([head] if head else [])]}
             run = functools.partial(_pass_ms, kernel, layers, xs)
             onednn = statistics.median(run("onednn") for _ in range(15))
             small = statistics.median(run("small") for _ in range(15))
             tiles = "- | -"
-            if dtype == torch.bfloat16 and amx_tiles_fit() and all(w.block == 32 for w in layers[0]):
+            if dtype == torch.bfloat16 and amx_tiles_fit() and all(w.block == 32 for _, w in layers[0]):
                 amx = statistics.median(run("amx") for _ in range(15))
                 tiles = f"{amx:.2f} | {onednn / amx:.2f}x"
             print(f"| {str(dtype).removeprefix('torch.')} | {rows} | {onednn:.2f} | {small:.2f} | "
@@ -74,12 +88,12 @@ def small_rows(row_counts: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64
 
 
 def _pass_ms(kernel, layers, xs: dict, which: str) -> float:
-    """One pass through every layer's projections: the small-batch kernel ("small"), the AMX tile
-    kernel ("amx") or oneDNN ("onednn") -> ms."""
+    """One pass through every layer's [(K, packed weight)] projections (xs: K -> x [rows, K]): the
+    small-batch kernel ("small"), the AMX tile kernel ("amx") or oneDNN ("onednn") -> ms."""
     amx = torch.ops.tengyun.amx_packed_gemm.default
     start = time.perf_counter()
     for layer in layers:
-        for (_, k), weight in zip(LAYER_SHAPES, layer):
+        for k, weight in layer:
             if which == "small":
                 torch.ops.tengyun.packed_gemv(xs[k], weight.data_ptr, weight.out_features, weight.k_padded, None,
                                               weight.block)
@@ -130,11 +144,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small-rows", action="store_true",
                         help="oneDNN vs the small-batch kernel and the AMX tile kernel, 1-128 rows")
+    parser.add_argument("--shapes", choices=sorted(MODEL_SHAPES), default="smollm2",
+                        help="--small-rows: whose layer shapes (qwen2.5-coder: its 24 layers and LM head)")
+    parser.add_argument("--rows", default=None,
+                        help="--small-rows: comma-separated row counts (default: 1-128)")
     parser.add_argument("--bf16-weights", action="store_true",
                         help="F.linear bf16 vs the bf16-weight kernel vs oneDNN fp32, 1-512 rows (AVX2)")
     args = parser.parse_args()
     if args.small_rows:
-        return small_rows()
+        rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else SMALL_ROWS
+        return small_rows(rows, args.shapes)
     if args.bf16_weights:
         return bf16_weights()
     torch.manual_seed(0)

@@ -98,6 +98,32 @@ def test_either_block_width_reads_a_weight_laid_out_by_hand(fits, dtype, block, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features", [64 * 37 + 5, 64 * 3])  # chunks of whole blocks, a ragged last one
+def test_threads_sharing_the_blocks_out_compute_each_column_once(fits, dtype, out_features):
+    """Threads claim chunks of blocks as they go (packed_gemv.cpp, gemv_all): 1-3 threads give the
+    same bits as each other (a column's sum is one thread's, in K order) and F.linear's values."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 96, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    prepared = CpuPackedLinearKernel(dtype).prepare(weight)
+    if prepared.data_ptr is None:
+        pytest.skip("oneDNN's packed layout here is not the kernel's")
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 12, 64):
+            x = torch.randn(rows, 96, generator=gen).to(dtype)
+            outs = []
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                outs.append(torch.ops.tengyun.packed_gemv(x, prepared.data_ptr, out_features, prepared.k_padded,
+                                                          bias, prepared.block))
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+            torch.testing.assert_close(outs[0].float(), _reference(x, weight, bias), **TOLERANCE[dtype])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_past_the_limit_run_onednn_and_agree(fits, dtype):
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(200, 96, generator=gen).to(dtype)
