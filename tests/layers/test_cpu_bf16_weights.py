@@ -18,8 +18,10 @@ from tengyun.platforms.kernel_choice import KernelQuery, choose
 
 from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
 
-# float32 sums in another order; a bfloat16 result adds one rounding (2^-8 relative)
-TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2 ** -7, atol=2e-2)}
+# float32 sums in another order (up to 1536 products of N(0, 1) values, sums of ~40: 1.2e-4 apart seen
+# on an AMD EPYC with AVX-512, where F.linear sums in another order than on AVX2); a bfloat16 result
+# adds one rounding (2^-8 relative)
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=5e-4), torch.bfloat16: dict(rtol=2 ** -7, atol=2e-2)}
 
 
 @pytest.fixture
