@@ -50,7 +50,7 @@ meanwhile. Results: benchmarks/results/serve-sweep-STAMP.json, a PNG per model o
 and median TTFT against concurrency, a new dated section at the end of benchmarks/README.md (its
 markers `compare:serve-sweep-STAMP`), and the lead slot of this machine type at the top of that
 page (`compare:lead-served-amx`, `compare:lead-served-no-amx` or `compare:lead-served-avx2`,
-replaced). `--no-readme` prints both instead (smoke runs).
+replaced). `--no-readme` prints both instead and keeps the JSON and PNGs in the work folder (smoke runs).
 """
 
 from __future__ import annotations
@@ -222,7 +222,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tengyun-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="the Tengyun server's environment; default none: its own thread choice, timed at run "
                              "time (OMP_NUM_THREADS=N fixes the count and turns that off)")
-    parser.add_argument("--no-readme", action="store_true", help="print the sections instead of writing them")
+    parser.add_argument("--no-readme", action="store_true",
+                        help="print the sections instead of writing them; the JSON and PNGs stay in the work folder")
     args = parser.parse_args()
     args.models, args.systems = args.models.split(","), args.systems.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -280,7 +281,7 @@ def main() -> None:
                 compare.log(f"repeat {repeat}: {system} serve on {model}")
                 report["runs"] += serve_system(system, ctx, model, workdir, repeat)
     report["load_end"] = compare.loadavg()
-    results = BENCH / "results"
+    results = workdir if args.no_readme else BENCH / "results"  # a trial run leaves the repository as it was
     results.mkdir(exist_ok=True)
     for model in args.models:
         name = f"serve-sweep-{stamp}-{model}.png"
