@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -175,6 +176,42 @@ def test_the_start_up_check_times_again_before_moving_to_fewer_threads_and_keeps
         with StepThreads(tuner, lambda: 2, lambda n: None, time_counts=time_counts)(2048):
             pass
         assert (tuner.threads, len(calls)) == (threads, times)
+
+
+def test_a_start_up_check_that_chose_fewer_threads_is_taken_again_until_the_cores_are_back():
+    """A burst of load at start-up (the server's API process loading its tokenizer just before the
+    warm-up request) must not hold the engine on fewer threads until its first probe, 32 steps on:
+    the check is taken again 0.5 s later, then after 1, 2, 4 and 8 s, while it holds fewer threads."""
+    now = [0.0]
+    busy, quiet = {1: 0.010, 2: 0.050}, {1: 0.010, 2: 0.006}
+
+    def run(results_after: Callable[[float], dict[int, float]], until: float) -> tuple[ThreadTuner, list[float]]:
+        now[0], checked = 0.0, []
+
+        def time_counts(counts, set_threads):
+            checked.append(now[0])
+            return results_after(now[0])
+        tuner = ThreadTuner(2)
+        step_threads = StepThreads(tuner, lambda: 2, lambda n: None, time_counts=time_counts, clock=lambda: now[0])
+        while now[0] < until:
+            with step_threads(2048):
+                pass
+            now[0] += 0.1
+        return tuner, checked
+
+    # busy for the first 0.3 s: 1 thread at start-up (confirmed), 2 again at the first re-check
+    tuner, checked = run(lambda t: busy if t < 0.3 else quiet, until=30)
+    assert tuner.threads == 2
+    assert checked == [0.0, 0.0, pytest.approx(0.5)]
+    # busy all along: taken again 5 times, 0.5 s and then twice as long each time apart, then left to the probes
+    tuner, checked = run(lambda t: busy, until=30)
+    assert tuner.threads == 1
+    # (at the first step at or after each due time, steps 0.1 s apart)
+    gaps = [b - a for a, b in zip(checked[1:], checked[2:])]
+    assert checked[:2] == [0.0, 0.0] and gaps == [pytest.approx(g, abs=0.15) for g in (0.5, 1, 2, 4, 8)]
+    # quiet at start-up: one timing, no re-check
+    tuner, checked = run(lambda t: quiet, until=30)
+    assert (tuner.threads, checked) == (2, [0.0])
 
 
 def test_the_start_up_check_times_every_count_it_is_given():

@@ -11,7 +11,12 @@ tell):
 
 - before the first step, ``time_thread_counts`` times a fixed matmul + element-wise workload
   at the current count and one fewer (~30 ms; a move to fewer is timed again 50 ms later), because
-  the first steps are often the largest (prefill) and no probe runs those at a trial count;
+  the first steps are often the largest (prefill) and no probe runs those at a trial count; while
+  that check holds fewer threads than the cores, it is taken again before the first step 0.5 s
+  later, then after 1, 2, 4 and 8 s more (RECHECK_FIRST_S, RECHECKS): a burst of load at start-up
+  (the server's API process loading its tokenizer just before the warm-up request) otherwise kept
+  a served engine on one thread until its first probe, 32 steps on (~17 s of Qwen2.5-Coder-0.5B's
+  first wave at concurrency 64 on 2 cores);
 - then ``ThreadTuner`` times decode steps at the current count and its neighbours now and
   then, and keeps the fastest.
 
@@ -54,6 +59,8 @@ OMP_PAUSE_SOFT = 1
 INFO_EVERY_S = 60.0  # changes log at INFO at most this often, the others at DEBUG
 MAX_RESTARTS = 4  # probes cut short by a change of step size before one is skipped
 CONFIRM_PAUSE_S = 0.05  # before the start-up check times the counts again (StepThreads._start_up_times)
+RECHECK_FIRST_S = 0.5  # a start-up check that chose fewer threads is taken again this long after,
+RECHECKS = 5  # then after twice as long each time, this many times in all (0.5 + 1 + 2 + 4 + 8 s)
 
 
 class ThreadTuner:
@@ -126,10 +133,10 @@ class ThreadTuner:
         """The counts a probe compares: the current one and one either side, within 1..max_threads."""
         return [n for n in (self.threads - 1, self.threads, self.threads + 1) if 1 <= n <= self.max_threads]
 
-    def start_from(self, seconds: dict[int, float]) -> None:
+    def start_from(self, seconds: dict[int, float], what: str = "a start-up check") -> None:
         """Choose the count before the first step from a timed workload (``seconds`` per count):
         the first steps are often the largest (prefill), which no probe may run at a trial count."""
-        changed = self._choose(seconds, "a start-up check")
+        changed = self._choose(seconds, what)
         self._interval = self.first_interval if changed else self.first_interval * 2
         self._until_probe = self._interval
 
@@ -226,15 +233,16 @@ class StepThreads:
 
     def __init__(self, tuner: ThreadTuner | None, get_threads: Callable[[], int], set_threads: Callable[[int], None],
                  time_counts: Callable[[list[int], Callable[[int], None]], dict[int, float]] = time_thread_counts,
-                 binding: ThreadBinding | None = None):
-        self.tuner, self._get, self._set, self.binding = tuner, get_threads, set_threads, binding
-        self._time_counts: Callable | None = time_counts if tuner is not None else None
+                 binding: ThreadBinding | None = None, clock: Callable[[], float] = time.monotonic):
+        self.tuner, self._get, self._set, self.binding, self._clock = tuner, get_threads, set_threads, binding, clock
+        self._time_counts: Callable | None = time_counts if tuner is not None else None  # None once no check is due
+        self._next_check: float | None = None  # clock time of the next start-up check; None before the first
+        self._rechecks_left, self._recheck_gap = RECHECKS, RECHECK_FIRST_S
 
     @contextlib.contextmanager
     def __call__(self, tokens: int) -> Iterator[None]:
         if self._time_counts is not None:
-            self.tuner.start_from(self._start_up_times())
-            self._time_counts = None
+            self._start_up_check()
         threads = self.tuner.next_threads(tokens) if self.tuner is not None else self._get()
         if self._get() != threads:
             self._set(threads)
@@ -243,6 +251,23 @@ class StepThreads:
             yield
         if self.tuner is not None:
             self.tuner.record(threads, time.perf_counter() - started, tokens)
+
+    def _start_up_check(self) -> None:
+        """Before the first step, the start-up check chooses the count; while that leaves fewer
+        threads than the cores, the check is taken again before the first step RECHECK_FIRST_S
+        later, then after twice as long each time, RECHECKS times (a start-up burst of load fades;
+        a busy core stays busy and keeps the count down). Then the probes alone decide."""
+        if self._next_check is None:
+            self.tuner.start_from(self._start_up_times())
+        elif self._clock() < self._next_check:
+            return
+        else:
+            self.tuner.start_from(self._start_up_times(), "the start-up check again")
+            self._rechecks_left, self._recheck_gap = self._rechecks_left - 1, self._recheck_gap * 2
+        if self.tuner.threads < self.tuner.max_threads and self._rechecks_left > 0:
+            self._next_check = self._clock() + self._recheck_gap
+        else:
+            self._time_counts = None
 
     def _start_up_times(self) -> dict[int, float]:
         """Seconds per candidate count on the fixed workload. Times that would move to fewer threads
