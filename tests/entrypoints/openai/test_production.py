@@ -117,18 +117,22 @@ def test_supervisor_memory_threshold_restarts_gracefully(server_model, tengyun):
     assert restarts_metric(metrics_url, "memory") == 0
     # The supervisor restarts one --check-interval after it logs the server healthy. The request
     # stays in flight through that however fast the engine is: the client stops reading after the
-    # first chunk, so the server cannot send the last byte of ~1 MB of chunks (logprobs make them
-    # large) until the drain has begun; then the client reads the rest.
-    body = {"prompt": "The quick brown fox", "max_tokens": 2000, "ignore_eos": True, "logprobs": 5, "stream": True,
-            "stream_options": {"include_usage": True}}
+    # first chunk, so the server cannot send the last byte until the drain has begun; then the
+    # client reads the rest. The answer must outgrow what the kernel holds for a client that does
+    # not read: the server's send buffer (up to tcp_wmem's 4 MiB) and the client's receive buffer.
+    # 2,000 tokens with 5 logprobs (~1 MB) did not: CI on a fast VM streamed them all before the
+    # restart (finishing 0 in-flight requests). 8 choices with 20 logprobs are ~10.5 MB; on an AMD
+    # EPYC VM the request was still in flight once the engine had finished them (4.7 s).
+    body = {"prompt": "The quick brown fox", "max_tokens": 2000, "n": 8, "ignore_eos": True, "logprobs": 20,
+            "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         sup.wait_log(r"Restart 1 \(memory\): memory \S+% \(\d+ MiB of \d+ MiB\) >= --memory-threshold 0.001")
         chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
-    assert chunks[-1]["usage"]["completion_tokens"] == 2000
+    assert chunks[-1]["usage"]["completion_tokens"] == 8 * 2000
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
-        == ["length"]
+        == ["length"] * 8
     assert "finishing 1 in-flight request(s)" in sup.log()  # the request above was mid-flight at the restart
     sup.wait_log(r"Started the server: pid \d+", 2)
     wait_health(url)
