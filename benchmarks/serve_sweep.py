@@ -49,7 +49,7 @@ vLLM's histograms on /metrics, which Tengyun and vLLM export), and the CPU other
 meanwhile. Results: benchmarks/results/serve-sweep-STAMP.json, a PNG per model of output tok/s
 and median TTFT against concurrency, a new dated section at the end of benchmarks/README.md (its
 markers `compare:serve-sweep-STAMP`), and the lead slot of this machine type at the top of that
-page (`compare:lead-served-amx`, `compare:lead-served-no-amx` or `compare:lead-served-avx2`,
+page (`compare:lead-served-amx`, `-zen5`, `-no-amx` or `-avx2`, serve_sweep_report.machine_type;
 replaced). `--no-readme` prints both instead and keeps the JSON and PNGs in the work folder (smoke runs).
 """
 

