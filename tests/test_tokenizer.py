@@ -110,3 +110,28 @@ def test_remote_code_is_never_recorded(tiny_checkpoints, tmp_path, monkeypatch):
     folder = tiny_checkpoints["qwen2"]
     get_tokenizer(_config(folder, trust_remote_code=True))
     assert tokenizer_classes.recorded_class(folder) is None and not (tmp_path / tokenizer_classes.RECORDS).exists()
+
+
+def _preload(folder, cache, trust_remote_code=False) -> str:
+    """A fresh process's preload_tokenizer(folder) (the API process while its engine loads):
+    "None", or "module:class <whether torch got imported> <token ids>"."""
+    script = (f"import sys; from types import SimpleNamespace; from tengyun.tokenizer import preload_tokenizer\n"
+              f"got = preload_tokenizer(SimpleNamespace(tokenizer_path={str(folder)!r}, "
+              f"trust_remote_code={trust_remote_code}))\n"
+              f"print(got if got is None else f\"{{got[0]}} {{'torch' in sys.modules}} "
+              f"{{got[1].encode('Hello, world: <|endoftext|> too.')}}\")")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TENGYUN_CACHE_DIR": str(cache)})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_api_process_preloads_the_recorded_class_without_torch(tiny_checkpoints, tmp_path):
+    folder = shutil.copytree(tiny_checkpoints["qwen2"], tmp_path / "model")
+    assert _preload(folder, tmp_path / "cache") == "None"  # a first start: the engine's AutoTokenizer chooses
+    first = _start(folder, tmp_path / "cache")  # the engine's start, which records its choice
+    auto = _auto(folder)
+    assert _preload(folder, tmp_path / "cache") == \
+        f"{class_path(auto)} False {auto.encode('Hello, world: <|endoftext|> too.')}" == \
+        f"{class_path(auto)} False {first[2]}"
+    assert _preload(folder, tmp_path / "cache", trust_remote_code=True) == "None"  # AutoTokenizer's, later

@@ -2,7 +2,8 @@
 
     running():  start_engine() and the stats logger as tasks, the device sampler thread
     start_engine(): engine loaded (the engine process launched before the server, or
-                    AsyncLLMEngine in a thread here) -> tokenizer -> warm-up generation ->
+                    AsyncLLMEngine in a thread here; this process preloads its tokenizer
+                    meanwhile) -> tokenizer -> warm-up generation ->
                     metrics and stats follow the engine -> the serving objects -> lifecycle.ready
     leaving running(): the tasks cancelled, the sampler stopped, engine and tokenizer worker shut down
 
@@ -39,7 +40,7 @@ from tengyun.generation_config import sampling_defaults
 from tengyun.platforms import platform_class
 from tengyun.pooling_params import PoolingParams
 from tengyun.sampling_params import RequestOutputKind, SamplingParams
-from tengyun.tokenizer import get_tokenizer, import_tokenizer_library
+from tengyun.tokenizer import get_tokenizer, preload_tokenizer
 
 logger = logging.getLogger("tengyun.server")
 
@@ -98,11 +99,9 @@ class EngineHost:
         try:
             logger.info("Loading %s (served as %r) ...", self.config.model_path, self.config.served_model_name)
             started = time.perf_counter()
-            library = self._tokenizer_library_import()
+            preload = self._tokenizer_preload()
             engine = await self._loaded_engine()
-            if library is not None:
-                await library
-            tokenizer = await _in_daemon_thread(get_tokenizer, self.config, engine.tokenizer_class)  # own copy
+            tokenizer = await self._tokenizer(engine, preload)
             self.lifecycle.engine_started(engine)
             await self._warm_up(engine, tokenizer)
             self.metrics.start_from(engine.latest_stats)  # warm-up tokens are not user traffic
@@ -130,13 +129,22 @@ class EngineHost:
         self.pooling = OpenAIServingScore(engine, self.worker, name, template, self.sampling_defaults, self.limits,
                                           self.frontend)
 
-    def _tokenizer_library_import(self) -> asyncio.Future | None:
-        """transformers' tokenizer side imported here in a thread while the engine process loads
-        (the API process is idle then, and get_tokenizer after it waited ~0.6-1 s for this
-        import); None with an engine in this process, whose own load imports it."""
+    def _tokenizer_preload(self) -> asyncio.Future | None:
+        """tokenizer.preload_tokenizer in a thread while the engine process loads (the API process
+        is idle then; loading it after the engine was ready cost ~0.4 s of Qwen2.5's start, and
+        that burst of CPU came just before the warm-up, where the thread tuner's start-up check
+        measures). None with an engine in this process, whose own load loads its tokenizer."""
         if self.engine_process is None:
             return None
-        return asyncio.ensure_future(_in_daemon_thread(import_tokenizer_library, self.config))
+        return asyncio.ensure_future(_in_daemon_thread(preload_tokenizer, self.config))
+
+    async def _tokenizer(self, engine: AsyncEngineBase, preload: asyncio.Future | None) -> Any:
+        """This process's own tokenizer, of the class the engine's is: the preloaded one when the
+        engine names its class, else loaded now (a first start: AutoTokenizer chose in the engine)."""
+        preloaded = await preload if preload is not None else None
+        if preloaded is not None and preloaded[0] == engine.tokenizer_class:
+            return preloaded[1]
+        return await _in_daemon_thread(get_tokenizer, self.config, engine.tokenizer_class)
 
     async def _loaded_engine(self) -> AsyncEngineBase:
         """The started engine once its model is loaded: the engine process launched before the
