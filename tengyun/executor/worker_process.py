@@ -25,6 +25,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from tengyun.distributed.rank_info import RankInfo
+from tengyun.logging_config import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,7 @@ EXECUTE, SHUTDOWN = "execute", "shutdown"
 
 def worker_main(config, rank: RankInfo, pipe: Connection | None, threads: int) -> None:
     """Entry point of a spawned rank; ``pipe`` talks to the engine (None on other nodes' ranks)."""
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(levelname)s %(asctime)s rank{rank.rank} %(name)s: %(message)s", force=True)
+    configure_logging(f"%(levelname)s %(asctime)s rank{rank.rank} %(name)s: %(message)s", force=True)
     _exit_with_parent()
     import torch
 

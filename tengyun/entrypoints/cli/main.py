@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 
 from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser
+from tengyun.logging_config import configure_logging
 from tengyun.platforms.cpu.runtime import tcmalloc_preload
 from tengyun.platforms.startup import DeviceStartupError
 
@@ -26,7 +26,7 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging()
     if argv is None and sys.argv[1:2] == ["serve"]:  # the process's own command line: it may re-execute
         tcmalloc_preload.reexec_or_exit(sys.argv[2:])
     parser = FlexibleArgumentParser(prog="tengyun", description="Tengyun LLM inference and serving.")

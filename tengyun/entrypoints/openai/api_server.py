@@ -27,12 +27,12 @@ if __name__ == "__main__":  # its own command line: re-execute under tcmalloc be
     reexec_or_exit(sys.argv[1:])
 
 import argparse
-import logging
 
 from tengyun.engine.engine_process import launch_for_server
 from tengyun.entrypoints.cli.flexible_parser import FlexibleArgumentParser
 from tengyun.entrypoints.openai.cli_args import make_arg_parser, server_config_from_args
 from tengyun.entrypoints.openai.serving_models import ServingModels
+from tengyun.logging_config import configure_logging
 from tengyun.platforms import platform_class
 from tengyun.platforms.cpu.runtime.tcmalloc_preload import log_allocator
 from tengyun.platforms.startup import DeviceStartupError
@@ -71,7 +71,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging()
     parser = make_arg_parser(FlexibleArgumentParser(
         prog="python -m tengyun.entrypoints.openai.api_server", description="Tengyun OpenAI-compatible server."))
     args = parser.parse_args(argv)
