@@ -75,11 +75,16 @@ def _start(folder, cache) -> list[str]:
               f"auto_config = any(m.startswith('transformers.models.') and '.configuration_' in m "
               f"for m in sys.modules)\n"
               f"print(type(t).__name__, auto_config, t.encode('Hello, world: <|endoftext|> too.'))")
+    name, auto_config, ids = _run(script, cache).split(" ", 2)
+    return [name, auto_config, ids]
+
+
+def _run(script: str, cache) -> str:
+    """What ``script`` printed, run in a fresh process with TENGYUN_CACHE_DIR=cache."""
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "TENGYUN_CACHE_DIR": str(cache)})
     assert out.returncode == 0, out.stderr
-    name, auto_config, ids = out.stdout.strip().split(" ", 2)
-    return [name, auto_config, ids]
+    return out.stdout.strip()
 
 
 def test_a_later_start_loads_the_recorded_class_without_autoconfig(tiny_checkpoints, tmp_path):
@@ -120,10 +125,7 @@ def _preload(folder, cache, trust_remote_code=False) -> str:
               f"trust_remote_code={trust_remote_code}))\n"
               f"print(got if got is None else f\"{{got[0]}} {{'torch' in sys.modules}} "
               f"{{got[1].encode('Hello, world: <|endoftext|> too.')}}\")")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "TENGYUN_CACHE_DIR": str(cache)})
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+    return _run(script, cache)
 
 
 def test_the_api_process_preloads_the_recorded_class_without_torch(tiny_checkpoints, tmp_path):
