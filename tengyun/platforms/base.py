@@ -206,7 +206,7 @@ class Platform:
         quantised = ", ".join(f"{scheme.description}: {type(kernel).__name__}"
                               for scheme, kernel in bundle.quant_linear.items())
         logging.getLogger(type(self).__module__).info(
-            "Kernels: linear %s, layer ops %s, sampler %s, MoE %s%s (the tengyun.platforms debug log says why each)",
+            "Kernels: linear %s, layer ops %s, sampler %s, MoE %s%s (why each: VLLM_LOGGING_LEVEL=DEBUG)",
             type(bundle.linear).__name__, type(bundle.layer_ops).__name__,
             "PyTorch" if bundle.sample_rows is None else "compiled", bundle.moe.name,
             f", quantised {quantised}" if quantised else "")
