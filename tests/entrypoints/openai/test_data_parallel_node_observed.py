@@ -84,9 +84,11 @@ def test_headless_data_parallel_node_answers_health_and_metrics_for_its_replicas
 
 
 def _one_long_request_per_replica(client, model: str, head_url: str) -> tuple[list, dict, dict]:
-    """Three streamed LONG-token requests, each started once the API node counts the ones before it
-    in flight: the least loaded replica takes each, so every replica runs one -> (threads, thread
-    index -> finish reason or error, replica index -> thread index)."""
+    """Three streamed requests of 32 choices of LONG tokens, each started once the API node counts the
+    ones before it in flight: the least loaded replica takes each, so every replica runs one ->
+    (threads, thread index -> finish reason or error, replica index -> thread index). 32 choices: on
+    the tiny model one choice of LONG tokens took ~0.6 s, and replica 1 once finished it before the
+    third request was placed and the kill came (32 choices alone: ~3 s)."""
     results: dict[int, object] = {}
 
     def in_flight() -> dict[int, int]:
@@ -95,7 +97,7 @@ def _one_long_request_per_replica(client, model: str, head_url: str) -> tuple[li
 
     threads, owner = [], {}
     for i in range(3):
-        threads.append(threading.Thread(target=_stream_long, args=(client, model, i, results)))
+        threads.append(threading.Thread(target=_stream_long, args=(client, model, i, results, 32)))
         threads[-1].start()
         now = _wait_for(lambda n=i + 1: _when(in_flight(), lambda f: sum(f.values()) == n), f"{i + 1} in flight")
         owner[next(r for r, count in now.items() if count and r not in owner)] = i

@@ -125,13 +125,16 @@ def _check_same_as_one_engine(client, model: str, server_url: str, reference) ->
                 assert got[token] == pytest.approx(logprob, abs=1e-4), (i, step, token)
 
 
-def _stream_long(client, model: str, i: int, results: dict[int, object]) -> None:
-    """Request i, streamed, LONG tokens greedy past EOS -> results[i]: its last finish reason, or the
-    exception it ended with (a killed replica's request fails; the caller checks)."""
+def _stream_long(client, model: str, i: int, results: dict[int, object], n: int = 1) -> None:
+    """Request i, streamed, ``n`` choices of LONG tokens greedy past EOS -> results[i]: "length" when
+    every choice ended so, else the finish reasons seen, or the exception it ended with (a killed
+    replica's request fails; the caller checks)."""
     try:
-        chunks = client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=LONG, temperature=0,
+        chunks = client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=LONG, n=n, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
-        results[i] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        finished = [choice for c in chunks for choice in c.choices if choice.finish_reason]
+        reasons = {choice.finish_reason for choice in finished}
+        results[i] = "length" if reasons == {"length"} and len(finished) == n else reasons
     except Exception as e:  # noqa: BLE001 - recorded, checked by the caller
         results[i] = e
 
