@@ -51,7 +51,7 @@ def get_tokenizer(config: EngineConfig, same_class_as: str | None = None) -> Any
 def preload_tokenizer(config: EngineConfig) -> tuple[str, Any] | None:
     """What the API process does in a thread while the engine process loads (it is idle then):
     import transformers' fast-tokenizer side (~0.6-1 s, no torch) and load the class recorded for
-    this folder at an earlier start (Qwen2.5's tokenizer: ~0.4 s on 2 cores). Returns (class_path,
+    this folder at an earlier start (Qwen2.5's tokenizer: 0.4-1 s on 2 cores). Returns (class_path,
     tokenizer) for the server to use once the engine names the same class, or None: no record,
     remote code, --skip-tokenizer-init, or a failure, which get_tokenizer then meets and reports.
     Never AutoTokenizer: that imports torch, which the API process does not need."""
