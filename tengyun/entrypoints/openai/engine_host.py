@@ -144,6 +144,7 @@ class EngineHost:
         engine names its class, else loaded now (a first start: AutoTokenizer chose in the engine)."""
         preloaded = await preload if preload is not None else None
         if preloaded is not None and preloaded[0] == engine.tokenizer_class:
+            logger.debug("Tokenizer: %s, loaded beside the engine's load", preloaded[0])
             return preloaded[1]
         return await _in_daemon_thread(get_tokenizer, self.config, engine.tokenizer_class)
 
