@@ -1,7 +1,8 @@
 """Prefill attention of fresh prompts on CPU: torch_sdpa (torch's SDPA over the batch of prompts)
 against cpu_paged's compiled paged kernel (every query token a decode row over the cache; forced
-here for every case), one layer's call as the engine makes it: the cases that set
-cpu_paged.MAX_PAGED_SEQ_LEN.
+here for every case) and, in bfloat16 where it runs (AVX512_BF16, no AMX), the tiled prefill kernel
+(csrc/prefill_attention_bf16.cpp), one layer's call as the engine makes it: the cases that set
+cpu_paged.MAX_PAGED_SEQ_LEN and where the tiled kernel takes over.
 
     OMP_NUM_THREADS=2 python benchmarks/prefill_attention.py [--heads 9 --kv-heads 3]
 
@@ -24,7 +25,7 @@ from tengyun.platforms.cpu.kernels import attention as cpu_paged
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.platforms.attention_backends import get_attention_backend
 
-CASES = [(16, 128), (8, 256), (4, 512), (1, 128), (1, 512), (1, 1024), (1, 2048)]  # (prompts, tokens each)
+CASES = [(16, 128), (8, 256), (4, 512), (4, 128), (1, 128), (1, 512), (1, 1024), (1, 2048)]  # (prompts, tokens each)
 
 
 def prefill_case(count: int, length: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int):
@@ -50,29 +51,37 @@ def prefill_case(count: int, length: int, heads: int, kv_heads: int, dtype: torc
 
 def time_case(args, count: int, length: int, dtype: torch.dtype) -> str:
     q, k, v, k_cache, v_cache, chunks = prefill_case(count, length, args.heads, args.kv_heads, dtype, args.block_size)
-    backends = {name: get_attention_backend(name) for name in ("torch_sdpa", "cpu_paged")}
-    metas = {name: AttentionMetadata(slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64), num_decode_tokens=0,
-                                     prefills=chunks) for name in backends}  # per-step state built once
-    times: dict[str, list[float]] = {name: [] for name in backends}
+    tiled_runs = cpu_paged.tiled_prefill_runs(dtype, dtype, q.shape[-1])
+    picks = ("tiled kernel" if cpu_paged.tiled_prefill(chunks[0], tiled_runs) else
+             "paged kernel" if cpu_paged.in_kernel(chunks[0], dtype) else "SDPA")
+    paths = {"torch_sdpa": ("torch_sdpa", 1 << 30), "paged": ("cpu_paged", 0)}  # (backend, tiled head dims)
+    if tiled_runs:
+        paths["tiled"] = ("cpu_paged", cpu_paged.TILED_MAX_HEAD_DIM)
+    backends = {name: get_attention_backend(backend) for name, (backend, _) in paths.items()}
+    times: dict[str, list[float]] = {name: [] for name in paths}
     outputs = {}
-    picks = "paged kernel" if cpu_paged.in_kernel(chunks[0], dtype) else "SDPA"
-    names = ("MAX_PAGED_SEQ_LEN", "FLOAT32_MAX_PAGED_SEQ_LEN", "AMX_BF16_MAX_PAGED_SEQ_LEN")
+    names = ("MAX_PAGED_SEQ_LEN", "FLOAT32_MAX_PAGED_SEQ_LEN", "AMX_BF16_MAX_PAGED_SEQ_LEN", "TILED_MAX_HEAD_DIM")
     default = [getattr(cpu_paged, name) for name in names]
-    for name in names:
-        setattr(cpu_paged, name, 1 << 30)  # every chunk in the kernel
+    for name in names[:3]:
+        setattr(cpu_paged, name, 1 << 30)  # every chunk the tiled kernel leaves in the paged kernel
+    # per-step state built once per path (as a step's layers share it), the path's routing fixed at its first call
+    metas = {name: AttentionMetadata(slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64), num_decode_tokens=0,
+                                     prefills=chunks) for name in paths}
     try:
         for _ in range(args.repeats):
-            for name, backend in backends.items():
+            for name, (_, head_dims) in paths.items():
+                cpu_paged.TILED_MAX_HEAD_DIM = head_dims
                 start = time.perf_counter()
-                outputs[name] = backend.forward(q, k, v, k_cache, v_cache, metas[name], 64 ** -0.5)
+                outputs[name] = backends[name].forward(q, k, v, k_cache, v_cache, metas[name], 64 ** -0.5)
                 times[name].append(time.perf_counter() - start)
     finally:
         for name, value in zip(names, default):
             setattr(cpu_paged, name, value)
-    sdpa, paged = (statistics.median(times[name]) * 1e3 for name in backends)
-    diff = (outputs["torch_sdpa"].float() - outputs["cpu_paged"].float()).abs().max().item()
-    return (f"| {str(dtype)[6:]} | {count} x {length} | {sdpa:.2f} | {paged:.2f} | {sdpa / paged:.2f}x | "
-            f"{picks} | {diff:.1e} |")
+    ms = {name: statistics.median(times[name]) * 1e3 for name in paths}
+    diff = max((outputs[name].float() - outputs["torch_sdpa"].float()).abs().max().item() for name in outputs)
+    tiled = f"{ms['tiled']:.2f} | {ms['paged'] / ms['tiled']:.2f}x" if "tiled" in ms else "- | -"
+    return (f"| {str(dtype)[6:]} | {count} x {length} | {ms['torch_sdpa']:.2f} | {ms['paged']:.2f} | "
+            f"{ms['torch_sdpa'] / ms['paged']:.2f}x | {tiled} | {picks} | {diff:.1e} |")
 
 
 def main() -> None:
@@ -87,9 +96,9 @@ def main() -> None:
         raise SystemExit(f"the CPU kernels are not loaded: {error}")
     print(f"{torch.get_num_threads()} threads, {args.heads} / {args.kv_heads} heads of 64, "
           f"{args.block_size}-token blocks")
-    print("| dtype | prompts x tokens | torch_sdpa ms | paged kernel ms | kernel speed-up | cpu_paged picks | "
-          "max abs diff |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | prompts x tokens | torch_sdpa ms | paged kernel ms | paged / SDPA speed-up | tiled kernel ms | "
+          "tiled / paged speed-up | cpu_paged picks | max abs diff from SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
         for count, length in CASES:
             print(time_case(args, count, length, dtype), flush=True)

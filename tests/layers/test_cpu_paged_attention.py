@@ -293,8 +293,8 @@ def test_bfloat16_on_amx_cores_leaves_chunks_over_32_tokens_to_sdpa(cpu_flags_as
 @pytest.mark.parametrize("flags,in_the_kernel", [({"avx512f", "avx512_bf16", "amx_bf16"}, False),
                                                   ({"avx512f", "avx512_bf16"}, True)])
 def test_the_backend_routes_a_bfloat16_prompt_by_the_cpus_limits(kernels, cpu_flags_as, flags, in_the_kernel):
-    """A fresh 40-token bfloat16 prompt: the kernel's on a CPU without AMX, SDPA's with AMX; the
-    same tokens either way."""
+    """A fresh 40-token bfloat16 prompt: SDPA's with AMX; without, the tiled prefill kernel's where
+    this CPU runs it (AVX512_BF16), else the paged kernel's; the same tokens every way."""
     from tengyun.layers.attention.metadata import PrefillChunk
 
     gen, bs, n, heads, kv_heads, dim = torch.Generator().manual_seed(7), 16, 40, 9, 3, 64
@@ -311,7 +311,10 @@ def test_the_backend_routes_a_bfloat16_prompt_by_the_cpus_limits(kernels, cpu_fl
              for name in ("cpu_paged", "torch_sdpa")}
     out = {name: get_attention_backend(name).forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
            for name, meta in metas.items()}
-    assert (metas["cpu_paged"].backend_state["kernel_chunks"] is not None) == in_the_kernel
+    step = metas["cpu_paged"].backend_state["kernel_chunks"]
+    tiled_here = in_the_kernel and bool(torch.ops.tengyun.prefill_attention_bf16_supported())
+    assert (step.tiled is not None, step.paged is not None, bool(step.others)) == (
+        tiled_here, in_the_kernel and not tiled_here, not in_the_kernel)
     torch.testing.assert_close(out["cpu_paged"], out["torch_sdpa"], atol=TOLERANCE[torch.bfloat16],
                                rtol=TOLERANCE[torch.bfloat16])
 

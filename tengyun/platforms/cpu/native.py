@@ -37,7 +37,8 @@ NAME = "tengyun_cpu_kernels"
 CSRC = Path(__file__).parents[2] / "csrc"
 COMPILED = [CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "packed_gemv.cpp",  # translation units
                                      "amx_packed_gemm.cpp", "quant_gemv.cpp", "int8_gemv.cpp", "sampling.cpp",
-                                     "moe_grouped.cpp", "thread_affinity.cpp", "bf16_weight_gemm.cpp")]
+                                     "moe_grouped.cpp", "thread_affinity.cpp", "bf16_weight_gemm.cpp",
+                                     "prefill_attention_bf16.cpp")]
 SOURCES = [*COMPILED, *(CSRC / name for name in ("cpu_isa.h", "paged_attention_impl.h", "paged_attention_vec.h",
                                                  "layer_ops_impl.h", "half_convert.h", "sampling_impl.h",
                                                  "paged_attention_bf16.h", "paged_attention_prefetch.h",

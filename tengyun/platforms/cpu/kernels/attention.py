@@ -10,6 +10,9 @@ verify's last token and drafts) or a short whole sequence (a prompt of up to MAX
 tokens, FLOAT32_MAX_PAGED_SEQ_LEN in float32; in bfloat16 on cores with AMX only chunks of up to 32
 tokens: kernel_limits), every query token with its causal limit, each block read once for all of a
 sequence's tokens; token i of a chunk computes exactly what a decode row of its length would.
+In bfloat16 on a CPU with AVX512_BF16 and no AMX, prefill chunks of more than MAX_PAGED_QUERY query
+tokens, at any length, go to the tiled kernel instead (tengyun/csrc/prefill_attention_bf16.cpp: the
+scores and the values as register tiles over keys packed once per task, float32 softmax and sums).
 Writing K/V and the other prefill chunks are torch_sdpa's, unchanged. Picked by
 ``CpuPlatform.attention_backend`` only when the kernel library loads (platforms/cpu/native.py).
 """
@@ -46,6 +49,12 @@ FLOAT32_MAX_PAGED_SEQ_LEN = 512
 # 128 after 128 0.28 / 0.70 (float32 does not use the tiles: the limits above stand).
 AMX_BF16_MAX_PAGED_QUERY = 32
 AMX_BF16_MAX_PAGED_SEQ_LEN = 32
+# bfloat16 chunks of more than MAX_PAGED_QUERY query tokens on AVX512_BF16 without AMX: the tiled
+# kernel, at every length (2026-12-07, AMD EPYC family 25 VM, 2 threads, fresh prompts, ms tiled /
+# paged kernel: SmolLM2's heads 4 x 128 0.44 / 0.73, 16 x 128 1.92 / 3.43, 1 x 512 1.55 / 2.28,
+# 1 x 2048 23.8 / 39.8 (SDPA ~45); 512 after 1536 cached 10.4 / 13.8; Qwen2.5-0.5B's 14 / 2 heads
+# 4 x 128 0.69 / 1.17; 16 / 8 heads of 128, 1 x 512 6.31 / 8.48; benchmarks/prefill_attention.py).
+TILED_MAX_HEAD_DIM = 128
 
 
 def kernel_limits(dtype: torch.dtype | None) -> tuple[int, int]:
@@ -64,21 +73,51 @@ def _has_amx_bf16() -> bool:
 
 
 def in_kernel(chunk: PrefillChunk, dtype: torch.dtype | None = None) -> bool:
-    """Whether cpu_paged attends this prefill chunk in the paged kernel (else torch_sdpa's SDPA)."""
+    """Whether the paged kernel's limits take this prefill chunk (else torch_sdpa's SDPA, or the
+    tiled kernel where ``tiled_prefill`` says so, which comes first)."""
     max_query, max_seq_len = kernel_limits(dtype)
     return chunk.query_len <= max_query or chunk.context_len + chunk.query_len <= max_seq_len
 
 
+def tiled_prefill_runs(dtype: torch.dtype | None, cache_dtype: torch.dtype | None, head_dim: int) -> bool:
+    """Whether the tiled bfloat16 prefill kernel runs here: bfloat16 queries and cache, a head dim
+    that is a multiple of 32 up to TILED_MAX_HEAD_DIM, a CPU with AVX512_BF16 and without AMX (there
+    torch's SDPA multiplies on the tiles), and a library that has the kernel."""
+    return (dtype == torch.bfloat16 and cache_dtype == torch.bfloat16 and head_dim % 32 == 0
+            and head_dim <= TILED_MAX_HEAD_DIM and "avx512_bf16" in cpu_flags() and not _has_amx_bf16()
+            and _tiled_kernel_supported())
+
+
+@functools.cache
+def _tiled_kernel_supported() -> bool:
+    return cpu_kernels.load_error() is None and hasattr(torch.ops.tengyun, "prefill_attention_bf16") and \
+        bool(torch.ops.tengyun.prefill_attention_bf16_supported())
+
+
+def tiled_prefill(chunk: PrefillChunk, tiled_runs: bool) -> bool:
+    """Whether a chunk goes to the tiled kernel where it runs (tiled_prefill_runs): more than
+    MAX_PAGED_QUERY query tokens (a verify and its drafts, or a prompt's last few tokens, stay decode
+    rows)."""
+    return tiled_runs and chunk.query_len > MAX_PAGED_QUERY
+
+
 @dataclass
 class KernelChunks:
-    """The step's chunks in_kernel picks as one kernel call, and the rest (torch_sdpa's), split once
-    per step (shared by every layer)."""
+    """Chunks one kernel call attends."""
 
     rows: slice | torch.Tensor  # their query rows in the flat batch: a slice when contiguous, else [T'] indices
     query_start_loc: torch.Tensor  # [C + 1] int64: chunk c's rows are [qsl[c], qsl[c + 1]) of the T'
     seq_lens: torch.Tensor  # [C] int64: context_len + query_len
     block_tables: torch.Tensor  # [C, max_blocks] int64, padded with block 0 (never read)
-    others: list[PrefillChunk]  # the step's chunks in_kernel leaves to SDPA
+
+
+@dataclass
+class StepChunks:
+    """A step's prefill chunks by where they are attended, split once per step (shared by every layer)."""
+
+    paged: KernelChunks | None  # the paged (decode) kernel's
+    tiled: KernelChunks | None  # the tiled bfloat16 prefill kernel's
+    others: list[PrefillChunk]  # torch_sdpa's
 
 
 class CpuPagedBackend(TorchSDPABackend):
@@ -133,35 +172,43 @@ class CpuPagedBackend(TorchSDPABackend):
         return out
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """As torch_sdpa's, with the chunks in_kernel picks in the paged kernel (their K/V, like
-        everyone's, are in the cache already: write_kv runs first)."""
-        kernel = _kernel_chunks(meta, q.dtype)
-        if kernel is None:
+        """As torch_sdpa's, with the chunks the kernels take in them (their K/V, like everyone's,
+        are in the cache already: write_kv runs first)."""
+        step = _step_chunks(meta, q.dtype, k_cache.dtype, q.shape[-1])
+        if step.paged is None and step.tiled is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         n = meta.num_decode_tokens
         if n:
             out[:n] = self._decode(q[:n], k_cache, v_cache, meta, scale)
-        queries = q[kernel.rows].contiguous()  # [T', Hq, D]
-        attended = torch.empty_like(queries)
-        cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, kernel.block_tables, kernel.seq_lens,
-                                           scale, kernel.query_start_loc)
-        out[kernel.rows] = attended
-        self._prefill_chunks(out, q, k, v, k_cache, v_cache, kernel.others, meta, scale)
+        for chunks, tiled in ((step.paged, False), (step.tiled, True)):
+            if chunks is not None:
+                queries = q[chunks.rows].contiguous()  # [T', Hq, D]
+                attended = torch.empty_like(queries)
+                kernel = torch.ops.tengyun.prefill_attention_bf16 if tiled else cpu_kernels.paged_decode_attention
+                kernel(attended, queries, k_cache, v_cache, chunks.block_tables, chunks.seq_lens, scale,
+                       chunks.query_start_loc)
+                out[chunks.rows] = attended
+        self._prefill_chunks(out, q, k, v, k_cache, v_cache, step.others, meta, scale)
         return out
 
 
-def _kernel_chunks(meta: AttentionMetadata, dtype: torch.dtype) -> KernelChunks | None:
-    """meta's chunks that in_kernel picks for ``dtype`` (None: there are none), cached in
-    meta.backend_state for the step's other layers."""
+def _step_chunks(meta: AttentionMetadata, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> StepChunks:
+    """meta's chunks by kernel for this dtype and head dim, cached in meta.backend_state for the
+    step's other layers: the tiled kernel's (tiled_prefill), then the paged kernel's (in_kernel),
+    the rest torch_sdpa's."""
     if "kernel_chunks" not in meta.backend_state:
-        chunks = [c for c in meta.prefills if in_kernel(c, dtype)]
-        others = [c for c in meta.prefills if not in_kernel(c, dtype)]
-        meta.backend_state["kernel_chunks"] = _build_kernel_chunks(chunks, others) if chunks else None
+        tiled_runs = tiled_prefill_runs(dtype, cache_dtype, head_dim)
+        tiled = [c for c in meta.prefills if tiled_prefill(c, tiled_runs)]
+        rest = [c for c in meta.prefills if not tiled_prefill(c, tiled_runs)]
+        paged = [c for c in rest if in_kernel(c, dtype)]
+        meta.backend_state["kernel_chunks"] = StepChunks(_build_kernel_chunks(paged) if paged else None,
+                                                         _build_kernel_chunks(tiled) if tiled else None,
+                                                         [c for c in rest if not in_kernel(c, dtype)])
     return meta.backend_state["kernel_chunks"]
 
 
-def _build_kernel_chunks(chunks: list[PrefillChunk], others: list[PrefillChunk]) -> KernelChunks:
+def _build_kernel_chunks(chunks: list[PrefillChunk]) -> KernelChunks:
     """Chunks (query_start 40, 3 tokens, 20 cached) (43, 2, 9) -> rows 40..44 (a slice),
     query_start_loc [0, 3, 5], seq_lens [23, 11], their block tables padded to the widest."""
     counts = torch.tensor([c.query_len for c in chunks], dtype=torch.int64)
@@ -175,4 +222,4 @@ def _build_kernel_chunks(chunks: list[PrefillChunk], others: list[PrefillChunk])
     else:
         rows = torch.cat([torch.arange(c.query_start, c.query_start + c.query_len) for c in chunks])
     seq_lens = torch.tensor([c.context_len + c.query_len for c in chunks], dtype=torch.int64)
-    return KernelChunks(rows, starts, seq_lens, tables, others)
+    return KernelChunks(rows, starts, seq_lens, tables)

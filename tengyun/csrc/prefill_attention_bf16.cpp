@@ -1,0 +1,319 @@
+// Causal attention of prefill chunks in bfloat16 on CPUs with AVX512_BF16 (no AMX needed): K/V from
+// the paged cache, the two products as register tiles instead of a decode row's work per query token.
+//
+// The decode kernel (paged_attention.cpp) attends a chunk's query tokens as decode rows: per row and
+// key a dot product with a horizontal sum, then the values for every key of the span whatever the
+// row's causal limit. Here one task (sequence, KV head, piece of its query tokens) first copies the
+// keys its rows see into tiles of 32 keys laid out for vdpbf16ps ([D / 2 dim pairs][32 keys] of
+// bfloat16 pairs) and widens the values to float32 once; then 4 query rows at a time (R rows: the
+// KV head's query heads x tokens) walk the key tiles up to their causal limit:
+//   scores  S[4][32] = q . k             vdpbf16ps: q's dim pair broadcast against 32 keys' pairs;
+//                                        products exact in float32, float32 sums
+//   softmax running max / sum per row     one update per tile (online softmax), float32
+//   values  O[4][D] += P[4][32] . V       float32 FMAs, O in registers across all the tiles
+// so a row's result depends only on its query, its limit and the cache, not on the task it is in.
+//
+// torch.ops.tengyun.prefill_attention_bf16(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+//                                          query_start_loc)
+//   The contract of paged_decode_attention with query_start_loc: q, out [T, Hq, D] bfloat16,
+//   contiguous; k_cache, v_cache [num_blocks, block_size, Hkv, D] bfloat16, contiguous blocks;
+//   block_tables [B, max_blocks] int64; seq_lens [B] int64; query_start_loc [B + 1] int64:
+//   sequence b's query tokens are rows [qsl[b], qsl[b + 1]) of q, the last n of its seq_lens[b]
+//   tokens (their K/V already in the cache); token i of n sees the first seq_lens[b] - (n - 1 - i).
+//   D a multiple of 32, at most 128; Hq a multiple of Hkv.
+// torch.ops.tengyun.prefill_attention_bf16_supported() -> bool: the CPU has AVX512_BF16.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_isa.h"
+#include "half_convert.h"
+
+namespace tengyun {
+
+bool prefill_attention_bf16_supported() {
+#if TY_HAVE_X86_COPIES
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+struct PrefillProblem {  // one call's pointers and sizes (elements)
+  const uint16_t* q;
+  uint16_t* out;
+  const uint16_t* k_cache;
+  const uint16_t* v_cache;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  const int64_t* query_start;
+  int64_t batch, q_heads, kv_heads, head_dim, block_size, block_stride, table_stride;
+  float scale;
+};
+
+struct PrefillPiece {  // query tokens [q0, q1) of sequence b's chunk, KV head h
+  int64_t b, h, q0, q1;
+};
+
+#if TY_HAVE_X86_COPIES
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,prefer-vector-width=512")
+namespace prefill_bf16 {
+namespace {
+
+#define TY_ISA 512
+#include "paged_attention_vec.h"  // struct Vec: 16 float lanes, Cephes exp
+#undef TY_ISA
+
+using V = __m512;
+constexpr int64_t kKeys = 32;  // keys per tile: two vectors of scores per row
+constexpr int kTileRows = 4;  // query rows per register tile (head dims of up to 64; 2 rows above)
+
+// The keys [0, keys) of KV head h of sequence b as tiles for vdpbf16ps: tile t, dim pair p, key j
+// at kp[(t * pairs + p) * 32 + j] (the pair's two bfloat16 as one uint32); keys past `keys` zero.
+// The values widened to float32 rows: vf[key * D + d].
+void pack_keys_values(const PrefillProblem& p, int64_t b, int64_t h, int64_t keys, uint32_t* kp, float* vf) {
+  const int64_t dim = p.head_dim, pairs = dim / 2, tiles = (keys + kKeys - 1) / kKeys;
+  const int64_t* table = p.block_tables + b * p.table_stride;
+  std::memset(kp, 0, tiles * pairs * kKeys * sizeof(uint32_t));
+  for (int64_t key = 0; key < keys; ++key) {
+    const int64_t offset = table[key / p.block_size] * p.block_stride + ((key % p.block_size) * p.kv_heads + h) * dim;
+    const uint32_t* k = reinterpret_cast<const uint32_t*>(p.k_cache + offset);
+    uint32_t* column = kp + (key / kKeys) * pairs * kKeys + key % kKeys;
+    for (int64_t pr = 0; pr < pairs; ++pr) column[pr * kKeys] = k[pr];
+    const uint16_t* v = p.v_cache + offset;
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm512_storeu_ps(vf + key * dim + d, Vec::load_bf16(v + d));
+  }
+}
+
+// 16 floats -> bfloat16, rounded to nearest even (NaN -> 0x7FC0), as static_cast<c10::BFloat16>.
+inline void store_bf16(uint16_t* out, V x) {
+  const __m512i bits = _mm512_castps_si512(x), one = _mm512_set1_epi32(1);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), one), _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+}
+
+// R query rows (row i: q at qrow[i], sees the first limit[i] keys, limit[i] >= 1) over the packed
+// keys and values; C = D / 16 vectors of output per row. Writes each row's output to orow[i].
+template <int R, int C>
+void attend_rows(const uint32_t* const* qrow, const int64_t* limit, const uint32_t* kp, const float* vf,
+                 float scale, uint16_t* const* orow) {
+  constexpr int pairs = C * 8;
+  V acc[R][C], sum[R];
+  float run_max[R];
+  for (int i = 0; i < R; ++i) {
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+    sum[i] = _mm512_setzero_ps();
+    run_max[i] = -INFINITY;
+  }
+  int64_t most = 0, least = limit[0];
+  for (int i = 0; i < R; ++i) most = std::max(most, limit[i]), least = std::min(least, limit[i]);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float weights[R][kKeys];
+  for (int64_t t0 = 0; t0 < most; t0 += kKeys) {
+    const uint32_t* tile = kp + (t0 / kKeys) * pairs * kKeys;
+    V s[R][2];
+    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int pr = 0; pr < pairs; ++pr) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tile + pr * kKeys);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(tile + pr * kKeys + 16);
+      for (int i = 0; i < R; ++i) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qrow[i][pr]));
+        s[i][0] = _mm512_dpbf16_ps(s[i][0], qb, k0);
+        s[i][1] = _mm512_dpbf16_ps(s[i][1], qb, k1);
+      }
+    }
+    const bool masked = t0 + kKeys > least;
+    for (int i = 0; i < R; ++i) {
+      __mmask16 keep0 = 0xFFFF, keep1 = 0xFFFF;
+      if (masked) {
+        const __m512i bound = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(limit[i] - t0, kKeys)));
+        keep0 = _mm512_cmplt_epi32_mask(lane, bound);
+        keep1 = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), bound);
+      }
+      const V neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+      const V a = _mm512_mask_mul_ps(neg, keep0, s[i][0], sc), b = _mm512_mask_mul_ps(neg, keep1, s[i][1], sc);
+      const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+      if (tile_max > run_max[i]) {  // else nothing of this row changes scale (a fully masked tile: -inf)
+        const V correction = _mm512_set1_ps(std::exp(run_max[i] - tile_max));  // exp(-inf) = 0 at the first tile
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], correction);
+        sum[i] = _mm512_mul_ps(sum[i], correction);
+        run_max[i] = tile_max;
+      }
+      const V m = _mm512_set1_ps(run_max[i]);
+      const V e0 = _mm512_maskz_mov_ps(keep0, Vec::exp(_mm512_sub_ps(a, m)));
+      const V e1 = _mm512_maskz_mov_ps(keep1, Vec::exp(_mm512_sub_ps(b, m)));
+      sum[i] = _mm512_add_ps(sum[i], _mm512_add_ps(e0, e1));
+      _mm512_store_ps(weights[i], e0);
+      _mm512_store_ps(weights[i] + 16, e1);
+    }
+    const int64_t n = std::min(kKeys, most - t0);  // keys past every row's limit weigh 0: skipped
+    const float* v = vf + t0 * C * 16;
+    for (int64_t j = 0; j < n; ++j) {
+      V x[C];
+      for (int c = 0; c < C; ++c) x[c] = _mm512_loadu_ps(v + j * C * 16 + c * 16);
+      for (int i = 0; i < R; ++i) {
+        const V w = _mm512_set1_ps(weights[i][j]);
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(w, x[c], acc[i][c]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const V inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[i]));
+    for (int c = 0; c < C; ++c) store_bf16(orow[i] + c * 16, _mm512_mul_ps(acc[i][c], inv));
+  }
+}
+
+// Rows [r0, r0 + R) of a piece: row r is query token q0 + r / group, head h * group + r % group.
+template <int R, int C>
+void attend_tile(const PrefillProblem& p, const PrefillPiece& piece, int64_t first, int64_t len, int64_t n,
+                 int64_t r0, const uint32_t* kp, const float* vf) {
+  const int64_t group = p.q_heads / p.kv_heads;
+  const uint32_t* qrow[R];
+  uint16_t* orow[R];
+  int64_t limit[R];
+  for (int i = 0; i < R; ++i) {
+    const int64_t token = piece.q0 + (r0 + i) / group, head = piece.h * group + (r0 + i) % group;
+    const int64_t row = ((first + token) * p.q_heads + head) * p.head_dim;
+    qrow[i] = reinterpret_cast<const uint32_t*>(p.q + row);
+    orow[i] = p.out + row;
+    limit[i] = len - (n - 1 - token);
+  }
+  attend_rows<R, C>(qrow, limit, kp, vf, p.scale, orow);
+}
+
+template <int C>
+void attend_piece(const PrefillProblem& p, const PrefillPiece& piece, std::vector<uint32_t>& kp,
+                  std::vector<float>& vf) {
+  constexpr int R = C <= 4 ? kTileRows : 2;  // R * C accumulators + C of V within 32 registers
+  const int64_t first = p.query_start[piece.b], n = p.query_start[piece.b + 1] - first, len = p.seq_lens[piece.b];
+  const int64_t keys = len - (n - piece.q1);  // what the piece's last token sees
+  const int64_t tiles = (keys + kKeys - 1) / kKeys;
+  kp.resize(std::max<size_t>(kp.size(), tiles * kKeys * C * 8));
+  vf.resize(std::max<size_t>(vf.size(), tiles * kKeys * C * 16));
+  pack_keys_values(p, piece.b, piece.h, keys, kp.data(), vf.data());
+  const int64_t rows = (piece.q1 - piece.q0) * (p.q_heads / p.kv_heads);
+  int64_t r0 = 0;
+  for (; r0 + R <= rows; r0 += R) attend_tile<R, C>(p, piece, first, len, n, r0, kp.data(), vf.data());
+  for (; r0 < rows; ++r0) attend_tile<1, C>(p, piece, first, len, n, r0, kp.data(), vf.data());
+}
+
+constexpr int64_t kMinPieceTokens = 16;
+
+// Each chunk's query tokens in pieces of about equal causal work (token i after ctx cached tokens
+// sees ctx + i + 1 keys), enough pieces x KV heads for 4 per thread, none under kMinPieceTokens.
+std::vector<PrefillPiece> split_pieces(const PrefillProblem& p, int64_t threads) {
+  std::vector<PrefillPiece> pieces;
+  const int64_t split = std::max<int64_t>(1, (4 * threads + p.batch * p.kv_heads - 1) / (p.batch * p.kv_heads));
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t n = p.query_start[b + 1] - p.query_start[b], ctx = p.seq_lens[b] - n;
+    if (n == 0) continue;
+    const int64_t count = std::max<int64_t>(1, std::min(split, n / kMinPieceTokens));
+    const auto work = [ctx](int64_t m) { return m * ctx + m * (m + 1) / 2; };  // keys seen by tokens [0, m)
+    int64_t q0 = 0;
+    for (int64_t k = 1; k <= count; ++k) {
+      int64_t q1 = k == count ? n : q0 + 1;
+      while (q1 < n && work(q1) * count < work(n) * k) ++q1;
+      for (int64_t h = 0; h < p.kv_heads; ++h) pieces.push_back({b, h, q0, q1});
+      q0 = q1;
+      if (q0 == n) break;
+    }
+  }
+  return pieces;
+}
+
+void run(const PrefillProblem& p) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const std::vector<PrefillPiece> pieces = split_pieces(p, threads);
+  const int64_t tasks = static_cast<int64_t>(pieces.size());
+  if (tasks == 0) return;
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min(threads, tasks)))
+  {
+    static thread_local std::vector<uint32_t> kp;  // grows to the longest context; kept across calls
+    static thread_local std::vector<float> vf;
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+      switch (p.head_dim / 16) {
+        case 2: attend_piece<2>(p, pieces[t], kp, vf); break;
+        case 4: attend_piece<4>(p, pieces[t], kp, vf); break;
+        case 6: attend_piece<6>(p, pieces[t], kp, vf); break;
+        default: attend_piece<8>(p, pieces[t], kp, vf); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace prefill_bf16
+#pragma GCC pop_options
+#endif
+
+void prefill_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            const at::Tensor& query_start_loc) {
+  constexpr const char* op = "prefill_attention_bf16: ";
+  TORCH_CHECK(prefill_attention_bf16_supported(), op, "this CPU lacks AVX512_BF16");
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &q, &k_cache, &v_cache})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16, op, "q, out and the caches must be "
+                "bfloat16 on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.sizes() == q.sizes() && out.is_contiguous(), op,
+              "q and out must be contiguous [T, Hq, D] of one shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              op, "k_cache and v_cache must be [num_blocks, block_size, Hkv, D] alike, each block contiguous");
+  const int64_t dim = q.size(2), q_heads = q.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && dim % 32 == 0 && dim <= 128 && kv_heads > 0 && q_heads % kv_heads == 0, op,
+              "the head dim must match the cache's and be a multiple of 32 up to 128, Hq a multiple of Hkv");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.dim() == 1 &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) >= 1,
+              op, "query_start_loc must be a contiguous int64 [B + 1]");
+  const int64_t batch = query_start_loc.size(0) - 1;
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  block_tables.size(0) >= batch && seq_lens.scalar_type() == at::kLong && seq_lens.dim() == 1 &&
+                  seq_lens.is_contiguous() && seq_lens.size(0) >= batch,
+              op, "block_tables must be int64 [B, max_blocks] (unit column stride), seq_lens a contiguous int64 [B]");
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t max_len = block_tables.size(1) * k_cache.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(starts[b] >= 0 && starts[b] <= starts[b + 1] && starts[b + 1] <= q.size(0), op,
+                "query_start_loc must be non-decreasing within q's ", q.size(0), " rows");
+    TORCH_CHECK(lens[b] >= starts[b + 1] - starts[b] && lens[b] <= max_len, op, "seq_lens[", b, "] = ", lens[b],
+                " must hold its ", starts[b + 1] - starts[b], " query tokens and fit its ", block_tables.size(1),
+                " blocks");
+  }
+#if TY_HAVE_X86_COPIES
+  const PrefillProblem p{reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), block_tables.data_ptr<int64_t>(),
+                         lens, starts, batch, q_heads, kv_heads, dim, k_cache.size(1), k_cache.stride(0),
+                         block_tables.stride(0), static_cast<float>(scale)};
+  prefill_bf16::run(p);
+#endif
+}
+
+}  // namespace tengyun
+
+TORCH_LIBRARY_FRAGMENT(tengyun, m) {
+  m.def("prefill_attention_bf16(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor query_start_loc) -> ()");
+  m.def("prefill_attention_bf16_supported() -> bool", &tengyun::prefill_attention_bf16_supported);
+}
+
+TORCH_LIBRARY_IMPL(tengyun, CPU, m) { m.impl("prefill_attention_bf16", &tengyun::prefill_attention_bf16); }
