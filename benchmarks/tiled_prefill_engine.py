@@ -5,16 +5,21 @@ tokens, torch's SDPA above), in one process, alternating:
 - greedy tokens of prompts cut from this repository's own text (its Python sources), 64 to 2,000
   tokens long, and how many continuations are identical with the kernel on and off;
 - time to first token of one prompt of each length alone (the engine's prefill steps; median of
-  --repeats), at the server's 512-token step budget unless --max-num-batched-tokens says otherwise.
+  --repeats), at the server's 512-token step budget unless --max-num-batched-tokens says otherwise;
+- with --schedule-rounds N: the served sweep's concurrency-64 schedule offline (256 prompts of 128
+  random token ids, 128 generated with ignore_eos, at most 64 running, 512-token steps), output
+  tok/s with the kernel on and off, alternating, N rounds each.
 
     OMP_NUM_THREADS=2 python benchmarks/tiled_prefill_engine.py --model smollm2
     OMP_NUM_THREADS=2 python benchmarks/tiled_prefill_engine.py --model qwen2.5-coder --lengths 512,2000
+    OMP_NUM_THREADS=2 python benchmarks/tiled_prefill_engine.py --model smollm2 --schedule-rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import time
 from pathlib import Path
@@ -48,6 +53,24 @@ def prompts_of(tokenizer, lengths: list[int]) -> list[list[int]]:
     return out
 
 
+def schedule_rounds(llm: LLM, rounds: int) -> None:
+    """The concurrency-64 schedule offline, the kernel on and off in turn."""
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(1000, 20000) for _ in range(128)]} for _ in range(256)]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    llm.generate(prompts[:4], params)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for on in (True, False):
+            with tiled(on):
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params)
+                seconds = time.perf_counter() - start
+            rates[on].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+            print(f"tiled {'on ' if on else 'off'}: {rates[on][-1]:.1f} output tok/s ({seconds:.1f} s)", flush=True)
+    print(f"median: on {statistics.median(rates[True]):.1f}, off {statistics.median(rates[False]):.1f} output tok/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
@@ -56,11 +79,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--schedule-rounds", type=int, default=0, help="rounds of the concurrency-64 schedule")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     folder = str(resolve_model(MODELS[args.model], "auto").folder)
     llm = LLM(folder, dtype="bfloat16", kv_cache_memory="1GiB", max_model_len=max(lengths) + args.max_tokens + 16,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, max_num_seqs=64)
+    if args.schedule_rounds:
+        return schedule_rounds(llm, args.schedule_rounds)
     tokenizer = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, lengths * args.greedy_prompts)]

@@ -157,3 +157,17 @@ def test_the_backend_sends_chunks_over_16_tokens_to_the_tiled_kernel(tiled, with
     torch.testing.assert_close(out["cpu_paged"], out["torch_sdpa"], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out["cpu_paged"].float(), _reference(q, k_cache, v_cache, tables, seq_lens, qsl,
                                                                     dim ** -0.5), atol=1.6e-2, rtol=1e-2)
+
+
+def test_the_attention_choice_names_the_tiled_kernel_where_it_runs(tiled, without_amx):
+    """The engine's "Attention backend" line says bfloat16 prompt chunks run in the tiled kernel; in
+    float32 it names only the decode kernel."""
+    from tengyun.platforms.cpu.platform import CpuPlatform
+    from tengyun.platforms.kernel_choice import KernelQuery
+
+    def detail(dtype):
+        query = KernelQuery(dtype, 16, dtype)
+        return CpuPlatform.choose_kernel("attention", query).candidate.describe(query)
+
+    assert detail("bfloat16").endswith("; prompt chunks over 16 tokens in the tiled bfloat16 kernel")
+    assert "tiled" not in detail("float32")

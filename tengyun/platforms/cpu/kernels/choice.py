@@ -5,7 +5,7 @@ building imports the kernel module. ``compiled_layout`` is CpuPlatform._compiled
 whether the compiled quant kernel (quant_layout.py) runs here, asked through the platform so a
 test can turn it off.
 
-    attention:    cpu_paged (library loads) > torch_sdpa
+    attention:    cpu_paged (library loads; bfloat16 prompts tiled with AVX512_BF16, no AMX) > torch_sdpa
     linear:       cpu_packed_small_batch (AVX-512 [+BF16]) > onednn_packed (fp32/bf16)
                   > cpu_bf16_weights (bf16 where oneDNN packs none: AVX2) > dense
     quant_linear: cpu_w8a8 > cpu_gguf > cpu_int8_layout > cpu_int4pack > reference
@@ -51,9 +51,18 @@ def _library_error(query: KernelQuery) -> str | None:
 
 # ----- attention, layer ops, sampler: the compiled library or PyTorch ---------------------------
 def _paged_detail(query: KernelQuery) -> str:
-    from tengyun.platforms.cpu import native
+    """The kernels cpu_paged runs here: the decode kernel's instruction set, and the tiled prefill
+    kernel where it runs for this dtype (its head-dim limit aside)."""
+    import torch
 
-    return f"compiled decode kernel, {native.isa()}"
+    from tengyun.platforms.cpu import native
+    from tengyun.platforms.cpu.kernels.attention import tiled_prefill_runs
+
+    detail = f"compiled decode kernel, {native.isa()}"
+    if query.dtype == "bfloat16" and query.kv_cache_dtype in (None, "auto", "bfloat16") and \
+            tiled_prefill_runs(torch.bfloat16, torch.bfloat16, 64):
+        detail += "; prompt chunks over 16 tokens in the tiled bfloat16 kernel"
+    return detail
 
 
 def _fused_layer_ops(query: KernelQuery):
