@@ -3,15 +3,18 @@
 //
 // The decode kernel (paged_attention.cpp) attends a chunk's query tokens as decode rows: per row and
 // key a dot product with a horizontal sum, then the values for every key of the span whatever the
-// row's causal limit. Here one task (sequence, KV head, piece of its query tokens) first copies the
-// keys its rows see into tiles of 32 keys laid out for vdpbf16ps ([D / 2 dim pairs][32 keys] of
-// bfloat16 pairs) and widens the values to float32 once; then 4 query rows at a time (R rows: the
-// KV head's query heads x tokens) walk the key tiles up to their causal limit:
+// row's causal limit. Here one task (sequence, KV head, piece of at most 256 of its query tokens)
+// copies the keys its rows see, 2,048 at a time (a span), into tiles of 32 keys laid out for
+// vdpbf16ps ([D / 2 dim pairs][32 keys] of bfloat16 pairs) and widens their values to float32; then
+// 4 query rows at a time (the KV head's query heads x tokens; 2 for head dims over 64) walk the
+// span's key tiles up to their causal limit:
 //   scores  S[4][32] = q . k             vdpbf16ps: q's dim pair broadcast against 32 keys' pairs;
 //                                        products exact in float32, float32 sums
 //   softmax running max / sum per row     one update per tile (online softmax), float32
-//   values  O[4][D] += P[4][32] . V       float32 FMAs, O in registers across all the tiles
-// so a row's result depends only on its query, its limit and the cache, not on the task it is in.
+//   values  O[4][D] += P[4][32] . V       float32 FMAs, O in registers across the span's tiles
+// (kept in the task's scratch between spans), so a row's result depends only on its query, its
+// limit and the cache, not on the task it is in. A thread's scratch is bounded by the span and the
+// piece, whatever the context length.
 //
 // torch.ops.tengyun.prefill_attention_bf16(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
 //                                          query_start_loc)
@@ -80,21 +83,22 @@ using V = __m512;
 constexpr int64_t kKeys = 32;  // keys per tile: two vectors of scores per row
 constexpr int kTileRows = 4;  // query rows per register tile (head dims of up to 64; 2 rows above)
 
-// The keys [0, keys) of KV head h of sequence b as tiles for vdpbf16ps: tile t, dim pair p, key j
-// at kp[(t * pairs + p) * 32 + j] (the pair's two bfloat16 as one uint32); keys past `keys` zero.
-// The values widened to float32 rows: vf[key * D + d].
-void pack_keys_values(const PrefillProblem& p, int64_t b, int64_t h, int64_t keys, uint32_t* kp, float* vf) {
+// Keys [key0, key0 + keys) of KV head h of sequence b as tiles for vdpbf16ps: tile t, dim pair p,
+// key j at kp[(t * pairs + p) * 32 + j] (the pair's two bfloat16 as one uint32); keys past the last
+// zero. Their values widened to float32 rows: vf[(key - key0) * D + d].
+void pack_keys_values(const PrefillProblem& p, int64_t b, int64_t h, int64_t key0, int64_t keys, uint32_t* kp,
+                      float* vf) {
   const int64_t dim = p.head_dim, pairs = dim / 2, tiles = (keys + kKeys - 1) / kKeys;
   const int64_t* table = p.block_tables + b * p.table_stride;
   std::memset(kp, 0, tiles * pairs * kKeys * sizeof(uint32_t));
-  for (int64_t key = 0; key < keys; ++key) {
+  for (int64_t i = 0; i < keys; ++i) {
+    const int64_t key = key0 + i;
     const int64_t offset = table[key / p.block_size] * p.block_stride + ((key % p.block_size) * p.kv_heads + h) * dim;
     const uint32_t* k = reinterpret_cast<const uint32_t*>(p.k_cache + offset);
-    uint32_t* column = kp + (key / kKeys) * pairs * kKeys + key % kKeys;
+    uint32_t* column = kp + (i / kKeys) * pairs * kKeys + i % kKeys;
     for (int64_t pr = 0; pr < pairs; ++pr) column[pr * kKeys] = k[pr];
     const uint16_t* v = p.v_cache + offset;
-    for (int64_t d = 0; d < dim; d += 16)
-      _mm512_storeu_ps(vf + key * dim + d, Vec::load_bf16(v + d));
+    for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(vf + i * dim + d, Vec::load_bf16(v + d));
   }
 }
 
@@ -107,21 +111,33 @@ inline void store_bf16(uint16_t* out, V x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
 }
 
-// R query rows (row i: q at qrow[i], sees the first limit[i] keys, limit[i] >= 1) over the packed
-// keys and values; C = D / 16 vectors of output per row. Writes each row's output to orow[i].
+// A span of keys [span0, span0 + span_keys), packed (kp, vf), as seen by R query rows (row i: q at
+// qrow[i], sees the first limit[i] keys of the sequence, limit[i] >= 1); C = D / 16 vectors of output
+// per row. Each row's online softmax (float32 sums [D], partial sums of its weights [16], running
+// max) starts empty at the first span and is kept in `state` between spans; the last span writes
+// each row's output to orow[i].
+struct RowState {
+  float* acc;  // [R][D]
+  float* sum;  // [R][16]
+  float* max;  // [R]
+};
+
 template <int R, int C>
-void attend_rows(const uint32_t* const* qrow, const int64_t* limit, const uint32_t* kp, const float* vf,
-                 float scale, uint16_t* const* orow) {
+void attend_rows(const uint32_t* const* qrow, const int64_t* limit, int64_t span0, int64_t span_keys,
+                 const uint32_t* kp, const float* vf, float scale, RowState state, bool first_span, bool last_span,
+                 uint16_t* const* orow) {
   constexpr int pairs = C * 8;
   V acc[R][C], sum[R];
   float run_max[R];
   for (int i = 0; i < R; ++i) {
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-    sum[i] = _mm512_setzero_ps();
-    run_max[i] = -INFINITY;
+    for (int c = 0; c < C; ++c)
+      acc[i][c] = first_span ? _mm512_setzero_ps() : _mm512_loadu_ps(state.acc + i * C * 16 + c * 16);
+    sum[i] = first_span ? _mm512_setzero_ps() : _mm512_loadu_ps(state.sum + i * 16);
+    run_max[i] = first_span ? -INFINITY : state.max[i];
   }
-  int64_t most = 0, least = limit[0];
+  int64_t most = 0, least = limit[0];  // within the span
   for (int i = 0; i < R; ++i) most = std::max(most, limit[i]), least = std::min(least, limit[i]);
+  most = std::min(most - span0, span_keys), least -= span0;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float weights[R][kKeys];
   for (int64_t t0 = 0; t0 < most; t0 += kKeys) {
@@ -141,8 +157,9 @@ void attend_rows(const uint32_t* const* qrow, const int64_t* limit, const uint32
     const bool masked = t0 + kKeys > least;
     for (int i = 0; i < R; ++i) {
       __mmask16 keep0 = 0xFFFF, keep1 = 0xFFFF;
-      if (masked) {
-        const __m512i bound = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(limit[i] - t0, kKeys)));
+      if (masked) {  // a row's keys past its limit (none where limit - span0 - t0 <= 0)
+        const int64_t seen = std::clamp<int64_t>(limit[i] - span0 - t0, 0, kKeys);
+        const __m512i bound = _mm512_set1_epi32(static_cast<int>(seen));
         keep0 = _mm512_cmplt_epi32_mask(lane, bound);
         keep1 = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), bound);
       }
@@ -174,16 +191,26 @@ void attend_rows(const uint32_t* const* qrow, const int64_t* limit, const uint32
     }
   }
   for (int i = 0; i < R; ++i) {
-    const V inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[i]));
-    for (int c = 0; c < C; ++c) store_bf16(orow[i] + c * 16, _mm512_mul_ps(acc[i][c], inv));
+    if (last_span) {
+      const V inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[i]));
+      for (int c = 0; c < C; ++c) store_bf16(orow[i] + c * 16, _mm512_mul_ps(acc[i][c], inv));
+    } else {
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(state.acc + i * C * 16 + c * 16, acc[i][c]);
+      _mm512_storeu_ps(state.sum + i * 16, sum[i]);
+      state.max[i] = run_max[i];
+    }
   }
 }
 
-// Rows [r0, r0 + R) of a piece: row r is query token q0 + r / group, head h * group + r % group.
+constexpr int64_t kSpanKeys = 2048;  // keys packed at once: 2048 x D x 6 bytes (768 KiB at D = 64)
+constexpr int64_t kMaxPieceTokens = 256;  // rows keep state between spans: 256 x group x (D + 17) floats
+
+// Rows [r0, r0 + R) of a piece over one span: row r is query token q0 + r / group, head h * group + r % group.
 template <int R, int C>
 void attend_tile(const PrefillProblem& p, const PrefillPiece& piece, int64_t first, int64_t len, int64_t n,
-                 int64_t r0, const uint32_t* kp, const float* vf) {
-  const int64_t group = p.q_heads / p.kv_heads;
+                 int64_t r0, int64_t span0, int64_t span_keys, bool last_span, const uint32_t* kp, const float* vf,
+                 float* state) {
+  const int64_t group = p.q_heads / p.kv_heads, rows = (piece.q1 - piece.q0) * group;
   const uint32_t* qrow[R];
   uint16_t* orow[R];
   int64_t limit[R];
@@ -194,36 +221,53 @@ void attend_tile(const PrefillProblem& p, const PrefillPiece& piece, int64_t fir
     orow[i] = p.out + row;
     limit[i] = len - (n - 1 - token);
   }
-  attend_rows<R, C>(qrow, limit, kp, vf, p.scale, orow);
+  const RowState rs{state + r0 * p.head_dim, state + rows * p.head_dim + r0 * 16,
+                    state + rows * (p.head_dim + 16) + r0};
+  attend_rows<R, C>(qrow, limit, span0, span_keys, kp, vf, p.scale, rs, span0 == 0, last_span, orow);
 }
 
+struct Scratch {  // a thread's, kept across calls: each bounded by kSpanKeys and kMaxPieceTokens
+  std::vector<uint32_t> kp;
+  std::vector<float> vf, state;
+};
+
 template <int C>
-void attend_piece(const PrefillProblem& p, const PrefillPiece& piece, std::vector<uint32_t>& kp,
-                  std::vector<float>& vf) {
+void attend_piece(const PrefillProblem& p, const PrefillPiece& piece, Scratch& scratch) {
   constexpr int R = C <= 4 ? kTileRows : 2;  // R * C accumulators + C of V within 32 registers
   const int64_t first = p.query_start[piece.b], n = p.query_start[piece.b + 1] - first, len = p.seq_lens[piece.b];
   const int64_t keys = len - (n - piece.q1);  // what the piece's last token sees
-  const int64_t tiles = (keys + kKeys - 1) / kKeys;
-  kp.resize(std::max<size_t>(kp.size(), tiles * kKeys * C * 8));
-  vf.resize(std::max<size_t>(vf.size(), tiles * kKeys * C * 16));
-  pack_keys_values(p, piece.b, piece.h, keys, kp.data(), vf.data());
   const int64_t rows = (piece.q1 - piece.q0) * (p.q_heads / p.kv_heads);
-  int64_t r0 = 0;
-  for (; r0 + R <= rows; r0 += R) attend_tile<R, C>(p, piece, first, len, n, r0, kp.data(), vf.data());
-  for (; r0 < rows; ++r0) attend_tile<1, C>(p, piece, first, len, n, r0, kp.data(), vf.data());
+  const int64_t span_tiles = (std::min(keys, kSpanKeys) + kKeys - 1) / kKeys;
+  scratch.kp.resize(std::max<size_t>(scratch.kp.size(), span_tiles * kKeys * C * 8));
+  scratch.vf.resize(std::max<size_t>(scratch.vf.size(), span_tiles * kKeys * C * 16));
+  scratch.state.resize(std::max<size_t>(scratch.state.size(), rows * (C * 16 + 17)));  // read past one span only
+  for (int64_t span0 = 0; span0 < keys; span0 += kSpanKeys) {
+    const int64_t span_keys = std::min(kSpanKeys, keys - span0);
+    const bool last = span0 + span_keys >= keys;
+    pack_keys_values(p, piece.b, piece.h, span0, span_keys, scratch.kp.data(), scratch.vf.data());
+    int64_t r0 = 0;
+    for (; r0 + R <= rows; r0 += R)
+      attend_tile<R, C>(p, piece, first, len, n, r0, span0, span_keys, last, scratch.kp.data(), scratch.vf.data(),
+                        scratch.state.data());
+    for (; r0 < rows; ++r0)
+      attend_tile<1, C>(p, piece, first, len, n, r0, span0, span_keys, last, scratch.kp.data(), scratch.vf.data(),
+                        scratch.state.data());
+  }
 }
 
 constexpr int64_t kMinPieceTokens = 16;
 
 // Each chunk's query tokens in pieces of about equal causal work (token i after ctx cached tokens
-// sees ctx + i + 1 keys), enough pieces x KV heads for 4 per thread, none under kMinPieceTokens.
+// sees ctx + i + 1 keys), enough pieces x KV heads for 4 per thread, none under kMinPieceTokens
+// (unless the chunk is shorter) or over kMaxPieceTokens.
 std::vector<PrefillPiece> split_pieces(const PrefillProblem& p, int64_t threads) {
   std::vector<PrefillPiece> pieces;
   const int64_t split = std::max<int64_t>(1, (4 * threads + p.batch * p.kv_heads - 1) / (p.batch * p.kv_heads));
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t n = p.query_start[b + 1] - p.query_start[b], ctx = p.seq_lens[b] - n;
     if (n == 0) continue;
-    const int64_t count = std::max<int64_t>(1, std::min(split, n / kMinPieceTokens));
+    const int64_t count = std::max({int64_t{1}, std::min(split, n / kMinPieceTokens),
+                                    (n + kMaxPieceTokens - 1) / kMaxPieceTokens});
     const auto work = [ctx](int64_t m) { return m * ctx + m * (m + 1) / 2; };  // keys seen by tokens [0, m)
     int64_t q0 = 0;
     for (int64_t k = 1; k <= count; ++k) {
@@ -245,14 +289,13 @@ void run(const PrefillProblem& p) {
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min(threads, tasks)))
   {
-    static thread_local std::vector<uint32_t> kp;  // grows to the longest context; kept across calls
-    static thread_local std::vector<float> vf;
+    static thread_local Scratch scratch;
     for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
       switch (p.head_dim / 16) {
-        case 2: attend_piece<2>(p, pieces[t], kp, vf); break;
-        case 4: attend_piece<4>(p, pieces[t], kp, vf); break;
-        case 6: attend_piece<6>(p, pieces[t], kp, vf); break;
-        default: attend_piece<8>(p, pieces[t], kp, vf); break;
+        case 2: attend_piece<2>(p, pieces[t], scratch); break;
+        case 4: attend_piece<4>(p, pieces[t], scratch); break;
+        case 6: attend_piece<6>(p, pieces[t], scratch); break;
+        default: attend_piece<8>(p, pieces[t], scratch); break;
       }
     }
   }

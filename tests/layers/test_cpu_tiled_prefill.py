@@ -1,7 +1,7 @@
 """The tiled bfloat16 prefill attention kernel (tengyun/csrc/prefill_attention_bf16.cpp) against float32
 attention computed here from the same cache, slot by slot (torch's einsum and softmax): fresh prompts
-and chunks after cached tokens, several chunks in one call, GQA / MQA / MHA, head dims 32-128, block
-sizes 16 and 32, shuffled block tables; each query row's result does not depend on how its prompt was
+and chunks after cached tokens (past one 2,048-key span too), several chunks in one call, GQA / MQA /
+MHA, head dims 32-128, block sizes 16 and 32, shuffled block tables; each query row's result does not depend on how its prompt was
 chunked; bad arguments name what to fix; the cpu_paged backend sends chunks of more than 16 query
 tokens to it where it runs. Skipped on CPUs without AVX512_BF16 (the kernel never runs there)."""
 
@@ -77,7 +77,7 @@ def _run(kernel, q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale):
                                                 (16, 8, 128)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("chunks", [[(0, 128)] * 4, [(0, 17)], [(100, 50), (0, 33), (7, 200), (31, 1)],
-                                    [(0, 600)], [(1500, 40)]])
+                                    [(0, 600)], [(1500, 40)], [(2100, 300), (4000, 20)]])
 def test_the_kernel_attends_as_float32_attention_does(tiled, heads, kv_heads, dim, block_size, chunks):
     """Every row within a bfloat16 rounding of the float32 result (the softmax and both sums are
     float32; the scores' products exact), and all but 0.1% of the elements exactly its rounding (measured
