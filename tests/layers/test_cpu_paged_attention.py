@@ -263,10 +263,12 @@ def cpu_flags_as(monkeypatch):
     def pretend(flags: set[str]) -> None:
         monkeypatch.setattr(attention, "cpu_flags", lambda: flags)
         attention._has_amx_bf16.cache_clear()
+        attention._has_avx512_bf16.cache_clear()
 
     yield pretend
     monkeypatch.undo()
     attention._has_amx_bf16.cache_clear()
+    attention._has_avx512_bf16.cache_clear()
 
 
 def test_bfloat16_on_amx_cores_leaves_chunks_over_32_tokens_to_sdpa(cpu_flags_as):

@@ -1,9 +1,10 @@
 """The tiled bfloat16 prefill attention kernel (tengyun/csrc/prefill_attention_bf16.cpp) against float32
 attention computed here from the same cache, slot by slot (torch's einsum and softmax): fresh prompts
 and chunks after cached tokens (past one 2,048-key span too), several chunks in one call, GQA / MQA /
-MHA, head dims 32-128, block sizes 16 and 32, shuffled block tables; each query row's result does not depend on how its prompt was
-chunked; bad arguments name what to fix; the cpu_paged backend sends chunks of more than 16 query
-tokens to it where it runs. Skipped on CPUs without AVX512_BF16 (the kernel never runs there)."""
+MHA, head dims 32-128, block sizes 16 and 32, shuffled block tables; each query row's result does not
+depend on how its prompt was chunked; bad arguments name what to fix; the cpu_paged backend sends
+chunks of more than 16 query tokens to it where it runs. Skipped on CPUs without AVX512_BF16 (the
+kernel never runs there)."""
 
 from __future__ import annotations
 
@@ -129,9 +130,11 @@ def without_amx(monkeypatch):
     flags = attention.cpu_flags() - {"amx_bf16", "amx_tile", "amx_int8"}
     monkeypatch.setattr(attention, "cpu_flags", lambda: flags)
     attention._has_amx_bf16.cache_clear()
+    attention._has_avx512_bf16.cache_clear()
     yield
     monkeypatch.undo()
     attention._has_amx_bf16.cache_clear()
+    attention._has_avx512_bf16.cache_clear()
 
 
 def test_the_backend_sends_chunks_over_16_tokens_to_the_tiled_kernel(tiled, without_amx):

@@ -84,8 +84,13 @@ def tiled_prefill_runs(dtype: torch.dtype | None, cache_dtype: torch.dtype | Non
     that is a multiple of 32 up to TILED_MAX_HEAD_DIM, a CPU with AVX512_BF16 and without AMX (there
     torch's SDPA multiplies on the tiles), and a library that has the kernel."""
     return (dtype == torch.bfloat16 and cache_dtype == torch.bfloat16 and head_dim % 32 == 0
-            and head_dim <= TILED_MAX_HEAD_DIM and "avx512_bf16" in cpu_flags() and not _has_amx_bf16()
+            and head_dim <= TILED_MAX_HEAD_DIM and _has_avx512_bf16() and not _has_amx_bf16()
             and _tiled_kernel_supported())
+
+
+@functools.cache
+def _has_avx512_bf16() -> bool:  # read once: /proc/cpuinfo is long on a many-core host
+    return "avx512_bf16" in cpu_flags()
 
 
 @functools.cache
