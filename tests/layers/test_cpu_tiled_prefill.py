@@ -13,19 +13,13 @@ import torch
 
 from tengyun.layers.attention.metadata import AttentionMetadata, PrefillChunk
 from tengyun.platforms.attention_backends import get_attention_backend
-from tengyun.platforms.cpu import native as cpu_kernels
+
+from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
 
 
 @pytest.fixture(scope="module")
-def tiled():
+def tiled(kernels):  # noqa: F811
     """The kernel op, once this checkout's library is built and the CPU runs it."""
-    if cpu_kernels.load_error() is not None:
-        missing = cpu_kernels.build_tools_missing()
-        if missing:
-            pytest.skip(f"cannot build the CPU kernels here: {missing}")
-        cpu_kernels.build()
-        cpu_kernels.load_error.cache_clear()
-    assert cpu_kernels.load_error() is None
     if not torch.ops.tengyun.prefill_attention_bf16_supported():
         pytest.skip("this CPU lacks AVX512_BF16")
     return torch.ops.tengyun.prefill_attention_bf16
