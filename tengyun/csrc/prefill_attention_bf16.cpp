@@ -259,7 +259,8 @@ constexpr int64_t kMinPieceTokens = 16;
 
 // Each chunk's query tokens in pieces of about equal causal work (token i after ctx cached tokens
 // sees ctx + i + 1 keys), enough pieces x KV heads for 4 per thread, none under kMinPieceTokens
-// (unless the chunk is shorter) or over kMaxPieceTokens.
+// (unless the chunk is shorter), none over kMaxPieceTokens (a long fresh prompt's first pieces, of
+// little work a token, stop there and the rest follow).
 std::vector<PrefillPiece> split_pieces(const PrefillProblem& p, int64_t threads) {
   std::vector<PrefillPiece> pieces;
   const int64_t split = std::max<int64_t>(1, (4 * threads + p.batch * p.kv_heads - 1) / (p.batch * p.kv_heads));
@@ -270,12 +271,11 @@ std::vector<PrefillPiece> split_pieces(const PrefillProblem& p, int64_t threads)
                                     (n + kMaxPieceTokens - 1) / kMaxPieceTokens});
     const auto work = [ctx](int64_t m) { return m * ctx + m * (m + 1) / 2; };  // keys seen by tokens [0, m)
     int64_t q0 = 0;
-    for (int64_t k = 1; k <= count; ++k) {
-      int64_t q1 = k == count ? n : q0 + 1;
-      while (q1 < n && work(q1) * count < work(n) * k) ++q1;
+    for (int64_t k = 1; q0 < n; ++k) {  // piece k ends at k / count of the work, or kMaxPieceTokens on
+      int64_t q1 = q0 + 1;
+      while (q1 < n && q1 - q0 < kMaxPieceTokens && work(q1) * count < work(n) * k) ++q1;
       for (int64_t h = 0; h < p.kv_heads; ++h) pieces.push_back({b, h, q0, q1});
       q0 = q1;
-      if (q0 == n) break;
     }
   }
   return pieces;
