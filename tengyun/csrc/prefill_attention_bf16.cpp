@@ -77,9 +77,9 @@ namespace {
 
 #define TY_ISA 512
 #include "paged_attention_vec.h"  // struct Vec: 16 float lanes, Cephes exp
-#undef TY_ISA
-
 using V = __m512;
+#include "paged_attention_bf16.h"  // store_out: float32 -> bfloat16 as static_cast rounds
+#undef TY_ISA
 constexpr int64_t kKeys = 32;  // keys per tile: two vectors of scores per row
 constexpr int kTileRows = 4;  // query rows per register tile (head dims of up to 64; 2 rows above)
 
@@ -102,15 +102,6 @@ void pack_keys_values(const PrefillProblem& p, int64_t b, int64_t h, int64_t key
   }
 }
 
-// 16 floats -> bfloat16, rounded to nearest even (NaN -> 0x7FC0), as static_cast<c10::BFloat16>.
-inline void store_bf16(uint16_t* out, V x) {
-  const __m512i bits = _mm512_castps_si512(x), one = _mm512_set1_epi32(1);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), one), _mm512_set1_epi32(0x7FFF));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
-}
-
 // A span of keys [span0, span0 + span_keys), packed (kp, vf), as seen by R query rows (row i: q at
 // qrow[i], sees the first limit[i] keys of the sequence, limit[i] >= 1); C = D / 16 vectors of output
 // per row. Each row's online softmax (float32 sums [D], partial sums of its weights [16], running
@@ -122,11 +113,73 @@ struct RowState {
   float* max;  // [R]
 };
 
+#define TY_INLINE __attribute__((always_inline)) inline  // the tile's vectors stay in registers
+
+// s[i] = q_i . k for the tile's 32 keys (unscaled): q_i's dim pair broadcast against the keys' pairs.
+template <int R, int C>
+TY_INLINE void tile_scores(const uint32_t* const* qrow, const uint32_t* tile, V (&s)[R][2]) {
+  for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int pr = 0; pr < C * 8; ++pr) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tile + pr * kKeys);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(tile + pr * kKeys + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qrow[i][pr]));
+      s[i][0] = _mm512_dpbf16_ps(s[i][0], qb, k0);
+      s[i][1] = _mm512_dpbf16_ps(s[i][1], qb, k1);
+    }
+  }
+}
+
+// Each row's online-softmax update for the tile (its first key at `key0` of the sequence; `masked`:
+// some row's limit ends in or before it): scores scaled, keys past the row's limit dropped, sums and
+// running max rescaled when the max grows, the tile's weights stored for tile_values.
+template <int R, int C>
+TY_INLINE void tile_weights(V (&s)[R][2], const int64_t* limit, int64_t key0, bool masked, float scale,
+                            V (&acc)[R][C], V (&sum)[R], float (&run_max)[R], float (&weights)[R][kKeys]) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+  for (int i = 0; i < R; ++i) {
+    __mmask16 keep0 = 0xFFFF, keep1 = 0xFFFF;
+    if (masked) {  // none where limit - key0 <= 0
+      const __m512i bound = _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(limit[i] - key0, 0, kKeys)));
+      keep0 = _mm512_cmplt_epi32_mask(lane, bound);
+      keep1 = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), bound);
+    }
+    const V a = _mm512_mask_mul_ps(neg, keep0, s[i][0], sc), b = _mm512_mask_mul_ps(neg, keep1, s[i][1], sc);
+    const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+    if (tile_max > run_max[i]) {  // else nothing of this row changes scale (a fully masked tile: -inf)
+      const V correction = _mm512_set1_ps(std::exp(run_max[i] - tile_max));  // exp(-inf) = 0 at the first tile
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], correction);
+      sum[i] = _mm512_mul_ps(sum[i], correction);
+      run_max[i] = tile_max;
+    }
+    const V m = _mm512_set1_ps(run_max[i]);
+    const V e0 = _mm512_maskz_mov_ps(keep0, Vec::exp(_mm512_sub_ps(a, m)));
+    const V e1 = _mm512_maskz_mov_ps(keep1, Vec::exp(_mm512_sub_ps(b, m)));
+    sum[i] = _mm512_add_ps(sum[i], _mm512_add_ps(e0, e1));
+    _mm512_store_ps(weights[i], e0);
+    _mm512_store_ps(weights[i] + 16, e1);
+  }
+}
+
+// acc[i] += sum over the tile's first n keys of weights[i][j] * v_j (float32 rows v_j at v + j * D).
+template <int R, int C>
+TY_INLINE void tile_values(const float (&weights)[R][kKeys], const float* v, int64_t n, V (&acc)[R][C]) {
+  for (int64_t j = 0; j < n; ++j) {
+    V x[C];
+    for (int c = 0; c < C; ++c) x[c] = _mm512_loadu_ps(v + j * C * 16 + c * 16);
+    for (int i = 0; i < R; ++i) {
+      const V w = _mm512_set1_ps(weights[i][j]);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(w, x[c], acc[i][c]);
+    }
+  }
+}
+
 template <int R, int C>
 void attend_rows(const uint32_t* const* qrow, const int64_t* limit, int64_t span0, int64_t span_keys,
                  const uint32_t* kp, const float* vf, float scale, RowState state, bool first_span, bool last_span,
                  uint16_t* const* orow) {
-  constexpr int pairs = C * 8;
   V acc[R][C], sum[R];
   float run_max[R];
   for (int i = 0; i < R; ++i) {
@@ -138,62 +191,18 @@ void attend_rows(const uint32_t* const* qrow, const int64_t* limit, int64_t span
   int64_t most = 0, least = limit[0];  // within the span
   for (int i = 0; i < R; ++i) most = std::max(most, limit[i]), least = std::min(least, limit[i]);
   most = std::min(most - span0, span_keys), least -= span0;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float weights[R][kKeys];
   for (int64_t t0 = 0; t0 < most; t0 += kKeys) {
-    const uint32_t* tile = kp + (t0 / kKeys) * pairs * kKeys;
     V s[R][2];
-    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int pr = 0; pr < pairs; ++pr) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tile + pr * kKeys);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(tile + pr * kKeys + 16);
-      for (int i = 0; i < R; ++i) {
-        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qrow[i][pr]));
-        s[i][0] = _mm512_dpbf16_ps(s[i][0], qb, k0);
-        s[i][1] = _mm512_dpbf16_ps(s[i][1], qb, k1);
-      }
-    }
-    const bool masked = t0 + kKeys > least;
-    for (int i = 0; i < R; ++i) {
-      __mmask16 keep0 = 0xFFFF, keep1 = 0xFFFF;
-      if (masked) {  // a row's keys past its limit (none where limit - span0 - t0 <= 0)
-        const int64_t seen = std::clamp<int64_t>(limit[i] - span0 - t0, 0, kKeys);
-        const __m512i bound = _mm512_set1_epi32(static_cast<int>(seen));
-        keep0 = _mm512_cmplt_epi32_mask(lane, bound);
-        keep1 = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), bound);
-      }
-      const V neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
-      const V a = _mm512_mask_mul_ps(neg, keep0, s[i][0], sc), b = _mm512_mask_mul_ps(neg, keep1, s[i][1], sc);
-      const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-      if (tile_max > run_max[i]) {  // else nothing of this row changes scale (a fully masked tile: -inf)
-        const V correction = _mm512_set1_ps(std::exp(run_max[i] - tile_max));  // exp(-inf) = 0 at the first tile
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], correction);
-        sum[i] = _mm512_mul_ps(sum[i], correction);
-        run_max[i] = tile_max;
-      }
-      const V m = _mm512_set1_ps(run_max[i]);
-      const V e0 = _mm512_maskz_mov_ps(keep0, Vec::exp(_mm512_sub_ps(a, m)));
-      const V e1 = _mm512_maskz_mov_ps(keep1, Vec::exp(_mm512_sub_ps(b, m)));
-      sum[i] = _mm512_add_ps(sum[i], _mm512_add_ps(e0, e1));
-      _mm512_store_ps(weights[i], e0);
-      _mm512_store_ps(weights[i] + 16, e1);
-    }
-    const int64_t n = std::min(kKeys, most - t0);  // keys past every row's limit weigh 0: skipped
-    const float* v = vf + t0 * C * 16;
-    for (int64_t j = 0; j < n; ++j) {
-      V x[C];
-      for (int c = 0; c < C; ++c) x[c] = _mm512_loadu_ps(v + j * C * 16 + c * 16);
-      for (int i = 0; i < R; ++i) {
-        const V w = _mm512_set1_ps(weights[i][j]);
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(w, x[c], acc[i][c]);
-      }
-    }
+    tile_scores<R, C>(qrow, kp + (t0 / kKeys) * C * 8 * kKeys, s);
+    tile_weights<R, C>(s, limit, span0 + t0, t0 + kKeys > least, scale, acc, sum, run_max, weights);
+    tile_values<R, C>(weights, vf + t0 * C * 16, std::min(kKeys, most - t0), acc);  // keys past every limit: skipped
   }
   for (int i = 0; i < R; ++i) {
     if (last_span) {
       const V inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[i]));
-      for (int c = 0; c < C; ++c) store_bf16(orow[i] + c * 16, _mm512_mul_ps(acc[i][c], inv));
+      c10::BFloat16* out = reinterpret_cast<c10::BFloat16*>(orow[i]);
+      for (int c = 0; c < C; ++c) store_out(out + c * 16, _mm512_mul_ps(acc[i][c], inv));
     } else {
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(state.acc + i * C * 16 + c * 16, acc[i][c]);
       _mm512_storeu_ps(state.sum + i * 16, sum[i]);
@@ -201,6 +210,8 @@ void attend_rows(const uint32_t* const* qrow, const int64_t* limit, int64_t span
     }
   }
 }
+
+#undef TY_INLINE
 
 constexpr int64_t kSpanKeys = 2048;  // keys packed at once: 2048 x D x 6 bytes (768 KiB at D = 64)
 constexpr int64_t kMaxPieceTokens = 256;  // rows keep state between spans: 256 x group x (D + 17) floats

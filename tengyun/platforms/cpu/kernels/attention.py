@@ -140,6 +140,8 @@ class CpuPagedBackend(TorchSDPABackend):
         self._decode_qkv = torch.ops.tengyun.decode_qkv_to_cache.default
         self._paged_decode = torch.ops.tengyun.paged_decode_attention.default
         self._qkv_to_cache = torch.ops.tengyun.qkv_to_cache_.default
+        self._tiled_prefill = torch.ops.tengyun.prefill_attention_bf16.default \
+            if hasattr(torch.ops.tengyun, "prefill_attention_bf16") else None
 
     def decode_from_qkv(self, qkv, positions, cos_table, sin_table, k_cache, v_cache, meta: AttentionMetadata,
                         scale: float, num_heads: int) -> torch.Tensor | None:
@@ -190,7 +192,7 @@ class CpuPagedBackend(TorchSDPABackend):
             if chunks is not None:
                 queries = q[chunks.rows].contiguous()  # [T', Hq, D]
                 attended = torch.empty_like(queries)
-                kernel = torch.ops.tengyun.prefill_attention_bf16 if tiled else cpu_kernels.paged_decode_attention
+                kernel = self._tiled_prefill if tiled else self._paged_decode
                 kernel(attended, queries, k_cache, v_cache, chunks.block_tables, chunks.seq_lens, scale,
                        chunks.query_start_loc)
                 out[chunks.rows] = attended
