@@ -83,8 +83,10 @@ SYSTEMS = ("tengyun", "vllm", "llamacpp")
 # Also runnable (--systems): Tengyun at vLLM's CPU API-server step budget, and at 1536 (where oneDNN's AMX
 # rate per row jumps for SmolLM2's shapes), beside its own default (512 on CPU since 027e313;
 # docs/operations.md "The step budget"), to attribute what that default changes.
+# And both servers with 8 tokens a streamed chunk (--stream-interval, vLLM's flag; 1 is both defaults).
 EXTRA_SYSTEMS = {"tengyun-2048": ["--max-num-batched-tokens", "2048"],
-                 "tengyun-1536": ["--max-num-batched-tokens", "1536"]}
+                 "tengyun-1536": ["--max-num-batched-tokens", "1536"],
+                 "tengyun-si8": ["--stream-interval", "8"], "vllm-si8": ["--stream-interval", "8"]}
 GGUF_TYPE = {"bfloat16": "bf16", "float32": "f32"}
 CLIENT_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -103,7 +105,8 @@ def server_command(system: str, ctx: dict, model: str, port: int, slots: int) ->
         return ([sys.executable, "-m", "tengyun.entrypoints.cli.main", "serve", *common, "--kv-cache-memory", "1GiB",
                  *EXTRA_SYSTEMS.get(system, [])], env)
     eager = ["--enforce-eager"] if ctx["vllm_enforce_eager"] else []
-    return ([str(ctx["vllm_python"]), str(BENCH / "vllm_launch.py"), "serve", *common, *eager],
+    return ([str(ctx["vllm_python"]), str(BENCH / "vllm_launch.py"), "serve", *common, *eager,
+             *EXTRA_SYSTEMS.get(system, [])],
             compare.vllm_env(ctx["vllm_python"], ctx["threads"]))
 
 

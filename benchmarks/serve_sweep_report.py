@@ -13,7 +13,9 @@ from pathlib import Path
 
 from offline_throughput import MODELS
 
-NAMES = {"tengyun": "Tengyun", "tengyun-2048": "Tengyun, 2048-token steps", "vllm": "vLLM", "llamacpp": "llama.cpp"}
+NAMES = {"tengyun": "Tengyun", "tengyun-2048": "Tengyun, 2048-token steps", "tengyun-1536": "Tengyun, 1536-token steps",
+         "tengyun-si8": "Tengyun, 8 tokens a chunk", "vllm": "vLLM", "vllm-si8": "vLLM, 8 tokens a chunk",
+         "llamacpp": "llama.cpp"}
 BASELINES = ("vllm", "llamacpp")  # what Tengyun is compared against, in this order
 
 

@@ -94,6 +94,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = setting(
         None, help="most tokens one scheduler step runs (default: 2048; 512 for `tengyun serve` on CPU; at least "
                    "--max-num-seqs, and without chunked prefill at least --max-model-len)")
+    stream_interval: int = setting(
+        1, help="a running request's outputs (a stream's chunks) carry at least this many new tokens each; "
+                "the first and the last go out at once (vLLM's --stream-interval: more tokens a chunk, less "
+                "work for the API process and the client under load)")
     enable_prefix_caching: bool = setting(
         True, help="reuse the KV blocks of a prompt prefix an earlier request computed")
     enable_chunked_prefill: bool = setting(
@@ -268,6 +272,9 @@ class EngineConfig:
             raise ValueError(f"--max-model-len must be >= 1 (try 2048); got {self.max_model_len}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1 (try 256); got {self.max_num_seqs}.")
+        if type(self.stream_interval) is not int or self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be an integer >= 1 (1: every token at once); "
+                             f"got {self.stream_interval!r}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1 (try {DEFAULT_MAX_NUM_BATCHED_TOKENS}); "

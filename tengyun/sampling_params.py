@@ -88,6 +88,10 @@ class SamplingParams:
     # server clamps values to [-100, 100] as vLLM does). {"42": 1} becomes {42: 1}; {} becomes None.
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Outputs while the request runs (CUMULATIVE, DELTA): the first, then one each time a sequence
+    # has this many new tokens or finishes, and the last. None: the engine's --stream-interval;
+    # a smaller value is raised to it (vLLM's stream_interval).
+    stream_interval: int | None = None
     # Filled by the engine, never by users: EOS ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -148,6 +152,8 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
+        if self.stream_interval is not None and (type(self.stream_interval) is not int or self.stream_interval < 1):
+            raise bad("stream_interval", self.stream_interval, "an integer >= 1")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
 

@@ -18,6 +18,7 @@ from tengyun.config import EngineConfig, parse_size
     (dict(max_model_len=0), "--max-model-len"),
     (dict(max_num_seqs=0), "--max-num-seqs"),
     (dict(max_num_batched_tokens=0), "--max-num-batched-tokens"),
+    (dict(stream_interval=0), "--stream-interval"),
     (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization"),
     (dict(kv_cache_memory="lots"), "--kv-cache-memory"),
     (dict(load_format="pt"), "--load-format"),

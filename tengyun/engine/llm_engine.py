@@ -257,7 +257,7 @@ class LLMEngine(BeamSearchEngineMixin):  # beam search: engine/beam_engine.py
 
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Checked against --max-logprobs and the vocabulary; logprobs -1 becomes the vocabulary
-        size, so the worker reads counts only."""
+        size, so the worker reads counts only; stream_interval at least --stream-interval."""
         params.check_against_model(self.config.max_logprobs, self.vocab_size)
         if self.tokenizer is None:
             params = _without_text(params)
@@ -265,7 +265,8 @@ class LLMEngine(BeamSearchEngineMixin):  # beam search: engine/beam_engine.py
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = set() if params.ignore_eos else set(self.eos_token_ids)
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
-        return dataclasses.replace(params, max_tokens=max_tokens,
+        stream_interval = max(params.stream_interval or 1, self.config.stream_interval)
+        return dataclasses.replace(params, max_tokens=max_tokens, stream_interval=stream_interval,
                                    all_stop_token_ids=eos | set(params.stop_token_ids), **whole)
 
     # ----- the loop -----------------------------------------------------------------------

@@ -25,9 +25,10 @@ class Request:
     # [None, then one entry per prompt token received so far]; None when not asked for. Shared by
     # the n sequences: whichever computes a position first fills it, recomputes are dropped.
     prompt_logprobs: PromptLogprobs | None = None
-    # DELTA only: per sequence (by index), its output tokens that earlier outputs carried.
+    # Per sequence (by index), its output tokens when the last output was made (DELTA: the tokens
+    # earlier outputs carried; every kind: what params.stream_interval counts from).
     num_returned_tokens: list[int] = field(default_factory=list)
-    prompt_logprobs_returned: bool = False  # DELTA only: the first output carried them
+    output_made: bool = False  # DELTA: the first output carried the prompt logprobs
     pooling_params: PoolingParams | None = None  # a pooling request (one sequence, prefill only)
     pooled: list | None = None  # its output once computed; None while it runs, or when aborted
 
@@ -48,13 +49,13 @@ class Request:
         if self.pooling_params is not None:
             return self._pooling_output() if finished else None
         kind = self.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+        if not finished and (kind is RequestOutputKind.FINAL_ONLY or not self._output_due()):
             return None
         delta = kind is RequestOutputKind.DELTA
         prompt_logprobs = self.prompt_logprobs
-        if delta and self.prompt_logprobs_returned:
+        if delta and self.output_made:
             prompt_logprobs = None
-        self.prompt_logprobs_returned = True
+        self.output_made = True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -66,6 +67,18 @@ class Request:
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
         )
 
+    def _output_due(self) -> bool:
+        """Whether a running request's output goes out this step: its first, then (stream_interval
+        N > 1) once some sequence has N tokens the last output did not count, or finished since."""
+        interval = self.params.stream_interval or 1
+        if interval == 1 or not self.output_made:
+            return True
+        for seq in self.seqs:
+            new = seq.num_output_tokens - self.num_returned_tokens[seq.index]
+            if new >= interval or (new and seq.is_finished):
+                return True
+        return False
+
     def _pooling_output(self) -> PoolingRequestOutput:
         return PoolingRequestOutput(self.request_id, PoolingOutput(self.pooled), self.prompt_token_ids, True,
                                     self.seqs[0].num_cached_tokens)
@@ -73,8 +86,7 @@ class Request:
     def _completion(self, seq: Sequence, detok: IncrementalDetokenizer, delta: bool) -> CompletionOutput:
         """Sequence seq's output tokens [start, now): all of them, or (delta) those not yet returned."""
         start = self.num_returned_tokens[seq.index] if delta else 0
-        if delta:
-            self.num_returned_tokens[seq.index] = seq.num_output_tokens
+        self.num_returned_tokens[seq.index] = seq.num_output_tokens
         with_logprobs = self.params.logprobs is not None
         return CompletionOutput(
             index=seq.index,

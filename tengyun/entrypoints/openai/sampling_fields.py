@@ -81,6 +81,7 @@ class SamplingFields(RequestBody):
     return_token_ids: bool | None = False  # token_ids per choice and prompt_token_ids in the answer
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: --max-model-len)
     request_id: str | None = None  # the answer's id is built from it (else from a random one)
+    stream_interval: int | None = None  # tokens a streamed chunk carries, raised to --stream-interval
     # Beam search (serving_beam_search.py): n beams; length_penalty and early_stopping apply to it only
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -217,6 +218,7 @@ class SamplingFields(RequestBody):
                 structured_outputs=structured_outputs,
                 logit_bias={token: min(100.0, max(-100.0, bias)) for token, bias in (self.logit_bias or {}).items()},
                 output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+                stream_interval=self.stream_interval,
             )
         except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
             field_name = str(e).split(" ", 1)[0]
