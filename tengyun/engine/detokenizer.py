@@ -10,10 +10,16 @@ Window (as vLLM's prefix_offset / read_offset), over ids = prompt tail + output 
     U+FFFD (a multi-byte character still split across byte-level tokens). Then
     prefix, read = read, len(ids).
 
-Pure Python: the tokenizer is duck-typed (anything with ``decode``), no torch import.
+Pure Python: the tokenizer is duck-typed (anything with ``decode``), no torch import. A
+transformers fast tokenizer that keeps the library's own decode is decoded by its Rust backend
+directly (``text_decoder``): the same text, without the wrapper's argument handling.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 from tengyun.sampling_params import SamplingParams
 
@@ -22,10 +28,41 @@ _PROMPT_CONTEXT = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+# transformers' own decode, and the _decode methods that only call the backend and (when asked) clean
+# up spaces: PreTrainedTokenizerFast's (4.x) and TokenizersBackend's (5.x).
+_LIBRARY_DECODE = "PreTrainedTokenizerBase.decode"
+_BACKEND_DECODES = ("PreTrainedTokenizerFast._decode", "TokenizersBackend._decode")
+
+
+@functools.cache
+def decodes_through_backend(cls: type) -> bool:
+    """Whether ``cls.decode(ids, skip_special_tokens=s, clean_up_tokenization_spaces=False)`` is
+    ``backend.decode(ids, skip_special_tokens=s)``: transformers' own decode and _decode, not a
+    subclass's override (fast tokenizers ignore spaces_between_special_tokens)."""
+    decode, _decode = getattr(cls, "decode", None), getattr(cls, "_decode", None)
+    return (getattr(decode, "__qualname__", "") == _LIBRARY_DECODE
+            and getattr(_decode, "__qualname__", "") in _BACKEND_DECODES
+            and getattr(_decode, "__module__", "").startswith("transformers."))
+
+
+def text_decoder(tokenizer: Any, params: SamplingParams) -> Callable[[list[int]], str]:
+    """ids -> text as ``tokenizer.decode`` gives it for these params. A fast tokenizer's Rust
+    backend directly where that is the same (decodes_through_backend): 3.4 against 12.1 us a
+    token for Qwen2.5's tokenizer (two decodes of a 5-6 token window), ~0.5 ms of a step of 64."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode") and decodes_through_backend(type(tokenizer)):
+        skip = params.skip_special_tokens
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                                        spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.params = params
+        self._decode = text_decoder(tokenizer, params) if params.detokenize else None
         self.output_text = ""
         self._ids: list[int] = self._prompt_context(prompt_token_ids)
         self._prefix_offset = 0
@@ -63,14 +100,6 @@ class IncrementalDetokenizer:
             return None
         self.output_text += new_text
         return self._check_stop(len(new_text)) if self._stops else None
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.params.skip_special_tokens,
-            spaces_between_special_tokens=self.params.spaces_between_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
 
     def _decode_new(self) -> str:
         """Text of ids[read_offset:] once it is whole; advances the window when it is."""

@@ -228,3 +228,23 @@ def test_detokenize_false_produces_no_text(tokenizer):
 def test_detokenizer_does_not_import_torch():
     code = "import sys, tengyun.engine.detokenizer; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fast_tokenizers_decode_through_their_backend_unless_a_subclass_overrides_decode(tokenizer, sp_tokenizer):
+    """The Rust backend's decode stands in for transformers' own (the random-sequence tests above
+    check its text against tokenizer.decode); a subclass's decode is honoured."""
+    from tengyun.engine.detokenizer import decodes_through_backend
+
+    assert decodes_through_backend(type(tokenizer)) and decodes_through_backend(type(sp_tokenizer))
+    calls = []
+
+    class Overriding(type(tokenizer)):
+        def decode(self, ids, **kwargs):
+            calls.append(list(ids))
+            return super().decode(ids, **kwargs).upper()
+
+    overriding = Overriding(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>")
+    assert not decodes_through_backend(Overriding)
+    detok = IncrementalDetokenizer(overriding, [], SamplingParams())
+    stream(detok, encode(tokenizer, "hello world"))
+    assert calls and detok.output_text == "HELLO WORLD"
