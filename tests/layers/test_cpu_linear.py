@@ -98,10 +98,13 @@ def test_either_block_width_reads_a_weight_laid_out_by_hand(fits, dtype, block, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("out_features", [64 * 37 + 5, 64 * 3])  # chunks of whole blocks, a ragged last one
+# chunks of whole blocks, a ragged last one; 3 and 9 blocks (SmolLM2's o projection): the last block
+# over 2 threads, and 38 blocks' last 2 over 3, go by row parts
+@pytest.mark.parametrize("out_features", [64 * 37 + 5, 64 * 3, 64 * 9])
 def test_threads_sharing_the_blocks_out_compute_each_column_once(fits, dtype, out_features):
-    """Threads claim chunks of blocks as they go (packed_gemv.cpp, gemv_all): 1-3 threads give the
-    same bits as each other (a column's sum is one thread's, in K order) and F.linear's values."""
+    """Threads claim chunks of blocks as they go (packed_gemv.cpp, gemv_all), and the last blocks
+    that would not share out evenly by row parts: 1-3 threads give the same bits as each other (a
+    column's sum is one thread's, in K order) and F.linear's values, for every row count."""
     gen = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, 96, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)
@@ -110,7 +113,7 @@ def test_threads_sharing_the_blocks_out_compute_each_column_once(fits, dtype, ou
         pytest.skip("oneDNN's packed layout here is not the kernel's")
     threads = torch.get_num_threads()
     try:
-        for rows in (1, 12, 64):
+        for rows in (1, 5, 12, 37, 64):
             x = torch.randn(rows, 96, generator=gen).to(dtype)
             outs = []
             for count in (1, 2, 3):
