@@ -19,7 +19,7 @@ from tengyun.platforms import platform_class
 # A value other than the default for every init field, valid together (2 nodes x 2 ranks each).
 NON_DEFAULTS = dict(
     model="some/model-folder", tokenizer="some/tokenizer", dtype="half", kv_cache_dtype="bfloat16", block_size=32,
-    max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512, enable_prefix_caching=False,
+    max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512, stream_interval=4, enable_prefix_caching=False,
     enable_chunked_prefill=False, gpu_memory_utilization=0.5, kv_cache_memory="2GiB", num_gpu_blocks_override=64,
     seed=7, load_format="dummy", enforce_eager=True, trust_remote_code=True, device="cpu", served_model_name="m",
     generation_config="vllm", max_logprobs=-1, tensor_parallel_size=2, pipeline_parallel_size=2,
