@@ -2,12 +2,12 @@
 at SmolLM2-135M's shapes. Prints milliseconds per call (best of 3 rounds of 30 calls).
 
 ``--small-rows``: oneDNN vs the compiled small-batch kernel on the same packed weights
-(platforms/cpu/kernels/linear.py) at 1-128 rows, through all 30 layers' four projections of SmolLM2-135M
-(30 separate random weights, 212 MB in bf16: streamed from memory as in a decode step, not from
-cache; ``--shapes qwen2.5-coder``: its 24 layers and LM head, 988 MB), median of 15 passes; the row
-counts where the kernel wins set MAX_SMALL_ROWS. Where oneDNN packs bfloat16 for AMX, a third column
-times the AMX tile kernel (amx_packed_gemm.cpp) on the same weights; the row counts where it wins set
-AMX_TILE_ROWS.
+(platforms/cpu/kernels/linear.py) at 1-128 rows (``--rows``: any), through all 30 layers' four
+projections of SmolLM2-135M (30 separate random weights, 212 MB in bf16: streamed from memory as in
+a decode step, not from cache; ``--shapes qwen2.5-coder``: its 24 layers and LM head, 988 MB), median
+of 15 passes taken in turn with oneDNN's (the VM's speed drifts); the row counts where the kernel
+wins set MAX_SMALL_ROWS. Where oneDNN packs bfloat16 for AMX, a third column times the AMX tile
+kernel (amx_packed_gemm.cpp) on the same weights; the row counts where it wins set AMX_TILE_ROWS.
 
 ``--bf16-weights``: where oneDNN packs no bfloat16 weight (AVX2 without AVX-512), the three ways a
 layer can run: F.linear in bfloat16 (what bfloat16 ran before the compiled kernel), the compiled
@@ -76,15 +76,23 @@ def small_rows(row_counts: tuple[int, ...] = SMALL_ROWS, shapes: str = "smollm2"
         nbytes = sum(w.out_features * k for layer in layers for k, w in layer) * torch.finfo(dtype).bits // 8
         for rows in row_counts:
             xs = {k: torch.randn(rows, k).to(dtype) for _, k in [*layer_shapes, *([head] if head else [])]}
-            run = functools.partial(_pass_ms, kernel, layers, xs)
-            onednn = statistics.median(run("onednn") for _ in range(15))
-            small = statistics.median(run("small") for _ in range(15))
-            tiles = "- | -"
-            if dtype == torch.bfloat16 and amx_tiles_fit() and all(w.block == 32 for _, w in layers[0]):
-                amx = statistics.median(run("amx") for _ in range(15))
-                tiles = f"{amx:.2f} | {onednn / amx:.2f}x"
+            amx = dtype == torch.bfloat16 and amx_tiles_fit() and all(w.block == 32 for _, w in layers[0])
+            times = _alternated(functools.partial(_pass_ms, kernel, layers, xs),
+                                ("onednn", "small", *(("amx",) if amx else ())))
+            onednn, small = times["onednn"], times["small"]
+            tiles = f"{times['amx']:.2f} | {onednn / times['amx']:.2f}x" if amx else "- | -"
             print(f"| {str(dtype).removeprefix('torch.')} | {rows} | {onednn:.2f} | {small:.2f} | "
                   f"{onednn / small:.2f}x | {nbytes / small / 1e6:.0f} | {tiles} |")
+
+
+def _alternated(run, kinds: tuple[str, ...], rounds: int = 15) -> dict[str, float]:
+    """Median ms of run(kind) for each kind, the kinds taking turns pass by pass (a shared VM's speed
+    drifts within seconds; blocks of one kind's passes would carry that drift into the ratio)."""
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(rounds):
+        for kind in kinds:
+            times[kind].append(run(kind))
+    return {kind: statistics.median(values) for kind, values in times.items()}
 
 
 def _pass_ms(kernel, layers, xs: dict, which: str) -> float:

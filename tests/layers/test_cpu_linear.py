@@ -143,10 +143,13 @@ def test_rows_past_the_limit_run_onednn_and_agree(fits, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decodes_of_up_to_64_sequences_run_the_small_batch_kernel(fits, dtype, monkeypatch):
-    """Where oneDNN packs 64-column blocks, the kernel takes up to 64 rows by default (1.3-1.65x
-    oneDNN from 16 to 64 rows on an AMD EPYC, benchmarks/README.md), so decode graphs cover 64
-    sequences; the 65th row goes to oneDNN."""
+def test_up_to_512_rows_run_the_small_batch_kernel_and_graphs_stop_at_64(fits, dtype, monkeypatch):
+    """Where oneDNN packs 64-column blocks, the kernel takes up to 512 rows by default (ahead of
+    oneDNN from 64 to 512 rows on an AMD EPYC, benchmarks/README.md): a 128-token prompt, or one
+    prompt beside 64 decodes, runs it; the 513th row goes to oneDNN. Decode graphs are still
+    captured for up to 64 sequences only (CpuPlatform.graph_batch_limit)."""
+    from types import SimpleNamespace
+
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(200, 96, generator=gen).to(dtype)
     kernel = CpuPackedLinearKernel(dtype, max_tile_rows=0)
@@ -155,12 +158,15 @@ def test_decodes_of_up_to_64_sequences_run_the_small_batch_kernel(fits, dtype, m
         pytest.skip("oneDNN packs this dtype in 32-column blocks here (AMX)")
     onednn_rows = []
     monkeypatch.setattr(OneDNNPackedLinearKernel, "apply", lambda self, x, w, b: onednn_rows.append(len(x)))
-    x = torch.randn(65, 96, generator=gen).to(dtype)
-    torch.testing.assert_close(kernel.apply(x[:64], prepared, None).float(), _reference(x[:64], weight, None),
-                               **TOLERANCE[dtype])
+    x = torch.randn(513, 96, generator=gen).to(dtype)
+    for rows in (64, 130, 512):
+        torch.testing.assert_close(kernel.apply(x[:rows], prepared, None).float(),
+                                   _reference(x[:rows], weight, None), **TOLERANCE[dtype])
     assert onednn_rows == []
     kernel.apply(x, prepared, None)
-    assert onednn_rows == [65]
+    assert onednn_rows == [513]
+    bundle = SimpleNamespace(attention=SimpleNamespace(name="cpu_paged"), linear=kernel)
+    assert kernel.graph_rows == 64 and CpuPlatform.graph_batch_limit(CpuPlatform.__new__(CpuPlatform), bundle) == 64
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])

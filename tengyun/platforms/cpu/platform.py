@@ -123,15 +123,16 @@ class CpuPlatform(Platform):
         return trace_decode_forward(forward, state, warm_ups=1 if first else 0)
 
     def graph_batch_limit(self, kernels) -> int:
-        """The rows the compiled linears take: the small-batch kernel's (16, cpu_linear.MAX_SMALL_ROWS)
-        or, where oneDNN packs bfloat16 for AMX, the tile kernel's up to cpu_linear.AMX_GRAPH_ROWS (64;
-        it takes up to AMX_TILE_ROWS, 128, eagerly). Above them oneDNN's packed weights run, which a
-        trace cannot hold (a size whose trace fails runs eager). 0 without the compiled kernels, and
-        with any attention backend but cpu_paged: a trace freezes host-side logic, and only
-        cpu_paged's decode is known to have none."""
+        """The decode batch sizes the compiled linears are traced for (their ``graph_rows``): the
+        small-batch kernel's up to cpu_linear.SMALL_GRAPH_ROWS (64; it takes up to MAX_SMALL_ROWS
+        eagerly) or, where oneDNN packs bfloat16 for AMX, the tile kernel's up to AMX_GRAPH_ROWS (64;
+        it takes up to AMX_TILE_ROWS, 128, eagerly). A trace cannot hold oneDNN's packed weights (a
+        size whose trace fails runs eager). 0 without the compiled kernels, and with any attention
+        backend but cpu_paged: a trace freezes host-side logic, and only cpu_paged's decode is known
+        to have none."""
         if kernels.attention.name != "cpu_paged":
             return 0
-        return max(getattr(kernels.linear, "max_small_rows", 0), getattr(kernels.linear, "graph_rows", 0))
+        return getattr(kernels.linear, "graph_rows", 0)
 
     def graph_blocker(self, tp_size: int) -> str | None:
         return "tensor parallelism (gloo collectives are not traced)" if tp_size > 1 else None

@@ -1,7 +1,8 @@
-"""Linear layers on CPU: oneDNN's prepacked weight for every batch, and for a few rows (decode at
-batch 1) the compiled small-batch kernel that reads the same packed weight
-(tengyun/csrc/packed_gemv.cpp): oneDNN's M = 1 path streams the weight at ~36 GB/s here, the kernel
-at ~50, which is most of a batch-1 decode step (``benchmarks/README.md``, "Batch-1 decode").
+"""Linear layers on CPU: oneDNN's prepacked weight for every batch, and for up to MAX_SMALL_ROWS rows
+(decodes, a prompt of a few hundred tokens) the compiled small-batch kernel that reads the same
+packed weight (tengyun/csrc/packed_gemv.cpp): oneDNN's M = 1 path streams the weight at ~36 GB/s
+here, the kernel at ~50, which is most of a batch-1 decode step (``benchmarks/README.md``, "Batch-1
+decode"); at 64-512 rows it still runs a few percent ahead.
 
 One copy of the weight either way; a tied LM head's packed weight also serves the embedding's
 lookups (``row_reader``: packed_gemv.cpp's packed_rows copies row n out of the blocks), so the
@@ -40,10 +41,18 @@ AMX_BLOCK = 32
 # over a block streamed the next block into L2 (packed_gemv.cpp, Ahead); then on an AMD EPYC
 # (2026-12-06, `benchmarks/linear_kernels.py --small-rows`, 2 threads) SmolLM2's projections ran
 # 1.27-1.65x oneDNN in bfloat16 from 16 to 64 rows (64: 34.2 against 44.0 ms) and 1.14-1.28x in float32,
-# Qwen2.5-Coder's 1.05-1.25x with its LM head, and 96-512 rows about level. So 64: decode graphs
-# (a trace holds no oneDNN weight) now cover batches of up to 64. Not measured on the AMX machine
-# type, where bfloat16 packs in 32-column blocks and takes AMX_MAX_SMALL_ROWS instead.
-MAX_SMALL_ROWS = {torch.float32: 64, torch.bfloat16: 64}
+# Qwen2.5-Coder's 1.05-1.25x with its LM head, and 96-512 rows about level. So 64. Once the kernel
+# gave a thread row parts of the blocks that do not share out (2026-12-07, AMD EPYC family 25, the
+# same script with the two taking turns pass by pass), it was ahead at every count from 64 to 512:
+# SmolLM2's projections 1.06-1.22x in bfloat16 and 1.04-1.11x in float32, Qwen2.5-Coder's with its LM
+# head 1.02-1.07x in bfloat16. So 512: a 128-token prompt's projections (its first token) and the
+# steps that add one prompt to 64 decodes run the kernel. Not measured on the AMX machine type, where
+# bfloat16 packs in 32-column blocks and takes AMX_MAX_SMALL_ROWS instead.
+MAX_SMALL_ROWS = {torch.float32: 512, torch.bfloat16: 512}
+# Decode graphs (a trace holds no oneDNN weight) are captured for decodes of up to this many sequences
+# on the small-batch kernel: 64, the sizes traced while it took up to 64 rows (more sizes cost start-up
+# time and memory; a decode of more sequences runs eagerly, on the same kernel).
+SMALL_GRAPH_ROWS = 64
 # Where oneDNN packs bfloat16 for AMX (32-column blocks), its AMX tiles multiply 8-16 rows for the
 # cost of one pass over the weight, while the kernel makes a pass per 4 rows: --small-rows on
 # 2026-12-03's AMX VM, oneDNN 17.4-18.1 ms at every count from 1 to 16, the kernel 12.1-12.2 at 1 and
@@ -108,7 +117,7 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
         self.max_small_rows = MAX_SMALL_ROWS[dtype] if max_small_rows is None else max_small_rows
         self._limit_given = max_small_rows is not None
         self.max_tile_rows = 0  # rows the AMX tile kernel takes: set by the first weight it reads
-        self.graph_rows = 0  # of those, the rows decode graphs are captured for
+        self._tile_graph_rows = 0  # of those, the rows decode graphs are captured for
         self._tile_rows = AMX_TILE_ROWS if max_tile_rows is None else max_tile_rows
         self._tiles = dtype == torch.bfloat16 and self._tile_rows > 0 and amx_tiles_fit()
         self.rejected = 0  # weights whose packed layout failed the check (tests, logs)
@@ -131,13 +140,19 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
                     tiles = block == AMX_BLOCK and self._tiles_read_like_onednn(packed, ptr, out_features, k, k_padded)
                     if tiles:
                         self.max_tile_rows = self._tile_rows
-                        self.graph_rows = min(self._tile_rows, AMX_GRAPH_ROWS)
+                        self._tile_graph_rows = min(self._tile_rows, AMX_GRAPH_ROWS)
                     return PackedLinearWeight(packed, out_features, k_padded, ptr, block, tiles)
         self.rejected += 1
         if self.rejected == 1:
             logger.info("oneDNN packed a %s [%d, %d] weight in a layout the small-batch kernel does not "
                         "read; such layers run oneDNN at every batch size", weight.dtype, out_features, k)
         return PackedLinearWeight(packed, out_features, k, None)
+
+    @property
+    def graph_rows(self) -> int:
+        """The decode batch sizes graphs are captured for: up to SMALL_GRAPH_ROWS on the small-batch
+        kernel, up to AMX_GRAPH_ROWS where the AMX tile kernel runs (above: eager)."""
+        return max(min(self.max_small_rows, SMALL_GRAPH_ROWS), self._tile_graph_rows)
 
     def apply(self, x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> [M, N]: the AMX tile kernel when the weight is packed for it and M <=
