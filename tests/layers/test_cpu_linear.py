@@ -18,8 +18,8 @@ from tengyun.layers.kernels import bind_kernels
 from tengyun.layers.linear import ReplicatedLinear
 from tengyun.layers.linear_kernel import DenseLinearKernel, OneDNNPackedLinearKernel, onednn_available
 from tengyun.platforms.cpu.platform import CpuPlatform
-from tengyun.platforms.cpu.kernels.linear import (MAX_SMALL_ROWS, CpuPackedLinearKernel, PackedLinearWeight,
-                                                  small_batch_kernel_fits)
+from tengyun.platforms.cpu.kernels.linear import (CpuPackedLinearKernel, PackedLinearWeight, amx_tiles_fit,
+                                                  default_small_rows, small_batch_kernel_fits)
 from tengyun.worker.worker import weight_bytes
 
 from test_cpu_paged_attention import kernels  # noqa: F401 - the build-or-skip fixture
@@ -156,17 +156,31 @@ def test_up_to_512_rows_run_the_small_batch_kernel_and_graphs_stop_at_64(fits, d
     prepared = kernel.prepare(weight)
     if prepared.block != 64:
         pytest.skip("oneDNN packs this dtype in 32-column blocks here (AMX)")
+    limit = kernel.max_small_rows
+    assert limit == (64 if amx_tiles_fit() else 512)  # a CPU with AMX keeps 64 until measured there
     onednn_rows = []
     monkeypatch.setattr(OneDNNPackedLinearKernel, "apply", lambda self, x, w, b: onednn_rows.append(len(x)))
-    x = torch.randn(513, 96, generator=gen).to(dtype)
-    for rows in (64, 130, 512):
+    x = torch.randn(limit + 1, 96, generator=gen).to(dtype)
+    for rows in sorted({64, min(130, limit), limit}):
         torch.testing.assert_close(kernel.apply(x[:rows], prepared, None).float(),
                                    _reference(x[:rows], weight, None), **TOLERANCE[dtype])
     assert onednn_rows == []
     kernel.apply(x, prepared, None)
-    assert onednn_rows == [513]
+    assert onednn_rows == [limit + 1]
     bundle = SimpleNamespace(attention=SimpleNamespace(name="cpu_paged"), linear=kernel)
     assert kernel.graph_rows == 64 and CpuPlatform.graph_batch_limit(CpuPlatform.__new__(CpuPlatform), bundle) == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_a_cpu_with_amx_keeps_64_rows_where_512_was_not_measured(fits, dtype, monkeypatch):
+    """512 rows were measured on AMD EPYC only; where the CPU runs AMX tiles (the Intel machine
+    type) a weight packed in 64-column blocks (float32) keeps the earlier 64."""
+    from tengyun.platforms.cpu.kernels import linear as cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "amx_tiles_fit", lambda: True)
+    assert CpuPackedLinearKernel(dtype).max_small_rows == 64
+    monkeypatch.setattr(cpu_linear, "amx_tiles_fit", lambda: False)
+    assert CpuPackedLinearKernel(dtype).max_small_rows == 512
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
@@ -178,12 +192,12 @@ def test_a_weight_packed_for_amx_lowers_the_row_limit_to_4(fits, dtype, monkeypa
     weight = torch.randn(128, 64, generator=gen).to(dtype)
     native = CpuPackedLinearKernel(dtype)
     block = native.prepare(weight).block
-    assert native.max_small_rows == (4 if block == 32 else MAX_SMALL_ROWS[dtype])
+    assert native.max_small_rows == (4 if block == 32 else default_small_rows(dtype))
     monkeypatch.setattr(CpuPackedLinearKernel, "_reads_like_onednn", lambda *args: args[-1] == 32)
     # (no AMX tiles: where they run, they take these rows before either limit applies)
     kernel = CpuPackedLinearKernel(dtype, max_tile_rows=0)
     given = CpuPackedLinearKernel(dtype, max_small_rows=16, max_tile_rows=0)
-    assert kernel.max_small_rows == MAX_SMALL_ROWS[dtype]
+    assert kernel.max_small_rows == default_small_rows(dtype)
     assert kernel.prepare(weight).block == 32 and given.prepare(weight).block == 32
     assert kernel.max_small_rows == 4 and given.max_small_rows == 16  # a limit given is kept
     x = torch.randn(5, 64, generator=gen).to(dtype)  # 5 rows: past the limit, so oneDNN runs them

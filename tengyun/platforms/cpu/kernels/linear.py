@@ -47,8 +47,10 @@ AMX_BLOCK = 32
 # SmolLM2's projections 1.06-1.22x in bfloat16 and 1.04-1.11x in float32, Qwen2.5-Coder's with its LM
 # head 1.02-1.07x in bfloat16. So 512: a 128-token prompt's projections (its first token) and the
 # steps that add one prompt to 64 decodes run the kernel. Not measured on the AMX machine type, where
-# bfloat16 packs in 32-column blocks and takes AMX_MAX_SMALL_ROWS instead.
+# bfloat16 packs in 32-column blocks and takes AMX_MAX_SMALL_ROWS instead, and float32 keeps the
+# earlier 64 (AMX_CPU_SMALL_ROWS) until measured there.
 MAX_SMALL_ROWS = {torch.float32: 512, torch.bfloat16: 512}
+AMX_CPU_SMALL_ROWS = 64
 # Decode graphs (a trace holds no oneDNN weight) are captured for decodes of up to this many sequences
 # on the small-batch kernel: 64, the sizes traced while it took up to 64 rows (more sizes cost start-up
 # time and memory; a decode of more sequences runs eagerly, on the same kernel).
@@ -105,6 +107,12 @@ def amx_tiles_fit() -> bool:
     return native.load_error() is None and bool(torch.ops.tengyun.amx_packed_gemm_supported())
 
 
+def default_small_rows(dtype: torch.dtype) -> int:
+    """The small-batch kernel's row limit on this CPU: MAX_SMALL_ROWS (measured on AMD EPYC), or
+    AMX_CPU_SMALL_ROWS where the CPU runs AMX tiles (the Intel machine type; not measured past 64)."""
+    return min(MAX_SMALL_ROWS[dtype], AMX_CPU_SMALL_ROWS) if amx_tiles_fit() else MAX_SMALL_ROWS[dtype]
+
+
 class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
     """oneDNN for every batch, the small-batch kernel for up to ``max_small_rows`` rows, and on weights
     packed for AMX the tile kernel for up to ``max_tile_rows``. Make only where
@@ -114,7 +122,7 @@ class CpuPackedLinearKernel(OneDNNPackedLinearKernel):
                  max_tile_rows: int | None = None):
         super().__init__(batch_size_hint)
         self.dtype = dtype
-        self.max_small_rows = MAX_SMALL_ROWS[dtype] if max_small_rows is None else max_small_rows
+        self.max_small_rows = default_small_rows(dtype) if max_small_rows is None else max_small_rows
         self._limit_given = max_small_rows is not None
         self.max_tile_rows = 0  # rows the AMX tile kernel takes: set by the first weight it reads
         self._tile_graph_rows = 0  # of those, the rows decode graphs are captured for
