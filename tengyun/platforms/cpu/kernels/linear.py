@@ -44,7 +44,7 @@ AMX_BLOCK = 32
 # Qwen2.5-Coder's 1.05-1.25x with its LM head, and 96-512 rows about level. So 64. Once the kernel
 # gave a thread row parts of the blocks that do not share out (2026-12-07, AMD EPYC family 25, the
 # same script with the two taking turns pass by pass), it was ahead at every count from 64 to 512:
-# SmolLM2's projections 1.06-1.22x in bfloat16 and 1.04-1.11x in float32, Qwen2.5-Coder's with its LM
+# SmolLM2's projections 1.06-1.26x in bfloat16 and 1.04-1.11x in float32, Qwen2.5-Coder's with its LM
 # head 1.02-1.07x in bfloat16. So 512: a 128-token prompt's projections (its first token) and the
 # steps that add one prompt to 64 decodes run the kernel. Not measured on the AMX machine type, where
 # bfloat16 packs in 32-column blocks and takes AMX_MAX_SMALL_ROWS instead, and float32 keeps the
