@@ -69,7 +69,8 @@ def tengyun(tmp_path):
         t.stop()
 
 
-def wait_health(url: str, timeout: float = 240.0, poll: float = 0.05) -> None:
+def wait_health(url: str, timeout: float = 240.0, poll: float = 0.05, log=None) -> None:
+    """Until url/health answers 200; on timeout the failure shows log() (the server's output)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -78,4 +79,4 @@ def wait_health(url: str, timeout: float = 240.0, poll: float = 0.05) -> None:
         except httpx.TransportError:
             pass
         time.sleep(poll)
-    pytest.fail(f"{url}/health did not turn 200 within {timeout} s")
+    pytest.fail(f"{url}/health did not turn 200 within {timeout} s" + (f":\n{log()}" if log else ""))

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from cli_process import tengyun, wait_health  # noqa: F401 (fixture)
+from conftest import free_port_pair
 from remote_server import MAX_MODEL_LEN, free_port, server_model  # noqa: F401 (fixture)
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -45,15 +46,18 @@ def completion(url: str, prompt: str) -> str:
 
 
 def test_two_instances_behind_nginx_stream_balance_and_survive_a_kill(server_model, tengyun, tmp_path):  # noqa: F811
-    base, listen = free_port(), free_port()
+    # Instance i listens on base + i. A kernel-chosen port is odd and base + 1 even, the parity
+    # outgoing connections take, and a client's TIME_WAIT on it refuses the bind (CI lost instance
+    # 1 so): both ports come from below the ephemeral range, checked free.
+    base, listen = free_port_pair(), free_port()
     launch = tengyun("launch", "--instances", "2", "--base-port", str(base), "--listen", f"127.0.0.1:{listen}",
                      "--nginx-dir", str(tmp_path / "nginx"), "--nginx", NGINX,
                      "--", "serve", str(server_model), *SERVE_FLAGS)
     instances = [f"http://127.0.0.1:{base + i}" for i in range(2)]
     front = f"http://127.0.0.1:{listen}"
     for url in instances:
-        wait_health(url, poll=0.2)
-    wait_health(front)
+        wait_health(url, poll=0.2, log=launch.log)
+    wait_health(front, log=launch.log)
     pids = {int(m.group(1)): int(m.group(2)) for m in launch.wait_log(r"Instance (\d): pid (\d+)", 2)}
     conf = (tmp_path / "nginx" / "nginx.conf").read_text()
     assert f"server 127.0.0.1:{base + 1} max_fails=1" in conf and "proxy_buffering off;" in conf
