@@ -85,13 +85,16 @@ def small_rows(row_counts: tuple[int, ...] = SMALL_ROWS, shapes: str = "smollm2"
                   f"{onednn / small:.2f}x | {nbytes / small / 1e6:.0f} | {tiles} |")
 
 
-def _alternated(run, kinds: tuple[str, ...], rounds: int = 15) -> dict[str, float]:
+def _alternated(run, kinds: tuple, rounds: int = 15, warmup_rounds: int = 0) -> dict:
     """Median ms of run(kind) for each kind, the kinds taking turns pass by pass (a shared VM's speed
-    drifts within seconds; blocks of one kind's passes would carry that drift into the ratio)."""
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for _ in range(rounds):
+    drifts within seconds; blocks of one kind's passes would carry that drift into the ratio). The
+    first ``warmup_rounds`` rounds run every kind untimed."""
+    times: dict = {kind: [] for kind in kinds}
+    for round_ in range(warmup_rounds + rounds):
         for kind in kinds:
-            times[kind].append(run(kind))
+            elapsed = run(kind)
+            if round_ >= warmup_rounds:
+                times[kind].append(elapsed)
     return {kind: statistics.median(values) for kind, values in times.items()}
 
 

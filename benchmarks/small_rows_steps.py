@@ -15,12 +15,13 @@ Each timed prompt is new random tokens (no prefix-cache hit) and is aborted afte
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
-import statistics
 import time
 
 from tengyun import SamplingParams
 
+from linear_kernels import _alternated
 from step_profile import build_engine
 
 PROMPT_TOKENS = 128
@@ -38,15 +39,15 @@ def _timed_prompt_step(engine, rng: random.Random, request_id: str) -> float:
 
 
 def _alternate(engine, kernel, limits: list[int], rounds: int, rng: random.Random, tag: str) -> dict[int, float]:
-    """Median ms of a prompt step at each limit, the limits taking turns for ``rounds`` rounds."""
-    times: dict[int, list[float]] = {limit: [] for limit in limits}
-    for round_ in range(rounds + 1):
-        for limit in limits:
-            kernel.max_small_rows = limit
-            elapsed = _timed_prompt_step(engine, rng, f"{tag}-{round_}-{limit}")
-            if round_:  # round 0 warms each limit's path
-                times[limit].append(elapsed)
-    return {limit: statistics.median(values) for limit, values in times.items()}
+    """Median ms of a prompt step at each limit, the limits taking turns for ``rounds`` rounds after
+    one untimed round that warms each limit's path."""
+    steps = itertools.count()
+
+    def step_at(limit: int) -> float:
+        kernel.max_small_rows = limit
+        return _timed_prompt_step(engine, rng, f"{tag}-{next(steps)}-{limit}")
+
+    return _alternated(step_at, tuple(limits), rounds, warmup_rounds=1)
 
 
 def main() -> None:
