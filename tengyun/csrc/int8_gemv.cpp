@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -236,6 +237,32 @@ void run_packed(const Int8GemvArgs& a, int64_t quads, int C, int64_t b0, int64_t
     b += cols;
   }
 }
+
+constexpr int64_t kChunksPerThread = 16;  // chunks a thread takes on average where blocks are many
+constexpr int64_t kClaimRows = 32;        // fewer rows split the blocks evenly once
+
+// Every block over torch's threads. From kClaimRows rows, where there are blocks for kChunksPerThread
+// chunks of at least C a thread, threads claim chunks in turn, so a thread held off its core (the API
+// process, a client, another job) keeps one chunk and the others take the rest. Otherwise the blocks
+// split evenly once (at::parallel_for). Qwen2.5-Coder's 4 projections x 12 layers, two threads bound
+// one to a core, AMD EPYC family 25, alternated (benchmarks/README.md, 2026-12-08): with a spinner on
+// the second core, 64 rows 56.9-64.0 against 69.8-71.1 ms and 256 rows 191.8-207.3 against 239.1-256.1;
+// quiet, 64 rows 32.4-34.5 against 32.3-33.1 and 256 rows level; at 1 and 16 rows claiming was
+// 4-10% slower quiet (a chunk restarts the weight's stream) and no faster busy, hence kClaimRows.
+void run_all(const Int8GemvArgs& a, int64_t quads, int C, int64_t blocks) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = blocks / (threads * kChunksPerThread) / C * C;  // whole panels of C blocks
+  if (threads <= 1 || chunk == 0 || a.rows < kClaimRows || at::in_parallel_region()) {
+    at::parallel_for(0, blocks, C, [&](int64_t b0, int64_t b1) { run_packed(a, quads, C, b0, b1); });
+    return;
+  }
+  const int64_t chunks = (blocks + chunk - 1) / chunk;
+  std::atomic<int64_t> claims{0};
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  for (int64_t c = claims.fetch_add(1); c < chunks; c = claims.fetch_add(1)) {
+    run_packed(a, quads, C, c * chunk, std::min(blocks, (c + 1) * chunk));
+  }
+}
 #endif  // TY_HAVE_X86_COPIES
 
 bool supported() {
@@ -339,7 +366,7 @@ at::Tensor w8a8_packed_gemm(const at::Tensor& x, const at::Tensor& packed, const
   const int C = packed_columns(static_cast<int>((rows + groups - 1) / groups));
   // Blocks, not panels, shared among the threads: at one row, 36 blocks (576 outputs) in panels of 8
   // went 3 panels to one thread and 2 to the other (24 blocks against 12).
-  at::parallel_for(0, blocks, C, [&](int64_t b0, int64_t b1) { run_packed(a, quads, C, b0, b1); });
+  run_all(a, quads, C, blocks);
 #endif
   return y;
 }

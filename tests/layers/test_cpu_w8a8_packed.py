@@ -69,6 +69,25 @@ def test_dynamic_kernel_is_bit_equal_to_the_pytorch_path(packed, shape, with_bia
         assert torch.equal(got, _pytorch_dynamic(x, tensors, bias)), (rows, shape)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_blocks_claimed_in_chunks_by_two_threads_stay_bit_equal(packed, dtype):
+    """4,805 outputs (301 blocks, the last partial): on two threads there are blocks for 16 chunks a
+    thread, so from 32 rows the threads claim chunks of whole panels (run_all in int8_gemv.cpp), the
+    last chunk short; below, they split the blocks once. Every row count gives the PyTorch path's bits."""
+    kernel = CpuW8A8Kernel(w8a8_scheme(), compiled=True)
+    tensors = _dynamic_tensors(4805, 67, torch.bfloat16, seed=1)
+    prepared = kernel.prepare(tensors)
+    bias = torch.randn(4805).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (1, 9, 31, 32, 64, 65, 300):
+            x = (torch.randn(rows, 67) * 4).to(dtype)
+            assert torch.equal(kernel.apply(x, prepared, bias), _pytorch_dynamic(x, tensors, bias)), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_layout_holds_blocks_of_16_outputs_by_4_inputs_as_w_plus_128():
     weight = torch.randint(-128, 128, (17, 6), dtype=torch.int8)
     packed = pack_w8a8_weight(weight)
