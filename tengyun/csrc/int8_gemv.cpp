@@ -245,10 +245,10 @@ constexpr int64_t kClaimRows = 32;        // fewer rows split the blocks evenly 
 // chunks of at least C a thread, threads claim chunks in turn, so a thread held off its core (the API
 // process, a client, another job) keeps one chunk and the others take the rest. Otherwise the blocks
 // split evenly once (at::parallel_for). Qwen2.5-Coder's 4 projections x 12 layers, two threads bound
-// one to a core, AMD EPYC family 25, alternated (benchmarks/README.md, 2026-12-08): with a spinner on
-// the second core, 64 rows 56.9-64.0 against 69.8-71.1 ms and 256 rows 191.8-207.3 against 239.1-256.1;
-// quiet, 64 rows 32.4-34.5 against 32.3-33.1 and 256 rows level; at 1 and 16 rows claiming was
-// 4-10% slower quiet (a chunk restarts the weight's stream) and no faster busy, hence kClaimRows.
+// one to a core, AMD EPYC family 25, alternated (benchmarks/README.md, "W8A8: threads that claim
+// chunks"): with a spinner on the second core, 64 rows 65.2-66.5 against 71.1-78.7 ms and 256 rows
+// 208.7-219.8 against 246.5-266.3; quiet, level. Claiming at 1 and 16 rows was 4-10% slower quiet
+// (each chunk starts a new weight stream, likely the cause) and no faster busy, hence kClaimRows.
 void run_all(const Int8GemvArgs& a, int64_t quads, int C, int64_t blocks) {
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = blocks / (threads * kChunksPerThread) / C * C;  // whole panels of C blocks
