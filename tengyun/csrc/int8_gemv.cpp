@@ -247,7 +247,8 @@ constexpr int64_t kClaimRows = 32;        // fewer rows split the blocks evenly 
 // split evenly once (at::parallel_for). Qwen2.5-Coder's 4 projections x 12 layers, two threads bound
 // one to a core, AMD EPYC family 25, alternated (benchmarks/README.md, "W8A8: threads that claim
 // chunks"): with a spinner on the second core, 64 rows 65.2-66.5 against 71.1-78.7 ms and 256 rows
-// 208.7-219.8 against 246.5-266.3; quiet, level. Claiming at 1 and 16 rows was 4-10% slower quiet
+// 208.7-219.8 against 246.5-266.3 in one run, 49.2-64.1 against 62.6-71.1 and level in another
+// (benchmarks/w8a8_busy_core.py); quiet, level. Claiming at 1 and 16 rows was 4-10% slower quiet
 // (each chunk starts a new weight stream, likely the cause) and no faster busy, hence kClaimRows.
 void run_all(const Int8GemvArgs& a, int64_t quads, int C, int64_t blocks) {
   const int64_t threads = at::get_num_threads();
